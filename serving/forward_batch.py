@@ -1,0 +1,93 @@
+"""Batch metadata for one forward pass, passed explicitly to the model and kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A ragged batch: sequence ``i`` adds ``extend_lens[i]`` new tokens on top of
+    ``prefix_lens[i]`` tokens whose KV is already in the paged pool.
+
+    Decode is the special case ``extend_lens == 1`` for every sequence. All new
+    tokens of all sequences are concatenated along one token axis ``T``.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    prefix_lens: torch.Tensor  # [B] int32
+    extend_lens: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32 = prefix_lens + extend_lens
+    extend_start: torch.Tensor  # [B] int32, offset of sequence i's first new token in T
+    page_table: torch.Tensor  # [B, max_pages] int32 page ids, padded with 0
+    out_cache_loc: torch.Tensor  # [T] int64 flat slot (page_id * page_size + offset) of each new token
+    page_size: int
+    # Python copies for loops on the host (avoid device syncs)
+    prefix_lens_list: list[int]
+    extend_lens_list: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens_list)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(p + e for p, e in zip(self.prefix_lens_list, self.extend_lens_list, strict=True))
+
+    @staticmethod
+    def build(
+        seqs: list[tuple[list[int], int, list[int]]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Build from ``(new_token_ids, prefix_len, page_ids)`` per sequence.
+
+        ``page_ids`` must cover positions ``0 .. prefix_len + len(new_token_ids) - 1``.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        locs: list[int] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        starts: list[int] = []
+        max_pages = max(len(p) for _, _, p in seqs)
+        table = torch.zeros((len(seqs), max(max_pages, 1)), dtype=torch.int32)
+        for i, (ids, prefix, pages) in enumerate(seqs):
+            n = len(ids)
+            if prefix + n > len(pages) * page_size:
+                raise ValueError(f"sequence {i}: {prefix + n} tokens do not fit {len(pages)} pages")
+            starts.append(len(input_ids))
+            input_ids.extend(ids)
+            pos = range(prefix, prefix + n)
+            positions.extend(pos)
+            locs.extend(pages[p // page_size] * page_size + p % page_size for p in pos)
+            prefix_lens.append(prefix)
+            extend_lens.append(n)
+            if pages:
+                table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        dev = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=dev)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            prefix_lens=torch.tensor(prefix_lens, **i32),
+            extend_lens=torch.tensor(extend_lens, **i32),
+            seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], **i32),
+            extend_start=torch.tensor(starts, **i32),
+            page_table=table.to(dev),
+            out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=dev),
+            page_size=page_size,
+            prefix_lens_list=prefix_lens,
+            extend_lens_list=extend_lens,
+        )
