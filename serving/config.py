@@ -1,0 +1,58 @@
+"""Frozen configs of the engine's components; composed into EngineConfig.
+
+Flag names follow SGLang's server arguments where one exists (``--max-running-requests``,
+``--chunked-prefill-size``, ``--schedule-policy``, ``--max-total-tokens``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hicache.config import CacheConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str = "models/SmolLM2-135M-Instruct"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
+    load_format: str = "auto"  # auto | dummy (random weights of the config's shape)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    tokenizer_path: str | None = None  # default: model_path
+    served_model_name: str | None = None
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.context_length is not None and self.context_length <= 0:
+            raise ValueError("context_length must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048  # prefill tokens per step; -1 disables chunking
+    schedule_policy: str = "lpm"  # lpm (longest prefix match first) | fcfs
+    max_total_tokens: int | None = None  # L1 KV capacity in tokens; default from kv_cache_gb / memory
+    kv_cache_gb: float | None = None  # L1 KV capacity in GiB (alternative to max_total_tokens)
+    mem_fraction_static: float = 0.85  # CUDA: share of free GPU memory for weights + KV
+    max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests <= 0:
+            raise ValueError("max_running_requests must be positive")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("chunked_prefill_size must be positive or -1 (off)")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError("max_total_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,103 @@
+"""Offline engine, shaped like ``sgl.Engine``: ``Engine(model_path=...).generate(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hicache.config import CacheConfig
+from serving.config import EngineConfig, ModelConfig, SchedulerConfig
+from serving.engine_core import EngineCore
+from serving.request import Req
+from serving.sampling_params import InvalidRequest
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def config_from_kwargs(**kwargs: Any) -> EngineConfig:
+    """Spread flat SGLang-style keyword arguments over the component configs."""
+    parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for key, value in kwargs.items():
+        for name, cls in _SECTIONS.items():
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                parts[name][key] = value
+                break
+        else:
+            raise TypeError(f"unknown engine argument {key!r}")
+    return EngineConfig(**{name: _SECTIONS[name](**vals) for name, vals in parts.items()})
+
+
+def output_dict(core: EngineCore, r: Req) -> dict[str, Any]:
+    text = ""
+    if core.tokenizer is not None:
+        text = core.tokenizer.decode(r.output_ids, r.sampling.skip_special_tokens)
+        reason = r.finish_reason or {}
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+            cut = text.find(reason["matched"])
+            if cut >= 0:
+                text = text[:cut]
+    return {
+        "text": text,
+        "output_ids": list(r.output_ids),
+        "meta_info": {
+            "id": r.rid,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,
+            "cached_tokens_details": dict(r.cached_by_tier),
+            "finish_reason": r.finish_reason,
+        },
+    }
+
+
+class Engine:
+    """Runs the scheduler in the caller's thread; ``generate`` blocks until done."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise TypeError("give either config or keyword arguments, not both")
+        self.config = config or config_from_kwargs(**kwargs)
+        self.core = EngineCore(self.config)
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        session_id: str | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
+        if prompt is not None:
+            items: list[dict[str, Any]] = [{"text": p} for p in ([prompt] if single else prompt)]
+        else:
+            items = [{"input_ids": ids} for ids in ([input_ids] if single else input_ids)]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise InvalidRequest("sampling_params list must match the number of prompts")
+        if session_id is not None and session_id not in self.core.sessions:
+            self.core.open_session(session_id)
+        reqs = [self.core.make_request(**it, sampling_params=p, session_id=session_id)
+                for it, p in zip(items, params, strict=True)]
+        for r in reqs:
+            self.core.add(r)
+        while not all(r.finished for r in reqs):
+            self.core.step()
+        outs = [output_dict(self.core, r) for r in reqs]
+        return outs[0] if single else outs
+
+    def open_session(self, session_id: str | None = None) -> str:
+        return self.core.open_session(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.core.close_session(session_id)
+
+    def flush_cache(self) -> bool:
+        return self.core.flush_cache()
+
+    def check_integrity(self) -> None:
+        self.core.check_integrity()
+
+    def shutdown(self) -> None:
+        self.core = None  # type: ignore[assignment]

@@ -1,0 +1,103 @@
+"""Everything one engine process owns: model runner, tree, scheduler, tokenizer.
+
+Both the offline :class:`serving.engine.Engine` and the server's engine process build
+one of these and drive ``step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from hicache.hiradix import HiRadixTree
+from serving.config import EngineConfig
+from serving.model_runner import ModelRunner
+from serving.req_cache import ReqCache
+from serving.request import Req
+from serving.sampling_params import InvalidRequest, SamplingParams
+from serving.scheduler import Scheduler
+from serving.stop import StopChecker
+from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, config.scheduler, config.cache.page_size)
+        tok_path = config.model.tokenizer_path or config.model.model_path
+        self.tokenizer = Tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        pool = self.runner.pool
+        self.tree = HiRadixTree(
+            page_size=config.cache.page_size,
+            device=pool.allocator,
+            host=None,
+            write_policy=config.cache.hicache_write_policy,
+            write_through_threshold=config.cache.write_through_threshold,
+            load_back_threshold=config.cache.load_back_threshold,
+            eviction_policy=config.cache.eviction_policy,
+        )
+        self.req_cache = ReqCache(self.tree, pool.allocator, config.cache.page_size)
+        decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
+        self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
+        self.scheduler = Scheduler(
+            config.scheduler, self.req_cache, self.runner.forward, StopChecker(self.eos_ids, decode),
+            self.runner.context_len, self.runner.device)
+        self.sessions: set[str] = set()
+
+    # -- requests -------------------------------------------------------------------------
+    def make_request(self, input_ids: list[int] | None = None, text: str | None = None,
+                     sampling_params: dict[str, Any] | SamplingParams | None = None,
+                     session_id: str | None = None, rid: str | None = None) -> Req:
+        if (input_ids is None) == (text is None):
+            raise InvalidRequest("give exactly one of text or input_ids")
+        if text is not None:
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer; send input_ids")
+            if not isinstance(text, str):
+                raise InvalidRequest("text must be a string")
+            input_ids = self.tokenizer.encode(text)
+        vocab = self.runner.arch.vocab_size
+        if not isinstance(input_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in input_ids):
+            raise InvalidRequest(f"input_ids must be a list of integers in [0, {vocab})")
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else \
+            SamplingParams.from_dict(sampling_params)
+        if session_id is not None and session_id not in self.sessions:
+            raise KeyError(f"unknown session_id {session_id!r}")
+        req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id)
+        self.scheduler.validate(req)
+        return req
+
+    def add(self, req: Req) -> None:
+        self.scheduler.add(req)
+
+    def step(self) -> list[Req]:
+        return self.scheduler.step()
+
+    # -- sessions -------------------------------------------------------------------------
+    def open_session(self, session_id: str | None = None) -> str:
+        sid = session_id or uuid.uuid4().hex
+        if sid not in self.sessions:
+            self.tree.session_open(sid)
+            self.sessions.add(sid)
+        return sid
+
+    def close_session(self, session_id: str) -> None:
+        if session_id not in self.sessions:
+            raise KeyError(f"unknown session_id {session_id!r}")
+        self.sessions.discard(session_id)
+        self.tree.session_close(session_id)
+
+    # -- maintenance ----------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if self.scheduler.has_work:
+            return False
+        self.tree.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages())
+        self.runner.pool.allocator.check_integrity()

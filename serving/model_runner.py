@@ -1,0 +1,65 @@
+"""Owns the model, its L1 KV pool and the attention backend; runs forward passes."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hicache.tiers.device import DeviceKVPool, KVLayout
+from serving.config import ModelConfig, SchedulerConfig
+from serving.forward_batch import ForwardBatch
+from serving.kernels.attention import get_attention_backend
+from serving.models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, model: ModelConfig, sched: SchedulerConfig, page_size: int) -> None:
+        self.device = resolve_device(model.device)
+        self.dtype = resolve_dtype(model.dtype, self.device)
+        torch.manual_seed(model.random_seed)
+        self.model, self.arch = load_model(
+            model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format)
+        self.model.eval()
+        backend = model.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attn = get_attention_backend(backend)
+        self.context_len = model.context_length or self.arch.max_position_embeddings
+        layout = KVLayout(self.arch.num_hidden_layers, self.arch.num_key_value_heads, self.arch.head_dim, self.dtype)
+        num_pages = self._num_pages(layout, sched, page_size)
+        self.pool = DeviceKVPool(layout, num_pages, page_size, self.device)
+        log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
+
+    def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int) -> int:
+        per_page = layout.bytes_per_token() * page_size
+        if sched.max_total_tokens is not None:
+            return max(1, -(-sched.max_total_tokens // page_size))
+        if sched.kv_cache_gb is not None:
+            return max(1, int(sched.kv_cache_gb * 2**30) // per_page)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - sched.mem_fraction_static)
+            return max(1, int(budget) // per_page)
+        return CPU_DEFAULT_KV_TOKENS // page_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.forward(batch, self.pool, self.attn)

@@ -1,0 +1,131 @@
+"""ModelArchConfig: the architecture facts HiCache needs, parsed from an HF ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache.tiers.device import KVLayout
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A non-default RoPE variant (``rope_type`` is one of ``serving.models.rope.ROPE_TYPES``)."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Llama: bias on q/k/v/o; Qwen2 ignores it (always q/k/v bias)
+    mlp_bias: bool
+    eos_token_id: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    @staticmethod
+    def from_dict(raw: Mapping[str, Any]) -> ModelArchConfig:
+        """Parse an HF config dict (transformers 4 or 5 style)."""
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        theta, scaling = _parse_rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+        bos = raw.get("bos_token_id")
+        dtype = raw.get("torch_dtype") or raw.get("dtype")
+        return ModelArchConfig(
+            architectures=tuple(raw.get("architectures") or ()),
+            model_type=str(raw.get("model_type", "")),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            vocab_size=int(raw["vocab_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            eos_token_id=eos_ids,
+            bos_token_id=None if bos is None else int(bos),
+            torch_dtype=str(dtype).removeprefix("torch.") if dtype else None,
+        )
+
+    @staticmethod
+    def from_pretrained(model_path: str | Path, overrides: Mapping[str, Any] | None = None) -> ModelArchConfig:
+        """Read ``model_path/config.json``; ``overrides`` replace raw keys before parsing."""
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+        raw.update(overrides or {})
+        return ModelArchConfig.from_dict(raw)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def checkpoint_dtype(self) -> torch.dtype | None:
+        """The dtype the checkpoint was saved in, when config.json says so."""
+        return _DTYPES.get(self.torch_dtype or "")
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """The KV-cache layout of this model for a cache of ``dtype``."""
+        return KVLayout(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype)
+
+
+def _parse_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from either ``rope_parameters`` (transformers 5) or the older
+    ``rope_theta`` + ``rope_scaling`` keys."""
+    params = raw.get("rope_parameters") or {}
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    orig = merged.get("original_max_position_embeddings")
+    if rope_type == "llama3" and orig is None:
+        orig = raw.get("max_position_embeddings")
+    return theta, RopeScaling(
+        rope_type=str(rope_type),
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=merged.get("low_freq_factor"),
+        high_freq_factor=merged.get("high_freq_factor"),
+        original_max_position_embeddings=None if orig is None else int(orig),
+    )

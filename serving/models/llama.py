@@ -1,0 +1,181 @@
+"""Llama-family decoder (Llama, Mistral; Qwen2 subclasses it) over the paged KV cache.
+
+Parameter names follow HF (``model.layers.N.self_attn...``) except that q/k/v and gate/up
+are fused into ``qkv_proj`` and ``gate_up_proj``; ``load_weights`` maps HF names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.tiers.device import DeviceKVPool
+from serving.forward_batch import ForwardBatch
+from serving.kernels.attention import AttentionBackend
+from serving.models.config import ModelArchConfig
+from serving.models.registry import register_model
+from serving.models.rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused qkv projection; KV goes through the paged pool."""
+
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        attn.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Backbone(nn.Module):
+    """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# HF name piece -> (our fused name piece, shard index within the fused output rows)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Causal LM returning float32 logits of each sequence's last new token."""
+
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg, *self.attention_biases(cfg))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+
+    @classmethod
+    def attention_biases(cls, cfg: ModelArchConfig) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj). Llama's ``attention_bias`` sets both."""
+        return cfg.attention_bias, cfg.attention_bias
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend) -> torch.Tensor:
+        """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits."""
+        attn.init_forward(batch)
+        cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)  # [T, 1, D]
+        h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn(
+                layer.input_layernorm(h), cos, sin, batch, kv.k_buffers[i], kv.v_buffers[i], attn
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = batch.extend_start.to(torch.int64) + batch.extend_lens.to(torch.int64) - 1  # [B]
+        h = self.model.norm(h[last])  # [B, hidden]
+        return F.linear(h, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; return the parameter names set.
+
+        Unknown names (rotary ``inv_freq``, a tied ``lm_head.weight``) are skipped.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = name, None
+            for piece, (fused, idx) in _STACKED.items():
+                if f".{piece}." in name:
+                    target, shard = name.replace(f".{piece}.", f".{fused}."), idx
+                    break
+            param = params.get(target)
+            if param is None:
+                continue
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+            loaded.add(target)
+        return loaded
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        """(start, length) of a shard's output rows in a fused weight or bias."""
+        cfg = self.config
+        if ".qkv_proj." in fused_name:
+            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        else:
+            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        return sum(sizes[:shard]), sizes[shard]

@@ -1,0 +1,102 @@
+"""Glue between requests and the cache core: match, lock, page reservation, release.
+
+The tree decides which pages hold what; this class keeps each request's page list
+consistent with it and hands tier moves to the cache controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hicache.hiradix import HiRadixTree, MatchResult
+from hicache.tiers.allocator import PageAllocator
+from serving.request import Req
+
+TransferSink = Callable[[list], None]
+
+
+class ReqCache:
+    """Owns the request side of L1 pages. Single-threaded (the scheduler's)."""
+
+    def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
+                 run_transfers: TransferSink | None = None) -> None:
+        self.tree = tree
+        self.allocator = allocator
+        self.page_size = page_size
+        self._run_transfers = run_transfers or (lambda transfers: None)
+
+    # -- moving data -----------------------------------------------------------------
+    def flush_transfers(self) -> None:
+        """Execute the tree's pending tier moves before any freed page is reused."""
+        transfers = self.tree.take_transfers()
+        if transfers:
+            self._run_transfers(transfers)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` L1 pages, evicting unlocked cached pages if needed; None if impossible."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.tree.evict_device(short)
+            self.flush_transfers()
+        if not self.allocator.can_alloc(n):
+            return None
+        return self.allocator.alloc(n)
+
+    # -- request life cycle ----------------------------------------------------------
+    def match(self, req: Req) -> MatchResult:
+        # Leave at least one token to compute: its logits give the next token.
+        return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+
+    def admit(self, req: Req, match: MatchResult) -> None:
+        """Lock the matched prefix and take its pages as the request's first pages."""
+        pages = list(match.device_pages)
+        node = match.last_device_node
+        if match.host_hit_tokens > 0:
+            loaded = self.tree.load_back(match)
+            self.flush_transfers()
+            if loaded is not None and len(loaded) > len(pages):
+                pages = list(loaded)
+                node = match.last_host_node
+        self.tree.lock(node)
+        req.lock_node = node
+        req.pages = pages
+        req.tree_pages = len(pages)
+        req.kv_len = len(pages) * self.page_size
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = req.kv_len
+            device = match.device_hit_tokens
+            req.cached_by_tier = {"device": device, "host": req.kv_len - device, "storage": 0}
+
+    def reserve(self, req: Req, upto_len: int) -> bool:
+        """Make ``req.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
+        need = -(-upto_len // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def release(self, req: Req) -> None:
+        """Give the request's pages back: full computed pages go into the tree (cached,
+        unlocked), the rest to the free list. The request keeps its tokens."""
+        if req.lock_node is None and not req.pages:
+            return
+        full = req.kv_len // self.page_size
+        tokens = req.fill_ids[: full * self.page_size]
+        dup = self.tree.insert(tokens, req.pages[:full]) if full else []
+        to_free = list(dup) + req.pages[full:]
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        if req.session_id is not None and full:
+            node = self.tree.match_prefix(tokens).last_device_node
+            self.tree.session_attach(req.session_id, node)
+        self.flush_transfers()
+        if to_free:
+            self.allocator.free(to_free)
+        req.lock_node = None
+        req.pages = []
+        req.tree_pages = 0
+        req.kv_len = 0

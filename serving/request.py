@@ -1,0 +1,53 @@
+"""A request's state inside the scheduler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # KV state. pages[i] holds positions i*page_size .. (i+1)*page_size-1 of fill_ids.
+    pages: list[int] = field(default_factory=list)
+    tree_pages: int = 0  # leading pages owned by the tree (the locked matched prefix)
+    kv_len: int = 0  # tokens of fill_ids whose KV is in pages
+    lock_node: Any = None  # tree node locked for this request (None: nothing locked)
+    # reporting
+    cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    admitted: bool = False
+    finish_reason: dict[str, Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_retractions: int = 0
+    stop_scan_from: int = 0  # output text offset already checked for stop strings
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def own_pages(self) -> int:
+        """Pages held by this request and not (yet) by the tree."""
+        return len(self.pages) - self.tree_pages
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < self.seq_len - 1

@@ -1,0 +1,94 @@
+"""Sampling parameters of one request, SGLang-style names, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message says what is wrong (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+               and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
+        _check(_num(self.temperature) and self.temperature >= 0, "temperature must be a number >= 0")
+        _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+               "top_k must be -1 (off) or an integer >= 1")
+        _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        _check(_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+               "repetition_penalty must be in (0, 10]")
+        _check(_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+               "frequency_penalty must be in [-2, 2]")
+        _check(_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+               "presence_penalty must be in [-2, 2]")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+               "seed must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(len(self.stop) <= 16, "at most 16 stop strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from an SGLang ``sampling_params`` dict; unknown keys are an error."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+        stop = d.get("stop")
+        if stop is not None:
+            if isinstance(stop, str):
+                stop = (stop,)
+            elif isinstance(stop, list | tuple):
+                stop = tuple(stop)
+            else:
+                raise InvalidRequest("stop must be a string or a list of strings")
+            d["stop"] = stop
+        if d.get("stop_token_ids") is not None:
+            if not isinstance(d["stop_token_ids"], list | tuple):
+                raise InvalidRequest("stop_token_ids must be a list of integers")
+            d["stop_token_ids"] = tuple(d["stop_token_ids"])
+        d = {k: v for k, v in d.items() if v is not None}
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            if name in d and isinstance(d[name], int) and not isinstance(d[name], bool):
+                d[name] = float(d[name])
+        return cls(**d)
+
+
+def _num(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise InvalidRequest(msg)

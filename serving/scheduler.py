@@ -1,0 +1,207 @@
+"""Continuous batching: admit, chunk, decode, retract, finish.
+
+Each ``step()`` runs one forward pass over a ragged batch that mixes decode tokens of
+running requests with prefill chunks (of a partly prefilled request first, then of
+newly admitted ones, in the schedule policy's order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.config import SchedulerConfig
+from serving.forward_batch import ForwardBatch
+from serving.req_cache import ReqCache
+from serving.request import Req
+from serving.sampler import Sampler
+from serving.sampling_params import InvalidRequest
+from serving.schedule_policy import make_schedule_policy
+from serving.stop import StopChecker
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    generated_tokens: int = 0
+    retractions: int = 0
+    forward_passes: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: ReqCache,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        stop_checker: StopChecker,
+        context_len: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.forward = forward
+        self.stop = stop_checker
+        self.context_len = context_len
+        self.device = torch.device(device)
+        self.page_size = cache.page_size
+        self.policy = make_schedule_policy(config.schedule_policy)
+        self.sampler = Sampler()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # admitted, in admission order
+        self.stats = SchedulerStats()
+
+    # -- queue --------------------------------------------------------------------------
+    def validate(self, req: Req) -> None:
+        """Raise InvalidRequest for a request that can never run."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if n >= self.context_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; this model's context length is {self.context_len}")
+        capacity = self.cache.allocator.num_pages * self.page_size
+        if n + 1 > capacity:
+            raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds {capacity}")
+
+    def add(self, req: Req) -> None:
+        self.validate(req)
+        if len(self.waiting) >= self.config.max_queued_requests:
+            raise OverflowError(f"the queue is full ({len(self.waiting)} requests waiting)")
+        self.stats.prompt_tokens += len(req.input_ids)
+        if req.sampling.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, {"type": "abort", "message": "aborted"})
+                    return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def in_use_pages(self) -> int:
+        return sum(r.own_pages for r in self.running)
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one forward pass; return the requests that got a token or finished."""
+        decode = self._reserve_decode()
+        chunks = self._schedule_prefill()
+        batch_reqs = [(r, 1) for r in decode] + chunks
+        if not batch_reqs:
+            return []
+        seqs = [(r.fill_ids[r.kv_len: r.kv_len + n], r.kv_len, r.pages) for r, n in batch_reqs]
+        fb = ForwardBatch.build(seqs, self.page_size, self.device)
+        logits = self.forward(fb)  # [B, vocab]
+        self.stats.forward_passes += 1
+        done_rows: list[int] = []
+        for i, (r, n) in enumerate(batch_reqs):
+            r.kv_len += n
+            if r.kv_len == r.seq_len:
+                done_rows.append(i)
+        updated: list[Req] = []
+        if done_rows:
+            reqs = [batch_reqs[i][0] for i in done_rows]
+            tokens = self.sampler.sample(
+                logits[done_rows], [r.sampling for r in reqs], [r.rid for r in reqs],
+                [(r.input_ids, r.output_ids) for r in reqs])
+            for r, tok in zip(reqs, tokens, strict=True):
+                self._append_token(r, tok)
+                updated.append(r)
+        return updated
+
+    def _append_token(self, r: Req, tok: int) -> None:
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+        r.output_ids.append(tok)
+        self.stats.generated_tokens += 1
+        reason = self.stop.check(r, self.context_len)
+        if reason is not None:
+            self.running.remove(r)
+            self._finish(r, reason)
+
+    def _finish(self, r: Req, reason: dict) -> None:
+        r.finish_reason = reason
+        self.cache.release(r)
+        self.sampler.forget(r.rid)
+
+    # -- decode reservation and retraction ------------------------------------------------
+    def _reserve_decode(self) -> list[Req]:
+        decode = [r for r in self.running if not r.prefilling and r.kv_len == r.seq_len - 1]
+        ready: list[Req] = []
+        for r in decode:
+            if r not in self.running:  # retracted below to make room for an earlier one
+                continue
+            while not self.cache.reserve(r, r.kv_len + 1):
+                if len(self.running) == 1:  # alone and still no room: the pool is too small
+                    self.running.remove(r)
+                    self._finish(r, {"type": "length", "length": len(r.output_ids)})
+                    break
+                victim = self.running[-1]
+                self._retract(victim)
+                if victim is r:
+                    break
+            else:
+                ready.append(r)
+        return ready
+
+    def _retract(self, r: Req) -> None:
+        """Preempt: cache what it computed, free its pages, requeue it at the front."""
+        self.running.remove(r)
+        self.cache.release(r)
+        r.num_retractions += 1
+        self.stats.retractions += 1
+        self.waiting.insert(0, r)
+
+    # -- prefill admission ----------------------------------------------------------------
+    def _budget(self) -> int:
+        n = self.config.chunked_prefill_size
+        return n if n > 0 else 1 << 62
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+        budget = self._budget()
+        chunks: list[tuple[Req, int]] = []
+        for r in [r for r in self.running if r.prefilling]:
+            # a partly prefilled request continues first
+            n = min(r.seq_len - r.kv_len, budget)
+            if n <= 0 or not self.cache.reserve(r, r.kv_len + n):
+                continue
+            chunks.append((r, n))
+            budget -= n
+        if budget <= 0 or not self.waiting:
+            return chunks
+        order = self.policy.order(self.waiting, lambda r: self.cache.peek_prefix_len(r))
+        for r in order:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            match = self.cache.match(r)
+            first = not r.admitted
+            self.cache.admit(r, match)
+            n = min(r.seq_len - r.kv_len, budget)
+            if not self.cache.reserve(r, r.kv_len + n):
+                self.cache.release(r)
+                if first:
+                    r.admitted = False
+                break
+            if first:
+                self.stats.cached_tokens += r.cached_tokens
+                for tier, v in r.cached_by_tier.items():
+                    self.stats.cached_by_tier[tier] += v
+            self.waiting.remove(r)
+            self.running.append(r)
+            chunks.append((r, n))
+            budget -= n
+        return chunks
