@@ -38,9 +38,13 @@ class DeviceKVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
-        shape = (num_pages, page_size, layout.num_kv_heads, layout.head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+        # One buffer for all layers, [2 (K/V), layers, pages, page_size, kv_heads, head_dim],
+        # so a page move covers every layer in one indexing operation; per-layer views
+        # k_buffers[l] / v_buffers[l] are contiguous [pages, page_size, kv_heads, head_dim].
+        shape = (2, layout.num_layers, num_pages, page_size, layout.num_kv_heads, layout.head_dim)
+        self.kv_buffer = torch.zeros(shape, dtype=layout.dtype, device=self.device)
+        self.k_buffers = [self.kv_buffer[0, i] for i in range(layout.num_layers)]
+        self.v_buffers = [self.kv_buffer[1, i] for i in range(layout.num_layers)]
         self.allocator = PageAllocator(num_pages)
 
     @property

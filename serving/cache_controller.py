@@ -1,0 +1,57 @@
+"""Executes the tree's tier moves with the page-copy kernels.
+
+The tree decides, the controller moves. Backups (L1 -> L2) run synchronously on the
+scheduler's thread, so a freed L1 page is never reused before its bytes are saved.
+Loads (L2 -> L1) run on a background thread (a CUDA side stream on GPU); the request
+that waits for them is skipped by the scheduler until its future is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from hicache.hiradix import Transfer
+from hicache.tiers.device import DeviceKVPool
+from hicache.tiers.host import HostKVPool
+from serving.kernels.page_copy import device_to_host, host_to_device
+
+
+class CacheController:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
+        self._stream = torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
+        self._lock = threading.Lock()
+        self.pages_backed_up = 0
+        self.pages_loaded = 0
+
+    def execute(self, transfers: list[Transfer]) -> Future | None:
+        """Run ``transfers`` in order; return the future of the last load, if any."""
+        last: Future | None = None
+        for t in transfers:
+            if t.kind == "backup":
+                if last is not None:  # keep order with an earlier load in this batch
+                    last.result()
+                device_to_host(self.device_pool.kv_buffer, self.host_pool, t.src_pages, t.dst_pages)
+                self.pages_backed_up += len(t.src_pages)
+            else:
+                last = self._loader.submit(self._load, t)
+        return last
+
+    def _load(self, t: Transfer) -> None:
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                host_to_device(self.host_pool, self.device_pool.kv_buffer, t.src_pages, t.dst_pages,
+                               non_blocking=True)
+            self._stream.synchronize()
+        else:
+            host_to_device(self.host_pool, self.device_pool.kv_buffer, t.src_pages, t.dst_pages)
+        with self._lock:
+            self.pages_loaded += len(t.src_pages)
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
