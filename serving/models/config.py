@@ -83,7 +83,9 @@ class ModelArchConfig:
         )
 
     @staticmethod
-    def from_pretrained(model_path: str | Path, overrides: Mapping[str, Any] | None = None) -> ModelArchConfig:
+    def from_pretrained(
+        model_path: str | Path, overrides: Mapping[str, Any] | None = None
+    ) -> ModelArchConfig:
         """Read ``model_path/config.json``; ``overrides`` replace raw keys before parsing."""
         raw = json.loads((Path(model_path) / "config.json").read_text())
         raw.update(overrides or {})

@@ -25,14 +25,18 @@ def _dynamic(inv_freq: torch.Tensor, s: RopeScaling, cfg: ModelArchConfig) -> to
     """
     dim = cfg.head_dim
     length = s.factor * cfg.max_position_embeddings
-    base = cfg.rope_theta * ((s.factor * length / cfg.max_position_embeddings) - (s.factor - 1)) ** (dim / (dim - 2))
+    base = cfg.rope_theta * ((s.factor * length / cfg.max_position_embeddings) - (s.factor - 1)) ** (
+        dim / (dim - 2)
+    )
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling, cfg: ModelArchConfig) -> torch.Tensor:
     """Llama 3.1: low frequencies divided by ``factor``, high kept, a smooth ramp between."""
     if s.low_freq_factor is None or s.high_freq_factor is None or s.original_max_position_embeddings is None:
-        raise ValueError("llama3 rope_scaling needs low_freq_factor, high_freq_factor, original_max_position_embeddings")
+        raise ValueError(
+            "llama3 rope_scaling needs low_freq_factor, high_freq_factor, original_max_position_embeddings"
+        )
     old_len = s.original_max_position_embeddings
     low_wavelen = old_len / s.low_freq_factor
     high_wavelen = old_len / s.high_freq_factor
@@ -55,7 +59,9 @@ def inv_frequencies(cfg: ModelArchConfig) -> torch.Tensor:
         return inv_freq
     fn = ROPE_TYPES.get(cfg.rope_scaling.rope_type)
     if fn is None:
-        raise ValueError(f"unsupported rope_scaling type {cfg.rope_scaling.rope_type!r}; supported: {sorted(ROPE_TYPES)}")
+        raise ValueError(
+            f"unsupported rope_scaling type {cfg.rope_scaling.rope_type!r}; supported: {sorted(ROPE_TYPES)}"
+        )
     return fn(inv_freq, cfg.rope_scaling, cfg)
 
 
@@ -67,7 +73,8 @@ class RotaryEmbedding:
     """
 
     def __init__(self, cfg: ModelArchConfig) -> None:
-        self.inv_freq = inv_frequencies(cfg)
+        with torch.device("cpu"):  # also when the model is built under a meta-device context
+            self.inv_freq = inv_frequencies(cfg)
         self.initial_len = cfg.max_position_embeddings
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
