@@ -174,7 +174,9 @@ def test_config_parsing_variants() -> None:
     )
     assert old == new and old.rope_theta == 500000.0 and old.rope_scaling.factor == 4.0
     assert old.eos_token_id == (1, 2) and old.head_dim == 16
-    plain = ModelArchConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    plain = ModelArchConfig.from_dict(
+        {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    )
     assert plain.rope_scaling is None
 
 
