@@ -1,0 +1,101 @@
+"""TreeNode: one run of full pages in the HiRadixTree and where its KV lives.
+
+Contract:
+- ``key`` is a list of token ids whose length is a positive multiple of the tree's
+  page size (the root's key is empty).
+- ``device_pages`` (L1) and ``host_pages`` (L2) are either ``None`` (no copy on that
+  tier) or a list with exactly one page id per page of ``key``, in order.
+- ``storage_keys`` is reserved for the L3 tier (always ``None`` for now).
+- ``children`` maps the first page of each child's key (as a tuple) to the child.
+- ``lock_ref`` counts requests reading the node; a lock covers the whole path
+  root→node, so a parent's ``lock_ref`` is at least the sum of its children's.
+- ``session_ref`` counts soft references from sessions (same path rule).
+- ``last_access`` is a tick of the tree's monotonic counter (not wall time).
+- ``loading`` is set while a load-back L2→L1 of this node is in flight; a loading
+  node is always locked.
+- ``removed`` is set when the node leaves the tree; a removed node keeps its
+  ``parent`` pointer so that sessions still attached to it can release their refs.
+"""
+
+from __future__ import annotations
+
+
+class TreeNode:
+    """A radix-tree node. Plain mutable record; only the tree mutates it."""
+
+    __slots__ = (
+        "id",
+        "key",
+        "device_pages",
+        "host_pages",
+        "storage_keys",
+        "children",
+        "parent",
+        "lock_ref",
+        "session_ref",
+        "hit_count",
+        "last_access",
+        "loading",
+        "removed",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        key: list[int],
+        parent: TreeNode | None = None,
+        device_pages: list[int] | None = None,
+        host_pages: list[int] | None = None,
+    ) -> None:
+        self.id = node_id
+        self.key = key
+        self.device_pages = device_pages
+        self.host_pages = host_pages
+        self.storage_keys: list[bytes] | None = None
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.session_ref = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.loading = False
+        self.removed = False
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in this node (0 for the root)."""
+        pages = self.device_pages if self.device_pages is not None else self.host_pages
+        if pages is not None:
+            return len(pages)
+        return 0 if not self.key else -1  # -1: a node without any copy (never in a healthy tree)
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_pages is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and not self.removed
+
+    def path_to_root(self) -> list[TreeNode]:
+        """Nodes from this one up to (excluding) the root, deepest first."""
+        out = []
+        node: TreeNode | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def __repr__(self) -> str:
+        tiers = ("L1" if self.device_pages is not None else "") + (
+            "L2" if self.host_pages is not None else ""
+        )
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key)}, tiers={tiers or '-'}, lock={self.lock_ref}, "
+            f"sess={self.session_ref}, hits={self.hit_count}, t={self.last_access}"
+            f"{', loading' if self.loading else ''}{', removed' if self.removed else ''})"
+        )

@@ -1,0 +1,407 @@
+"""Unit tests of the HiRadixTree (pure bookkeeping)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.hiradix import HiRadixTree, MatchResult, StaleMatch, Transfer, UnknownSession
+from hicache.tiers.allocator import PageAllocator
+
+PS = 2
+
+
+def make(dev: int = 16, host: int = 0, policy: str = "write_through", **kw) -> HiRadixTree:
+    return HiRadixTree(
+        PS, PageAllocator(dev), PageAllocator(host) if host else None, write_policy=policy, **kw
+    )
+
+
+def put(tree: HiRadixTree, tokens: list[int]) -> MatchResult:
+    """A request's life: match, lock, alloc the rest, insert, free duplicates, unlock."""
+    m = tree.match_prefix(tokens)
+    tree.lock(m.last_device_node)
+    need = len(tokens) // PS - len(m.device_pages)
+    if tree.device.num_free < need:
+        tree.evict_device(need - tree.device.num_free)
+    new = tree.device.alloc(need)
+    tree.check_integrity(device_in_use=need)
+    dup = tree.insert(tokens, m.device_pages + new)
+    assert dup == []
+    tree.unlock(m.last_device_node)
+    tree.check_integrity()
+    return m
+
+
+def test_match_insert_split():
+    t = make()
+    assert t.match_prefix([1, 2, 3]).device_hit_tokens == 0
+    pages = t.device.alloc(3)
+    assert t.insert([1, 2, 3, 4, 5, 6, 7], pages) == []  # 7th token ignored (partial page)
+    t.check_integrity()
+    assert t.num_nodes == 1
+    m = t.match_prefix([1, 2, 3, 4, 9, 9])
+    assert m.device_pages == pages[:2] and m.device_hit_tokens == 4 and m.host_hit_tokens == 0
+    assert t.num_nodes == 2  # split at the mismatch
+    assert m.last_device_node.key == [1, 2, 3, 4] and m.last_device_node is m.last_host_node
+    # match ending mid-node because the query runs out
+    m2 = t.match_prefix([1, 2, 3])
+    assert m2.device_pages == pages[:1] and t.num_nodes == 3
+    # the full sequence still matches through the split nodes
+    m3 = t.match_prefix([1, 2, 3, 4, 5, 6])
+    assert m3.device_pages == pages and m3.device_hit_tokens == 6
+    path = m3.last_device_node.path_to_root()[::-1]
+    assert [n.key for n in path] == [[1, 2], [3, 4], [5, 6]]
+    assert [n.hit_count for n in path] == [3, 2, 1]  # split halves inherit the hit count
+    t.check_integrity()
+    # branch
+    b = t.device.alloc(2)
+    assert t.insert([1, 2, 7, 7, 8, 8], pages[:1] + b) == []
+    assert t.match_prefix([1, 2, 7, 7, 8, 8, 9]).device_pages == pages[:1] + b
+    t.check_integrity()
+    assert t.match_prefix((1, 2, 7, 7)).device_hit_tokens == 4  # tuples work too
+
+
+def test_insert_returns_duplicates():
+    t = make()
+    a = t.device.alloc(3)
+    t.insert([1, 1, 2, 2, 3, 3], a)
+    b = t.device.alloc(4)  # a second request computed the same prefix in other pages
+    dup = t.insert([1, 1, 2, 2, 3, 3, 4, 4], b)
+    assert dup == b[:3]
+    t.check_integrity(device_in_use=3)
+    t.device.free(dup)
+    t.check_integrity()
+    # the request's own matched pages are not returned
+    m = t.match_prefix([1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+    c = t.device.alloc(1)
+    assert t.insert([1, 1, 2, 2, 3, 3, 4, 4, 5, 5], m.device_pages + c) == []
+    t.check_integrity()
+    with pytest.raises(ValueError):
+        t.insert([1, 1, 2, 2], [a[0]])  # one page id for two pages
+
+
+def test_lock_protects_from_eviction_and_unlock_below_zero():
+    t = make(dev=8)
+    put(t, [1, 1, 2, 2])
+    put(t, [3, 3, 4, 4])
+    m = t.match_prefix([1, 1, 2, 2])
+    t.lock(m.last_device_node)
+    assert t.evictable_pages("device") == 2
+    assert t.evict_device(100) == 2
+    t.check_integrity()
+    assert t.match_prefix([1, 1, 2, 2]).device_hit_tokens == 4
+    assert t.match_prefix([3, 3, 4, 4]).device_hit_tokens == 0
+    t.unlock(m.last_device_node)
+    with pytest.raises(RuntimeError):
+        t.unlock(m.last_device_node)
+    assert t.evict_device(1) == 2
+    assert t.num_nodes == 0 and t.device.num_free == 8
+    t.check_integrity()
+
+
+def test_lru_order_and_parents_after_children():
+    t = make(dev=32)
+    put(t, [0, 0, 1, 1])
+    put(t, [0, 0, 1, 1, 2, 2])  # child of the first
+    put(t, [5, 5])
+    put(t, [6, 6])
+    t.match_prefix([5, 5])
+    # leaves by last access: [2,2] (oldest), [6,6], [5,5]
+    assert t.evict_device(1) == 1
+    assert t.match_prefix([0, 0, 1, 1, 2, 2]).device_hit_tokens == 4
+    # that match touched [0,0,1,1]; now [6,6] is oldest
+    assert t.evict_device(1) == 1
+    assert t.match_prefix([6, 6]).device_hit_tokens == 0
+    assert t.match_prefix([5, 5]).device_hit_tokens == 2
+    t.check_integrity()
+
+
+def test_lfu_order():
+    t = make(dev=32, eviction_policy="lfu")
+    put(t, [1, 1])
+    put(t, [2, 2])
+    for _ in range(3):
+        t.match_prefix([1, 1])
+    t.match_prefix([2, 2])  # most recent but less frequent
+    assert t.evict_device(1) == 1
+    assert t.match_prefix([1, 1]).device_hit_tokens == 2
+    assert t.match_prefix([2, 2]).device_hit_tokens == 0
+
+
+def test_session_referenced_evicted_after_unreferenced():
+    t = make(dev=32, session_timeout=10.0)
+    put(t, [1, 1, 2, 2])
+    put(t, [3, 3])
+    put(t, [4, 4])
+    t.open_session("s", now=0.0)
+    t.attach_session("s", t.match_prefix([1, 1, 2, 2]).last_device_node, now=0.0)
+    t.match_prefix([3, 3])
+    t.match_prefix([4, 4])  # [1,1,2,2] is the LRU node but session-referenced
+    t.check_integrity()
+    assert t.evict_device(2) == 2
+    assert t.match_prefix([1, 1, 2, 2]).device_hit_tokens == 4
+    assert t.match_prefix([3, 3]).device_hit_tokens == 0
+    assert t.match_prefix([4, 4]).device_hit_tokens == 0
+    # re-attach elsewhere replaces the ref
+    t.attach_session("s", t.match_prefix([1, 1]).last_device_node, now=1.0)
+    t.check_integrity()
+    assert t.expire_sessions(now=5.0) == []
+    assert t.expire_sessions(now=11.5) == ["s"]
+    t.check_integrity()
+    with pytest.raises(UnknownSession):
+        t.close_session("s")
+    with pytest.raises(KeyError):
+        t.attach_session("nope", t.root)
+    # a session attached to a node that gets evicted releases the ancestors' refs on close
+    t.open_session("x", now=0.0)
+    t.attach_session("x", t.match_prefix([1, 1, 2, 2]).last_device_node)
+    t.evict_device(100)
+    t.check_integrity()
+    t.close_session("x")
+    t.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("policy", "backup_after_hits"),
+    [("write_through", 1), ("write_through_selective", 2), ("write_back", None)],
+)
+def test_write_policies(policy, backup_after_hits):
+    t = make(dev=16, host=16, policy=policy, write_through_threshold=2)
+    put(t, [1, 1, 2, 2])
+    assert t.take_transfers() == []  # insert never backs up
+    for hit in (1, 2, 3):
+        t.match_prefix([1, 1, 2, 2])
+        tr = t.take_transfers()
+        if hit == backup_after_hits:
+            assert len(tr) == 1 and tr[0].kind == "backup" and len(tr[0].src_pages) == 2
+            assert t.cached_pages("host") == 2
+        else:
+            assert tr == []
+        t.check_integrity()
+    # eviction demotes: a backup only if the node has no L2 copy yet
+    assert t.evict_device(2) == 2
+    tr = t.take_transfers()
+    assert [x.kind for x in tr] == ([] if backup_after_hits else ["backup"])
+    m = t.match_prefix([1, 1, 2, 2, 3, 3])
+    assert m.device_hit_tokens == 0 and m.host_hit_tokens == 4
+    t.check_integrity()
+
+
+def test_backup_skipped_when_host_full_never_fails():
+    t = make(dev=16, host=2, policy="write_through")
+    put(t, [1, 1, 2, 2])
+    m = t.match_prefix([1, 1, 2, 2])
+    t.lock(m.last_device_node)
+    put(t, [3, 3, 4, 4])
+    t.match_prefix([3, 3, 4, 4])  # L2 is full of [1,1,2,2], which is L1-resident: backup skipped
+    t.unlock(m.last_device_node)
+    t.check_integrity()
+    kinds = [x.kind for x in t.take_transfers()]
+    assert kinds == ["backup"]
+    assert t.match_prefix([3, 3, 4, 4]).device_hit_tokens == 4
+
+
+def test_demotion_then_load_back_roundtrip():
+    t = make(dev=6, host=12, policy="write_back")
+    put(t, [1, 1, 2, 2, 3, 3])
+    old = t.match_prefix([1, 1, 2, 2, 3, 3]).device_pages
+    assert t.evict_device(3) == 3
+    (tr,) = t.take_transfers()
+    assert tr.kind == "backup" and tr.src_pages == old
+    host_pages = tr.dst_pages
+    m = t.match_prefix([1, 1, 2, 2, 3, 3, 4])
+    assert (m.device_hit_tokens, m.host_hit_tokens) == (0, 6)
+    r = t.load_back(m)
+    assert r.device_hit_tokens == 6 and r.host_hit_tokens == 0 and len(r.device_pages) == 3
+    assert r.last_device_node is m.last_host_node and r.last_device_node.loading
+    (tr,) = t.take_transfers()
+    assert tr == Transfer("load", host_pages, r.device_pages)
+    t.check_integrity()
+    # loading nodes are locked: not evictable
+    assert t.evict_device(3) == 0
+    t.finish_load(r.last_device_node)
+    assert not r.last_device_node.loading
+    with pytest.raises(ValueError):
+        t.finish_load(r.last_device_node)
+    t.check_integrity()
+    # partial L1 + L2: load only the L2 part; the result lists old + new pages
+    put(t, [1, 1, 2, 2, 3, 3, 4, 4])
+    assert t.evict_device(1) == 1  # the leaf [4,4]: demoted with a backup
+    (tr,) = t.take_transfers()
+    m = t.match_prefix([1, 1, 2, 2, 3, 3, 4, 4])
+    assert (m.device_hit_tokens, m.host_hit_tokens) == (6, 2) and m.device_pages == r.device_pages
+    r2 = t.load_back(m)
+    (ld,) = t.take_transfers()
+    assert ld.src_pages == tr.dst_pages and r2.device_pages == r.device_pages + ld.dst_pages
+    t.finish_load(r2.last_device_node)
+    t.check_integrity()
+
+
+def test_load_back_all_or_nothing_and_threshold():
+    t = make(dev=4, host=16, policy="write_back", load_back_threshold=2)
+    put(t, [1, 1, 2, 2, 3, 3])
+    t.evict_device(3)
+    put(t, [9, 9])
+    t.take_transfers()
+    # below threshold: one page on L2
+    m = t.match_prefix([1, 1, 9])
+    assert m.host_hit_tokens == 2
+    assert t.load_back(m) is m and t.take_transfers() == []
+    # 3 pages needed; L1 has 4 pages, 1 used by a locked node and 1 free... lock [9,9]
+    m9 = t.match_prefix([9, 9])
+    t.lock(m9.last_device_node)
+    hog = t.device.alloc(2)  # a running request holds 2 pages
+    m = t.match_prefix([1, 1, 2, 2, 3, 3])
+    assert m.host_hit_tokens == 6
+    before = (t.device.num_free, t.cached_pages("device"))
+    assert t.load_back(m) is m  # cannot get 3 pages: loads nothing
+    assert (t.device.num_free, t.cached_pages("device")) == before
+    assert t.take_transfers() == []
+    t.check_integrity(device_in_use=2)
+    t.device.free(hog)
+    r = t.load_back(m)
+    assert r.device_hit_tokens == 6
+    t.finish_load(r.last_device_node)
+    t.unlock(m9.last_device_node)
+    t.check_integrity()
+
+
+def test_load_back_evicts_other_nodes_and_stale_match():
+    t = make(dev=4, host=16, policy="write_back")
+    put(t, [1, 1, 2, 2])
+    t.evict_device(2)
+    put(t, [5, 5, 6, 6, 7, 7, 8, 8])  # fills L1
+    t.take_transfers()
+    m = t.match_prefix([1, 1, 2, 2])
+    r = t.load_back(m)
+    assert r.device_hit_tokens == 4
+    kinds = [x.kind for x in t.take_transfers()]
+    assert kinds == ["backup", "load"]  # the evicted pages are backed up before being reloaded into
+    t.finish_load(r.last_device_node)
+    t.check_integrity()
+    assert t.match_prefix([5, 5, 6, 6, 7, 7, 8, 8]).host_hit_tokens == 8
+    m = t.match_prefix([5, 5, 6, 6, 7, 7, 8, 8])
+    t.evict_host(100)
+    with pytest.raises(StaleMatch):
+        t.load_back(m)
+
+
+def test_evict_host_keeps_l1_resident_copies():
+    t = make(dev=16, host=16, policy="write_through")
+    put(t, [1, 1, 2, 2])
+    t.match_prefix([1, 1, 2, 2])  # backed up: on L1 and L2
+    put(t, [3, 3])
+    t.match_prefix([3, 3])
+    t.evict_device(1)  # LRU: [1,1,2,2] -> L2 only
+    t.take_transfers()
+    assert t.evictable_pages("host") == 2
+    assert t.evict_host(100) == 2  # [3,3]'s L2 copy stays: it is on L1
+    assert t.cached_pages("host") == 1 and t.num_nodes == 1
+    assert t.match_prefix([1, 1, 2, 2]).cached_tokens == 0
+    t.check_integrity()
+
+
+def test_evict_host_respects_locks_and_leaves_first():
+    t = make(dev=16, host=16, policy="write_back")
+    put(t, [1, 1, 2, 2])
+    put(t, [1, 1, 2, 2, 3, 3])
+    t.evict_device(100)
+    t.take_transfers()
+    m = t.match_prefix([1, 1, 2, 2, 3, 3])
+    assert m.host_hit_tokens == 6
+    t.lock(m.last_host_node)
+    assert t.evict_host(100) == 0
+    t.unlock(m.last_host_node)
+    assert t.evict_host(1) == 1  # the leaf [3,3] only
+    assert t.match_prefix([1, 1, 2, 2, 3, 3]).host_hit_tokens == 4
+    t.check_integrity()
+
+
+def test_no_host_eviction_drops_and_demotion_drop_when_host_tiny():
+    t = make(dev=8, host=1, policy="write_back")
+    put(t, [1, 1, 2, 2])
+    assert t.evict_device(2) == 2  # 2 pages do not fit on a 1-page L2: dropped
+    assert t.num_nodes == 0 and t.take_transfers() == []
+    t.check_integrity()
+
+
+def test_pool_less_tree():
+    t = HiRadixTree(4, None)
+    assert t.host is None and t.pool_less
+    toks = list(range(40))
+    m = t.match_prefix(toks)
+    pages = t.device.alloc(10)
+    assert t.insert(toks, m.device_pages + pages) == []
+    assert t.match_prefix(toks + [1]).device_pages == pages
+    assert t.cached_pages("device") == 10
+    t.check_integrity()
+    assert t.evict_device(3) == 10
+    assert t.num_nodes == 0
+    t.check_integrity()
+    assert t.take_transfers() == []
+    with pytest.raises(ValueError):
+        HiRadixTree(4, None, PageAllocator(4))
+
+
+def test_reset():
+    t = make(dev=16, host=16)
+    put(t, [1, 1, 2, 2])
+    t.match_prefix([1, 1, 2, 2])
+    put(t, [3, 3])
+    t.open_session("s", now=0)
+    t.attach_session("s", t.match_prefix([3, 3]).last_device_node)
+    m = t.match_prefix([1, 1])
+    t.lock(m.last_device_node)
+    with pytest.raises(RuntimeError):
+        t.reset()
+    t.unlock(m.last_device_node)
+    t.reset()
+    assert t.num_nodes == 0 and t.device.num_free == 16 and t.host.num_free == 16
+    assert t.take_transfers() == []
+    t.check_integrity()
+    put(t, [3, 3])
+    t.attach_session("s", t.match_prefix([3, 3]).last_device_node)
+    t.close_session("s")
+    t.check_integrity()
+
+
+def test_check_integrity_catches_corruption():
+    t = make(dev=8)
+    put(t, [1, 1, 2, 2])
+    t.check_integrity()
+    with pytest.raises(AssertionError, match="allocated"):
+        t.check_integrity(device_in_use=1)
+    node = t.match_prefix([1, 1]).last_device_node
+    node.lock_ref = -1
+    with pytest.raises(AssertionError):
+        t.check_integrity()
+    node.lock_ref = 0
+    node.device_pages[0] = 7  # not allocated
+    with pytest.raises(AssertionError):
+        t.check_integrity()
+
+
+def test_policy_registry_errors():
+    with pytest.raises(ValueError, match="write policy"):
+        make(policy="nope")
+    with pytest.raises(ValueError, match="eviction policy"):
+        make(eviction_policy="nope")
+
+
+def test_bench_smoke(tmp_path: Path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import tree_ops
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "tree.json"
+    tree_ops.main(["--users", "4", "--turns", "3", "--l1-tokens", "2000", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data) == {"unbounded", "l1_100k", "l1_100k_l2_400k"}
+    for v in data.values():
+        assert v["us_per_request"] > 0 and 0 <= v["hit_rate"] <= 1
+    assert data["unbounded"]["hit_rate"] >= data["l1_100k_l2_400k"]["hit_rate"] >= data["l1_100k"]["hit_rate"]
