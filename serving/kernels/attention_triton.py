@@ -1,0 +1,57 @@
+"""Triton attention backend: paged KV store, decode and extend kernels.
+
+Runs on CUDA. On a CPU it runs only under Triton's interpreter, which must be switched on by
+``TRITON_INTERPRET=1`` in the environment before this module (and so the ``@triton.jit``
+kernels in ``triton_*.py``) is first imported; otherwise the backend refuses CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from serving.forward_batch import ForwardBatch
+from serving.kernels.attention import AttentionBackend
+from serving.kernels.triton_decode import _decode_partial_kernel, decode_attention
+from serving.kernels.triton_extend import extend_attention
+from serving.kernels.triton_store import store_kv
+
+INTERPRETED = isinstance(_decode_partial_kernel, InterpretedFunction)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            "the triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+            "serving.kernels.attention_triton is first imported (use the 'torch' backend on CPU)"
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode batches use the split-KV decode kernel; any other batch the extend kernel."""
+
+    name = "triton"
+
+    def store_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        _check_device(k_cache)
+        store_kv(k_cache, v_cache, loc, k, v)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        _check_device(q)
+        if batch.is_decode:
+            return decode_attention(q, k_cache, v_cache, batch, scale)
+        return extend_attention(q, k_cache, v_cache, batch, scale)

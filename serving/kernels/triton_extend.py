@@ -1,0 +1,114 @@
+"""Triton paged extend (prefill) attention: new tokens' queries over prefix + new KV in pages.
+
+Grid ``(batch, kv_heads, query blocks)``. A program holds ``BLOCK_M`` new tokens x the
+``GROUP`` query heads sharing one kv head, flattened into ``R = BLOCK_M * BLOCK_H`` rows, so
+every K/V block loaded from the pages serves the whole group. Keys of the cached prefix are
+visible to every query (no mask); keys among the new tokens take the causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from serving.forward_batch import ForwardBatch
+from serving.kernels.triton_common import attend_block, next_pow2
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    o_ptr,
+    k_cache,
+    v_cache,
+    page_table,
+    prefix_lens,
+    extend_lens,
+    extend_start,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_slot,
+    stride_head,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    mblock = tl.program_id(2)
+    prefix = tl.load(prefix_lens + seq)
+    n_new = tl.load(extend_lens + seq)
+    start = tl.load(extend_start + seq).to(tl.int64)
+    if mblock * BLOCK_M < n_new:
+        rows = tl.arange(0, BLOCK_M * BLOCK_H)
+        tok = mblock * BLOCK_M + rows // BLOCK_H  # [R] index among the new tokens
+        hh = rows % BLOCK_H
+        row_ok = (tok < n_new) & (hh < GROUP)
+        head = kv_head * GROUP + hh
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q_off = (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, BLOCK_D]
+        q_pos = prefix + tok
+        page_row = page_table + seq.to(tl.int64) * stride_pt
+
+        acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
+        # cached prefix: visible to every query
+        for kstart in range(0, prefix, BLOCK_N):
+            acc, m_i, l_i = attend_block(
+                q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, prefix, q_pos, scale,
+                stride_slot, stride_head, False, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+            )  # fmt: skip
+        # new tokens (already stored in the pages): causal
+        kv_end = prefix + tl.minimum(n_new, (mblock + 1) * BLOCK_M)
+        for kstart in range(prefix, kv_end, BLOCK_N):
+            acc, m_i, l_i = attend_block(
+                q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, kv_end, q_pos, scale,
+                stride_slot, stride_head, True, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+            )  # fmt: skip
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    block_n: int = 64,
+    rows: int = 64,
+) -> torch.Tensor:
+    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (any extend lengths >= 0)."""
+    t, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    group = num_heads // kv_heads
+    block_h = next_pow2(group)
+    block_m = max(rows // block_h, 1)
+    if block_m * block_h < 16:  # tl.dot needs >= 16 rows when compiled
+        block_m = 16 // block_h
+    o = torch.empty_like(q)
+    if t == 0:
+        return o
+    max_new = max(batch.extend_lens_list)
+    grid = (batch.batch_size, kv_heads, triton.cdiv(max_new, block_m))
+    _extend_kernel[grid](
+        q, o, k_cache, v_cache, batch.page_table, batch.prefix_lens, batch.extend_lens, batch.extend_start,
+        scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1), batch.page_table.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, PAGE_SIZE=batch.page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim, 16),
+        BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return o

@@ -1,0 +1,227 @@
+"""Paged attention kernels: torch backend vs a dense reference, Triton vs torch.
+
+Triton chooses between compiling and interpreting when ``@triton.jit`` decorates a function,
+and its own ``tl.zeros`` / ``tl.max`` / ``tl.sum`` ... are decorated when ``triton`` is first
+imported (which ``import transformers`` already does). So ``TRITON_INTERPRET=1`` must be in the
+environment before ``triton`` is imported at all. Hence:
+
+- with CUDA, or with ``TRITON_INTERPRET=1`` already set, the ``test_triton_*`` tests run here;
+- otherwise they are skipped here and ``test_kernels_in_triton_interpreter`` runs them in a
+  child pytest with ``TRITON_INTERPRET=1`` set from the start (nothing leaks into this process).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from serving.forward_batch import ForwardBatch
+from serving.kernels.attention import get_attention_backend
+
+ATOL = 1e-4
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_HERE = INTERPRET or torch.cuda.is_available()
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+
+@pytest.fixture(scope="module")
+def triton() -> ModuleType:
+    if not TRITON_HERE:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 at start; run by test_kernels_in_triton_interpreter")
+    pytest.importorskip("triton")
+    return importlib.import_module("serving.kernels.attention_triton")
+
+
+def test_kernels_in_triton_interpreter() -> None:
+    """Run this file's Triton tests in a child process under the interpreter."""
+    if TRITON_HERE:
+        pytest.skip("the Triton tests run in this process")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "test_triton_",
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).parents[1]
+    )
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-3000:]
+
+
+@dataclass
+class Case:
+    batch: ForwardBatch
+    q: torch.Tensor  # [T, H, D]
+    k_new: torch.Tensor  # [T, KH, D]
+    v_new: torch.Tensor
+    k_cache: torch.Tensor  # [P, ps, KH, D], prefix KV already stored
+    v_cache: torch.Tensor
+    k_full: list[torch.Tensor]  # per sequence [L, KH, D] dense, for the reference
+    v_full: list[torch.Tensor]
+
+
+def make_case(
+    lens: list[tuple[int, int]],
+    page_size: int,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dim: int = 16,
+    seed: int = 0,
+) -> Case:
+    """Sequences of ``(prefix_len, extend_len)``; prefix KV written into shuffled pages."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-(p + e) // page_size) for p, e in lens]
+    num_pages = sum(pages_needed) + 3
+    free = list(range(1, num_pages))
+    random.Random(seed).shuffle(free)
+    k_cache = torch.randn((num_pages, page_size, kv_heads, dim), generator=gen)  # garbage outside sequences
+    v_cache = torch.randn((num_pages, page_size, kv_heads, dim), generator=gen)
+    seqs, k_full, v_full = [], [], []
+    for (prefix, n), npages in zip(lens, pages_needed, strict=True):
+        pages = [free.pop() for _ in range(npages)]
+        k = torch.randn((prefix + n, kv_heads, dim), generator=gen)
+        v = torch.randn((prefix + n, kv_heads, dim), generator=gen)
+        slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(prefix)])
+        k_cache.view(-1, kv_heads, dim)[slots.long()] = k[:prefix]
+        v_cache.view(-1, kv_heads, dim)[slots.long()] = v[:prefix]
+        seqs.append(([1] * n, prefix, pages))
+        k_full.append(k)
+        v_full.append(v)
+    batch = ForwardBatch.build(seqs, page_size, device=DEVICE)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    k_full, v_full = [k.to(DEVICE) for k in k_full], [v.to(DEVICE) for v in v_full]
+    k_new = torch.cat([k[p:] for k, (p, _) in zip(k_full, lens, strict=True)])
+    v_new = torch.cat([v[p:] for v, (p, _) in zip(v_full, lens, strict=True)])
+    q = torch.randn((batch.num_tokens, heads, dim), generator=gen).to(DEVICE)
+    return Case(batch, q, k_new, v_new, k_cache, v_cache, k_full, v_full)
+
+
+def dense_reference(case: Case, scale: float) -> torch.Tensor:
+    """Causal attention on the dense per-sequence K/V (no pages involved)."""
+    out, s = [], 0
+    heads, kv_heads = case.q.shape[1], case.k_new.shape[1]
+    for i, (prefix, n) in enumerate(
+        zip(case.batch.prefix_lens_list, case.batch.extend_lens_list, strict=True)
+    ):
+        q = case.q[s : s + n]  # [n, H, D]
+        k = case.k_full[i].repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        v = case.v_full[i].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+        visible = (
+            torch.arange(prefix + n, device=q.device)[None, :]
+            <= torch.arange(prefix, prefix + n, device=q.device)[:, None]
+        )
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hnl,lhd->nhd", probs, v))
+        s += n
+    return torch.cat(out)
+
+
+def run_backend(backend, case: Case, scale: float) -> torch.Tensor:  # noqa: ANN001
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    backend.store_kv(kc, vc, case.batch.out_cache_loc, case.k_new, case.v_new)
+    return backend.forward(case.q, kc, vc, case.batch, scale)
+
+
+EXTEND_CASES = {
+    "no_prefix": [(0, 7), (0, 1), (0, 20)],
+    "with_prefix": [(5, 3), (16, 9), (33, 2)],
+    "mixed_ragged": [(0, 11), (9, 1), (4, 6), (21, 1), (0, 1)],
+}
+HEADS = [(4, 2), (3, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("name", sorted(EXTEND_CASES))
+def test_torch_backend_matches_dense(name: str, page_size: int) -> None:
+    case = make_case(EXTEND_CASES[name], page_size)
+    out = run_backend(get_attention_backend("torch"), case, 0.25)
+    torch.testing.assert_close(out, dense_reference(case, 0.25), atol=ATOL, rtol=0)
+
+
+def test_torch_backend_decode_matches_dense() -> None:
+    case = make_case([(0, 1), (5, 1), (40, 1)], 4)
+    assert case.batch.is_decode
+    out = run_backend(get_attention_backend("torch"), case, 0.3)
+    torch.testing.assert_close(out, dense_reference(case, 0.3), atol=ATOL, rtol=0)
+
+
+def test_reference_detects_a_wrong_page() -> None:
+    """Sanity: the comparison fails when a prefix page is corrupted."""
+    case = make_case([(8, 2)], 4)
+    case.k_cache[case.batch.page_table[0, 0]] += 1.0
+    out = run_backend(get_attention_backend("torch"), case, 0.25)
+    assert not torch.allclose(out, dense_reference(case, 0.25), atol=ATOL)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_triton_store_kv(triton: ModuleType, page_size: int) -> None:
+    case = make_case([(3, 5), (0, 9)], page_size)
+    qkv = torch.randn(
+        case.batch.num_tokens, 3, 2, 16, device=DEVICE
+    )  # v as a strided view, like the model's split
+    qkv[:, 2] = case.v_new
+    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+    get_attention_backend("torch").store_kv(ref_k, ref_v, case.batch.out_cache_loc, case.k_new, case.v_new)
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    triton.TritonAttentionBackend().store_kv(kc, vc, case.batch.out_cache_loc, case.k_new, qkv[:, 2])
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("name", sorted(EXTEND_CASES))
+def test_triton_extend(triton: ModuleType, name: str, page_size: int, heads: tuple[int, int]) -> None:
+    case = make_case(EXTEND_CASES[name], page_size, heads=heads[0], kv_heads=heads[1])
+    ref = run_backend(get_attention_backend("torch"), case, 0.25)
+    out = run_backend(triton.TritonAttentionBackend(), case, 0.25)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_triton_decode(
+    triton: ModuleType, page_size: int, heads: tuple[int, int], splits: int | None
+) -> None:
+    case = make_case([(0, 1), (6, 1), (70, 1), (17, 1)], page_size, heads=heads[0], kv_heads=heads[1], dim=24)
+    assert case.batch.is_decode
+    ref = run_backend(get_attention_backend("torch"), case, 0.2)
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    triton.store_kv(kc, vc, case.batch.out_cache_loc, case.k_new, case.v_new)
+    out = triton.decode_attention(case.q, kc, vc, case.batch, 0.2, block_n=16, splits=splits)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_backend_refuses_cpu_without_interpreter() -> None:
+    """Without TRITON_INTERPRET the CPU gives a clear error (checked in a subprocess: no leak)."""
+    code = (
+        "import torch\n"
+        "from serving.kernels.attention_triton import TritonAttentionBackend\n"
+        "try:\n"
+        "    TritonAttentionBackend().store_kv(torch.zeros(2,1,1,4), torch.zeros(2,1,1,4),"
+        " torch.zeros(1, dtype=torch.long), torch.zeros(1,1,4), torch.zeros(1,1,4))\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "REFUSED" in res.stdout and "TRITON_INTERPRET" in res.stdout, res.stderr[-2000:]
