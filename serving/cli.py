@@ -1,0 +1,117 @@
+"""``hicache``: serve | convert | router.
+
+``hicache serve --config configs/l3.yaml [--flag value ...]``: a flag overrides the file, the
+file overrides the defaults of the frozen config dataclasses. Every dataclass field of a
+simple type gets a flag named after it, SGLang-style (``max_running_requests`` ->
+``--max-running-requests``); defaults are shown from the dataclasses, never repeated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from serving.server.config import SECTIONS, ConfigError, field_types, load_config
+
+_SCALARS = (str, int, float)
+
+
+def _flag_type(tp: Any) -> Any:
+    """The argparse type of a field (``int | None`` -> int); None for fields without a flag."""
+    args = (
+        typing.get_args(tp)
+        if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+        else (tp,)
+    )
+    real = [a for a in args if a is not type(None)]
+    if len(real) == 1 and (real[0] in _SCALARS or real[0] is bool):
+        return real[0]
+    return None
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]]:
+    """Add ``--config`` and one flag per config field; returns ``dest -> (section, field)``."""
+    parser.add_argument(
+        "--config", metavar="YAML", help="config file (sections model, cache, scheduler, server)"
+    )
+    dests: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} (config section '{section}:')")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for name, tp in field_types(cls).items():
+            kind = _flag_type(tp)
+            if kind is None:
+                continue
+            if name in dests:
+                raise RuntimeError(f"config field {name!r} is in both {dests[name][0]} and {section}")
+            flag = "--" + name.replace("_", "-")
+            help_ = f"default: {defaults[name]!r}"
+            if kind is bool:
+                group.add_argument(
+                    flag,
+                    dest=name,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=help_,
+                )
+            else:
+                group.add_argument(
+                    flag,
+                    dest=name,
+                    type=kind,
+                    default=argparse.SUPPRESS,
+                    metavar=kind.__name__.upper(),
+                    help=help_,
+                )
+            dests[name] = (section, name)
+    return dests
+
+
+def _overrides(args: argparse.Namespace, dests: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dest, (section, name) in dests.items():
+        if hasattr(args, dest):
+            out.setdefault(section, {})[name] = getattr(args, dest)
+    return out
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, tuple[str, str]]]:
+    from serving import convert
+
+    parser = argparse.ArgumentParser(prog="hicache", description="LLM serving with a hierarchical KV cache")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,convert,router}")
+    serve = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible and SGLang-native)")
+    dests = add_serve_args(serve)
+    convert.add_convert_args(sub.add_parser("convert", help="convert a GGUF file into a HF model folder"))
+    sub.add_parser("router", help="cache-aware router over many servers (not implemented yet)")
+    return parser, dests
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, dests = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert":
+        from serving import convert
+
+        convert.run_convert(args)
+        return 0
+    if args.command == "router":
+        print("hicache router: not implemented yet (it comes with the router issue)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, _overrides(args, dests))
+    except ConfigError as e:
+        print(f"hicache serve: {e}", file=sys.stderr)
+        return 2
+    from serving.server.launch import run_server
+
+    return run_server(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Operational routes: health, model/server info, cache flush, sessions, metrics, debug.
+
+``POST /debug/check_integrity`` runs the engine's ``check_integrity()`` (every pool: free +
+cached + in use = total) and answers ``{"ok": true, ...stats}`` or ``{"ok": false, "error":
+<assertion text>, ...}``. It exists only when the server runs with
+``--enable-debug-endpoints`` (server.enable_debug_endpoints), because it walks the whole tree
+and exposes internals; otherwise the route is a 404 like any unknown path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from serving.server import messages as m
+from serving.server.context import get_ctx
+from serving.server.engine_client import run_all
+from serving.server.errors import APIError
+from serving.server.http_io import parse_body, unless_disconnected
+from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
+
+router = APIRouter()
+VERSION = "0.1.0"
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not get_ctx(request).client.alive:
+        raise APIError(503, "the engine process is not running")
+    return Response(status_code=200)
+
+
+@router.api_route("/health_generate", methods=["GET", "POST"])
+async def health_generate(request: Request) -> Response:
+    """Runs a one-token greedy generation through the engine."""
+    ctx = get_ctx(request)
+    req = m.GenerateReq(
+        rid=f"health-{uuid.uuid4().hex}",
+        input_ids=[0],
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+    )
+    [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
+    if len(st.output_ids) != 1:
+        raise APIError(503, f"health generation produced {len(st.output_ids)} tokens")
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    info = get_ctx(request).info
+    return {
+        "model_path": info["model_path"],
+        "tokenizer_path": info["tokenizer_path"],
+        "is_generation": True,
+        "served_model_name": info["served_model_name"],
+        "context_length": info["context_len"],
+        "vocab_size": info["vocab_size"],
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    ctx = get_ctx(request)
+    server = dataclasses.asdict(ctx.server)
+    if server.get("api_key"):
+        server["api_key"] = "***"
+    stats = await ctx.client.call(m.Stats)
+    return {
+        "version": VERSION,
+        **dataclasses.asdict(ctx.engine_config),
+        "server": server,
+        "engine": ctx.info,
+        "internal_states": [stats],
+    }
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> dict[str, Any]:
+    if not await get_ctx(request).client.call(m.FlushCache):
+        raise APIError(400, "cannot flush the cache while requests are running or waiting")
+    return {"success": True, "message": "Cache flushed."}
+
+
+@router.post("/open_session")
+async def open_session(request: Request) -> JSONResponse:
+    """Returns the session id as a JSON string (as SGLang does); takes an optional ``session_id``."""
+    ctx = get_ctx(request)
+    empty = request.headers.get("content-length") in (None, "0")
+    body = (
+        OpenSessionRequest()
+        if empty
+        else await parse_body(request, OpenSessionRequest, ctx.server.max_request_bytes)
+    )
+    if body.session_id is not None and not body.session_id:
+        raise APIError(400, "session_id must not be empty", param="session_id")
+    sid = await ctx.client.call(m.OpenSession, session_id=body.session_id)
+    return JSONResponse(sid)
+
+
+@router.post("/close_session")
+async def close_session(request: Request) -> dict[str, Any]:
+    ctx = get_ctx(request)
+    body = await parse_body(request, CloseSessionRequest, ctx.server.max_request_bytes)
+    await ctx.client.call(m.CloseSession, session_id=body.session_id)
+    return {"success": True}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    ctx = get_ctx(request)
+    snapshot = await ctx.client.call(m.Stats)
+    return Response(ctx.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/debug/check_integrity")
+async def check_integrity(request: Request) -> dict[str, Any]:
+    ctx = get_ctx(request)
+    if not ctx.server.enable_debug_endpoints:
+        raise APIError(404, "no such route (start the server with --enable-debug-endpoints)")
+    return await ctx.client.call(m.CheckIntegrity)

@@ -1,0 +1,150 @@
+"""ServerConfig and the config file: YAML sections validated once against the frozen dataclasses.
+
+A config file has up to four sections, each mapping onto one frozen dataclass::
+
+    model:     -> serving.config.ModelConfig
+    cache:     -> hicache.config.CacheConfig
+    scheduler: -> serving.config.SchedulerConfig
+    server:    -> ServerConfig (below)
+
+The pydantic models used for validation are generated from the dataclasses, so a field
+added to a dataclass is accepted in YAML (and gets a CLI flag) without being repeated here.
+Unknown keys are errors (extra=forbid); values are not coerced across types (a string is
+never silently read as a number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from hicache.config import CacheConfig
+from serving.config import EngineConfig, ModelConfig, SchedulerConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413
+    session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
+    log_level: str = "info"
+    enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
+    graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes <= 0:
+            raise ValueError("max_request_bytes must be positive")
+        if self.session_idle_timeout_s <= 0:
+            raise ValueError("session_idle_timeout_s must be positive")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.graceful_shutdown_timeout_s < 0:
+            raise ValueError("graceful_shutdown_timeout_s must be >= 0")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+}
+
+
+class ConfigError(ValueError):
+    """A config file or flag value that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    engine: EngineConfig
+    server: ServerConfig
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a config dataclass's fields."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _section_model(name: str, cls: type) -> type[BaseModel]:
+    fields = {fname: (tp, None) for fname, tp in field_types(cls).items()}
+    return create_model(f"{name}_section", __config__=ConfigDict(extra="forbid", strict=True), **fields)
+
+
+_FILE_MODEL: type[BaseModel] = create_model(
+    "config_file",
+    __config__=ConfigDict(extra="forbid", strict=True),
+    **{name: (_section_model(name, cls) | None, None) for name, cls in SECTIONS.items()},
+)
+
+
+def _format_errors(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def build_config(sections: dict[str, Any], source: str = "config") -> AppConfig:
+    """Validate ``{"model": {...}, "cache": {...}, ...}`` once and build the frozen configs."""
+    if not isinstance(sections, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    try:
+        parsed = _FILE_MODEL.model_validate(sections)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_errors(e)}") from None
+    built: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        section = getattr(parsed, name)
+        values = section.model_dump(exclude_unset=True) if section is not None else {}
+        try:
+            built[name] = cls(**values)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{source}: {name}: {e}") from None
+    engine = EngineConfig(model=built["model"], cache=built["cache"], scheduler=built["scheduler"])
+    return AppConfig(engine=engine, server=built["server"])
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw sections of a YAML file (validated later, together with CLI overrides)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> AppConfig:
+    """Dataclass defaults, then the file, then ``overrides`` (``{section: {field: value}}``)."""
+    sections: dict[str, Any] = read_config_file(path) if path is not None else {}
+    for name, values in (overrides or {}).items():
+        current = sections.get(name)
+        if current is None:
+            current = {}
+        if not isinstance(current, dict):
+            break  # let validation name the bad section
+        sections[name] = {**current, **values}
+    return build_config(sections, str(path) if path is not None else "config")

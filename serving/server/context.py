@@ -1,0 +1,97 @@
+"""What every route needs: the engine client, the tokenizer, the configs; and the shared steps
+from a validated body to an engine request (tokenize, check lengths and sampling params)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from serving.config import EngineConfig
+from serving.sampling_params import InvalidRequest, SamplingParams
+from serving.server import messages as m
+from serving.server.config import ServerConfig
+from serving.server.engine_client import EngineClient
+from serving.server.errors import APIError
+from serving.server.metrics import ServerMetrics
+from serving.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerContext:
+    engine_config: EngineConfig
+    server: ServerConfig
+    client: EngineClient
+    tokenizer: Tokenizer | None
+    metrics: ServerMetrics
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.client.info
+
+    @property
+    def context_len(self) -> int:
+        return int(self.info["context_len"])
+
+    @property
+    def model_name(self) -> str:
+        return str(self.info["served_model_name"])
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send token ids")
+        return self.tokenizer.encode(text)
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; chat needs one")
+        try:
+            text = self.tokenizer.apply_chat_template(messages)
+        except InvalidRequest as e:
+            raise APIError(400, str(e)) from None
+        except Exception as e:  # a template that raises on these messages (e.g. role order)
+            raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        return self.tokenizer.encode(text)
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """OpenAI's default: generate until the end of the context."""
+        return max(self.context_len - prompt_len, 0)
+
+    def make_request(
+        self,
+        input_ids: list[int],
+        params: dict[str, Any],
+        session_id: str | None,
+        rid: str | None = None,
+        param_name: str = "max_tokens",
+    ) -> m.GenerateReq:
+        """Check what can be checked here (the engine checks the rest) and build the message."""
+        try:
+            sp = SamplingParams.from_dict(params)
+        except InvalidRequest as e:
+            raise APIError(400, str(e)) from None
+        except TypeError as e:
+            raise APIError(400, f"invalid sampling parameters: {e}") from None
+        n = len(input_ids)
+        if n == 0:
+            raise APIError(400, "the prompt is empty")
+        if n >= self.context_len:
+            raise APIError(
+                400, f"the prompt has {n} tokens; this model's context length is {self.context_len}"
+            )
+        if n + sp.max_new_tokens > self.context_len:
+            raise APIError(
+                400,
+                f"{param_name} is too large: the prompt has {n} tokens and {param_name} is "
+                f"{sp.max_new_tokens}, over this model's context length of {self.context_len}",
+                param=param_name,
+            )
+        return m.GenerateReq(
+            rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id
+        )
+
+
+def get_ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx

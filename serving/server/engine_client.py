@@ -1,0 +1,344 @@
+"""The HTTP process's side of the engine: spawns the engine process and talks to it.
+
+Two threads move frames so that neither a slow engine step nor a full pipe ever blocks the
+event loop: the writer sends queued messages in order, the reader hands decoded frames to
+the loop (``call_soon_threadsafe``). Each request gets a :class:`ReqHandle` whose state keeps
+the cumulative output ids; closing a handle before its request finished aborts it in the
+engine, which frees its pages.
+
+Detokenization happens here, in the HTTP process (serving.server.text): the engine process
+only moves ids, so its step loop is never slowed by string work, and the tokenizer that
+applied the chat template is the one that decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.config import EngineConfig
+from serving.server import messages as m
+from serving.server.config import ServerConfig
+from serving.server.engine_proc import engine_main
+from serving.server.errors import APIError
+
+log = logging.getLogger("hicache.server")
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, out: m.TokenOut) -> None:
+        if out.offset != len(self.output_ids):
+            raise RuntimeError(
+                f"request {self.rid}: engine sent ids from {out.offset}, have {len(self.output_ids)}"
+            )
+        self.output_ids.extend(out.new_ids)
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.cached_by_tier = out.cached_by_tier
+        self.finish_reason = out.finish_reason
+
+
+class ReqHandle:
+    def __init__(self, client: EngineClient, rid: str) -> None:
+        self.client = client
+        self.state = ReqState(rid)
+        self.queue: asyncio.Queue[m.Message] = asyncio.Queue()
+        self.closed = False
+
+    def _apply(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Error):
+            self.close()
+            raise APIError(msg.status, msg.message)
+        assert isinstance(msg, m.TokenOut)
+        n = len(self.state.output_ids)
+        self.state.apply(msg)
+        self.client.metrics.on_tokens(self.state, len(self.state.output_ids) - n)
+
+    async def updates(self) -> AsyncIterator[ReqState]:
+        """Yield the state each time new ids arrived (several engine steps may be merged);
+        the last one is finished. Closes the handle when done or abandoned."""
+        try:
+            if self.state.finished:
+                yield self.state
+                return
+            while not self.state.finished:
+                self._apply(await self.queue.get())
+                while not self.queue.empty() and not self.state.finished:
+                    self._apply(self.queue.get_nowait())
+                yield self.state
+        finally:
+            self.close()
+
+    async def result(self) -> ReqState:
+        async for _ in self.updates():
+            pass
+        return self.state
+
+    def close(self) -> None:
+        """Stop listening; abort the request in the engine if it has not finished. Synchronous,
+        so it is safe in ``finally`` blocks of cancelled tasks."""
+        if self.closed:
+            return
+        self.closed = True
+        self.client.handles.pop(self.state.rid, None)
+        if not self.state.finished:
+            self.client.send(m.AbortReq(self.state.rid))
+
+
+class EngineClient:
+    def __init__(self, engine: EngineConfig, server: ServerConfig, metrics: Any) -> None:
+        self.engine_config, self.server_config = engine, server
+        self.metrics = metrics
+        self.info: dict[str, Any] = {}
+        self.handles: dict[str, ReqHandle] = {}
+        self.calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._outbox: queue.SimpleQueue[m.Message | None] = queue.SimpleQueue()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.alive = False
+        self.started_at = time.time()
+        self.proc: mp.process.BaseProcess | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Start the engine process (returns at once; see ``wait_ready``)."""
+        ctx = mp.get_context("spawn")
+        self._rx_engine, self._tx_http = ctx.Pipe(duplex=False)  # http -> engine
+        self._rx_http, self._tx_engine = ctx.Pipe(duplex=False)  # engine -> http
+        self.proc = ctx.Process(
+            target=engine_main,
+            name="hicache-engine",
+            args=(self.engine_config, self.server_config, self._rx_engine, self._tx_engine),
+        )
+        self.proc.start()
+        self._rx_engine.close()
+        self._tx_engine.close()
+
+    def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Block until the engine process reports Ready; raise EngineStartError if it fails."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while not self._rx_http.poll(0.2):
+            if not self.proc.is_alive():
+                raise EngineStartError(f"engine process exited with code {self.proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engine not ready after {timeout:.0f} s")
+        try:
+            first = m.decode(self._rx_http.recv_bytes())[0]
+        except EOFError:
+            raise EngineStartError("engine process exited while starting") from None
+        if isinstance(first, m.Error):
+            raise EngineStartError(first.message)
+        assert isinstance(first, m.Ready)
+        self.info = first.info
+        self.alive = True
+        self.started_at = time.time()
+        return self.info
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the I/O threads; replies are delivered on ``loop``."""
+        self.loop = loop
+        threading.Thread(target=self._write_loop, name="engine-writer", daemon=True).start()
+        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Ask the engine process to exit, wait for it, kill it if it does not. Returns its exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.is_alive():
+            if self.loop is not None:
+                self.send(m.Shutdown())
+                self._outbox.put(None)
+            else:
+                try:
+                    self._tx_http.send_bytes(m.encode([m.Shutdown()]))
+                except OSError:
+                    pass
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                log.warning("engine process did not exit in %.0f s; terminating it", timeout)
+                self.proc.terminate()
+                self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        self.alive = False
+        return self.proc.exitcode
+
+    # -- I/O threads -----------------------------------------------------------------------
+    def send(self, msg: m.Message) -> None:
+        self._outbox.put(msg)
+
+    def _write_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            batch = [msg]
+            while True:  # coalesce whatever is already queued into one frame
+                try:
+                    nxt = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._outbox.put(None)
+                    break
+                batch.append(nxt)
+            try:
+                self._tx_http.send_bytes(m.encode(batch))
+            except OSError:
+                return
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msgs = m.decode(self._rx_http.recv_bytes())
+            except (EOFError, OSError):
+                self._post(self._on_engine_gone)
+                return
+            self._post(self._dispatch, msgs)
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        assert self.loop is not None
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    def _dispatch(self, msgs: list[m.Message]) -> None:
+        for msg in msgs:
+            call_id = getattr(msg, "call_id", None)
+            if call_id is not None:
+                fut = self.calls.pop(call_id, None)
+                if fut is not None and not fut.done():
+                    if isinstance(msg, m.Error):
+                        fut.set_exception(APIError(msg.status, msg.message))
+                    else:
+                        fut.set_result(msg.value)  # type: ignore[union-attr]
+                continue
+            handle = self.handles.get(getattr(msg, "rid", None) or "")
+            if handle is not None:
+                handle.queue.put_nowait(msg)
+
+    def _on_engine_gone(self) -> None:
+        if self.alive:
+            log.error("the engine process is gone")
+        self.alive = False
+        err = m.Error(503, "the engine process is not running")
+        for handle in list(self.handles.values()):
+            handle.queue.put_nowait(m.Error(err.status, err.message, rid=handle.state.rid))
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(APIError(err.status, err.message))
+        self.calls.clear()
+
+    # -- API -------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise APIError(503, "the engine process is not running")
+
+    async def submit(self, req: m.GenerateReq) -> ReqHandle:
+        """Send a request; return once the engine accepted it (raises APIError otherwise)."""
+        self._check_alive()
+        if req.rid in self.handles:
+            raise APIError(400, f"a request with rid {req.rid!r} is already running", param="rid")
+        handle = ReqHandle(self, req.rid)
+        self.handles[req.rid] = handle
+        self.send(req)
+        try:
+            handle._apply(await handle.queue.get())  # the acceptance TokenOut, or an Error
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    async def call(self, msg_type: type, **kwargs: Any) -> Any:
+        self._check_alive()
+        assert self.loop is not None
+        call_id = next(self._call_ids)
+        fut = self.loop.create_future()
+        self.calls[call_id] = fut
+        self.send(msg_type(call_id=call_id, **kwargs))
+        try:
+            return await fut
+        finally:
+            self.calls.pop(call_id, None)
+
+
+async def submit_all(client: EngineClient, reqs: list[m.GenerateReq]) -> list[ReqHandle]:
+    """Submit several requests at once; if any is refused, abort the others and raise."""
+    results = await asyncio.gather(*(client.submit(r) for r in reqs), return_exceptions=True)
+    handles = [h for h in results if isinstance(h, ReqHandle)]
+    errors = [e for e in results if isinstance(e, BaseException)]
+    if errors:
+        for h in handles:
+            h.close()
+        raise errors[0]
+    return handles
+
+
+async def run_all(client: EngineClient, reqs: list[m.GenerateReq]) -> list[ReqState]:
+    """Run requests to completion; cancelling this aborts whatever is unfinished."""
+    handles = await submit_all(client, reqs)
+    try:
+        return [await h.result() for h in handles]
+    finally:
+        for h in handles:
+            h.close()
+
+
+async def merged_updates(handles: list[ReqHandle]) -> AsyncIterator[tuple[int, ReqState]]:
+    """Updates of several requests as they come: ``(index, state)``."""
+    inbox: asyncio.Queue[tuple[int, ReqState | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, h: ReqHandle) -> None:
+        try:
+            async for st in h.updates():
+                inbox.put_nowait((i, st))
+        except APIError as e:
+            inbox.put_nowait((i, e))
+        finally:
+            inbox.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        open_ = len(handles)
+        while open_:
+            i, item = await inbox.get()
+            if item is None:
+                open_ -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            h.close()

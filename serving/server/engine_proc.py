@@ -1,0 +1,254 @@
+"""The engine process: owns an EngineCore and runs its step loop.
+
+Started with multiprocessing ``spawn`` by :class:`serving.server.engine_client.EngineClient`.
+It talks over two one-way pipes (``multiprocessing.connection``): ``rx`` brings messages from
+the HTTP process, ``tx`` takes replies back. The loop:
+
+1. drain ``rx`` without blocking (block on it, with a timeout, only when there is no work);
+2. run one ``step()`` when the scheduler has work;
+3. send each live request's new token ids (and its finish) in one frame;
+4. close sessions idle for longer than ``session_idle_timeout_s``.
+
+Only token ids leave this process: detokenization happens in the HTTP process (see
+engine_client), so the step loop spends its time on forward passes, not on string work.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from serving.config import EngineConfig
+from serving.request import Req
+from serving.sampling_params import InvalidRequest
+from serving.server import messages as m
+from serving.server.config import ServerConfig
+
+log = logging.getLogger("hicache.engine")
+SESSION_SWEEP_S = 1.0
+
+
+@dataclass
+class _Live:
+    req: Req
+    sent: int = -1  # output ids already sent; -1: not even the acceptance TokenOut
+
+
+class EngineLoop:
+    def __init__(self, core: Any, rx: Connection, tx: Connection, server: ServerConfig) -> None:
+        self.core = core
+        self.rx, self.tx = rx, tx
+        self.idle_timeout = server.session_idle_timeout_s
+        self.live: dict[str, _Live] = {}
+        self.session_used: dict[str, float] = {}
+        self.out: list[m.Message] = []
+        self.running = True
+        self._next_sweep = time.monotonic() + SESSION_SWEEP_S
+
+    # -- loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.scheduler.has_work
+            try:
+                if busy or self.rx.poll(SESSION_SWEEP_S):
+                    while self.running and self.rx.poll(0):
+                        for msg in m.decode(self.rx.recv_bytes()):
+                            self.handle(msg)
+            except (EOFError, OSError):
+                log.info("HTTP process went away; engine exits")
+                return
+            if self.running and self.core.scheduler.has_work:
+                self._step()
+            self._collect()
+            self._sweep_sessions()
+            self.flush()
+
+    def _step(self) -> None:
+        try:
+            self.core.step()
+        except Exception:  # an engine bug: fail what is running, keep serving the rest
+            text = traceback.format_exc()
+            log.error("step failed:\n%s", text)
+            for rid in list(self.live):
+                self.core.scheduler.abort(rid)
+                self.out.append(m.Error(500, f"engine step failed: {text.splitlines()[-1]}", rid=rid))
+                self._forget(rid)
+
+    def _collect(self) -> None:
+        """Queue a TokenOut for every live request with news (new ids, finish, acceptance)."""
+        for rid, live in list(self.live.items()):
+            r = live.req
+            n = len(r.output_ids)
+            if n == live.sent and not r.finished:
+                continue
+            start = max(live.sent, 0)
+            self.out.append(
+                m.TokenOut(
+                    rid=rid,
+                    offset=start,
+                    new_ids=list(r.output_ids[start:n]),
+                    prompt_tokens=len(r.input_ids),
+                    cached_tokens=r.cached_tokens,
+                    cached_by_tier=dict(r.cached_by_tier),
+                    finish_reason=r.finish_reason,
+                )
+            )
+            live.sent = n
+            if r.finished:
+                self._forget(rid)
+
+    def flush(self) -> None:
+        if self.out:
+            frame, self.out = m.encode(self.out), []
+            try:
+                self.tx.send_bytes(frame)
+            except (BrokenPipeError, OSError):
+                self.running = False
+
+    def _forget(self, rid: str) -> None:
+        live = self.live.pop(rid, None)
+        if live is not None and live.req.session_id is not None:
+            self.session_used[live.req.session_id] = time.monotonic()
+
+    # -- messages --------------------------------------------------------------------------
+    def handle(self, msg: m.Message) -> None:
+        if isinstance(msg, m.GenerateReq):
+            self._generate(msg)
+        elif isinstance(msg, m.AbortReq):
+            if msg.rid in self.live:
+                self.core.scheduler.abort(msg.rid)
+                self._forget(msg.rid)  # the HTTP side stopped listening: nothing to send
+        elif isinstance(msg, m.Shutdown):
+            self.running = False
+        else:
+            self._call(msg)
+
+    def _generate(self, msg: m.GenerateReq) -> None:
+        if msg.rid in self.live:
+            self.out.append(m.Error(400, f"a request with rid {msg.rid!r} is already running", rid=msg.rid))
+            return
+        try:
+            req = self.core.make_request(
+                input_ids=msg.input_ids,
+                sampling_params=msg.sampling_params,
+                session_id=msg.session_id,
+                rid=msg.rid,
+            )
+            self.core.add(req)
+        except InvalidRequest as e:
+            self.out.append(m.Error(400, str(e), rid=msg.rid))
+            return
+        except KeyError as e:
+            self.out.append(m.Error(404, str(e.args[0]) if e.args else "not found", rid=msg.rid))
+            return
+        except OverflowError as e:
+            self.out.append(m.Error(429, str(e), rid=msg.rid))
+            return
+        except Exception as e:
+            log.exception("could not add request %s", msg.rid)
+            self.out.append(m.Error(500, f"could not add the request: {e}", rid=msg.rid))
+            return
+        self.live[msg.rid] = _Live(req)
+        if req.session_id is not None:
+            self.session_used[req.session_id] = time.monotonic()
+
+    def _call(self, msg: m.Message) -> None:
+        call_id = msg.call_id  # type: ignore[union-attr]
+        try:
+            value = self._call_value(msg)
+        except KeyError as e:
+            self.out.append(m.Error(404, str(e.args[0]) if e.args else "not found", call_id=call_id))
+        except Exception as e:
+            log.exception("call %s failed", type(msg).__name__)
+            self.out.append(m.Error(500, f"{type(msg).__name__} failed: {e}", call_id=call_id))
+        else:
+            self.out.append(m.Result(call_id, value))
+
+    def _call_value(self, msg: m.Message) -> Any:
+        core = self.core
+        if isinstance(msg, m.OpenSession):
+            sid = core.open_session(msg.session_id)
+            self.session_used[sid] = time.monotonic()
+            return sid
+        if isinstance(msg, m.CloseSession):
+            core.close_session(msg.session_id)
+            self.session_used.pop(msg.session_id, None)
+            return True
+        if isinstance(msg, m.FlushCache):
+            return core.flush_cache()
+        if isinstance(msg, m.CheckIntegrity):
+            try:
+                core.check_integrity()
+            except AssertionError as e:
+                return {"ok": False, "error": str(e) or traceback.format_exc(), **self.stats()}
+            return {"ok": True, **self.stats()}
+        if isinstance(msg, m.Stats):
+            return self.stats()
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def stats(self) -> dict[str, Any]:
+        s = self.core.scheduler.stats
+        alloc = self.core.runner.pool.allocator
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "cached_by_tier": dict(s.cached_by_tier),
+            "generated_tokens": s.generated_tokens,
+            "retractions": s.retractions,
+            "forward_passes": s.forward_passes,
+            "running": len(self.core.scheduler.running),
+            "waiting": len(self.core.scheduler.waiting),
+            "sessions": len(self.core.sessions),
+            "pages": {"device": {"total": alloc.num_pages, "used": alloc.num_used}},
+        }
+
+    # -- sessions --------------------------------------------------------------------------
+    def _sweep_sessions(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SESSION_SWEEP_S
+        busy = {live.req.session_id for live in self.live.values()}
+        for sid, used in list(self.session_used.items()):
+            if sid in busy or now - used < self.idle_timeout:
+                continue
+            self.session_used.pop(sid)
+            if sid in self.core.sessions:
+                log.info("session %s idle for %.0f s: closed", sid, now - used)
+                self.core.close_session(sid)
+
+
+def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
+    tok = core.tokenizer
+    return {
+        "model_path": config.model.model_path,
+        "tokenizer_path": (config.model.tokenizer_path or config.model.model_path) if tok else None,
+        "served_model_name": config.model.served_model_name or config.model.model_path,
+        "context_len": core.runner.context_len,
+        "vocab_size": core.runner.arch.vocab_size,
+        "page_size": config.cache.page_size,
+        "num_pages": core.runner.pool.allocator.num_pages,
+        "device": str(core.runner.device),
+        "dtype": str(core.runner.dtype).removeprefix("torch."),
+    }
+
+
+def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: Connection) -> None:
+    """Entry point of the spawned engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    try:
+        from serving.engine_core import EngineCore
+
+        core = EngineCore(config)
+    except Exception as e:
+        log.exception("engine failed to start")
+        tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
+        return
+    tx.send_bytes(m.encode([m.Ready(ready_info(core, config))]))
+    EngineLoop(core, rx, tx, server).run()

@@ -1,0 +1,90 @@
+"""Start the engine process, then uvicorn; stop both cleanly on SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from serving.server.app import create_app
+from serving.server.config import AppConfig
+from serving.server.context import ServerContext
+from serving.server.engine_client import EngineClient, EngineStartError
+from serving.server.metrics import ServerMetrics
+from serving.tokenizer import Tokenizer, has_tokenizer
+
+READY_MESSAGE = "The server is fired up and ready to roll!"
+log = logging.getLogger("hicache.server")
+
+
+class _Uvicorn(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn re-raises the signal after a graceful shutdown (so the exit status says
+        # "killed"); a SIGTERM'd HiCache server shuts down and exits 0 instead.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            print(READY_MESSAGE, flush=True)
+
+
+def _raise_interrupt(sig: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_server(cfg: AppConfig) -> int:
+    """Blocks until the server is stopped; returns the process exit status."""
+    level = cfg.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Until uvicorn installs its own handlers, SIGTERM interrupts the start like Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    metrics = ServerMetrics()
+    client = EngineClient(cfg.engine, cfg.server, metrics)
+    try:
+        client.spawn()
+        model = cfg.engine.model
+        tok_path = model.tokenizer_path or model.model_path
+        tokenizer = Tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        info = client.wait_ready()
+        log.info(
+            "engine ready: %s, context %d, %d KV pages of %d tokens",
+            info["model_path"],
+            info["context_len"],
+            info["num_pages"],
+            info["page_size"],
+        )
+        ctx = ServerContext(cfg.engine, cfg.server, client, tokenizer, metrics)
+        server = _Uvicorn(
+            uvicorn.Config(
+                create_app(ctx),
+                host=cfg.server.host,
+                port=cfg.server.port,
+                log_level=cfg.server.log_level,
+                access_log=cfg.server.log_level == "debug",
+                lifespan="on",
+                timeout_graceful_shutdown=cfg.server.graceful_shutdown_timeout_s,
+            )
+        )
+        signal.signal(signal.SIGTERM, previous)
+        server.run()
+        if not server.started:
+            return 1
+    except EngineStartError as e:
+        log.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        log.info("interrupted while starting")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        code = client.stop()
+        if code not in (0, None):
+            log.warning("engine process exited with code %s", code)
+    return 0 if code in (0, None) else 1

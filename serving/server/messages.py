@@ -1,0 +1,154 @@
+"""Typed messages between the HTTP process and the engine process, msgpack-encoded.
+
+One wire frame is a msgpack list of messages, each ``[tag, {field: value}]``; the engine
+process sends everything one step produced in a single frame.
+
+HTTP -> engine: GenerateReq, AbortReq, OpenSession, CloseSession, FlushCache, CheckIntegrity,
+Stats, Shutdown.  Engine -> HTTP: Ready (once, at start-up), TokenOut, Result, Error.
+
+Requests are matched by ``rid``; control calls (sessions, flush, integrity, stats) by
+``call_id``. TokenOut carries only the ids that are new since the previous TokenOut of that
+request (``offset`` says where they start): the HTTP side keeps the cumulative list, so a
+long generation does not resend its whole output every step. The first TokenOut of a request
+(``offset`` 0, maybe no ids) is sent as soon as the engine accepted it: the HTTP side waits
+for it, or for an Error, before it answers, so validation errors get a proper status even on
+streaming requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+# -- HTTP process -> engine process ---------------------------------------------------------
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    session_id: str | None = None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class OpenSession:
+    call_id: int
+    session_id: str | None = None
+
+
+@dataclass
+class CloseSession:
+    call_id: int
+    session_id: str
+
+
+@dataclass
+class FlushCache:
+    call_id: int
+
+
+@dataclass
+class CheckIntegrity:
+    call_id: int
+
+
+@dataclass
+class Stats:
+    call_id: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- engine process -> HTTP process ---------------------------------------------------------
+@dataclass
+class Ready:
+    info: dict[str, Any]  # model_path, served_model_name, context_len, vocab_size, page_size, ...
+
+
+@dataclass
+class TokenOut:
+    rid: str
+    offset: int  # number of output ids the HTTP side already has
+    new_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    finish_reason: dict[str, Any] | None = None  # SGLang's shape; None while running
+
+
+@dataclass
+class Result:
+    call_id: int
+    value: Any = None
+
+
+@dataclass
+class Error:
+    status: int  # the HTTP status the API layer answers with
+    message: str
+    rid: str | None = None
+    call_id: int | None = None
+
+
+Message = (
+    GenerateReq
+    | AbortReq
+    | OpenSession
+    | CloseSession
+    | FlushCache
+    | CheckIntegrity
+    | Stats
+    | Shutdown
+    | Ready
+    | TokenOut
+    | Result
+    | Error
+)
+
+_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        GenerateReq,
+        AbortReq,
+        OpenSession,
+        CloseSession,
+        FlushCache,
+        CheckIntegrity,
+        Stats,
+        Shutdown,
+        Ready,
+        TokenOut,
+        Result,
+        Error,
+    )
+}
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES.values()
+}
+
+
+def encode(msgs: list[Message]) -> bytes:
+    return msgpack.packb(
+        [[type(m).__name__, {k: getattr(m, k) for k in _FIELDS[type(m)]}] for m in msgs], use_bin_type=True
+    )
+
+
+def decode(frame: bytes) -> list[Message]:
+    out: list[Message] = []
+    for tag, fields in msgpack.unpackb(frame, raw=False, strict_map_key=False):
+        cls = _TYPES.get(tag)
+        if cls is None:
+            raise ValueError(f"unknown message type {tag!r}")
+        out.append(cls(**fields))
+    return out

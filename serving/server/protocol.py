@@ -1,0 +1,221 @@
+"""Request bodies: OpenAI chat / completions and SGLang's native /generate.
+
+Every model forbids unknown fields and does not coerce types (``"10"`` is not a number).
+Fields OpenAI defines but HiCache does not implement are accepted only with their neutral
+value (``n=1``, ``logprobs=false``, no tools ...) and rejected otherwise, with a message
+that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Strict = ConfigDict(extra="forbid", strict=True)
+Stop = str | list[str] | None
+
+
+class StrictModel(BaseModel):
+    model_config = Strict
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SGLangExtras(StrictModel):
+    """Sampling knobs SGLang accepts on its OpenAI routes, plus HiCache's session id."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    session_id: str | None = None
+
+
+class OpenAISampling(SGLangExtras):
+    model: str
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    stop: Stop = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> OpenAISampling:
+        if self.n not in (None, 1):
+            raise ValueError("n: only n=1 is supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        """SGLang-named sampling params (unset ones left to SamplingParams' defaults)."""
+        p: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        return {k: v for k, v in p.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _chat_unsupported(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs: not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError('response_format: only {"type": "text"} is supported')
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: tool calling is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs: not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: only best_of=1 is supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        self.prompt = check_prompt(self.prompt, "prompt")
+        return self
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def check_prompt(prompt: Any, name: str, kinds: str = "text+ids") -> list[str] | list[list[int]]:
+    """A string, token ids, or a non-empty list of either -> a list of prompts."""
+    if "text" in kinds:
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+    if "ids" in kinds and isinstance(prompt, list) and prompt:
+        if _is_ids(prompt):
+            return [list(prompt)]
+        if all(_is_ids(p) and p for p in prompt):
+            return [list(p) for p in prompt]
+    what = {
+        "text": "a string or a non-empty list of strings",
+        "ids": "a non-empty list of token ids (integers) or a list of such lists",
+        "text+ids": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    }
+    raise ValueError(f"{name}: must be {what[kinds]}")
+
+
+class GenerateRequest(StrictModel):
+    """SGLang's native /generate."""
+
+    text: Any = None
+    input_ids: Any = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    session_id: str | None = None
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    lora_path: None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if self.return_logprob or self.top_logprobs_num:
+            raise ValueError("return_logprob: not supported")
+        self.prompts  # noqa: B018 - validates
+        return self
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        if self.text is not None:
+            return check_prompt(self.text, "text", "text")
+        return check_prompt(self.input_ids, "input_ids", "ids")
+
+    @property
+    def batched(self) -> bool:
+        return isinstance(self.text, list) or (
+            isinstance(self.input_ids, list) and bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        )
+
+
+class OpenSessionRequest(StrictModel):
+    session_id: str | None = None
+    capacity_of_str_len: int | None = None  # SGLang's clients send it; sessions here are unbounded
+
+
+class CloseSessionRequest(StrictModel):
+    session_id: str
