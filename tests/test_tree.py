@@ -265,6 +265,11 @@ def test_load_back_all_or_nothing_and_threshold():
     t.device.free(hog)
     r = t.load_back(m)
     assert r.device_hit_tokens == 6
+    chain = r.last_device_node.path_to_root()[::-1]
+    assert [len(n.key) for n in chain] == [2, 4]  # two nodes (split by the first match)
+    (tr,) = t.take_transfers()
+    assert tr.kind == "load" and tr.src_pages == chain[0].host_pages + chain[1].host_pages
+    assert tr.dst_pages == r.device_pages == chain[0].device_pages + chain[1].device_pages
     t.finish_load(r.last_device_node)
     t.unlock(m9.last_device_node)
     t.check_integrity()
@@ -288,6 +293,38 @@ def test_load_back_evicts_other_nodes_and_stale_match():
     t.evict_host(100)
     with pytest.raises(StaleMatch):
         t.load_back(m)
+
+
+def test_insert_adopts_pages_on_l2_only_nodes():
+    t = make(dev=8, host=16, policy="write_back")
+    put(t, [1, 1, 2, 2, 3, 3])
+    t.evict_device(100)
+    t.take_transfers()
+    new = t.device.alloc(4)
+    # a request recomputed the L2-only prefix (e.g. below the load-back threshold)
+    assert t.insert([1, 1, 2, 2, 3, 3, 4, 4], new) == []
+    t.check_integrity()
+    m = t.match_prefix([1, 1, 2, 2, 3, 3, 4, 4])
+    assert m.device_pages == new and m.host_hit_tokens == 0
+    assert t.cached_pages("host") == 3  # the L2 copy stays
+    t.check_integrity()
+
+
+def test_split_keeps_locks_and_session_refs():
+    t = make(dev=16)
+    put(t, [1, 1, 2, 2, 3, 3])
+    t.open_session("s", now=0)
+    m = t.match_prefix([1, 1, 2, 2, 3, 3])
+    t.lock(m.last_device_node)
+    t.attach_session("s", m.last_device_node)
+    t.match_prefix([1, 1, 9, 9])  # splits the locked node
+    upper = t.match_prefix([1, 1]).last_device_node
+    assert (upper.lock_ref, upper.session_ref) == (1, 1)
+    t.check_integrity()
+    assert t.evict_device(100) == 0
+    t.unlock(m.last_device_node)
+    assert upper.lock_ref == 0
+    t.check_integrity()
 
 
 def test_evict_host_keeps_l1_resident_copies():
@@ -383,6 +420,17 @@ def test_check_integrity_catches_corruption():
     node.device_pages[0] = 7  # not allocated
     with pytest.raises(AssertionError):
         t.check_integrity()
+
+
+def test_from_config():
+    from hicache.config import CacheConfig
+
+    cfg = CacheConfig(
+        page_size=4, hicache_write_policy="write_back", eviction_policy="lfu", load_back_threshold=3
+    )
+    t = HiRadixTree.from_config(cfg, PageAllocator(8), PageAllocator(16))
+    assert t.page_size == 4 and t.load_back_threshold == 3
+    assert type(t.write_policy).__name__ == "WriteBack" and type(t.eviction_policy).__name__ == "LFU"
 
 
 def test_policy_registry_errors():

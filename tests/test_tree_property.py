@@ -278,6 +278,8 @@ TreeMachine.TestCase.settings = settings(
     max_examples=300,
     stateful_step_count=50,
     deadline=None,
+    derandomize=True,  # deterministic: same examples every run
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_tree_state_machine = TreeMachine.TestCase

@@ -18,6 +18,20 @@ tree operation and executes the transfers in the order given, and it must execut
 L1 page freed meanwhile: eviction frees L1 pages into the allocator immediately,
 right after emitting the backup that still reads them. ``load_back`` may reuse such
 a page as a load destination in the same operation; the order of the outbox covers it.
+Nodes being loaded report as L1 hits to later matches: their readers must be ordered
+after the load (same copy stream / event) like the request that started it.
+
+Typical request (scheduler)::
+
+    m = tree.match_prefix(tokens)
+    m = tree.load_back(m)                 # no-op unless m.host_hit_tokens > 0
+    tree.lock(m.last_device_node)
+    ... allocate the uncached pages (tree.evict_device(k) when short), prefill, decode ...
+    dup = tree.insert(tokens_with_output, m.device_pages + new_pages)
+    allocator.free(dup)
+    tree.unlock(m.last_device_node)
+    tree.finish_load(node) once the controller reports the load done (if one was started)
+    transfers = tree.take_transfers()     # after every call above that may emit
 """
 
 from __future__ import annotations
