@@ -81,7 +81,7 @@ class EngineCore:
     def open_session(self, session_id: str | None = None) -> str:
         sid = session_id or uuid.uuid4().hex
         if sid not in self.sessions:
-            self.tree.session_open(sid)
+            self.tree.open_session(sid)
             self.sessions.add(sid)
         return sid
 
@@ -89,7 +89,7 @@ class EngineCore:
         if session_id not in self.sessions:
             raise KeyError(f"unknown session_id {session_id!r}")
         self.sessions.discard(session_id)
-        self.tree.session_close(session_id)
+        self.tree.close_session(session_id)
 
     # -- maintenance ----------------------------------------------------------------------
     def flush_cache(self) -> bool:

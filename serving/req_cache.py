@@ -7,12 +7,13 @@ consistent with it and hands tier moves to the cache controller.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from hicache.hiradix import HiRadixTree, MatchResult
+from hicache.hiradix import HiRadixTree, MatchResult, Transfer
 from hicache.tiers.allocator import PageAllocator
 from serving.request import Req
 
-TransferSink = Callable[[list], None]
+TransferSink = Callable[[list[Transfer]], "Future | None"]
 
 
 class ReqCache:
@@ -23,14 +24,15 @@ class ReqCache:
         self.tree = tree
         self.allocator = allocator
         self.page_size = page_size
-        self._run_transfers = run_transfers or (lambda transfers: None)
+        self._run_transfers = run_transfers
 
     # -- moving data -----------------------------------------------------------------
-    def flush_transfers(self) -> None:
-        """Execute the tree's pending tier moves before any freed page is reused."""
+    def flush_transfers(self) -> Future | None:
+        """Execute the tree's pending tier moves (in order) before any freed page is reused."""
         transfers = self.tree.take_transfers()
-        if transfers:
-            self._run_transfers(transfers)
+        if transfers and self._run_transfers is not None:
+            return self._run_transfers(transfers)
+        return None
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` L1 pages, evicting unlocked cached pages if needed; None if impossible."""
@@ -43,30 +45,47 @@ class ReqCache:
         return self.allocator.alloc(n)
 
     # -- request life cycle ----------------------------------------------------------
+    def peek_prefix_len(self, req: Req) -> int:
+        return self.tree.peek_prefix_len(req.fill_ids[: req.seq_len - 1])
+
     def match(self, req: Req) -> MatchResult:
         # Leave at least one token to compute: its logits give the next token.
         return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
 
     def admit(self, req: Req, match: MatchResult) -> None:
-        """Lock the matched prefix and take its pages as the request's first pages."""
-        pages = list(match.device_pages)
-        node = match.last_device_node
+        """Lock the matched prefix (loading its L2 part back to L1) and take its pages
+        as the request's first pages. A load runs in the background: the request is
+        ``loading`` until :meth:`poll_load` sees it done."""
+        m = match
         if match.host_hit_tokens > 0:
-            loaded = self.tree.load_back(match)
-            self.flush_transfers()
-            if loaded is not None and len(loaded) > len(pages):
-                pages = list(loaded)
-                node = match.last_host_node
-        self.tree.lock(node)
-        req.lock_node = node
-        req.pages = pages
-        req.tree_pages = len(pages)
-        req.kv_len = len(pages) * self.page_size
+            m = self.tree.load_back(match)
+            future = self.flush_transfers()
+            if m is not match:
+                req.load_node = m.last_device_node
+                req.load_future = future
+        self.tree.lock(m.last_device_node)
+        req.lock_node = m.last_device_node
+        req.pages = list(m.device_pages)
+        req.tree_pages = len(req.pages)
+        req.kv_len = req.tree_pages * self.page_size
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = req.kv_len
             device = match.device_hit_tokens
             req.cached_by_tier = {"device": device, "host": req.kv_len - device, "storage": 0}
+
+    def poll_load(self, req: Req, wait: bool = False) -> bool:
+        """True when the request's load-back (if any) has finished and is committed."""
+        if req.load_node is None:
+            return True
+        if req.load_future is not None:
+            if not wait and not req.load_future.done():
+                return False
+            req.load_future.result()
+        self.tree.finish_load(req.load_node)
+        req.load_node = None
+        req.load_future = None
+        return True
 
     def reserve(self, req: Req, upto_len: int) -> bool:
         """Make ``req.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
@@ -82,6 +101,7 @@ class ReqCache:
     def release(self, req: Req) -> None:
         """Give the request's pages back: full computed pages go into the tree (cached,
         unlocked), the rest to the free list. The request keeps its tokens."""
+        self.poll_load(req, wait=True)
         if req.lock_node is None and not req.pages:
             return
         full = req.kv_len // self.page_size
@@ -90,9 +110,9 @@ class ReqCache:
         to_free = list(dup) + req.pages[full:]
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
-        if req.session_id is not None and full:
+        if req.session_id is not None and full and req.session_id in self.tree.sessions:
             node = self.tree.match_prefix(tokens).last_device_node
-            self.tree.session_attach(req.session_id, node)
+            self.tree.attach_session(req.session_id, node)
         self.flush_transfers()
         if to_free:
             self.allocator.free(to_free)

@@ -21,6 +21,8 @@ class Req:
     tree_pages: int = 0  # leading pages owned by the tree (the locked matched prefix)
     kv_len: int = 0  # tokens of fill_ids whose KV is in pages
     lock_node: Any = None  # tree node locked for this request (None: nothing locked)
+    load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
+    load_future: Any = None  # the controller's future for that load
     # reporting
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
     cached_by_tier: dict[str, int] = field(default_factory=dict)

@@ -140,7 +140,8 @@ class Scheduler:
 
     # -- decode reservation and retraction ------------------------------------------------
     def _reserve_decode(self) -> list[Req]:
-        decode = [r for r in self.running if not r.prefilling and r.kv_len == r.seq_len - 1]
+        decode = [r for r in self.running
+                  if not r.prefilling and r.kv_len == r.seq_len - 1 and self.cache.poll_load(r)]
         ready: list[Req] = []
         for r in decode:
             if r not in self.running:  # retracted below to make room for an earlier one
@@ -175,7 +176,9 @@ class Scheduler:
         budget = self._budget()
         chunks: list[tuple[Req, int]] = []
         for r in [r for r in self.running if r.prefilling]:
-            # a partly prefilled request continues first
+            # a partly prefilled request continues first (once its load-back is done)
+            if not self.cache.poll_load(r):
+                continue
             n = min(r.seq_len - r.kv_len, budget)
             if n <= 0 or not self.cache.reserve(r, r.kv_len + n):
                 continue
@@ -196,12 +199,14 @@ class Scheduler:
                 if first:
                     r.admitted = False
                 break
+            self.waiting.remove(r)
+            self.running.append(r)
             if first:
                 self.stats.cached_tokens += r.cached_tokens
                 for tier, v in r.cached_by_tier.items():
                     self.stats.cached_by_tier[tier] += v
-            self.waiting.remove(r)
-            self.running.append(r)
+            if not self.cache.poll_load(r):
+                continue  # runs once its L2 -> L1 copy is in; the budget stays free meanwhile
             chunks.append((r, n))
             budget -= n
         return chunks

@@ -136,6 +136,24 @@ class HiRadixTree(TieringMixin):
         dev_tokens = len(dev_pages) * self.page_size
         return MatchResult(dev_pages, dev_tokens, pos - dev_tokens, 0, dev_node, host_node)
 
+    def peek_prefix_len(self, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens`` cached on L1 or L2, without touching the tree (no split,
+        no hit counts, no backups): for ordering a waiting queue."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            end = pos + len(child.key)
+            if end <= n and tokens[pos:end] == child.key:
+                node, pos = child, end
+                continue
+            return pos + self._common(child.key, tokens, pos, n)
+        return pos
+
     def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
         """Insert the full pages of ``tokens`` held in L1 pages ``device_pages``.
 
