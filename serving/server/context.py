@@ -18,6 +18,8 @@ from serving.server.errors import APIError
 from serving.server.metrics import ServerMetrics
 from serving.tokenizer import Tokenizer
 
+GREEDY_EPS = 1e-6
+
 
 @dataclass
 class ServerContext:
@@ -66,6 +68,7 @@ class ServerContext:
         session_id: str | None,
         rid: str | None = None,
         param_name: str = "max_tokens",
+        prompt_param: str = "input_ids",
     ) -> m.GenerateReq:
         """Check what can be checked here (the engine checks the rest) and build the message."""
         try:
@@ -74,6 +77,13 @@ class ServerContext:
             raise APIError(400, str(e)) from None
         except TypeError as e:
             raise APIError(400, f"invalid sampling parameters: {e}") from None
+        if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:
+            raise APIError(400, "seed must fit in 64 bits", param="seed")
+        if 0 < sp.temperature < GREEDY_EPS:  # SGLang's rule: a vanishing temperature is greedy
+            params = {**params, "temperature": 0.0}
+        vocab = int(self.info["vocab_size"])
+        if any(not 0 <= t < vocab for t in input_ids):
+            raise APIError(400, f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
         n = len(input_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty")

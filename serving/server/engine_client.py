@@ -119,7 +119,7 @@ class EngineClient:
         self.handles: dict[str, ReqHandle] = {}
         self.calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
-        self._outbox: queue.SimpleQueue[m.Message | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.alive = False
         self.started_at = time.time()
@@ -171,6 +171,7 @@ class EngineClient:
         """Ask the engine process to exit, wait for it, kill it if it does not. Returns its exit code."""
         if self.proc is None:
             return None
+        self.alive = False
         if self.proc.is_alive():
             if self.loop is not None:
                 self.send(m.Shutdown())
@@ -193,7 +194,12 @@ class EngineClient:
 
     # -- I/O threads -----------------------------------------------------------------------
     def send(self, msg: m.Message) -> None:
-        self._outbox.put(msg)
+        """Queue a message for the engine (packed here, so a bad value fails in the caller)."""
+        try:
+            data = m.pack(msg)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise APIError(400, f"a value in the request cannot be encoded: {e}") from None
+        self._outbox.put(data)
 
     def _write_loop(self) -> None:
         while True:
@@ -211,7 +217,7 @@ class EngineClient:
                     break
                 batch.append(nxt)
             try:
-                self._tx_http.send_bytes(m.encode(batch))
+                self._tx_http.send_bytes(b"".join(batch))
             except OSError:
                 return
 
@@ -248,7 +254,7 @@ class EngineClient:
 
     def _on_engine_gone(self) -> None:
         if self.alive:
-            log.error("the engine process is gone")
+            log.warning("the engine process is gone")
         self.alive = False
         err = m.Error(503, "the engine process is not running")
         for handle in list(self.handles.values()):
@@ -270,8 +276,8 @@ class EngineClient:
             raise APIError(400, f"a request with rid {req.rid!r} is already running", param="rid")
         handle = ReqHandle(self, req.rid)
         self.handles[req.rid] = handle
-        self.send(req)
         try:
+            self.send(req)
             handle._apply(await handle.queue.get())  # the acceptance TokenOut, or an Error
         except BaseException:
             handle.close()

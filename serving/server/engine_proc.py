@@ -250,5 +250,11 @@ def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: 
         log.exception("engine failed to start")
         tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
         return
+    loop = EngineLoop(core, rx, tx, server)
+
+    def _stop(sig: int, frame: Any) -> None:  # e.g. SIGTERM sent to the whole process group
+        loop.running = False
+
+    signal.signal(signal.SIGTERM, _stop)
     tx.send_bytes(m.encode([m.Ready(ready_info(core, config))]))
-    EngineLoop(core, rx, tx, server).run()
+    loop.run()

@@ -1,7 +1,8 @@
 """Typed messages between the HTTP process and the engine process, msgpack-encoded.
 
-One wire frame is a msgpack list of messages, each ``[tag, {field: value}]``; the engine
-process sends everything one step produced in a single frame.
+One wire frame is a run of concatenated msgpack objects, one per message, each
+``[tag, {field: value}]``; the engine process sends everything one step produced in a single
+frame, and the HTTP side coalesces what queued up while its writer was busy.
 
 HTTP -> engine: GenerateReq, AbortReq, OpenSession, CloseSession, FlushCache, CheckIntegrity,
 Stats, Shutdown.  Engine -> HTTP: Ready (once, at start-up), TokenOut, Result, Error.
@@ -138,15 +139,22 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 }
 
 
-def encode(msgs: list[Message]) -> bytes:
+def pack(msg: Message) -> bytes:
+    """One message as msgpack bytes; raises (TypeError / OverflowError) on unencodable values."""
     return msgpack.packb(
-        [[type(m).__name__, {k: getattr(m, k) for k in _FIELDS[type(m)]}] for m in msgs], use_bin_type=True
+        [type(msg).__name__, {k: getattr(msg, k) for k in _FIELDS[type(msg)]}], use_bin_type=True
     )
+
+
+def encode(msgs: list[Message]) -> bytes:
+    return b"".join(pack(msg) for msg in msgs)
 
 
 def decode(frame: bytes) -> list[Message]:
     out: list[Message] = []
-    for tag, fields in msgpack.unpackb(frame, raw=False, strict_map_key=False):
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(frame)
+    for tag, fields in unpacker:
         cls = _TYPES.get(tag)
         if cls is None:
             raise ValueError(f"unknown message type {tag!r}")

@@ -135,7 +135,9 @@ async def completions(request: Request) -> Any:
     reqs = []
     for prompt in body.prompt:
         ids = ctx.encode(prompt) if isinstance(prompt, str) else prompt
-        reqs.append(ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id))
+        reqs.append(
+            ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt")
+        )
     head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": body.model}
     if not body.stream:
         states = await unless_disconnected(request, run_all(ctx.client, reqs))

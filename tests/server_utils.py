@@ -1,0 +1,114 @@
+"""Run a real ``hicache serve`` subprocess on a free port for end-to-end tests."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = "The server is fired up and ready to roll!"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port), "--enable-debug-endpoints"]
+        if api_key:
+            self.args += ["--api-key", api_key]
+        self.lines: collections.deque[str] = collections.deque(maxlen=400)
+        self.ready = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.strip() == READY:
+                self.ready.set()
+
+    def start(self, timeout: float = 120.0) -> None:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serving.cli", "serve", *self.args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+        assert httpx.get(self.url + "/health", timeout=10).status_code == 200
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM; returns the exit status (0 for a clean shutdown of both processes)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"server did not stop within {timeout} s:\n{self.log()}") from None
+        return self.proc.returncode
+
+    def check_integrity(self, settle_s: float = 10.0) -> dict:
+        """The engine's integrity check, once no request is running or waiting (aborts are async)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            r = httpx.post(self.url + "/debug/check_integrity", headers=self.headers, timeout=30)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            if (body["running"] == 0 and body["waiting"] == 0) or time.monotonic() > deadline:
+                return body
+            time.sleep(0.1)
+
+
+@contextmanager
+def running_server(args: list[str], api_key: str | None = None) -> Iterator[ServerProcess]:
+    """Start a server, yield it, stop it with SIGTERM and assert it exited cleanly."""
+    server = ServerProcess(args, api_key)
+    server.start()
+    try:
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, f"server exited with {code}:\n{server.log()}"
+    assert "Traceback" not in server.log(), server.log()

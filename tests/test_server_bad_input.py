@@ -1,0 +1,179 @@
+"""Bad input never takes the server down: each case gets a 4xx that says what is wrong,
+the server stays healthy, and no KV page leaks (tiny random model, API key on)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess, running_server
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+LIMIT = 200_000  # --max-request-bytes
+CONTEXT = 256  # --context-length
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: Path) -> ServerProcess:
+    args = [
+        "--model-path",
+        str(tiny_chat_model),
+        "--context-length",
+        str(CONTEXT),
+        "--max-total-tokens",
+        "2048",
+        "--max-request-bytes",
+        str(LIMIT),
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+    ]
+    with running_server(args, api_key=KEY) as s:
+        yield s
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+def comp(**kw: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def gen(**kw: Any) -> dict[str, Any]:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 2}, **kw}
+
+
+C, P, G = "/v1/chat/completions", "/v1/completions", "/generate"
+# (path, body: dict = JSON / bytes = raw, status, a word the message must contain)
+CASES: list[tuple[str, Any, int, str]] = [
+    (C, b'{"model": "m", "messages": [', 400, "JSON"),
+    (C, b'{"model": "m\xff\xfe", "messages": []}', 400, "UTF-8"),
+    (C, b"", 400, "empty"),
+    (C, b"[1, 2]", 400, "object"),
+    (C, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "NaN"),
+    (C, {"model": "m", "messages": "hello"}, 400, "messages"),
+    (C, {"model": "m", "messages": []}, 400, "messages"),
+    (C, {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    (C, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
+    (C, chat(messages=[{"role": "user", "content": 42}]), 400, "content"),
+    (
+        C,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "type",
+    ),
+    (C, chat(max_tokens=-1), 400, "max_tokens"),
+    (C, chat(max_tokens=10**9), 400, "max_tokens"),
+    (C, chat(max_tokens=10**30), 400, "max_tokens"),
+    (C, chat(max_tokens="10"), 400, "max_tokens"),
+    (C, chat(max_tokens=True), 400, "max_tokens"),
+    (C, chat(max_completion_tokens=CONTEXT), 400, "max_completion_tokens"),
+    (C, chat(foo=1), 400, "foo"),
+    (C, chat(n=2), 400, "n=1"),
+    (C, chat(temperature=-1), 400, "temperature"),
+    (C, chat(temperature="hot"), 400, "temperature"),
+    (C, chat(top_p=0), 400, "top_p"),
+    (C, chat(top_p=1.5), 400, "top_p"),
+    (C, chat(stop=5), 400, "stop"),
+    (C, chat(stop=["ok", 3]), 400, "stop"),
+    (C, chat(seed=1.5), 400, "seed"),
+    (C, chat(top_k=0), 400, "top_k"),
+    (C, chat(frequency_penalty=3), 400, "frequency_penalty"),
+    (C, chat(logprobs=True), 400, "logprobs"),
+    (C, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (C, chat(stream="yes"), 400, "stream"),
+    (C, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (C, chat(session_id="no-such-session"), 404, "session"),
+    (C, chat(session_id="no-such-session", stream=True), 404, "session"),
+    (C, chat(messages=[{"role": "user", "content": "hello " * 400}]), 400, "context length"),
+    (P, comp(prompt="hello " * 400), 400, "context length"),
+    (P, comp(prompt=[]), 400, "prompt"),
+    (P, comp(prompt=["a", 1]), 400, "prompt"),
+    (P, comp(prompt=[1, 2, 10**6]), 400, "token ids"),
+    (P, comp(prompt=[1, 2, 10**30]), 400, "token ids"),
+    (P, comp(echo=True), 400, "echo"),
+    (P, comp(best_of=3), 400, "best_of"),
+    (P, comp(prompt=""), 400, "empty"),
+    (G, {"text": "hi", "input_ids": [1, 2]}, 400, "exactly one"),
+    (G, {"sampling_params": {"max_new_tokens": 2}}, 400, "exactly one"),
+    (G, {"input_ids": [1, -5]}, 400, "input_ids"),
+    (G, {"input_ids": [1, 49152]}, 400, "input_ids"),
+    (G, {"input_ids": "1 2 3"}, 400, "input_ids"),
+    (G, gen(sampling_params={"max_new_tokens": 2, "beam_width": 4}), 400, "beam_width"),
+    (G, gen(sampling_params={"max_new_tokens": -1}), 400, "max_new_tokens"),
+    (G, gen(sampling_params={"max_new_tokens": 2, "stop_token_ids": 5}), 400, "stop_token_ids"),
+    (G, gen(sampling_params={"max_new_tokens": 2, "seed": 2**70}), 400, "seed"),
+    (G, gen(sampling_params=[1, 2]), 400, "sampling_params"),
+    (G, gen(session_id="nope"), 404, "session"),
+    (G, gen(text=["a", "b"], stream=True), 400, "single prompt"),
+    (G, gen(return_logprob=True), 400, "logprob"),
+    ("/close_session", {"session_id": "nope"}, 404, "session"),
+    ("/close_session", {}, 400, "session_id"),
+    ("/open_session", {"session_id": 7}, 400, "session_id"),
+    ("/no/such/route", {}, 404, "route"),
+]
+
+
+def post(
+    server: ServerProcess, path: str, body: Any, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    hdrs = {**server.headers, "content-type": "application/json", **(headers or {})}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers=hdrs, timeout=30)
+
+
+def assert_error(r: httpx.Response, status: int, word: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert word.lower() in err["message"].lower(), err["message"]
+
+
+@pytest.mark.parametrize("path,body,status,word", CASES, ids=[f"{i}" for i in range(len(CASES))])
+def test_bad_input(server: ServerProcess, path: str, body: Any, status: int, word: str) -> None:
+    assert_error(post(server, path, body), status, word)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_oversize_body(server: ServerProcess) -> None:
+    big = chat(messages=[{"role": "user", "content": "x" * (LIMIT + 10)}])
+    assert_error(post(server, C, big), 413, "limit")
+
+
+def test_auth(server: ServerProcess) -> None:
+    r = httpx.post(server.url + C, json=chat(), timeout=30)
+    assert_error(r, 401, "API key")
+    assert_error(post(server, C, chat(), headers={"Authorization": "Bearer wrong"}), 401, "API key")
+    assert httpx.get(server.url + "/health").status_code == 200  # open without the key
+
+
+def test_wrong_method(server: ServerProcess) -> None:
+    r = httpx.get(server.url + C, headers=server.headers)
+    assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_queue_full_is_429(server: ServerProcess) -> None:
+    """One running, one waiting: a third concurrent request finds the queue full."""
+    body = gen(sampling_params={"max_new_tokens": 60, "ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        codes = sorted(f.result().status_code for f in [pool.submit(post, server, G, body) for _ in range(4)])
+    assert 429 in codes and codes[0] == 200, codes
+    r = post(server, G, body)  # all done: accepted again
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 60
+
+
+def test_still_healthy_and_nothing_leaked(server: ServerProcess) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    ok = post(server, G, gen())
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+    report = server.check_integrity()
+    assert report["ok"], report
+    assert report["running"] == 0 and report["waiting"] == 0

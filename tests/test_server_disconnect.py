@@ -1,0 +1,102 @@
+"""Clients that go away: their requests are aborted in the engine and their pages released."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess, running_server
+
+pytestmark = pytest.mark.slow
+KEEP_TOKENS = 24
+DROP_TOKENS = 400  # far more than a dropped stream reads before it goes away
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: Path) -> ServerProcess:
+    args = [
+        "--model-path",
+        str(tiny_chat_model),
+        "--max-total-tokens",
+        "16384",
+        "--max-running-requests",
+        "32",
+    ]
+    with running_server(args) as s:
+        yield s
+
+
+async def _stream(client: httpx.AsyncClient, i: int, drop: bool) -> dict | None:
+    body = {
+        "text": f"stream number {i}: tell me a long story",
+        "sampling_params": {
+            "max_new_tokens": DROP_TOKENS if drop else KEEP_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "seed": i,
+        },
+        "stream": True,
+    }
+    last = None
+    async with client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[len("data: ") :])
+            if drop and len(last["output_ids"]) >= 3:
+                return None  # leaving the block closes the connection mid-stream
+    return last
+
+
+def test_twenty_streams_half_dropped(server: ServerProcess) -> None:
+    before = server.check_integrity()
+
+    async def main() -> list[dict | None]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(*(_stream(client, i, drop=i % 2 == 1) for i in range(20)))
+
+    results = asyncio.run(main())
+    kept = [r for i, r in enumerate(results) if i % 2 == 0]
+    for r in kept:
+        assert r is not None and len(r["output_ids"]) == KEEP_TOKENS
+        assert r["meta_info"]["finish_reason"] == {"type": "length", "length": KEEP_TOKENS}
+    after = server.check_integrity()  # waits until nothing runs: the dropped ones were aborted
+    assert after["ok"], after
+    assert after["running"] == 0 and after["waiting"] == 0
+    generated = after["generated_tokens"] - before["generated_tokens"]
+    assert generated < 10 * KEEP_TOKENS + 10 * DROP_TOKENS // 2, generated
+
+
+def test_dropped_chat_stream_and_non_stream_requests(server: ServerProcess) -> None:
+    before = server.check_integrity()
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": DROP_TOKENS,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 6:
+                break
+    for path, body in (
+        ("/v1/chat/completions", chat),
+        (
+            "/generate",
+            {"text": "hello", "sampling_params": {"max_new_tokens": DROP_TOKENS, "ignore_eos": True}},
+        ),
+    ):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up before the answer
+            httpx.post(server.url + path, json=body, timeout=0.3)
+    after = server.check_integrity()
+    assert after["ok"] and after["running"] == 0 and after["waiting"] == 0, after
+    assert after["generated_tokens"] - before["generated_tokens"] < 3 * DROP_TOKENS
+    assert httpx.get(server.url + "/health").status_code == 200
