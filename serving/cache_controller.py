@@ -16,7 +16,7 @@ import torch
 from hicache.hiradix import Transfer
 from hicache.tiers.device import DeviceKVPool
 from hicache.tiers.host import HostKVPool
-from serving.kernels.page_copy import device_to_host, host_to_device
+from serving.kernels.page_copy import PageMover
 
 
 class CacheController:
@@ -26,6 +26,8 @@ class CacheController:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
         self._stream = torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
         self._lock = threading.Lock()
+        self._backup_mover = PageMover(device_pool.kv_buffer, host_pool)
+        self._load_mover = PageMover(device_pool.kv_buffer, host_pool)
         self.pages_backed_up = 0
         self.pages_loaded = 0
 
@@ -36,7 +38,7 @@ class CacheController:
             if t.kind == "backup":
                 if last is not None:  # keep order with an earlier load in this batch
                     last.result()
-                device_to_host(self.device_pool.kv_buffer, self.host_pool, t.src_pages, t.dst_pages)
+                self._backup_mover.device_to_host(t.src_pages, t.dst_pages)
                 self.pages_backed_up += len(t.src_pages)
             else:
                 last = self._loader.submit(self._load, t)
@@ -45,11 +47,10 @@ class CacheController:
     def _load(self, t: Transfer) -> None:
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                host_to_device(self.host_pool, self.device_pool.kv_buffer, t.src_pages, t.dst_pages,
-                               non_blocking=True)
+                self._load_mover.host_to_device(t.src_pages, t.dst_pages, non_blocking=True)
             self._stream.synchronize()
         else:
-            host_to_device(self.host_pool, self.device_pool.kv_buffer, t.src_pages, t.dst_pages)
+            self._load_mover.host_to_device(t.src_pages, t.dst_pages)
         with self._lock:
             self.pages_loaded += len(t.src_pages)
 

@@ -100,4 +100,6 @@ class Engine:
         self.core.check_integrity()
 
     def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()
         self.core = None  # type: ignore[assignment]

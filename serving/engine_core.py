@@ -11,6 +11,8 @@ import uuid
 from typing import Any
 
 from hicache.hiradix import HiRadixTree
+from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
+from serving.cache_controller import CacheController
 from serving.config import EngineConfig
 from serving.model_runner import ModelRunner
 from serving.req_cache import ReqCache
@@ -30,16 +32,19 @@ class EngineCore:
         tok_path = config.model.tokenizer_path or config.model.model_path
         self.tokenizer = Tokenizer(tok_path) if has_tokenizer(tok_path) else None
         pool = self.runner.pool
-        self.tree = HiRadixTree(
-            page_size=config.cache.page_size,
-            device=pool.allocator,
-            host=None,
-            write_policy=config.cache.hicache_write_policy,
-            write_through_threshold=config.cache.write_through_threshold,
-            load_back_threshold=config.cache.load_back_threshold,
-            eviction_policy=config.cache.eviction_policy,
-        )
-        self.req_cache = ReqCache(self.tree, pool.allocator, config.cache.page_size)
+        cache = config.cache
+        self.host_pool: HostKVPool | None = None
+        self.controller: CacheController | None = None
+        if cache.host_enabled:
+            n = host_num_pages(pool.num_pages, pool.bytes_per_page, cache.hicache_ratio, cache.hicache_size)
+            self.host_pool = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size)
+            self.controller = CacheController(pool, self.host_pool)
+            log.info("L2 host pool: %d pages, %s (%.2f GiB)", n, cache.hicache_mem_layout,
+                     self.host_pool.nbytes() / 2**30)
+        self.tree = HiRadixTree.from_config(
+            cache, pool.allocator, self.host_pool.allocator if self.host_pool else None)
+        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size,
+                                  self.controller.execute if self.controller else None)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.scheduler = Scheduler(
@@ -101,3 +106,9 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages())
         self.runner.pool.allocator.check_integrity()
+        if self.host_pool is not None:
+            self.host_pool.allocator.check_integrity()
+
+    def shutdown(self) -> None:
+        if self.controller is not None:
+            self.controller.shutdown()

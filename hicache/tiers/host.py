@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 
 import torch
@@ -15,9 +16,9 @@ class HostKVPool(ABC):
 
     Contract:
     - Page ids come from ``self.allocator`` (owned by the tree's L2 bookkeeping).
-    - ``page_view(ids)`` / ``write_pages(ids, kv)`` exchange pages in the device pool's
-      order ``[2, layers, n, page_size, kv_heads, head_dim]``; the layout only changes
-      how bytes sit in host memory.
+    - ``read_pages(ids)`` / ``write_pages(ids, kv)`` exchange pages in the device pool's
+      order, flattened: ``[2 * layers, n, page_size * kv_heads * head_dim]``; the layout
+      only changes how bytes sit in host memory.
     - Not thread-safe for overlapping page ids: the cache controller never copies into a
       page that another copy is reading (the tree hands out disjoint pages).
     """
@@ -39,55 +40,77 @@ class HostKVPool(ABC):
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    @property
+    def rows(self) -> int:
+        """K and V of every layer: ``2 * layers`` rows of one page each."""
+        return 2 * self.layout.num_layers
+
+    @property
+    def row_elems(self) -> int:
+        """Elements in one layer's K (or V) of one page: ``page_size * kv_heads * head_dim``."""
+        return self.page_size * self.layout.num_kv_heads * self.layout.head_dim
+
     @abstractmethod
     def _shape(self) -> tuple[int, ...]: ...
 
     @abstractmethod
-    def read_pages(self, ids: torch.Tensor) -> torch.Tensor:
-        """Gather pages ``ids`` as ``[2, layers, n, page_size, kv_heads, head_dim]``."""
+    def read_pages(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather pages ``ids`` as ``[2 * layers, n, row_elems]`` (into ``out`` when given)."""
 
     @abstractmethod
     def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
-        """Scatter ``kv`` (device order, see above) into pages ``ids``."""
+        """Scatter ``kv`` of ``[2 * layers, n, row_elems]`` into pages ``ids``."""
 
     def page_bytes(self, page: int) -> bytes:
         """One page as bytes, layers included (what goes to L3 as one value)."""
-        return self.read_pages(torch.tensor([page])).contiguous().numpy().tobytes()
+        return self.read_pages(torch.tensor([page])).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 class LayerFirstHostPool(HostKVPool):
-    """``[2, layers, pages, page_size, heads, dim]``: the device pool's own layout."""
+    """``[2 * layers, pages, row_elems]``: the device pool's own layout."""
 
     layout_name = "layer_first"
 
     def _shape(self) -> tuple[int, ...]:
-        lay = self.layout
-        return (2, lay.num_layers, self.num_pages, self.page_size, lay.num_kv_heads, lay.head_dim)
+        return (self.rows, self.num_pages, self.row_elems)
 
-    def read_pages(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.buffer.index_select(2, ids)
+    def read_pages(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.index_select(self.buffer, 1, ids, out=out) if out is not None else \
+            self.buffer.index_select(1, ids)
 
     def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
-        self.buffer.index_copy_(2, ids, kv)
+        self.buffer.index_copy_(1, ids, kv)
 
 
 class PageFirstHostPool(HostKVPool):
-    """``[pages, 2, layers, page_size, heads, dim]``: a whole page (all layers, K and V)
-    is contiguous, ready to be stored in L3 as one value."""
+    """``[pages, 2 * layers, row_elems]``: a whole page (all layers, K and V) is
+    contiguous, ready to be stored in L3 as one value."""
 
     layout_name = "page_first"
 
-    def _shape(self) -> tuple[int, ...]:
-        lay = self.layout
-        return (self.num_pages, 2, lay.num_layers, self.page_size, lay.num_kv_heads, lay.head_dim)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._local = threading.local()  # one staging buffer per thread (backups and loads overlap)
 
-    def read_pages(self, ids: torch.Tensor) -> torch.Tensor:
-        # [n, 2, L, ps, H, D] -> [2, L, n, ps, H, D]
-        return self.buffer.index_select(0, ids).permute(1, 2, 0, 3, 4, 5)
+    def _stage(self, n: int) -> torch.Tensor:
+        need = n * self.rows * self.row_elems
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < need:
+            buf = self._local.buf = torch.empty(need, dtype=self.layout.dtype)
+        return buf[:need].view(n, self.rows, self.row_elems)
+
+    def _shape(self) -> tuple[int, ...]:
+        return (self.num_pages, self.rows, self.row_elems)
+
+    def read_pages(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        pages = torch.index_select(self.buffer, 0, ids, out=self._stage(len(ids)))  # [n, 2L, X]
+        if out is None:
+            return pages.transpose(0, 1).contiguous()  # [2L, n, X]
+        return out.copy_(pages.transpose(0, 1))
 
     def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
-        # [2, L, n, ps, H, D] -> [n, 2, L, ps, H, D]
-        self.buffer.index_copy_(0, ids, kv.permute(2, 0, 1, 3, 4, 5).contiguous())
+        staged = self._stage(len(ids)).copy_(kv.transpose(0, 1))  # [2L, n, X] -> [n, 2L, X]
+        self.buffer.index_copy_(0, ids, staged)
 
 
 HOST_LAYOUTS: dict[str, type[HostKVPool]] = {
