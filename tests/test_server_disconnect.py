@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,8 @@ def server(tiny_chat_model: Path) -> ServerProcess:
         "16384",
         "--max-running-requests",
         "32",
+        "--session-idle-timeout-s",
+        "1",
     ]
     with running_server(args) as s:
         yield s
@@ -100,3 +103,18 @@ def test_dropped_chat_stream_and_non_stream_requests(server: ServerProcess) -> N
     assert after["ok"] and after["running"] == 0 and after["waiting"] == 0, after
     assert after["generated_tokens"] - before["generated_tokens"] < 3 * DROP_TOKENS
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_idle_session_expires(server: ServerProcess) -> None:
+    sid = httpx.post(server.url + "/open_session", json={}).json()
+    r = httpx.post(
+        server.url + "/generate",
+        json={"text": "hi", "session_id": sid, "sampling_params": {"max_new_tokens": 2}},
+    )
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/get_server_info").json()["internal_states"][0]["sessions"]:
+        assert time.monotonic() < deadline, "the idle session was never closed"
+        time.sleep(0.2)
+    assert httpx.post(server.url + "/close_session", json={"session_id": sid}).status_code == 404
+    assert server.check_integrity()["ok"]

@@ -49,13 +49,13 @@ def test_chat(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=12,
+        max_tokens=8,
         temperature=0,
     )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and "Paris" in choice.message.content
     assert choice.finish_reason in ("stop", "length")
-    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 12
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 8
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 
@@ -63,13 +63,13 @@ def test_chat(client: openai.OpenAI) -> None:
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Name three colors."}]
     full = client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=10, temperature=0
+        model=MODEL, messages=messages, max_completion_tokens=6, temperature=0
     )
     chunks = list(
         client.chat.completions.create(
             model=MODEL,
             messages=messages,
-            max_completion_tokens=10,
+            max_completion_tokens=6,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
@@ -87,24 +87,24 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
 
 def test_completions(client: openai.OpenAI) -> None:
     r = client.completions.create(
-        model=MODEL, prompt=["The capital of France is", "1, 2, 3, 4,"], max_tokens=6, temperature=0
+        model=MODEL, prompt=["The capital of France is", "1, 2, 3, 4,"], max_tokens=4, temperature=0
     )
     assert [c.index for c in r.choices] == [0, 1]
     assert "Paris" in r.choices[0].text and "5" in r.choices[1].text
-    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens_details.cached_tokens >= 0
     stream = client.completions.create(
         model=MODEL,
         prompt="The capital of France is",
-        max_tokens=6,
+        max_tokens=4,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
-    assert chunks[-1].usage.completion_tokens == 6
-    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=3, temperature=0)
-    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 3
+    assert chunks[-1].usage.completion_tokens == 4
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 2
 
 
 def test_session_second_turn_is_cached(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -112,14 +112,14 @@ def test_session_second_turn_is_cached(client: openai.OpenAI, server: ServerProc
     assert isinstance(sid, str) and sid
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
     first = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"session_id": sid}
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body={"session_id": sid}
     )
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And a vegetable?"},
     ]
     second = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"session_id": sid}
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body={"session_id": sid}
     )
     assert first.usage.prompt_tokens > 2 * 16
     assert second.usage.prompt_tokens_details.cached_tokens >= 2 * 16
@@ -145,7 +145,7 @@ def _sse(lines: list[str]) -> list[dict | str]:
 
 
 def test_native_generate_stream(server: ServerProcess) -> None:
-    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
     full = httpx.post(server.url + "/generate", json=body, timeout=60).json()
     with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -160,7 +160,7 @@ def test_native_generate_stream(server: ServerProcess) -> None:
         assert meta["completion_tokens"] == len(c["output_ids"]) and meta["prompt_tokens"] == 5
         assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     assert chunks[-1]["output_ids"] == full["output_ids"] and chunks[-1]["text"] == full["text"]
     assert "Paris" in full["text"]
 
@@ -169,7 +169,7 @@ def test_greedy_matches_offline_engine(server: ServerProcess) -> None:
     from serving.engine import Engine
 
     prompt = "Write one sentence about the sea:"
-    params = {"max_new_tokens": 16, "temperature": 0}
+    params = {"max_new_tokens": 8, "temperature": 0}
     assert httpx.post(server.url + "/flush_cache").status_code == 200  # cold on both sides
     served = httpx.post(
         server.url + "/generate", json={"text": prompt, "sampling_params": params}, timeout=60

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
 
+from serving.server import messages as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext
-from serving.server.engine_client import EngineClient, EngineStartError
+from serving.server.engine_client import EngineClient, EngineStartError, run_all
 from serving.server.metrics import ServerMetrics
 from serving.tokenizer import Tokenizer, has_tokenizer
 
@@ -29,10 +31,28 @@ class _Uvicorn(uvicorn.Server):
         else:
             self.should_exit = True
 
+    warmup: Callable[[], Awaitable[None]] | None = None
+    failed = False
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started and not self.should_exit:
+            if self.warmup is not None:
+                try:
+                    await self.warmup()
+                except Exception as e:
+                    log.error("warm-up generation failed: %s", e)
+                    self.should_exit = self.failed = True
+                    return
             print(READY_MESSAGE, flush=True)
+
+
+async def _warmup(client: EngineClient) -> None:
+    """One greedy token through the whole engine before announcing readiness (as SGLang does)."""
+    req = m.GenerateReq(
+        rid="warmup", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}
+    )
+    await run_all(client, [req])
 
 
 def _raise_interrupt(sig: int, frame: FrameType | None) -> None:
@@ -72,9 +92,10 @@ def run_server(cfg: AppConfig) -> int:
                 timeout_graceful_shutdown=cfg.server.graceful_shutdown_timeout_s,
             )
         )
+        server.warmup = lambda: _warmup(client)
         signal.signal(signal.SIGTERM, previous)
         server.run()
-        if not server.started:
+        if not server.started or server.failed:
             return 1
     except EngineStartError as e:
         log.error("%s", e)
