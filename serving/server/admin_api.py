@@ -19,10 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.server import messages as m
 from serving.server.context import get_ctx
-from serving.server.engine_client import run_all
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
+from serving.server.req_handle import run_all
 
 router = APIRouter()
 VERSION = "0.1.0"

@@ -14,8 +14,9 @@ from serving.server import messages as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext
-from serving.server.engine_client import EngineClient, EngineStartError, run_all
+from serving.server.engine_client import EngineClient, EngineStartError
 from serving.server.metrics import ServerMetrics
+from serving.server.req_handle import run_all
 from serving.tokenizer import Tokenizer, has_tokenizer
 
 READY_MESSAGE = "The server is fired up and ready to roll!"

@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from serving.server.context import ServerContext, get_ctx
-from serving.server.engine_client import ReqHandle, ReqState, run_all, submit_all
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
 from serving.server.protocol import GenerateRequest
+from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
 from serving.server.text import TextStream, final_text
 
 router = APIRouter()

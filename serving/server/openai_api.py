@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from serving.server.context import ServerContext, get_ctx
-from serving.server.engine_client import ReqState, merged_updates, run_all, submit_all
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
 from serving.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from serving.server.req_handle import ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text
 
 router = APIRouter()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.server.engine_client import ReqState
+from serving.server.req_handle import ReqState
 from serving.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
