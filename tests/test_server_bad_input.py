@@ -59,6 +59,8 @@ CASES: list[tuple[str, Any, int, str]] = [
     (C, b"", 400, "empty"),
     (C, b"[1, 2]", 400, "object"),
     (C, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "NaN"),
+    (C, b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "unicode"),
+    (G, b'{"text": "a\\udfffb"}', 400, "unicode"),
     (C, {"model": "m", "messages": "hello"}, 400, "messages"),
     (C, {"model": "m", "messages": []}, 400, "messages"),
     (C, {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -118,3 +120,24 @@ def test_idle_session_expires(server: ServerProcess) -> None:
         time.sleep(0.2)
     assert httpx.post(server.url + "/close_session", json={"session_id": sid}).status_code == 404
     assert server.check_integrity()["ok"]
+
+
+def test_engine_death_stops_the_server(tiny_chat_model: Path) -> None:
+    """If the engine process dies, streams end with an error and the server exits non-zero
+    (so a supervisor restarts it) instead of answering 503 forever."""
+    srv = ServerProcess(["--model-path", str(tiny_chat_model)])
+    srv.start()
+    try:
+        pid = httpx.get(srv.url + "/get_server_info").json()["engine"]["pid"]
+        body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        with httpx.stream("POST", srv.url + "/generate", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert any('"error"' in line and "engine" in line for line in rest), rest[-3:]
+        assert srv.proc is not None
+        assert srv.proc.wait(30) == 1
+    finally:
+        srv.stop()

@@ -44,6 +44,10 @@ class ServerContext:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the text is not valid unicode (it has a lone surrogate escape)") from None
         return self.tokenizer.encode(text)
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -55,7 +59,7 @@ class ServerContext:
             raise APIError(400, str(e)) from None
         except Exception as e:  # a template that raises on these messages (e.g. role order)
             raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        return self.tokenizer.encode(text)
+        return self.encode(text)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """OpenAI's default: generate until the end of the context."""

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from serving.config import EngineConfig
@@ -49,6 +50,7 @@ class EngineClient:
         self.alive = False
         self.started_at = time.time()
         self.proc: mp.process.BaseProcess | None = None
+        self.on_gone: Callable[[], None] | None = None  # called if the engine dies while serving
 
     # -- lifecycle -------------------------------------------------------------------------
     def spawn(self) -> None:
@@ -178,9 +180,12 @@ class EngineClient:
                 handle.queue.put_nowait(msg)
 
     def _on_engine_gone(self) -> None:
-        if self.alive:
-            log.warning("the engine process is gone")
+        unexpected = self.alive
         self.alive = False
+        if unexpected:
+            log.error("the engine process is gone; the server shuts down")
+            if self.on_gone is not None:
+                self.on_gone()
         err = m.Error(503, "the engine process is not running")
         for handle in list(self.handles.values()):
             handle.queue.put_nowait(m.Error(err.status, err.message, rid=handle.state.rid))

@@ -16,6 +16,7 @@ engine_client), so the step loop spends its time on forward passes, not on strin
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import traceback
@@ -193,7 +194,10 @@ class EngineLoop:
 
     def stats(self) -> dict[str, Any]:
         s = self.core.scheduler.stats
-        alloc = self.core.runner.pool.allocator
+        pages = {"device": _pages(self.core.runner.pool.allocator)}
+        host = getattr(self.core, "host_pool", None)
+        if host is not None:
+            pages["host"] = _pages(host.allocator)
         return {
             "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens,
@@ -204,7 +208,7 @@ class EngineLoop:
             "running": len(self.core.scheduler.running),
             "waiting": len(self.core.scheduler.waiting),
             "sessions": len(self.core.sessions),
-            "pages": {"device": {"total": alloc.num_pages, "used": alloc.num_used}},
+            "pages": pages,
         }
 
     # -- sessions --------------------------------------------------------------------------
@@ -223,6 +227,10 @@ class EngineLoop:
                 self.core.close_session(sid)
 
 
+def _pages(alloc: Any) -> dict[str, int]:
+    return {"total": alloc.num_pages, "used": alloc.num_used}
+
+
 def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
     tok = core.tokenizer
     return {
@@ -234,6 +242,7 @@ def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
         "page_size": config.cache.page_size,
         "num_pages": core.runner.pool.allocator.num_pages,
         "device": str(core.runner.device),
+        "pid": os.getpid(),
         "dtype": str(core.runner.dtype).removeprefix("torch."),
     }
 

@@ -94,6 +94,11 @@ def run_server(cfg: AppConfig) -> int:
             )
         )
         server.warmup = lambda: _warmup(client)
+
+        def engine_gone() -> None:
+            server.should_exit = server.failed = True
+
+        client.on_gone = engine_gone
         signal.signal(signal.SIGTERM, previous)
         server.run()
         if not server.started or server.failed:
