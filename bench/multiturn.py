@@ -47,11 +47,15 @@ def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: 
         reqs = []
         for u in range(args.users):
             convo[u] += turns[u][t]
-            r = core.make_request(input_ids=list(convo[u]), sampling_params={
-                "temperature": 0, "max_new_tokens": args.output_tokens, "ignore_eos": True})
-            core.add(r)
-            reqs.append(r)
-        while not all(r.finished for r in reqs):
+            reqs.append(core.make_request(input_ids=list(convo[u]), sampling_params={
+                "temperature": 0, "max_new_tokens": args.output_tokens, "ignore_eos": True}))
+        # at most `concurrency` users in flight; the next user's turn starts when one finishes
+        pending = list(reqs)
+        while pending or core.scheduler.has_work:
+            while pending and len(core.scheduler.running) + len(core.scheduler.waiting) < args.concurrency:
+                r = pending.pop(0)
+                r.created = time.monotonic()
+                core.add(r)
             core.step()
         for u, r in enumerate(reqs):
             convo[u] += r.output_ids
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--l1-tokens", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=2, help="users in flight at once")
     p.add_argument("--device", default="auto")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {list(SETUPS)}")
     p.add_argument("--png", metavar="PATH", help="also write a plot")
