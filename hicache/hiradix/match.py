@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from hicache.hiradix.node import TreeNode
@@ -47,6 +47,9 @@ class Transfer:
     kind: Literal["backup", "load"]
     src_pages: list[int]
     dst_pages: list[int]
+    # backups: the nodes whose pages these are, in order (so a controller can write
+    # them on to L3 under their page keys); empty for loads
+    nodes: tuple[TreeNode, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("backup", "load"):

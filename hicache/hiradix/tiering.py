@@ -206,6 +206,7 @@ class TieringMixin:
         self.lock(protect)  # evict_host must not drop the path being matched
         src: list[int] = []
         dst: list[int] = []
+        done: list[TreeNode] = []
         for nd in nodes:
             hp = self._alloc_host(len(nd.device_pages))
             if hp is None:
@@ -214,9 +215,10 @@ class TieringMixin:
             self._host_cached += len(hp)
             src += nd.device_pages
             dst += hp
+            done.append(nd)
         self.unlock(protect)
         if src:
-            self._outbox.append(Transfer("backup", src, dst))
+            self._outbox.append(Transfer("backup", src, dst, tuple(done)))
 
     def _evict_device_node(self, node: TreeNode) -> None:
         if self.host is not None and node.host_pages is None and self.write_policy.backup_on_evict:
@@ -224,7 +226,7 @@ class TieringMixin:
             if hp is not None:
                 node.host_pages = hp
                 self._host_cached += len(hp)
-                self._outbox.append(Transfer("backup", list(node.device_pages), hp))
+                self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
         self._drop_device(node)
         if node.host_pages is None:
             self._remove(node)
