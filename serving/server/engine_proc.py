@@ -32,6 +32,7 @@ from serving.server.config import ServerConfig
 
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
+STALL_WAIT_S = 0.002
 
 
 @dataclass
@@ -53,18 +54,24 @@ class EngineLoop:
 
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
+        stalled = False
         while self.running:
-            busy = self.core.scheduler.has_work
+            # Block on the pipe when idle; when the last step made no progress (work waiting
+            # for pages, say), wait a moment instead of spinning.
+            timeout = (STALL_WAIT_S if stalled else 0.0) if self.core.scheduler.has_work else SESSION_SWEEP_S
             try:
-                if busy or self.rx.poll(SESSION_SWEEP_S):
+                if self.rx.poll(timeout):
                     while self.running and self.rx.poll(0):
                         for msg in m.decode(self.rx.recv_bytes()):
                             self.handle(msg)
             except (EOFError, OSError):
                 log.info("HTTP process went away; engine exits")
                 return
+            stalled = False
             if self.running and self.core.scheduler.has_work:
+                before = self.core.scheduler.stats.forward_passes
                 self._step()
+                stalled = self.core.scheduler.stats.forward_passes == before
             self._collect()
             self._sweep_sessions()
             self.flush()
