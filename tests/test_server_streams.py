@@ -1,4 +1,5 @@
-"""Clients that go away: their requests are aborted in the engine and their pages released."""
+"""Streams and lifetimes (tiny model): dropped clients are aborted and their pages released;
+several prompts in one stream; idle sessions expire; a dead engine stops the server."""
 
 from __future__ import annotations
 
@@ -85,9 +86,7 @@ def test_dropped_chat_stream_and_non_stream_requests(server: ServerProcess) -> N
         "max_tokens": DROP_TOKENS,
         "ignore_eos": True,
     }
-    with httpx.stream(
-        "POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60
-    ) as r:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         for n, _ in enumerate(r.iter_lines()):
             if n >= 6:
@@ -141,3 +140,31 @@ def test_engine_death_stops_the_server(tiny_chat_model: Path) -> None:
         assert srv.proc.wait(30) == 1
     finally:
         srv.stop()
+
+
+def test_completions_stream_several_prompts(server: ServerProcess) -> None:
+    body = {
+        "model": "m",
+        "prompt": ["one", "two two", "three three three"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    texts, finishes = ["", "", ""], [0, 0, 0]
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60,
+    ) as r:
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["text"]
+        finishes[choice["index"]] += choice["finish_reason"] is not None
+    assert finishes == [1, 1, 1]
+    assert texts == [c["text"] for c in full["choices"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 15
