@@ -35,8 +35,8 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
                "top_k must be -1 (off) or an integer >= 1")
         _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
-        _check(_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
-               "repetition_penalty must be in (0, 10]")
+        _check(_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10,
+               "repetition_penalty must be in [0.01, 10]")
         _check(_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                "frequency_penalty must be in [-2, 2]")
         _check(_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

@@ -53,6 +53,7 @@ class Scheduler:
         self.policy = make_schedule_policy(config.schedule_policy)
         self.sampler = Sampler()
         self.waiting: list[Req] = []
+        self._finished_outside_step: list[Req] = []  # finished while scheduling (not sampled)
         self.running: list[Req] = []  # admitted, in admission order
         self.stats = SchedulerStats()
 
@@ -101,8 +102,9 @@ class Scheduler:
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
         batch_reqs = [(r, 1) for r in decode] + chunks
+        updated, self._finished_outside_step = self._finished_outside_step, []
         if not batch_reqs:
-            return []
+            return updated
         seqs = [(r.fill_ids[r.kv_len: r.kv_len + n], r.kv_len, r.pages) for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
         logits = self.forward(fb)  # [B, vocab]
@@ -112,7 +114,6 @@ class Scheduler:
             r.kv_len += n
             if r.kv_len == r.seq_len:
                 done_rows.append(i)
-        updated: list[Req] = []
         if done_rows:
             reqs = [batch_reqs[i][0] for i in done_rows]
             tokens = self.sampler.sample(
@@ -150,6 +151,7 @@ class Scheduler:
                 if len(self.running) == 1:  # alone and still no room: the pool is too small
                     self.running.remove(r)
                     self._finish(r, {"type": "length", "length": len(r.output_ids)})
+                    self._finished_outside_step.append(r)
                     break
                 victim = self.running[-1]
                 self._retract(victim)
