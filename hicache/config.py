@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,15 @@ class CacheConfig:
     write_through_threshold: int = 2  # hits before write_through_selective backs a node up
     load_back_threshold: int = 1  # pages; smaller L2 hits are recomputed instead of loaded
     eviction_policy: str = "lru"
+    # L3 (storage) tier: None disables it. Needs L2 (an hicache_ratio of 2 is used when
+    # neither L2 size is given). SGLang's flag names.
+    hicache_storage_backend: str | None = None  # lmdb | mooncake
+    hicache_storage_backend_extra_config: dict[str, Any] = field(default_factory=dict)  # the backend's options
+    hicache_storage_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
+    hicache_storage_prefetch_threshold: int = 256  # tokens; shorter L3 hits are recomputed
+    hicache_storage_prefetch_timeout_base: float = 0.5  # seconds (policy "timeout")
+    hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens (policy "timeout")
+    cache_salt: str | None = None  # isolates this server's L3 keys from others sharing the store
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -31,6 +41,18 @@ class CacheConfig:
         if self.hicache_mem_layout not in ("layer_first", "page_first"):
             raise ValueError(f"hicache_mem_layout must be layer_first or page_first, got {self.hicache_mem_layout!r}")
 
+        if self.hicache_storage_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ValueError("hicache_storage_prefetch_policy must be best_effort, wait_complete or timeout, "
+                             f"got {self.hicache_storage_prefetch_policy!r}")
+
+    @property
+    def storage_enabled(self) -> bool:
+        return self.hicache_storage_backend is not None
+
     @property
     def host_enabled(self) -> bool:
-        return self.hicache_ratio > 0 or self.hicache_size > 0
+        return self.hicache_ratio > 0 or self.hicache_size > 0 or self.storage_enabled
+
+    @property
+    def effective_hicache_ratio(self) -> float:
+        return self.hicache_ratio if (self.hicache_ratio > 0 or self.hicache_size > 0) else 2.0

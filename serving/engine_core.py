@@ -7,11 +7,14 @@ one of these and drive ``step()``.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from typing import Any
 
 from hicache.hiradix import HiRadixTree
+from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
+from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache_controller import CacheController
 from serving.config import EngineConfig
 from serving.model_runner import ModelRunner
@@ -20,6 +23,7 @@ from serving.request import Req
 from serving.sampling_params import InvalidRequest, SamplingParams
 from serving.scheduler import Scheduler
 from serving.stop import StopChecker
+from serving.storage_controller import StorageController
 from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,21 +40,35 @@ class EngineCore:
         self.host_pool: HostKVPool | None = None
         self.controller: CacheController | None = None
         if cache.host_enabled:
-            n = host_num_pages(pool.num_pages, pool.bytes_per_page, cache.hicache_ratio, cache.hicache_size)
+            n = host_num_pages(pool.num_pages, pool.bytes_per_page, cache.effective_hicache_ratio, cache.hicache_size)
             self.host_pool = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size)
             self.controller = CacheController(pool, self.host_pool)
             log.info("L2 host pool: %d pages, %s (%.2f GiB)", n, cache.hicache_mem_layout,
                      self.host_pool.nbytes() / 2**30)
         self.tree = HiRadixTree.from_config(
             cache, pool.allocator, self.host_pool.allocator if self.host_pool else None)
+        self.storage = self._make_storage() if cache.storage_enabled else None
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size,
-                                  self.controller.execute if self.controller else None)
+                                  self.controller.execute if self.controller else None, self.storage)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.scheduler = Scheduler(
             config.scheduler, self.req_cache, self.runner.forward, StopChecker(self.eos_ids, decode),
             self.runner.context_len, self.runner.device)
         self.sessions: set[str] = set()
+
+    def _make_storage(self) -> StorageController:
+        cache, model = self.config.cache, self.config.model
+        backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
+        layout = self.runner.pool.layout
+        tier = StorageTier(backend, layout, cache.page_size)
+        model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
+        namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size)
+        log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
+        return StorageController(
+            self.tree, self.host_pool, tier, namespace, cache.hicache_storage_prefetch_policy,
+            cache.hicache_storage_prefetch_threshold, cache.hicache_storage_prefetch_timeout_base,
+            cache.hicache_storage_prefetch_timeout_per_ki_token)
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, input_ids: list[int] | None = None, text: str | None = None,
@@ -104,11 +122,16 @@ class EngineCore:
         return True
 
     def check_integrity(self) -> None:
-        self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages())
+        host_in_use = 0
+        if self.storage is not None:
+            host_in_use = self.storage.in_flight_host_pages(self.scheduler.waiting + self.scheduler.running)
+        self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use)
         self.runner.pool.allocator.check_integrity()
         if self.host_pool is not None:
             self.host_pool.allocator.check_integrity()
 
     def shutdown(self) -> None:
+        if self.storage is not None:
+            self.storage.shutdown()
         if self.controller is not None:
             self.controller.shutdown()

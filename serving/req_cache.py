@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from hicache.hiradix import HiRadixTree, MatchResult, Transfer
 from hicache.tiers.allocator import PageAllocator
 from serving.request import Req
+from serving.storage_controller import StorageController
 
 TransferSink = Callable[[list[Transfer]], "Future | None"]
 
@@ -20,19 +21,24 @@ class ReqCache:
     """Owns the request side of L1 pages. Single-threaded (the scheduler's)."""
 
     def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
-                 run_transfers: TransferSink | None = None) -> None:
+                 run_transfers: TransferSink | None = None, storage: StorageController | None = None) -> None:
         self.tree = tree
         self.allocator = allocator
         self.page_size = page_size
         self._run_transfers = run_transfers
+        self.storage = storage
 
     # -- moving data -----------------------------------------------------------------
     def flush_transfers(self) -> Future | None:
         """Execute the tree's pending tier moves (in order) before any freed page is reused."""
         transfers = self.tree.take_transfers()
-        if transfers and self._run_transfers is not None:
-            return self._run_transfers(transfers)
-        return None
+        if not transfers or self._run_transfers is None:
+            return None
+        future = self._run_transfers(transfers)  # backups are done when this returns
+        if self.storage is not None:
+            self.storage.on_transfers_done(transfers)
+            self.tree.take_transfers()  # (locking for write-back emits nothing; keep the outbox empty)
+        return future
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` L1 pages, evicting unlocked cached pages if needed; None if impossible."""
@@ -72,7 +78,8 @@ class ReqCache:
             req.admitted = True
             req.cached_tokens = req.kv_len
             device = match.device_hit_tokens
-            req.cached_by_tier = {"device": device, "host": req.kv_len - device, "storage": 0}
+            storage = min(req.storage_hit_tokens, req.kv_len - device)
+            req.cached_by_tier = {"device": device, "host": req.kv_len - device - storage, "storage": storage}
 
     def poll_load(self, req: Req, wait: bool = False) -> bool:
         """True when the request's load-back (if any) has finished and is committed."""
@@ -86,6 +93,22 @@ class ReqCache:
         req.load_node = None
         req.load_future = None
         return True
+
+    # -- L3 prefetch (no-ops without a storage tier) -------------------------------------
+    def start_prefetch(self, req: Req) -> None:
+        if self.storage is not None and not req.prefetch_checked:
+            self.storage.maybe_prefetch(req)
+
+    def prefetch_ready(self, req: Req) -> bool:
+        return self.storage is None or self.storage.prefetch_ready(req)
+
+    def finish_prefetch(self, req: Req) -> None:
+        if self.storage is not None and req.prefetch is not None:
+            req.storage_hit_tokens += self.storage.finish_prefetch(req) * self.page_size
+
+    def poll(self) -> None:
+        if self.storage is not None:
+            self.storage.poll()
 
     def reserve(self, req: Req, upto_len: int) -> bool:
         """Make ``req.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
@@ -101,6 +124,7 @@ class ReqCache:
     def release(self, req: Req) -> None:
         """Give the request's pages back: full computed pages go into the tree (cached,
         unlocked), the rest to the free list. The request keeps its tokens."""
+        self.finish_prefetch(req)
         self.poll_load(req, wait=True)
         if req.lock_node is None and not req.pages:
             return

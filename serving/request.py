@@ -23,6 +23,10 @@ class Req:
     lock_node: Any = None  # tree node locked for this request (None: nothing locked)
     load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
     load_future: Any = None  # the controller's future for that load
+    page_keys: list[str] = field(default_factory=list)  # L3 keys of full pages (computed lazily)
+    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.storage_controller.PrefetchOp)
+    prefetch_checked: bool = False
+    storage_hit_tokens: int = 0  # prompt tokens that came from L3 (through L2)
     # reporting
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
     cached_by_tier: dict[str, int] = field(default_factory=dict)

@@ -99,6 +99,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward pass; return the requests that got a token or finished."""
+        self.cache.poll()
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
         batch_reqs = [(r, 1) for r in decode] + chunks
@@ -188,10 +189,15 @@ class Scheduler:
             budget -= n
         if budget <= 0 or not self.waiting:
             return chunks
+        for r in self.waiting:
+            self.cache.start_prefetch(r)
         order = self.policy.order(self.waiting, lambda r: self.cache.peek_prefix_len(r))
         for r in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if not self.cache.prefetch_ready(r):
+                continue  # its L3 prefetch is still worth waiting for (prefetch policy)
+            self.cache.finish_prefetch(r)
             match = self.cache.match(r)
             first = not r.admitted
             self.cache.admit(r, match)
