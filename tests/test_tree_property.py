@@ -167,6 +167,32 @@ class TreeMachine(RuleBasedStateMachine):
                 assert snap[tuple(tokens[: (i + 1) * ps])][0] is not None, "inserted page not on L1"
         tree.unlock(node)
 
+    @precondition(lambda self: self.tree.host is not None)
+    @rule(tokens=tokens_st, use_history=st.booleans(), i=st.integers(0, 100))
+    def prefetch(self, tokens, use_history, i):
+        """Pages of ``tokens`` arrive from L3 into fresh L2 pages (insert_host)."""
+        tree, ps = self.tree, self.ps
+        if use_history and self.history:
+            tokens = self.history[i % len(self.history)] + tokens[:4]
+        npages = len(tokens) // ps
+        host = tree.host
+        if host.num_free < npages:
+            tree.evict_host(npages - host.num_free)
+        if host.num_free < npages:
+            return
+        pages = host.alloc(npages)
+        for j, p in enumerate(pages):
+            self.host_shadow[p] = tuple(tokens[: (j + 1) * ps])
+        dup = tree.insert_host(tokens, pages)
+        assert tree.take_transfers() == []
+        assert set(dup) <= set(pages) and len(set(dup)) == len(dup)
+        tree.check_integrity(host_in_use=len(dup))
+        host.free(dup)
+        self.inserted.update(tuple(tokens[: (j + 1) * ps]) for j in range(npages))
+        snap = self.snapshot()
+        for j in range(npages):
+            assert snap[tuple(tokens[: (j + 1) * ps])][1] is not None, "prefetched page not on L2"
+
     @precondition(lambda self: len(self.locks) < 3)
     @rule(tokens=tokens_st, do_load=st.booleans())
     def hold(self, tokens, do_load):

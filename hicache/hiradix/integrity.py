@@ -79,6 +79,9 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
                 host_count += len(nd.host_pages)
                 if nd.device_pages is None and not nd.children:
                     assert nd in tree._host_leaves, f"L2 leaf missing from the candidate set: {where}"
+            assert 0 <= nd.storage_pages <= klen // ps, f"storage_pages {nd.storage_pages} out of range: {where}"
+            if nd.storage_keys is not None:
+                assert len(nd.storage_keys) * ps == klen, f"{len(nd.storage_keys)} storage keys: {where}"
             assert nd.lock_ref >= 0, f"negative lock_ref: {where}"
             assert nd.session_ref >= 0, f"negative session_ref: {where}"
             assert nd.hit_count >= 0, f"negative hit_count: {where}"

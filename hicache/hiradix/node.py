@@ -5,7 +5,11 @@ Contract:
   page size (the root's key is empty).
 - ``device_pages`` (L1) and ``host_pages`` (L2) are either ``None`` (no copy on that
   tier) or a list with exactly one page id per page of ``key``, in order.
-- ``storage_keys`` is reserved for the L3 tier (always ``None`` for now).
+- ``storage_pages``: how many leading pages of this node are known to be on L3 (written
+  there by a write-back, or read from there by a prefetch). A hint, not a guarantee: L3
+  evicts on its own, so a reader still checks the store. Split keeps it per page.
+- ``storage_keys`` is an optional cache of the node's L3 page keys (``None`` unless a
+  caller fills it; split splits it).
 - ``children`` maps the first page of each child's key (as a tuple) to the child.
 - ``lock_ref`` counts requests reading the node; a lock covers the whole path
   root→node, so a parent's ``lock_ref`` is at least the sum of its children's.
@@ -29,6 +33,7 @@ class TreeNode:
         "device_pages",
         "host_pages",
         "storage_keys",
+        "storage_pages",
         "children",
         "parent",
         "lock_ref",
@@ -51,7 +56,8 @@ class TreeNode:
         self.key = key
         self.device_pages = device_pages
         self.host_pages = host_pages
-        self.storage_keys: list[bytes] | None = None
+        self.storage_keys: list[str] | None = None
+        self.storage_pages = 0
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -91,8 +97,10 @@ class TreeNode:
         return out
 
     def __repr__(self) -> str:
-        tiers = ("L1" if self.device_pages is not None else "") + (
-            "L2" if self.host_pages is not None else ""
+        tiers = (
+            ("L1" if self.device_pages is not None else "")
+            + ("L2" if self.host_pages is not None else "")
+            + (f"L3:{self.storage_pages}" if self.storage_pages else "")
         )
         return (
             f"TreeNode(id={self.id}, tokens={len(self.key)}, tiers={tiers or '-'}, lock={self.lock_ref}, "

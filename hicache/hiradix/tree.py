@@ -194,6 +194,101 @@ class HiRadixTree(TieringMixin):
             node, pos = child, end
         return dup
 
+    # ------------------------------------------------------------------ L3 support
+    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int]) -> list[int]:
+        """Insert the full pages of ``tokens`` whose KV arrived from L3 in L2 pages ``host_pages``
+        (a prefetch result); nothing goes to L1.
+
+        ``host_pages`` needs one id per full page (extra ids stay the caller's). Nodes on
+        the path that have an L2 copy keep it and the given ids of their pages are
+        returned for the caller to free; L1-only nodes adopt the given pages as their L2
+        copy; the rest becomes new L2-only nodes (``hit_count == 0``). Every node on the
+        inserted path is marked as stored on L3. Emits no transfers. Raises
+        ``ValueError`` without an L2 pool or with too few page ids.
+        """
+        if self.host is None:
+            raise ValueError("insert_host needs a host (L2) pool")
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps
+        if len(host_pages) < n // ps:
+            raise ValueError(f"{n // ps} full pages but only {len(host_pages)} host pages")
+        self._tick += 1
+        tick = self._tick
+        node, pos, dup = self.root, 0, []
+        while pos < n:
+            first = tuple(tokens[pos : pos + ps])
+            child = node.children.get(first)
+            if child is None:
+                hp = list(host_pages[pos // ps : n // ps])
+                new = TreeNode(next(self._ids), tokens[pos:n], parent=node, host_pages=hp)
+                new.last_access = tick
+                new.storage_pages = len(hp)
+                node.children[first] = new
+                self._num_nodes += 1
+                self._host_cached += len(hp)
+                self._host_leaves.add(new)
+                break
+            end = pos + len(child.key)
+            if not (end <= n and tokens[pos:end] == child.key):
+                m = self._common(child.key, tokens, pos, n)
+                child = self._split(child, m)
+                end = pos + m
+            given = list(host_pages[pos // ps : end // ps])
+            if child.host_pages is None:
+                child.host_pages = given
+                self._host_cached += len(given)
+                if child.device_pages is None and not child.children:
+                    self._host_leaves.add(child)
+            elif child.host_pages != given:
+                dup.extend(b for a, b in zip(child.host_pages, given, strict=True) if a != b)
+            child.storage_pages = len(given)
+            child.last_access = tick
+            node, pos = child, end
+        return dup
+
+    def mark_stored(self, tokens: Sequence[int], num_pages: int) -> int:
+        """Record that the first ``num_pages`` pages of ``tokens`` are on L3 (a write-back
+        finished). Walks without splitting; nodes that changed meanwhile get what still
+        applies. Returns the pages marked."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        ps = self.page_size
+        n = min(num_pages * ps, len(tokens) - len(tokens) % ps)
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            m = self._common(child.key, tokens, pos, n)
+            child.storage_pages = max(child.storage_pages, m // ps)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos // ps
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        """The tokens of the path root→node."""
+        return [t for nd in reversed(node.path_to_root()) for t in nd.key]
+
+    def host_path_pages(self, node: TreeNode) -> list[int] | None:
+        """L2 page ids of the path root→node in order, or None if a node on it has no L2 copy."""
+        out: list[int] = []
+        for nd in reversed(node.path_to_root()):
+            if nd.host_pages is None:
+                return None
+            out += nd.host_pages
+        return out
+
+    def stored_prefix_pages(self, node: TreeNode) -> int:
+        """Leading pages of the path root→node known to be on L3 (write-back starts after them)."""
+        total = 0
+        for nd in reversed(node.path_to_root()):
+            total += nd.storage_pages
+            if nd.storage_pages < len(nd.key) // self.page_size:
+                break
+        return total
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
         """``lock_ref += 1`` on the path root→node (no-op for the root)."""
@@ -251,6 +346,8 @@ class HiRadixTree(TieringMixin):
         self._dev_leaves.clear()
         self._host_leaves.clear()
         self.sessions.detach_all()
+        if self._listeners:
+            self._emit("reset", self.root)
 
     def cached_pages(self, tier: str) -> int:
         """Pages held by the tree on ``tier`` ("device" or "host")."""
@@ -322,6 +419,9 @@ class HiRadixTree(TieringMixin):
             upper.device_pages, node.device_pages = node.device_pages[:k], node.device_pages[k:]
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:k], node.host_pages[k:]
+        upper.storage_pages, node.storage_pages = min(node.storage_pages, k), max(0, node.storage_pages - k)
+        if node.storage_keys is not None:
+            upper.storage_keys, node.storage_keys = node.storage_keys[:k], node.storage_keys[k:]
         upper.lock_ref, upper.session_ref = node.lock_ref, node.session_ref
         upper.hit_count, upper.last_access, upper.loading = node.hit_count, node.last_access, node.loading
         node.parent.children[tuple(node.key[:ps])] = upper
@@ -337,3 +437,5 @@ class HiRadixTree(TieringMixin):
         if node.lock_ref:
             self._device_locked += len(pages)
         self._dev_leaves.add(node)
+        if self._listeners:
+            self._emit("device_add", node)

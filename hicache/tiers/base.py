@@ -1,0 +1,169 @@
+"""Contracts of the storage tier (L3): the raw-bytes :class:`StorageBackend` and its staging memory.
+
+A backend stores opaque byte values under string keys (page keys from
+:mod:`hicache.keys`). It knows nothing about pages, headers or pools: that is the job of
+:class:`hicache.tiers.storage.StorageTier`, which frames every value with a verified
+header and moves pages between a host pool and a backend.
+
+Contract of every backend (the cache controller calls it from a background thread):
+
+- **Never raises on the data path** because of the store: an unreachable, slow, full or
+  failing store turns into misses / ``False`` and is counted in ``stats()["errors"]``
+  (or ``"unavailable"`` for calls refused while a backend knows it is down). Only
+  programming errors raise (``ValueError`` for mismatched argument lengths, bad spans).
+- **Bounded time**: a backend that talks to a remote store bounds every call with a
+  timeout; an abandoned call never writes into memory the caller may reuse (see
+  :class:`StagingBuffer`).
+- **Thread-safety**: any number of reader threads and one writer thread may call
+  concurrently (backends may serialise internally).
+- **Mutation**: ``set``/``batch_set*``/``delete``/``clear`` mutate the store; every other
+  method only reads it (a backend may update its own bookkeeping, e.g. recency).
+- ``set`` on an existing key may keep the old value (Mooncake does): equal keys mean
+  equal values, so callers never rely on overwriting; a value found corrupt is deleted
+  (``delete``) before it is written again.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Buffer = Any  # bytes-like: bytes, bytearray, memoryview, a contiguous numpy uint8 array
+
+# Per-key status codes of StorageBackend.batch_get_into (a size >= 0 means "read").
+MISSING = -1  # no such key
+ERROR = -2  # the store failed / timed out / is unavailable (counted in stats["errors"])
+TOO_LARGE = -3  # the value does not fit its span (the caller treats it as corrupt)
+
+
+class StagingBuffer:
+    """Host memory owned by a :class:`~hicache.tiers.storage.StorageTier` that backends
+    read from / write into directly (Mooncake registers it for zero-copy transfers).
+
+    ``in_flight`` counts backend operations still using the memory. A backend that
+    gives up waiting on an operation (timeout) leaves it counted until the operation
+    really ends; the owner must not reuse a buffer while ``busy`` (it takes a fresh one),
+    so a late transfer can never land in memory that holds something else by then.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)  # 64-byte aligned
+        self.array = self.tensor.numpy()  # same memory, for the buffer protocol
+        self.ptr = self.tensor.data_ptr()
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @property
+    def busy(self) -> bool:
+        return self._in_flight > 0
+
+    def view(self, offset: int, size: int):
+        """A writable numpy view of ``[offset, offset + size)``."""
+        if offset < 0 or size < 0 or offset + size > self.nbytes:
+            raise ValueError(f"span ({offset}, {size}) outside a buffer of {self.nbytes} bytes")
+        return self.array[offset : offset + size]
+
+
+class StorageBackend(ABC):
+    """Raw-bytes key/value store of the L3 tier. See the module docstring for the contract.
+
+    Subclasses implement the single-key methods, ``clear`` and ``stats``; the batch forms
+    default to loops over them and should be overridden where the store has real batch
+    calls (one transaction, one round trip).
+    """
+
+    name: str = "abstract"
+
+    # ------------------------------------------------------------------ single key
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a value (False when the store is unreachable)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, or None when missing or on a store failure."""
+
+    @abstractmethod
+    def set(self, key: str, value: Buffer) -> bool:
+        """Store ``value`` under ``key``; False when it could not be stored."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True when a value was removed."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every value this backend owns (its whole store / key prefix)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges: at least ``errors``; plain numbers only (JSON-able)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the backend must not be used afterwards."""
+
+    # ------------------------------------------------------------------ batches
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many leading keys of ``keys`` hold a value (stops at the first absent one)."""
+        n = 0
+        for k in keys:
+            if not self.exists(k):
+                break
+            n += 1
+        return n
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        _same_len(keys, values)
+        return [self.set(k, v) for k, v in zip(keys, values, strict=True)]
+
+    # ------------------------------------------------------------------ zero-copy batches
+    def batch_get_into(
+        self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        """Read each key's value into ``buf`` at its ``(offset, max_size)`` span.
+
+        Returns per key the value's size (>= 0, bytes written at the span's start) or
+        :data:`MISSING`, :data:`ERROR`, :data:`TOO_LARGE`. Bytes of a span past the
+        value (or of a failed key) are undefined.
+        """
+        _same_len(keys, spans)
+        out = []
+        for (off, size), val in zip(spans, self.batch_get(keys), strict=True):
+            if val is None:
+                out.append(MISSING)
+            elif len(val) > size:
+                out.append(TOO_LARGE)
+            else:
+                buf.view(off, len(val))[:] = memoryview(val).cast("B")
+                out.append(len(val))
+        return out
+
+    def batch_set_from(
+        self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
+    ) -> list[bool]:
+        """Store each key's value, the bytes of ``buf`` at its ``(offset, size)`` span."""
+        _same_len(keys, spans)
+        return self.batch_set(keys, [buf.view(off, size) for off, size in spans])
+
+
+def _same_len(a: Sequence, b: Sequence) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} keys but {len(b)} values/spans")

@@ -1,0 +1,435 @@
+"""LMDB backend of the storage tier: the embedded default (one directory, survives restarts).
+
+Layout of the environment (four named databases):
+- ``data``:  key -> value (the page values, header included)
+- ``kseq``:  key -> sequence number (u64 big-endian) of its last write or read
+- ``order``: sequence number -> key (ascending = least recently used first)
+- ``meta``:  ``used`` -> logical bytes held (u64), the basis of eviction
+
+Capacity and growth: the memory map starts at ``initial_map_mb`` and doubles (``set_mapsize``)
+whenever a write needs more room, never beyond ``capacity_gb``; the data file can therefore
+never exceed the capacity. Eviction keeps the logical size (values plus an estimate of
+LMDB's per-entry overhead) under ``high_watermark * capacity``: when a write would cross it,
+the least recently used entries are deleted (in their own committed transaction, so
+LMDB can reuse their pages) down to ``low_watermark * capacity``. Should LMDB still
+report a full map (fragmentation), more entries are evicted and the write is retried;
+``MapFullError`` never reaches a caller.
+
+Recency ("LRU-ish"): writes stamp a key with a fresh sequence number. Reads do not open
+write transactions; they remember the keys they hit (up to ``touch_buffer`` of them), and
+the next write transaction re-stamps them. So eviction order is by last write or read,
+with reads taking effect at the next write.
+
+Crash safety: plain LMDB transactions (no ``writemap``; ``sync`` on by default). A process
+killed mid-write loses at most the uncommitted transaction; committed values survive and
+the store reopens cleanly. ``sync=False`` keeps that for process crashes but may lose the
+last transactions on an OS crash or power loss.
+
+Threads: any number of readers and writers (writes are serialised by a lock, map resizes
+wait for readers to leave). Processes: several may share the directory (LMDB's lock file;
+``MapResizedError`` from a resize by another process is handled).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
+
+import lmdb
+
+from hicache.tiers.base import ERROR, MISSING, TOO_LARGE, Buffer, StagingBuffer, StorageBackend, _same_len
+
+_U64 = struct.Struct(">Q")
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LMDBConfig:
+    """Options of :class:`LMDBStore` (the keys of its config mapping)."""
+
+    path: str
+    capacity_gb: float = 64.0
+    initial_map_mb: float = 64.0
+    sync: bool = True
+    high_watermark: float = 0.85
+    low_watermark: float = 0.75
+    max_readers: int = 126
+    touch_buffer: int = 65536
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("lmdb storage needs a path")
+        if self.capacity_gb <= 0 or self.initial_map_mb <= 0:
+            raise ValueError("capacity_gb and initial_map_mb must be positive")
+        if not 0 < self.low_watermark <= self.high_watermark < 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark < 1")
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any]) -> LMDBConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(config) - known
+        if unknown:
+            raise ValueError(f"unknown lmdb storage options {sorted(unknown)}; known: {sorted(known)}")
+        if "path" not in config:
+            raise ValueError("lmdb storage needs a path")
+        return cls(**config)
+
+
+class _RWLock:
+    """Shared (transactions) / exclusive (``set_mapsize``) lock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self):
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._writer = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class LMDBStore(StorageBackend):
+    """See the module docstring. Values up to the capacity; keys up to 500 bytes (UTF-8)."""
+
+    name = "lmdb"
+
+    def __init__(self, config: LMDBConfig) -> None:
+        self.config = config
+        os.makedirs(config.path, exist_ok=True)
+        self._psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self.capacity = max(16 * self._psize, int(config.capacity_gb * 2**30) // self._psize * self._psize)
+        init = min(self.capacity, max(_MIB, int(config.initial_map_mb * _MIB)) // self._psize * self._psize)
+        self._env = lmdb.open(
+            config.path,
+            map_size=init,
+            max_dbs=4,
+            max_readers=config.max_readers,
+            sync=config.sync,
+            metasync=config.sync,
+            writemap=False,
+            readahead=False,
+            lock=True,
+        )
+        self._data = self._env.open_db(b"data")
+        self._kseq = self._env.open_db(b"kseq")
+        self._order = self._env.open_db(b"order")
+        self._meta = self._env.open_db(b"meta")
+        self._rw = _RWLock()
+        self._wlock = threading.Lock()  # one writer at a time (LMDB would block anyway)
+        self._touch_lock = threading.Lock()
+        self._touched: dict[bytes, None] = {}
+        self._counts = {"errors": 0, "evicted": 0, "map_grows": 0, "deleted": 0}
+        with self._env.begin() as txn:
+            raw = txn.get(b"used", db=self._meta)
+            self._used = _U64.unpack(raw)[0] if raw else 0
+            cur = txn.cursor(db=self._order)
+            self._seq = _U64.unpack(cur.key())[0] + 1 if cur.last() else 1
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | LMDBConfig) -> LMDBStore:
+        return cls(config if isinstance(config, LMDBConfig) else LMDBConfig.from_mapping(config))
+
+    # ------------------------------------------------------------------ reads
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str) -> bytes | None:
+        return self.batch_get([key])[0]
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        def run(txn):
+            cur = txn.cursor(db=self._data)
+            n = 0
+            for k in keys:
+                if not cur.set_key(k.encode()):
+                    break
+                n += 1
+            return n
+
+        n = self._read(run)
+        return 0 if n is None else n
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        def run(txn):
+            return [txn.get(k.encode(), db=self._data) for k in keys]
+
+        out = self._read(run)
+        if out is None:
+            return [None] * len(keys)
+        self._touch(k for k, v in zip(keys, out, strict=True) if v is not None)
+        return out
+
+    def batch_get_into(
+        self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        _same_len(keys, spans)
+
+        def run(txn):
+            res = []
+            for k, (off, size) in zip(keys, spans, strict=True):
+                val = txn.get(k.encode(), db=self._data)  # a view into the map, valid in txn
+                if val is None:
+                    res.append(MISSING)
+                elif len(val) > size:
+                    res.append(TOO_LARGE)
+                else:
+                    buf.view(off, len(val))[:] = val
+                    res.append(len(val))
+            return res
+
+        out = self._read(run, buffers=True)
+        if out is None:
+            return [ERROR] * len(keys)
+        self._touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def set(self, key: str, value: Buffer) -> bool:
+        return self.batch_set([key], [value])[0]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        _same_len(keys, values)
+        items = []
+        ok = []
+        for k, v in zip(keys, values, strict=True):
+            kb = k.encode()
+            fits = 0 < len(kb) <= 500 and self._cost(len(kb), len(v)) <= self.capacity * self.config.low_watermark
+            ok.append(fits)
+            if fits:
+                items.append((kb, v))
+        if not items:
+            return ok
+        incoming = sum(self._cost(len(k), len(v)) for k, v in items)
+        with self._wlock:
+            if not self._store_items(items, incoming):
+                self._count("errors")
+                return [False] * len(keys)
+        return ok
+
+    def delete(self, key: str) -> bool:
+        kb = key.encode()
+        with self._wlock:
+            found = []
+
+            def run(txn):
+                found.append(self._delete_key(txn, kb))
+                self._put_used(txn)
+
+            if not self._write(run):
+                self._count("errors")
+                return False
+        if found and found[0]:
+            self._count("deleted")
+            return True
+        return False
+
+    def clear(self) -> None:
+        with self._wlock:
+
+            def run(txn):
+                for db in (self._data, self._kseq, self._order):
+                    txn.drop(db, delete=False)
+                self._used = 0
+                self._put_used(txn)
+
+            if not self._write(run):
+                self._count("errors")
+            with self._touch_lock:
+                self._touched.clear()
+
+    def stats(self) -> dict[str, float]:
+        try:
+            with self._rw.shared(), self._env.begin() as txn:
+                entries = txn.stat(self._data)["entries"]
+            file_bytes = os.path.getsize(os.path.join(self.config.path, "data.mdb"))
+        except (lmdb.Error, OSError):
+            entries = file_bytes = -1
+        with self._touch_lock:
+            out: dict[str, float] = dict(self._counts)
+        out.update(
+            entries=entries,
+            used_bytes=self._used,
+            capacity_bytes=self.capacity,
+            map_size=self._env.info()["map_size"],
+            file_bytes=file_bytes,
+        )
+        return out
+
+    def close(self) -> None:
+        with self._wlock, self._rw.exclusive():
+            self._env.close()
+
+    # ------------------------------------------------------------------ internals
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._touch_lock:
+            self._counts[name] += n
+
+    def _cost(self, klen: int, vlen: int) -> int:
+        """Estimated bytes an entry takes: its value (overflow pages when large) plus the
+        key in three databases and node headers."""
+        ps = self._psize
+        vbytes = (vlen + 16 + ps - 1) // ps * ps if vlen > ps // 2 else vlen + 16
+        return vbytes + 3 * klen + 96
+
+    def _touch(self, keys) -> None:
+        with self._touch_lock:
+            for k in keys:
+                if len(self._touched) >= self.config.touch_buffer:
+                    break
+                self._touched[k.encode()] = None
+
+    def _read(self, fn, buffers: bool = False):
+        """Run ``fn(txn)`` in a read transaction; None (error counted) on an LMDB failure."""
+        for _ in range(2):
+            try:
+                with self._rw.shared(), self._env.begin(buffers=buffers) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:  # another process grew the map
+                with self._rw.exclusive():
+                    self._env.set_mapsize(0)
+            except lmdb.Error:
+                break
+        self._count("errors")
+        return None
+
+    def _write(self, fn) -> bool:
+        """Run ``fn(txn)`` in a write transaction (caller holds ``_wlock``), growing the map
+        or evicting on ``MapFullError``. False when it could not commit."""
+        for _ in range(12):
+            used_before = self._used
+            try:
+                with self._rw.shared(), self._env.begin(write=True) as txn:
+                    fn(txn)
+                return True
+            except lmdb.MapFullError:
+                self._used = used_before  # the transaction was aborted
+                if not self._grow_map() and not self._evict(self.capacity // 10):
+                    return False
+            except lmdb.MapResizedError:
+                self._used = used_before
+                with self._rw.exclusive():
+                    self._env.set_mapsize(0)
+            except lmdb.Error:
+                self._used = used_before
+                return False
+        return False
+
+    def _grow_map(self, need: int = 0) -> bool:
+        cur = self._env.info()["map_size"]
+        if cur >= self.capacity:
+            return False
+        new = min(self.capacity, max(2 * cur, need) // self._psize * self._psize + self._psize)
+        with self._rw.exclusive():
+            self._env.set_mapsize(new)
+        self._count("map_grows")
+        return True
+
+    def _store_items(self, items: list[tuple[bytes, Buffer]], incoming: int) -> bool:
+        high = self.capacity * self.config.high_watermark
+        if self._used + incoming > high:
+            self._evict(int(self._used + incoming - self.capacity * self.config.low_watermark))
+        need = int((self._used + incoming) / self.config.high_watermark)
+        if need > self._env.info()["map_size"]:
+            self._grow_map(need)
+        with self._touch_lock:
+            touched, self._touched = list(self._touched), {}
+
+        def run(txn):
+            for kb in touched:
+                old = txn.get(kb, db=self._kseq)
+                if old is not None:
+                    txn.delete(old, db=self._order)
+                    self._stamp(txn, kb)
+            for kb, v in items:
+                old = txn.get(kb, db=self._data)
+                if old is not None:
+                    self._used -= self._cost(len(kb), len(old))
+                    txn.delete(txn.get(kb, db=self._kseq), db=self._order)
+                txn.put(kb, v, db=self._data)
+                self._stamp(txn, kb)
+                self._used += self._cost(len(kb), len(v))
+            self._put_used(txn)
+
+        return self._write(run)
+
+    def _stamp(self, txn, kb: bytes) -> None:
+        seq = _U64.pack(self._seq)
+        self._seq += 1
+        txn.put(kb, seq, db=self._kseq)
+        txn.put(seq, kb, db=self._order)
+
+    def _put_used(self, txn) -> None:
+        txn.put(b"used", _U64.pack(max(0, self._used)), db=self._meta)
+
+    def _delete_key(self, txn, kb: bytes) -> bool:
+        with txn.cursor(db=self._data) as cur:
+            if not cur.set_key(kb):
+                return False
+            self._used -= self._cost(len(kb), len(cur.value()))
+            cur.delete()
+        seq = txn.pop(kb, db=self._kseq)
+        if seq is not None:
+            txn.delete(seq, db=self._order)
+        return True
+
+    def _evict(self, nbytes: int) -> bool:
+        """Delete least recently used entries worth at least ``nbytes`` (own transaction)."""
+        if nbytes <= 0:
+            return True
+        evicted = []
+
+        def run(txn):
+            freed = 0
+            cur = txn.cursor(db=self._order)
+            victims = []
+            for seq, kb in cur:
+                if freed >= nbytes:
+                    break
+                victims.append((seq, kb))
+                val = txn.get(kb, db=self._data)
+                freed += self._cost(len(kb), len(val)) if val is not None else 0
+            for seq, kb in victims:
+                self._delete_key(txn, kb)
+                txn.delete(seq, db=self._order)  # already gone unless data/kseq were missing
+            self._put_used(txn)
+            evicted.append(len(victims))
+
+        used_before = self._used
+        try:
+            with self._rw.shared(), self._env.begin(write=True) as txn:
+                run(txn)
+        except lmdb.Error:
+            self._used = used_before
+            return False
+        self._count("evicted", evicted[0])
+        return evicted[0] > 0

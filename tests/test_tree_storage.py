@@ -1,0 +1,125 @@
+"""Tree support for L3: insert_host (prefetch results into L2), storage_pages, write-back helpers."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.hiradix import HiRadixTree
+from hicache.tiers.allocator import PageAllocator
+
+PS = 2
+
+
+def make(dev: int = 16, host: int = 32) -> HiRadixTree:
+    return HiRadixTree(PS, PageAllocator(dev), PageAllocator(host) if host else None)
+
+
+def put_device(t: HiRadixTree, tokens: list[int]) -> list[int]:
+    pages = t.device.alloc(len(tokens) // PS)
+    assert t.insert(tokens, pages) == []
+    return pages
+
+
+def test_insert_host_new_chain_is_l2_only_and_stored():
+    t = make()
+    hp = t.host.alloc(3)
+    assert t.insert_host([1, 2, 3, 4, 5, 6, 7], hp) == []  # the partial page is ignored
+    t.check_integrity()
+    (node,) = t.nodes()
+    assert node.device_pages is None and node.host_pages == hp and node.storage_pages == 3
+    m = t.match_prefix([1, 2, 3, 4, 5, 6])
+    assert m.device_hit_tokens == 0 and m.host_hit_tokens == 6 and m.last_host_node is node
+    assert t.cached_pages("host") == 3 and t.evictable_pages("host") == 3
+    # L2-only nodes from L3 are evictable like any other, and load back to L1
+    m = t.load_back(m)
+    assert m.device_hit_tokens == 6 and [tr.kind for tr in t.take_transfers()] == ["load"]
+    t.finish_load(m.last_device_node)
+    t.check_integrity()
+
+
+def test_insert_host_below_existing_path_returns_duplicates():
+    t = make()
+    dev = put_device(t, [1, 2, 3, 4])  # L1 only (no backup yet: write_through backs up on hit)
+    hp = t.host.alloc(4)
+    dup = t.insert_host([1, 2, 3, 4, 5, 6, 7, 8], hp)
+    # the L1-only node adopts the given L2 pages (same KV, from L3): nothing to free
+    assert dup == []
+    t.check_integrity()
+    top = t.match_prefix([1, 2, 3, 4]).last_device_node
+    assert top.device_pages == dev and top.host_pages == hp[:2] and top.storage_pages == 2
+    (low,) = top.children.values()
+    assert low.device_pages is None and low.host_pages == hp[2:] and low.storage_pages == 2
+    # again with fresh pages: every node already has an L2 copy, all given ids come back
+    hp2 = t.host.alloc(4)
+    dup = t.insert_host([1, 2, 3, 4, 5, 6, 7, 8], hp2)
+    assert sorted(dup) == sorted(hp2)
+    t.check_integrity(host_in_use=4)
+    t.host.free(dup)
+    t.check_integrity()
+
+
+def test_insert_host_splits_mid_node_and_keeps_l1_prefix_closed():
+    t = make()
+    put_device(t, [1, 2, 3, 4, 5, 6])
+    hp = t.host.alloc(3)
+    dup = t.insert_host([1, 2, 3, 4, 9, 9], hp)  # diverges after two pages
+    t.check_integrity(host_in_use=len(dup))
+    assert dup == []
+    top = t.match_prefix([1, 2, 3, 4]).last_device_node
+    assert top.key == [1, 2, 3, 4] and top.host_pages == hp[:2]
+    kids = {tuple(c.key): c for c in top.children.values()}
+    assert kids[(5, 6)].device_pages is not None and kids[(5, 6)].host_pages is None
+    assert kids[(9, 9)].device_pages is None and kids[(9, 9)].host_pages == hp[2:]
+    m = t.match_prefix([1, 2, 3, 4, 9, 9])
+    assert m.device_hit_tokens == 4 and m.host_hit_tokens == 2
+
+
+def test_insert_host_needs_l2_and_enough_pages():
+    with pytest.raises(ValueError):
+        make(host=0).insert_host([1, 2], [0])
+    t = make()
+    with pytest.raises(ValueError):
+        t.insert_host([1, 2, 3, 4], [0])
+
+
+def test_storage_pages_split_and_mark_stored():
+    t = make()
+    put_device(t, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert t.mark_stored([1, 2, 3, 4, 5, 6, 7, 8], 3) == 3
+    (node,) = t.nodes()
+    assert node.storage_pages == 3
+    t.match_prefix([1, 2, 3, 4, 5, 6, 0, 0])  # split after 3 pages
+    upper = t.match_prefix([1, 2]).last_device_node  # split after 1 page
+    assert [n.storage_pages for n in t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_device_node.path_to_root()] == [
+        0,
+        2,
+        1,
+    ]
+    assert upper.storage_pages == 1
+    end = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_device_node
+    assert t.stored_prefix_pages(end) == 3
+    # marking is idempotent and never shrinks; a diverging tail stops the walk
+    assert t.mark_stored([1, 2, 3, 4, 9, 9, 9, 9], 4) == 2
+    assert t.stored_prefix_pages(end) == 3
+    assert t.mark_stored([1, 2, 3, 4, 5, 6, 7, 8], 4) == 4
+    assert t.stored_prefix_pages(end) == 4
+    t.check_integrity()
+
+
+def test_write_back_helpers():
+    t = make()
+    put_device(t, [1, 2, 3, 4])
+    put_device_tail = t.device.alloc(1)
+    t.insert([1, 2, 3, 4, 5, 6], t.match_prefix([1, 2, 3, 4]).device_pages + put_device_tail)
+    end = t.match_prefix([1, 2, 3, 4, 5, 6]).last_device_node  # write_through: hit backs up to L2
+    t.take_transfers()
+    assert t.path_tokens(end) == [1, 2, 3, 4, 5, 6]
+    pages = t.host_path_pages(end)
+    assert pages is not None and len(pages) == 3
+    assert pages == [p for n in reversed(end.path_to_root()) for p in n.host_pages]
+    # a node without an L2 copy on the path: nothing to write back from L2
+    t2 = make()
+    put_device(t2, [1, 2])
+    assert t2.host_path_pages(t2.nodes()[0]) is None
+    assert t2.stored_prefix_pages(t2.nodes()[0]) == 0
+    t.check_integrity()
