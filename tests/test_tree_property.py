@@ -168,29 +168,32 @@ class TreeMachine(RuleBasedStateMachine):
         tree.unlock(node)
 
     @precondition(lambda self: self.tree.host is not None)
-    @rule(tokens=tokens_st, use_history=st.booleans(), i=st.integers(0, 100))
-    def prefetch(self, tokens, use_history, i):
-        """Pages of ``tokens`` arrive from L3 into fresh L2 pages (insert_host)."""
+    @rule(tokens=tokens_st, use_history=st.booleans(), i=st.integers(0, 100), after_cached=st.booleans())
+    def prefetch(self, tokens, use_history, i, after_cached):
+        """Pages of ``tokens`` arrive from L3 into fresh L2 pages (insert_host), either all
+        of them or (like the controller) those after the cached prefix."""
         tree, ps = self.tree, self.ps
         if use_history and self.history:
             tokens = self.history[i % len(self.history)] + tokens[:4]
         npages = len(tokens) // ps
+        start = tree.peek_prefix_len(tokens) // ps if after_cached else 0
         host = tree.host
-        if host.num_free < npages:
-            tree.evict_host(npages - host.num_free)
-        if host.num_free < npages:
+        if host.num_free < npages - start:
+            tree.evict_host(npages - start - host.num_free)
+            start = min(start, tree.peek_prefix_len(tokens) // ps)  # eviction may shorten the prefix
+        if host.num_free < npages - start:
             return
-        pages = host.alloc(npages)
+        pages = host.alloc(npages - start)
         for j, p in enumerate(pages):
-            self.host_shadow[p] = tuple(tokens[: (j + 1) * ps])
-        dup = tree.insert_host(tokens, pages)
+            self.host_shadow[p] = tuple(tokens[: (start + j + 1) * ps])
+        dup = tree.insert_host(tokens, pages, start_page=start)
         assert tree.take_transfers() == []
         assert set(dup) <= set(pages) and len(set(dup)) == len(dup)
         tree.check_integrity(host_in_use=len(dup))
         host.free(dup)
-        self.inserted.update(tuple(tokens[: (j + 1) * ps]) for j in range(npages))
+        self.inserted.update(tuple(tokens[: (j + 1) * ps]) for j in range(start, npages))
         snap = self.snapshot()
-        for j in range(npages):
+        for j in range(start, npages):
             assert snap[tuple(tokens[: (j + 1) * ps])][1] is not None, "prefetched page not on L2"
 
     @precondition(lambda self: len(self.locks) < 3)

@@ -123,3 +123,27 @@ def test_write_back_helpers():
     assert t2.host_path_pages(t2.nodes()[0]) is None
     assert t2.stored_prefix_pages(t2.nodes()[0]) == 0
     t.check_integrity()
+
+
+def test_insert_host_from_start_page_below_a_cached_prefix():
+    t = HiRadixTree(PS, PageAllocator(16), PageAllocator(32), write_policy="write_back")  # no backup on hit
+    dev = put_device(t, [1, 2, 3, 4, 5, 6])  # 3 pages on L1
+    hp = t.host.alloc(3)
+    # the prefetch fetched pages 2.. (page 2 is cached already, pages 3-4 are new)
+    dup = t.insert_host([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], hp, start_page=2)
+    t.check_integrity(host_in_use=len(dup))
+    assert dup == []
+    m = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert m.device_pages == dev and m.host_hit_tokens == 4
+    path = list(reversed(m.last_host_node.path_to_root()))
+    assert [n.key for n in path] == [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]  # split at start_page
+    assert path[0].host_pages is None and path[0].storage_pages == 0  # before start_page: untouched
+    assert path[1].host_pages == hp[:1] and path[1].storage_pages == 1  # L1-only node adopts its page
+    assert path[2].host_pages == hp[1:] and path[2].device_pages is None and path[2].storage_pages == 2
+    # the prefix is gone (diverges before start_page): nothing inserted, every id returned
+    hp2 = t.host.alloc(2)
+    assert sorted(t.insert_host([1, 2, 9, 9, 5, 6, 7, 8], hp2, start_page=2)) == sorted(hp2)
+    assert sorted(t.insert_host([5, 5, 3, 4, 5, 6], hp2, start_page=2)) == sorted(hp2[:1])
+    t.check_integrity(host_in_use=2)
+    with pytest.raises(ValueError):
+        t.insert_host([1, 2], [], start_page=2)

@@ -195,32 +195,50 @@ class HiRadixTree(TieringMixin):
         return dup
 
     # ------------------------------------------------------------------ L3 support
-    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int]) -> list[int]:
-        """Insert the full pages of ``tokens`` whose KV arrived from L3 in L2 pages ``host_pages``
-        (a prefetch result); nothing goes to L1.
+    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int], start_page: int = 0) -> list[int]:
+        """Insert pages of ``tokens`` whose KV arrived from L3 in L2 pages ``host_pages`` (a
+        prefetch result); nothing goes to L1.
 
-        ``host_pages`` needs one id per full page (extra ids stay the caller's). Nodes on
-        the path that have an L2 copy keep it and the given ids of their pages are
-        returned for the caller to free; L1-only nodes adopt the given pages as their L2
-        copy; the rest becomes new L2-only nodes (``hit_count == 0``). Every node on the
-        inserted path is marked as stored on L3. Emits no transfers. Raises
-        ``ValueError`` without an L2 pool or with too few page ids.
+        ``host_pages`` holds one id per full page from page ``start_page`` on (extra ids
+        stay the caller's); the pages before ``start_page`` must already be in the tree (on
+        any tier; the caller keeps that path locked). Nodes that have an L2 copy keep it
+        and the given ids of their pages are returned for the caller to free; L1-only
+        nodes adopt the given pages as their L2 copy; the rest becomes new L2-only nodes
+        (``hit_count == 0``). Nodes that got pages from this call are marked as stored on
+        L3. If the tree no longer holds the first ``start_page`` pages, nothing is
+        inserted and every given id is returned. Emits no transfers. Raises
+        ``ValueError`` without an L2 pool, with too few page ids or a bad ``start_page``.
         """
         if self.host is None:
             raise ValueError("insert_host needs a host (L2) pool")
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
-        if len(host_pages) < n // ps:
-            raise ValueError(f"{n // ps} full pages but only {len(host_pages)} host pages")
+        base = start_page * ps
+        if start_page < 0 or base > n:
+            raise ValueError(f"start_page {start_page} outside the {n // ps} full pages")
+        if len(host_pages) < (n - base) // ps:
+            raise ValueError(f"{(n - base) // ps} pages to insert but only {len(host_pages)} host pages")
+        given_all = list(host_pages[: (n - base) // ps])
+        node, pos = self.root, 0
+        while pos < base:  # the part already cached: walk it, split at start_page if needed
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                return given_all
+            m = self._common(child.key, tokens, pos, base)
+            if m < len(child.key):
+                if pos + m < base:
+                    return given_all  # diverges before start_page: the prefix is gone
+                child = self._split(child, m)
+            node, pos = child, pos + m
         self._tick += 1
         tick = self._tick
-        node, pos, dup = self.root, 0, []
+        dup = []
         while pos < n:
             first = tuple(tokens[pos : pos + ps])
             child = node.children.get(first)
             if child is None:
-                hp = list(host_pages[pos // ps : n // ps])
+                hp = given_all[(pos - base) // ps :]
                 new = TreeNode(next(self._ids), tokens[pos:n], parent=node, host_pages=hp)
                 new.last_access = tick
                 new.storage_pages = len(hp)
@@ -234,7 +252,7 @@ class HiRadixTree(TieringMixin):
                 m = self._common(child.key, tokens, pos, n)
                 child = self._split(child, m)
                 end = pos + m
-            given = list(host_pages[pos // ps : end // ps])
+            given = given_all[(pos - base) // ps : (end - base) // ps]
             if child.host_pages is None:
                 child.host_pages = given
                 self._host_cached += len(given)
