@@ -88,7 +88,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, tuple[str, str]]]
     serve = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible and SGLang-native)")
     dests = add_serve_args(serve)
     convert.add_convert_args(sub.add_parser("convert", help="convert a GGUF file into a HF model folder"))
-    sub.add_parser("router", help="cache-aware router over many servers (not implemented yet)")
+    from router.cli import add_router_args
+
+    add_router_args(sub.add_parser("router", help="cache-aware router over many servers"))
     return parser, dests
 
 
@@ -101,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         convert.run_convert(args)
         return 0
     if args.command == "router":
-        print("hicache router: not implemented yet (it comes with the router issue)", file=sys.stderr)
-        return 2
+        from router.cli import run
+
+        return run(args)
     try:
         cfg = load_config(args.config, _overrides(args, dests))
     except ConfigError as e:

@@ -8,6 +8,7 @@ See tree.py for the invariants and the transfer ordering contract.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from hicache.hiradix.match import MatchResult, Transfer
 from hicache.hiradix.node import TreeNode
@@ -37,6 +38,18 @@ class TieringMixin:
     _device_cached: int
     _host_cached: int
     _num_nodes: int
+    # Cache-event listeners, ``fn(kind, node)``, called synchronously right after a change:
+    # "device_add" (the node got L1 pages), "device_evict" (it lost them), "host_add" (it got
+    # an L2 copy), "remove" (it leaves the tree; ``host_pages`` still tells whether it had an
+    # L2 copy), "reset" (flush; node = root). Listeners must not raise nor touch the tree.
+    _listeners: tuple[Callable[[str, TreeNode], None], ...] = ()
+
+    def add_listener(self, fn: Callable[[str, TreeNode], None]) -> None:
+        self._listeners = (*self._listeners, fn)
+
+    def _emit(self, kind: str, node: TreeNode) -> None:
+        for fn in self._listeners:
+            fn(kind, node)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(self, num_pages: int) -> int:
@@ -179,6 +192,8 @@ class TieringMixin:
         pages, node.device_pages = node.device_pages, None
         self._device_cached -= len(pages)
         self.device.free(pages)
+        if self._listeners:
+            self._emit("device_evict", node)
         self._dev_leaves.discard(node)
         if node.parent is not self.root:
             self._dev_leaves.add(node.parent)
@@ -213,6 +228,8 @@ class TieringMixin:
                 continue
             nd.host_pages = hp
             self._host_cached += len(hp)
+            if self._listeners:
+                self._emit("host_add", nd)
             src += nd.device_pages
             dst += hp
             done.append(nd)
@@ -226,6 +243,8 @@ class TieringMixin:
             if hp is not None:
                 node.host_pages = hp
                 self._host_cached += len(hp)
+                if self._listeners:
+                    self._emit("host_add", node)
                 self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
         self._drop_device(node)
         if node.host_pages is None:
@@ -240,6 +259,8 @@ class TieringMixin:
             nd = stack.pop()
             assert nd.lock_ref == 0 and nd.device_pages is None, f"removing {nd!r}"
             stack.extend(nd.children.values())
+            if self._listeners:
+                self._emit("remove", nd)
             nd.children = {}
             if nd.host_pages is not None:
                 self._host_cached -= len(nd.host_pages)

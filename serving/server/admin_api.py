@@ -110,6 +110,22 @@ async def close_session(request: Request) -> dict[str, Any]:
     return {"success": True}
 
 
+@router.get("/get_load")
+async def get_load(request: Request) -> dict[str, Any]:
+    """Running + waiting requests in the engine (what a router balances on)."""
+    stats = await get_ctx(request).client.call(m.Stats)
+    running, waiting = int(stats["running"]), int(stats["waiting"])
+    return {"running": running, "waiting": waiting, "load": running + waiting}
+
+
+@router.get("/cache_events")
+async def cache_events(request: Request, since: int = 0, epoch: str | None = None) -> dict[str, Any]:
+    """Pages added to / evicted from L1 and L2 after event ``since`` (see serving/server/cache_events.py);
+    a snapshot instead when ``epoch`` is not the engine's or the log lost events. 404 unless the
+    server runs with --enable-cache-events."""
+    return await get_ctx(request).client.call(m.CacheEvents, since=since, epoch=epoch)
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)

@@ -40,6 +40,7 @@ class ServerConfig:
     log_level: str = "info"
     enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
     graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
+    enable_cache_events: bool = False  # GET /cache_events: pages added / evicted per tier (for routers)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:

@@ -28,6 +28,7 @@ from serving.config import EngineConfig
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
 from serving.server import messages as m
+from serving.server.cache_events import CacheEventLog, engine_namespace
 from serving.server.config import ServerConfig
 
 log = logging.getLogger("hicache.engine")
@@ -51,6 +52,9 @@ class EngineLoop:
         self.out: list[m.Message] = []
         self.running = True
         self._next_sweep = time.monotonic() + SESSION_SWEEP_S
+        self.events: CacheEventLog | None = None
+        if server.enable_cache_events:
+            self.events = CacheEventLog(core.tree, engine_namespace(core), core.config.cache.page_size)
 
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -197,6 +201,10 @@ class EngineLoop:
             return {"ok": True, **self.stats()}
         if isinstance(msg, m.Stats):
             return self.stats()
+        if isinstance(msg, m.CacheEvents):
+            if self.events is None:
+                raise KeyError("cache events are off (start the server with --enable-cache-events)")
+            return self.events.read(msg.since, msg.epoch)
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def stats(self) -> dict[str, Any]:

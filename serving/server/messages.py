@@ -5,7 +5,7 @@ One wire frame is a run of concatenated msgpack objects, one per message, each
 frame, and the HTTP side coalesces what queued up while its writer was busy.
 
 HTTP -> engine: GenerateReq, AbortReq, OpenSession, CloseSession, FlushCache, CheckIntegrity,
-Stats, Shutdown.  Engine -> HTTP: Ready (once, at start-up), TokenOut, Result, Error.
+Stats, CacheEvents, Shutdown.  Engine -> HTTP: Ready (once, at start-up), TokenOut, Result, Error.
 
 Requests are matched by ``rid``; control calls (sessions, flush, integrity, stats) by
 ``call_id``. TokenOut carries only the ids that are new since the previous TokenOut of that
@@ -67,6 +67,13 @@ class Stats:
 
 
 @dataclass
+class CacheEvents:
+    call_id: int
+    since: int = 0
+    epoch: str | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -110,6 +117,7 @@ Message = (
     | FlushCache
     | CheckIntegrity
     | Stats
+    | CacheEvents
     | Shutdown
     | Ready
     | TokenOut
@@ -127,6 +135,7 @@ _TYPES: dict[str, type] = {
         FlushCache,
         CheckIntegrity,
         Stats,
+        CacheEvents,
         Shutdown,
         Ready,
         TokenOut,

@@ -1,0 +1,244 @@
+"""The router's FastAPI app: the workers' routes, proxied, plus worker administration.
+
+Proxied with routing: POST /v1/chat/completions, /v1/completions, /generate. Sessions:
+/open_session (a worker chosen by the policy; the returned id sticks to it), /close_session
+(to the session's worker). Forwarded to any available worker: /v1/models, /get_model_info,
+/health_generate. Broadcast: /flush_cache. Router-own: /health (200 while any worker is
+available), /get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``),
+/list_workers. Every answer that came from a worker names it in ``x-hicache-worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from router.cache_view import CacheView
+from router.config import RouterConfig, check_url
+from router.policies import RouteRequest, make_policy
+from router.proxy import Forwarder, error
+from router.routing_key import KeyMaker, load_tokenizer
+from router.workers import WorkerPool
+
+log = logging.getLogger("hicache.router")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+
+
+class RouterState:
+    """Everything the routes use; built in the app's lifespan (it needs the event loop)."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        key = cfg.worker_api_key or cfg.api_key
+        self.worker_headers = {"authorization": f"Bearer {key}"} if key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=5.0)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        self.view = (
+            CacheView(self.client, self.worker_headers, cfg.events_poll_interval_s)
+            if cfg.cache_view == "events"
+            else None
+        )
+        self.policy = make_policy(cfg, self.view)
+        self.pool = WorkerPool(cfg, self.client, self.worker_headers)
+        self.pool.on_reset.append(self.policy.forget)
+        if self.view is not None:
+            self.view.urls = lambda: [w.url for w in self.pool.workers.values() if w.healthy]
+            self.pool.on_reset.append(self.view.forget)
+        self.forwarder = Forwarder(cfg, self.pool, self.policy, self.client, self.worker_headers)
+        self.pool.on_reset.append(self.forwarder.sessions.forget_worker)
+        self.keys = KeyMaker()
+        self._maint: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        for url in self.cfg.worker_urls:
+            self.pool.add(url)
+        await self.pool.check_health()
+        self.keys = KeyMaker(load_tokenizer(self.cfg.tokenizer_path or await self._worker_tokenizer_path()))
+        log.info("routing on %s", "token ids" if self.keys.tok is not None else "text")
+        self.pool.start()
+        if self.view is not None:
+            self.view.start()
+        self._maint = asyncio.create_task(self._maintain())
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        if self.view is not None:
+            await self.view.stop()
+        if self._maint is not None:
+            self._maint.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._maint
+        await self.client.aclose()
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.eviction_interval_s)
+            self.policy.maintain()
+
+    async def _worker_tokenizer_path(self) -> str | None:
+        for w in self.pool.available():
+            try:
+                r = await self.client.get(w.url + "/get_model_info", headers=self.worker_headers, timeout=5)
+                if r.status_code == 200:
+                    return r.json().get("tokenizer_path")
+            except (httpx.HTTPError, ValueError):
+                continue
+        return None
+
+
+def _auth_ok(request: Request, expected: bytes) -> bool:
+    return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    state = RouterState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        yield
+        await state.stop()
+
+    app = FastAPI(title="HiCache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+
+    if cfg.api_key:
+        expected = f"Bearer {cfg.api_key}".encode()
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next: Any) -> Response:
+            if request.url.path != "/health" and not _auth_ok(request, expected):
+                return error(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+            return await call_next(request)
+
+    async def generation(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error(400, "the body is not valid JSON")
+        if not isinstance(body, dict):
+            return error(400, "the body must be a JSON object")
+        path = request.url.path
+        route = state.keys.for_body(path, body)
+        headers = state.forwarder.headers_for(request.headers)
+        return await state.forwarder.forward(path, raw, headers, route, body.get("stream") is True)
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, generation, methods=["POST"])
+
+    async def to_any(request: Request) -> Response:
+        avail = state.pool.available()
+        if not avail:
+            return error(503, "no worker is available")
+        w = min(avail, key=lambda w: w.load)
+        body = await request.body() if request.method == "POST" else None
+        return await state.forwarder.call(
+            w, request.method, request.url.path, body, state.forwarder.headers_for(request.headers)
+        )
+
+    for path in ("/v1/models", "/get_model_info", "/health_generate"):
+        app.add_api_route(path, to_any, methods=["GET", "POST"] if path == "/health_generate" else ["GET"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.pool.available() else 503)
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, Any]:
+        return {"workers": {w.url: w.load for w in state.pool.workers.values()}}
+
+    @app.post("/open_session")
+    async def open_session(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            sid = (json.loads(raw) or {}).get("session_id") if raw else None
+        except (ValueError, AttributeError):
+            return error(400, "the body must be a JSON object")
+        avail = state.pool.available()
+        if not avail:
+            return error(503, "no worker is available")
+        w = state.policy.select(RouteRequest("", None, sid), avail)
+        resp = await state.forwarder.call(
+            w, "POST", "/open_session", raw or None, state.forwarder.headers_for(request.headers)
+        )
+        if resp.status_code == 200:
+            state.forwarder.sessions.owner[json.loads(resp.body)] = w.url
+        return resp
+
+    @app.post("/close_session")
+    async def close_session(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            sid = json.loads(raw).get("session_id")
+        except (ValueError, AttributeError):
+            return error(400, "the body must be a JSON object with session_id")
+        url = state.forwarder.sessions.owner.pop(sid, None) if isinstance(sid, str) else None
+        w = state.pool.workers.get(url) if url else None
+        if w is None:
+            return error(404, f"unknown session {sid!r}")
+        return await state.forwarder.call(
+            w, "POST", "/close_session", raw, state.forwarder.headers_for(request.headers)
+        )
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        headers = state.forwarder.headers_for(request.headers)
+        workers = state.pool.available()
+        answers = await asyncio.gather(
+            *(state.forwarder.call(w, "POST", "/flush_cache", None, headers) for w in workers)
+        )
+        for w in workers:
+            state.policy.forget(w.url)
+        ok = all(a.status_code == 200 for a in answers)
+        return JSONResponse(
+            {"success": ok, "workers": {w.url: a.status_code for w, a in zip(workers, answers, strict=True)}},
+            status_code=200 if ok else 502,
+        )
+
+    async def _url(request: Request) -> str | None:
+        url = request.query_params.get("url")
+        if url is None and (raw := await request.body()):
+            with suppress(ValueError, AttributeError):
+                url = json.loads(raw).get("url")
+        return url
+
+    @app.post("/add_worker")
+    async def add_worker(request: Request) -> Response:
+        try:
+            url = check_url(await _url(request) or "")
+        except ValueError as e:
+            return error(400, str(e))
+        w = state.pool.add(url)
+        await state.pool.check_one(w)
+        return JSONResponse({"success": True, "worker": w.view()})
+
+    @app.post("/remove_worker")
+    async def remove_worker(request: Request) -> Response:
+        url = (await _url(request) or "").rstrip("/")
+        if not state.pool.remove(url):
+            return error(404, f"no worker {url!r}")
+        return JSONResponse({"success": True})
+
+    @app.get("/list_workers")
+    async def list_workers() -> dict[str, Any]:
+        return {
+            "policy": cfg.policy,
+            "cache_view": cfg.cache_view,
+            "workers": [w.view() for w in state.pool.workers.values()],
+            "sessions": len(state.forwarder.sessions.owner),
+            "policy_stats": state.policy.stats(),
+        }
+
+    return app

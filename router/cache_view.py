@@ -1,0 +1,158 @@
+"""The exact cache view (``cache_view: events``): which pages each worker holds on L1 / L2.
+
+Each worker started with ``--enable-cache-events`` publishes its page adds and evictions per
+tier (serving/server/cache_events.py) under ``GET /cache_events?since=SEQ&epoch=E``; this module
+polls every worker, applies the events (or a snapshot, after a restart or a gap) and keeps per
+worker ``page key -> tiers`` (bit 1: L1, bit 2: L2).
+
+A request's page keys are :func:`hicache.keys.page_keys` of the ids the worker will see (the
+router tokenizes like the worker), under the namespace the worker announces; since the pages a
+worker holds form a prefix-closed set, the prefix it holds is found by binary search.
+
+Scoring prefers L1 over L2 (``TIER_WEIGHT``): a worker that would have to load the prefix back
+from L2, or fetch it from a shared L3 (which every worker can reach equally, so it does not
+tell workers apart), loses against one that holds it on L1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from hicache.keys import page_keys
+
+log = logging.getLogger("hicache.router")
+L1, L2 = 1, 2
+TIER_BITS = {"L1": L1, "L2": L2}
+TIER_WEIGHT = {L1: 1.0, L2: 0.6}  # a page on L2 only counts this much
+
+
+@dataclass
+class WorkerCache:
+    epoch: str | None = None
+    seq: int = 0
+    namespace: str = ""
+    page_size: int = 0
+    pages: dict[str, int] = field(default_factory=dict)
+
+    def apply(self, op: str, tier: str | None, keys: list[str]) -> None:
+        if op == "clear":
+            self.pages.clear()
+            return
+        bit = TIER_BITS[tier or "L1"]
+        pages = self.pages
+        if op == "add":
+            for k in keys:
+                pages[k] = pages.get(k, 0) | bit
+        elif op == "remove":
+            for k in keys:
+                left = pages.get(k, 0) & ~bit
+                if left:
+                    pages[k] = left
+                else:
+                    pages.pop(k, None)
+
+    def held(self, keys: list[str]) -> tuple[int, int]:
+        """``(pages of the prefix held anywhere, of those on L1)`` (both prefix-closed)."""
+        pages = self.pages
+        lo, hi = 0, len(keys)  # keys[:lo] are held
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        on_l1 = 0
+        while on_l1 < lo and pages[keys[on_l1]] & L1:
+            on_l1 += 1
+        return lo, on_l1
+
+
+class CacheView:
+    def __init__(self, client: httpx.AsyncClient, headers: dict[str, str], interval_s: float) -> None:
+        self.client = client
+        self.headers = headers
+        self.interval_s = interval_s
+        self.caches: dict[str, WorkerCache] = {}
+        self.urls: Callable[[], list[str]] = lambda: list(self.caches)
+        self._task: asyncio.Task[None] | None = None
+
+    def forget(self, url: str) -> None:
+        self.caches.pop(url, None)
+
+    # -- scoring -----------------------------------------------------------------------------
+    def scores(self, token_ids: list[int], urls: Mapping[str, Any]) -> dict[str, float]:
+        """Tokens of ``token_ids`` each worker holds, L2 pages weighted down."""
+        keys_by_ns: dict[tuple[str, int], list[str]] = {}
+        out: dict[str, float] = {}
+        for url in urls:
+            c = self.caches.get(url)
+            if c is None or not c.page_size or not c.pages:
+                continue
+            ns = (c.namespace, c.page_size)
+            keys = keys_by_ns.get(ns)
+            if keys is None:
+                keys = keys_by_ns[ns] = page_keys(token_ids, c.page_size, c.namespace)
+            anywhere, on_l1 = c.held(keys)
+            out[url] = (on_l1 * TIER_WEIGHT[L1] + (anywhere - on_l1) * TIER_WEIGHT[L2]) * c.page_size
+        return out
+
+    def best(self, token_ids: list[int], urls: Mapping[str, Any], threshold: float) -> str | None:
+        """The worker holding the most of the prompt, if that is at least ``threshold`` of it."""
+        scores = self.scores(token_ids, urls)
+        if not scores or not token_ids:
+            return None
+        url = max(scores, key=lambda u: (scores[u], -getattr(urls[u], "load", 0)))
+        return url if scores[url] / len(token_ids) >= threshold and scores[url] > 0 else None
+
+    # -- polling -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(u) for u in self.urls()), return_exceptions=True)
+            await asyncio.sleep(self.interval_s)
+
+    async def poll(self, url: str) -> None:
+        c = self.caches.setdefault(url, WorkerCache())
+        for _ in range(64):  # bounded catch-up per round
+            try:
+                r = await self.client.get(
+                    url + "/cache_events",
+                    params={"since": c.seq, **({"epoch": c.epoch} if c.epoch else {})},
+                    headers=self.headers,
+                    timeout=5.0,
+                )
+            except httpx.HTTPError:
+                return
+            if r.status_code != 200:
+                return
+            more = self.apply(c, r.json())
+            if not more:
+                return
+
+    @staticmethod
+    def apply(c: WorkerCache, body: dict[str, Any]) -> bool:
+        """Apply one answer of ``/cache_events``; returns whether more events are waiting."""
+        if "snapshot" in body:
+            c.pages = {}
+            for tier, keys in body["snapshot"].items():
+                c.apply("add", tier, keys)
+            if c.epoch is not None and c.epoch != body["epoch"]:
+                log.info("cache view: worker restarted (new epoch); resynced from a snapshot")
+        c.epoch, c.namespace, c.page_size = body["epoch"], body["namespace"], int(body["page_size"])
+        for _seq, op, tier, keys in body["events"]:
+            c.apply(op, tier, keys)
+        c.seq = int(body["last_seq"])
+        return bool(body.get("more"))

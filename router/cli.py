@@ -1,0 +1,103 @@
+"""``hicache router --config configs/router.yaml`` or ``hicache router --worker-urls URL ...``.
+
+Every RouterConfig field of a simple type gets a flag named after it (``cache_threshold`` ->
+``--cache-threshold``), ``worker_urls`` gets ``--worker-urls URL [URL ...]``; a flag overrides
+the file, the file overrides the dataclass defaults (shown in ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from router.config import ConfigError, RouterConfig, field_types, load_config
+
+READY_MESSAGE = "The router is ready to route!"
+
+
+def _flag_type(tp: Any) -> Any:
+    union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+    real = [a for a in (typing.get_args(tp) if union else (tp,)) if a is not type(None)]
+    return real[0] if len(real) == 1 and real[0] in (str, int, float, bool) else None
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="YAML", help="router config file (flat mapping of the fields below)")
+    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    for name, tp in field_types().items():
+        flag = "--" + name.replace("_", "-")
+        help_ = f"default: {defaults[name]!r}"
+        if name == "worker_urls":
+            parser.add_argument(flag, dest=name, nargs="+", metavar="URL", default=argparse.SUPPRESS, help=help_)
+            continue
+        kind = _flag_type(tp)
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_
+            )
+        elif kind is not None:
+            parser.add_argument(
+                flag, dest=name, type=kind, metavar=kind.__name__.upper(), default=argparse.SUPPRESS, help=help_
+            )
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    overrides = {name: getattr(args, name) for name in field_types() if hasattr(args, name)}
+    return load_config(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"hicache router: {e}", file=sys.stderr)
+        return 2
+    if not cfg.worker_urls:
+        print("hicache router: no workers (give --worker-urls, or add them with POST /add_worker)", file=sys.stderr)
+    return serve(cfg)
+
+
+def serve(cfg: RouterConfig) -> int:
+    import uvicorn
+
+    from router.app import create_app
+
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM: shut down and exit 0
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and not self.should_exit:
+                print(READY_MESSAGE, flush=True)
+
+    server = _Server(
+        uvicorn.Config(
+            create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, lifespan="on"
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache router", description="cache-aware router over HiCache workers")
+    add_router_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
