@@ -113,12 +113,15 @@ class StorageController:
             if t.kind != "backup":
                 continue
             for node in t.nodes:
-                if node.removed or node.host_pages is None or getattr(node, "in_storage", False):
+                npages = len(node.key) // self.page_size
+                done = node.storage_pages
+                if node.removed or node.host_pages is None or done >= npages:
                     continue
-                keys = self.node_keys(node)
+                keys = self.node_keys(node)[done:]
                 self.tree.lock(node)
-                node.in_storage = True  # optimistic: a failed write only costs a later miss
-                self._writes.append((self._writer.submit(self._write, keys, list(node.host_pages)), node))
+                node.storage_pages = npages  # optimistic: a failed write only costs a later miss
+                write = self._writer.submit(self._write, keys, list(node.host_pages[done:]))
+                self._writes.append((write, node))
 
     def _write(self, keys: list[str], host_pages: list[int]) -> int:
         present = self.tier.batch_exists(keys)  # another server may have stored them
