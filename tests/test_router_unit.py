@@ -189,3 +189,14 @@ def test_tree_listener_hook_and_event_log() -> None:
     assert log.read(view.seq, log.epoch)["events"] == []
     log.events.clear()  # lost history: a reader behind gets a snapshot
     assert "snapshot" in log.read(0, log.epoch)
+
+
+def test_pages_prefetched_from_l3_are_l2_events() -> None:
+    ps, ns = 2, "test|ns"
+    tree = HiRadixTree(ps, PageAllocator(4), PageAllocator(8))
+    log = CacheEventLog(tree, ns, ps)
+    tokens = [5, 6, 7, 8]
+    tree.insert_host(tokens, tree.host.alloc(2))
+    view = WorkerCache()
+    CacheView.apply(view, log.read(0, None))
+    assert view.held(page_keys(tokens, ps, ns)) == (2, 0)  # held, on L2 only

@@ -246,6 +246,8 @@ class HiRadixTree(TieringMixin):
                 self._num_nodes += 1
                 self._host_cached += len(hp)
                 self._host_leaves.add(new)
+                if self._listeners:
+                    self._emit("host_add", new)
                 break
             end = pos + len(child.key)
             if not (end <= n and tokens[pos:end] == child.key):
@@ -258,6 +260,8 @@ class HiRadixTree(TieringMixin):
                 self._host_cached += len(given)
                 if child.device_pages is None and not child.children:
                     self._host_leaves.add(child)
+                if self._listeners:
+                    self._emit("host_add", child)
             elif child.host_pages != given:
                 dup.extend(b for a, b in zip(child.host_pages, given, strict=True) if a != b)
             child.storage_pages = len(given)
