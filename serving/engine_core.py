@@ -121,6 +121,15 @@ class EngineCore:
         self.tree.reset()
         return True
 
+    def storage_stats(self) -> dict[str, float]:
+        """L3 counters (pages): hits, misses, corrupt, stored, errors ...; empty without L3."""
+        if self.storage is None:
+            return {}
+        st = dict(self.storage.tier.stats())
+        st.update(pages_written=self.storage.pages_written, pages_prefetched=self.storage.pages_prefetched,
+                  prefetches_revoked=self.storage.prefetches_revoked)
+        return st
+
     def check_integrity(self) -> None:
         host_in_use = 0
         if self.storage is not None:

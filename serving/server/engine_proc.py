@@ -224,6 +224,7 @@ class EngineLoop:
             "waiting": len(self.core.scheduler.waiting),
             "sessions": len(self.core.sessions),
             "pages": pages,
+            "storage": self.core.storage_stats(),
         }
 
     # -- sessions --------------------------------------------------------------------------
@@ -281,4 +282,7 @@ def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: 
 
     signal.signal(signal.SIGTERM, _stop)
     tx.send_bytes(m.encode([m.Ready(ready_info(core, config))]))
-    loop.run()
+    try:
+        loop.run()
+    finally:
+        core.shutdown()  # waits for L3 write-backs in flight, closes the store

@@ -50,6 +50,14 @@ class EngineCollector(Collector):
             total.add_metric([pool], p["total"])
         yield used
         yield total
+        storage = s.get("storage") or {}
+        if storage:
+            fam = CounterMetricFamily(
+                f"{PREFIX}_storage_pages", "L3 storage tier page counters (hits, misses, corrupt, stored, "
+                "errors, ...)", labels=["event"])
+            for event, n in sorted(storage.items()):
+                fam.add_metric([event.replace("backend.", "backend_")], float(n))
+            yield fam
         yield GaugeMetricFamily(f"{PREFIX}_num_running_reqs", "Requests running", value=s["running"])
         yield GaugeMetricFamily(f"{PREFIX}_num_waiting_reqs", "Requests waiting", value=s["waiting"])
         yield GaugeMetricFamily(f"{PREFIX}_num_sessions", "Open sessions", value=s["sessions"])
