@@ -41,6 +41,8 @@ class SchedulerConfig:
     kv_cache_gb: float | None = None  # L1 KV capacity in GiB (alternative to max_total_tokens)
     mem_fraction_static: float = 0.85  # CUDA: share of free GPU memory for weights + KV
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
+    grammar_backend: str = "xgrammar"  # structured output (json_schema / regex / ebnf); none: off
+    jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
 
     def __post_init__(self) -> None:
         if self.max_running_requests <= 0:
@@ -49,6 +51,8 @@ class SchedulerConfig:
             raise ValueError("chunked_prefill_size must be positive or -1 (off)")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("max_total_tokens must be positive")
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}")
 
 
 @dataclass(frozen=True)

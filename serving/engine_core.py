@@ -17,6 +17,7 @@ from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache_controller import CacheController
 from serving.config import EngineConfig
+from serving.grammar.runner import make_grammar_runner
 from serving.model_runner import ModelRunner
 from serving.req_cache import ReqCache
 from serving.request import Req
@@ -55,6 +56,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.req_cache, self.runner.forward, StopChecker(self.eos_ids, decode),
             self.runner.context_len, self.runner.device)
+        self.grammar = make_grammar_runner(config.scheduler.grammar_backend, config.scheduler.jump_forward,
+                                           self.tokenizer, self.runner.arch.vocab_size, self.eos_ids)
+        self.scheduler.grammar = self.grammar
         self.sessions: set[str] = set()
 
     def _make_storage(self) -> StorageController:
@@ -92,6 +96,7 @@ class EngineCore:
             raise KeyError(f"unknown session_id {session_id!r}")
         req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id)
         self.scheduler.validate(req)
+        req.grammar = self.grammar.new_state(params)  # parsed here (400 if invalid), compiled on a worker
         return req
 
     def add(self, req: Req) -> None:

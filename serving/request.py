@@ -36,6 +36,7 @@ class Req:
     first_token_time: float | None = None
     num_retractions: int = 0
     stop_scan_from: int = 0  # output text offset already checked for stop strings
+    grammar: Any = None  # serving.grammar.runner.GrammarState: structured output (None: unconstrained)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from serving.grammar.spec import normalize_grammar_params
+
 
 class InvalidRequest(ValueError):
     """A request the engine refuses; the message says what is wrong (HTTP 400)."""
@@ -25,6 +27,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # structured output (serving.grammar), at most one: a JSON schema (its JSON text), a regex,
+    # an EBNF grammar (xgrammar dialect, root rule "root")
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +54,10 @@ class SamplingParams:
         _check(len(self.stop) <= 16, "at most 16 stop strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        _check(all(v is None or (isinstance(v, str) and v) for v in (self.json_schema, self.regex, self.ebnf)),
+               "json_schema, regex and ebnf must be non-empty strings")
+        _check(sum(v is not None for v in (self.json_schema, self.regex, self.ebnf)) <= 1,
+               "give at most one of json_schema, regex, ebnf")
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +88,9 @@ class SamplingParams:
             if not isinstance(d["stop_token_ids"], list | tuple):
                 raise InvalidRequest("stop_token_ids must be a list of integers")
             d["stop_token_ids"] = tuple(d["stop_token_ids"])
+        grammar_error = normalize_grammar_params(d)
+        if grammar_error:
+            raise InvalidRequest(grammar_error)
         d = {k: v for k, v in d.items() if v is not None}
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):

@@ -56,6 +56,7 @@ class Scheduler:
         self._finished_outside_step: list[Req] = []  # finished while scheduling (not sampled)
         self.running: list[Req] = []  # admitted, in admission order
         self.stats = SchedulerStats()
+        self.grammar = None  # serving.grammar.runner.GrammarRunner (structured output), set by EngineCore
 
     # -- queue --------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -108,6 +109,9 @@ class Scheduler:
             return updated
         seqs = [(r.fill_ids[r.kv_len: r.kv_len + n], r.kv_len, r.pages) for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
+        masks = None  # structured output: next-token masks filled on a worker during the forward pass
+        if self.grammar is not None:
+            masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
         logits = self.forward(fb)  # [B, vocab]
         self.stats.forward_passes += 1
         done_rows: list[int] = []
@@ -117,11 +121,16 @@ class Scheduler:
                 done_rows.append(i)
         if done_rows:
             reqs = [batch_reqs[i][0] for i in done_rows]
+            rows = logits[done_rows]
+            if masks is not None:
+                masks.apply(rows)  # tokens the grammars disallow -> -inf (constrained rows only)
             tokens = self.sampler.sample(
-                logits[done_rows], [r.sampling for r in reqs], [r.rid for r in reqs],
+                rows, [r.sampling for r in reqs], [r.rid for r in reqs],
                 [(r.input_ids, r.output_ids) for r in reqs])
             for r, tok in zip(reqs, tokens, strict=True):
                 self._append_token(r, tok)
+                if r.grammar is not None:  # tokens the grammar forces: appended now, prefilled next step
+                    self.grammar.jump_forward(r, self._append_token)
                 updated.append(r)
         return updated
 
@@ -131,6 +140,8 @@ class Scheduler:
         r.output_ids.append(tok)
         self.stats.generated_tokens += 1
         reason = self.stop.check(r, self.context_len)
+        if reason is None and r.grammar is not None:
+            reason = self.grammar.accept(r, tok)  # the grammar terminated (stop) or rejected tok
         if reason is not None:
             self.running.remove(r)
             self._finish(r, reason)

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serving.grammar.spec import response_format_params
+
 Strict = ConfigDict(extra="forbid", strict=True)
 Stop = str | list[str] | None
 
@@ -34,6 +36,8 @@ class SGLangExtras(StrictModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    regex: str | None = None  # structured output: the text matches this regex
+    ebnf: str | None = None  # structured output: the text matches this EBNF grammar (root rule "root")
     session_id: str | None = None
 
 
@@ -51,6 +55,7 @@ class OpenAISampling(SGLangExtras):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema (structured output)
 
     @model_validator(mode="after")
     def _unsupported(self) -> OpenAISampling:
@@ -60,7 +65,16 @@ class OpenAISampling(SGLangExtras):
             raise ValueError("logit_bias: not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        self.grammar_params()  # validates response_format / regex / ebnf
         return self
+
+    def grammar_params(self) -> dict[str, Any]:
+        """Structured output as SGLang sampling params: response_format, regex or ebnf (one)."""
+        p = response_format_params(self.response_format)
+        given = [k for k, v in (("response_format", p), ("regex", self.regex), ("ebnf", self.ebnf)) if v]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of response_format (json), regex, ebnf; got {', '.join(given)}")
+        return {**p, **({"regex": self.regex} if self.regex else {}), **({"ebnf": self.ebnf} if self.ebnf else {})}
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """SGLang-named sampling params (unset ones left to SamplingParams' defaults)."""
@@ -79,7 +93,7 @@ class OpenAISampling(SGLangExtras):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
         }
-        return {k: v for k, v in p.items() if v is not None}
+        return {**{k: v for k, v in p.items() if v is not None}, **self.grammar_params()}
 
     @property
     def include_usage(self) -> bool:
@@ -109,7 +123,6 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool | None = None
@@ -118,8 +131,6 @@ class ChatCompletionRequest(OpenAISampling):
     def _chat_unsupported(self) -> ChatCompletionRequest:
         if self.logprobs or self.top_logprobs:
             raise ValueError("logprobs: not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError('response_format: only {"type": "text"} is supported')
         if self.tools:
             raise ValueError("tools: tool calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):

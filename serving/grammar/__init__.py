@@ -1,0 +1,15 @@
+"""Structured output: constrain decoding to a JSON schema, a regular expression or an EBNF grammar.
+
+- ``spec``: what a request asks for (``json_schema`` / ``regex`` / ``ebnf`` in sampling params,
+  OpenAI ``response_format``), as a ``(kind, text)`` pair.
+- ``base`` / ``registry``: the grammar-backend contract and the registry behind
+  ``--grammar-backend`` (``xgrammar``, or ``none`` to turn structured output off).
+- ``xgrammar_backend``: the xgrammar implementation (tokenizer info built once, compiler with
+  its own cache, batched bitmask fill / apply).
+- ``lru``: compiled grammars cached by ``(kind, text)``.
+- ``runner``: what the scheduler calls: per-request matchers, masks filled on a worker thread
+  while the forward pass runs, applied to the logits before sampling, jump-forward.
+"""
+
+# Nothing is imported here: serving.sampling_params imports serving.grammar.spec, and the
+# HTTP process should not load xgrammar. Import the submodules.

@@ -1,0 +1,57 @@
+"""The grammar-backend contract: parse (cheap, at validation), compile (may be slow, thread-safe),
+per-request matchers, token masks filled for a batch and applied to logits."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class GrammarError(ValueError):
+    """A JSON schema, regex or grammar the backend cannot use; the message names the problem."""
+
+
+class Matcher(Protocol):
+    """A request's position in its grammar (one per request, advanced token by token)."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+class GrammarBackend(ABC):
+    """One grammar engine bound to one tokenizer / vocabulary (the model's logits width)."""
+
+    name: str = ""
+    vocab_size: int = 0
+
+    @abstractmethod
+    def parse(self, kind: str, text: str) -> Any:
+        """Check ``text`` of ``kind`` (json_schema / regex / ebnf); raise GrammarError.
+        Cheap (no tokenizer work): runs on the request's validation path."""
+
+    @abstractmethod
+    def compile(self, parsed: Any) -> Any:
+        """The compiled grammar of a ``parse`` result; runs on a worker thread."""
+
+    @abstractmethod
+    def new_matcher(self, compiled: Any) -> Matcher: ...
+
+    @abstractmethod
+    def allocate_mask(self, rows: int) -> torch.Tensor:
+        """A host mask buffer with ``rows`` rows (every token allowed)."""
+
+    @abstractmethod
+    def fill_masks(self, matchers: Sequence[Matcher], mask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill ``mask[rows[i]]`` with the next-token mask of ``matchers[i]`` (thread-safe)."""
+
+    @abstractmethod
+    def apply_masks(self, logits: torch.Tensor, mask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Set the logits of disallowed tokens to -inf, in place, for ``rows`` only."""
+
+    @abstractmethod
+    def forced_token(self, matcher: Matcher) -> int | None:
+        """The next token when the grammar allows exactly one, else None (see runner: jump-forward)."""
