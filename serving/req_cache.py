@@ -56,7 +56,9 @@ class ReqCache:
 
     def match(self, req: Req) -> MatchResult:
         # Leave at least one token to compute: its logits give the next token.
-        return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+        m = self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+        self.flush_transfers()  # write-through backups of hit nodes run now, before anyone reads them
+        return m
 
     def admit(self, req: Req, match: MatchResult) -> None:
         """Lock the matched prefix (loading its L2 part back to L1) and take its pages
@@ -71,6 +73,8 @@ class ReqCache:
                 req.load_future = future
         self.tree.lock(m.last_device_node)
         req.lock_node = m.last_device_node
+        if self.storage is not None:
+            self.storage.on_hit(m.last_device_node)
         req.pages = list(m.device_pages)
         req.tree_pages = len(req.pages)
         req.kv_len = req.tree_pages * self.page_size
@@ -98,6 +102,7 @@ class ReqCache:
     def start_prefetch(self, req: Req) -> None:
         if self.storage is not None and not req.prefetch_checked:
             self.storage.maybe_prefetch(req)
+            self.flush_transfers()  # its match may have emitted write-through backups
 
     def prefetch_ready(self, req: Req) -> bool:
         return self.storage is None or self.storage.prefetch_ready(req)

@@ -89,7 +89,8 @@ class StorageController:
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-write")
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-fetch")
-        self._writes: list[tuple[Future, TreeNode]] = []
+        self._writes: list[tuple[Future, TreeNode, int]] = []
+        self._pending: set[int] = set()  # ids of nodes with a write in flight
         self.pages_written = 0
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
@@ -110,34 +111,50 @@ class StorageController:
     def on_transfers_done(self, transfers: list[Transfer]) -> None:
         """Called on the scheduler thread after backups ran: write their nodes on to L3."""
         for t in transfers:
-            if t.kind != "backup":
-                continue
-            for node in t.nodes:
-                npages = len(node.key) // self.page_size
-                done = node.storage_pages
-                if node.removed or node.host_pages is None or done >= npages:
-                    continue
-                keys = self.node_keys(node)[done:]
-                self.tree.lock(node)
-                node.storage_pages = npages  # optimistic: a failed write only costs a later miss
-                write = self._writer.submit(self._write, keys, list(node.host_pages[done:]))
-                self._writes.append((write, node))
+            if t.kind == "backup":
+                for node in t.nodes:
+                    self._write_back(node)
 
-    def _write(self, keys: list[str], host_pages: list[int]) -> int:
+    def on_hit(self, node: TreeNode) -> None:
+        """A request matched the path to ``node``: retry write-backs that did not reach L3
+        (the store was down, say) for its L2 nodes."""
+        while node is not None and node.parent is not None:
+            self._write_back(node)
+            node = node.parent
+
+    def _write_back(self, node: TreeNode) -> None:
+        npages = len(node.key) // self.page_size
+        done = node.storage_pages
+        if node.removed or node.host_pages is None or done >= npages or node.id in self._pending:
+            return
+        keys = self.node_keys(node)[done:]
+        self.tree.lock(node)  # its host pages stay put until the write has read them
+        self._pending.add(node.id)
+        write = self._writer.submit(self._write, keys, list(node.host_pages[done:]))
+        self._writes.append((write, node, done))
+
+    def _write(self, keys: list[str], host_pages: list[int]) -> tuple[int, int]:
+        """Returns (leading pages now in L3, pages this call wrote)."""
         present = self.tier.batch_exists(keys)  # another server may have stored them
         if present == len(keys):
-            return 0
-        return self.tier.batch_set(keys[present:], self.host_pool, host_pages[present:])
+            return present, 0
+        wrote = self.tier.batch_set(keys[present:], self.host_pool, host_pages[present:])
+        return present + wrote, wrote
 
     def poll(self, wait: bool = False) -> None:
-        """Unlock nodes whose writes finished (all of them with ``wait``)."""
+        """Finish write-backs (all of them with ``wait``): record what reached L3 (a failed
+        write is retried at the node's next backup) and unlock the nodes."""
         keep = []
-        for fut, node in self._writes:
+        for fut, node, start in self._writes:
             if wait or fut.done():
-                self.pages_written += fut.result()
+                stored, wrote = fut.result()
+                self.pages_written += wrote
+                if not node.removed:
+                    node.storage_pages = max(node.storage_pages, start + stored)
                 self.tree.unlock(node)
+                self._pending.discard(node.id)
             else:
-                keep.append((fut, node))
+                keep.append((fut, node, start))
         self._writes = keep
 
     # -- prefetch -------------------------------------------------------------------------

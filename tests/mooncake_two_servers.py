@@ -1,0 +1,143 @@
+"""Driver for tests/test_server_mooncake.py; runs INSIDE a test network namespace.
+
+Starts a real mooncake_master and two real HiCache servers sharing it, runs the scenario
+and prints one JSON line of findings on stdout. Usage:
+    python tests/mooncake_two_servers.py MODEL_DIR WORK_DIR NS_ADDRESS
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.server_utils import ServerProcess  # noqa: E402
+
+RPC, HTTP, METRICS = 50051, 50080, 50090
+
+
+class Master:
+    def __init__(self, log: Path) -> None:
+        self.log, self.proc = log, None
+
+    def start(self) -> None:
+        exe = Path(sys.executable).parent / "mooncake_master"
+        argv = [str(exe), "--rpc_address=127.0.0.1", f"--rpc_port={RPC}", "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={HTTP}",
+                f"--metrics_port={METRICS}"]
+        self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{HTTP}/metadata", timeout=1)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("mooncake_master did not come up")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def config(work: Path, address: str) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs" / "mooncake.yaml").read_text())
+    cfg["cache"]["hicache_storage_backend_extra_config"] = {
+        "master_server_address": f"127.0.0.1:{RPC}", "metadata_server": f"http://127.0.0.1:{HTTP}/metadata",
+        "local_hostname": address, "global_segment_mb": 128, "local_buffer_mb": 64, "timeout_s": 1.0,
+        "backoff_s": 0.2, "max_backoff_s": 1.0}
+    cfg["cache"].update(hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=16)
+    out = work / "mooncake.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def metric(s: ServerProcess, name: str, label: str) -> float:
+    text = httpx.get(s.url + "/metrics", timeout=30).text
+    m = re.search(rf'^{name}\{{[^}}]*"{label}"[^}}]*\}} ([0-9.e+]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def gen(s: ServerProcess, ids: list[int]) -> tuple[int, list[int] | None, int]:
+    r = httpx.post(s.url + "/generate", timeout=120, json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    if r.status_code != 200:
+        return r.status_code, None, 0
+    body = r.json()
+    return 200, body["output_ids"], body["meta_info"]["cached_tokens_details"].get("storage", 0)
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    return [[(seed * 7919 + p * 131 + i * 17) % 40000 + 100 for i in range(96 + p)] for p in range(n)]
+
+
+def wait_for(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def main() -> None:
+    model, work, address = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    master = Master(work / "master.log")
+    master.start()
+    cfg = config(work, address)
+    args = ["--config", str(cfg), "--model-path", model, "--served-model-name", "tiny"]
+    a, b = ServerProcess(args), ServerProcess(args)
+    a.start()
+    b.start()
+    out: dict = {}
+    try:
+        p = prompts(1, 6)
+        ref = [gen(a, x)[1] for x in p]  # A computes...
+        [gen(a, x) for x in p]  # ...and hits its own pages: backed up to L2, written to Mooncake
+        out["a_stored"] = wait_for(lambda: metric(a, "hicache_storage_pages_total", "stored") > 0, 20)
+        res_b = [gen(b, x) for x in p]
+        out["b_same_output"] = [r[1] for r in res_b] == ref
+        out["b_storage_hit_tokens"] = sum(r[2] for r in res_b)
+        # master killed in the middle of a load on both servers: no request may fail
+        q = prompts(2, 8)
+        with ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(gen, srv, x) for x in q for srv in (a, b)]
+            time.sleep(0.5)
+            master.kill()
+            statuses = [f.result()[0] for f in futs]
+        statuses += [gen(srv, x)[0] for x in prompts(4, 2) for srv in (a, b)]  # with the master gone
+        out["statuses_during_master_kill"] = statuses
+        out["healthy_after_kill"] = all(httpx.get(s.url + "/health", timeout=10).status_code == 200 for s in (a, b))
+        out["errors_counted"] = sum(metric(srv, "hicache_storage_pages_total", f"backend_{k}")
+                                    for srv in (a, b) for k in ("errors", "timeouts", "unavailable"))
+        master.start()  # it comes back (empty: the old objects died with it)
+        r = prompts(3, 4)
+
+        def resumed() -> bool:
+            for x in r:
+                gen(a, x)
+                gen(a, x)
+            return metric(a, "hicache_storage_pages_total", "stored") > out.get("stored_before", 0) and \
+                sum(gen(b, x)[2] for x in r) > 0
+
+        out["stored_before"] = metric(a, "hicache_storage_pages_total", "stored")
+        out["hits_resume"] = wait_for(resumed, 40)
+        out["integrity"] = [s.check_integrity()["ok"] for s in (a, b)]
+    finally:
+        out["exit_codes"] = [s.stop() for s in (a, b)]
+        master.kill()
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

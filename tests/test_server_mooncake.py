@@ -1,0 +1,44 @@
+"""Two real servers sharing one real Mooncake master (in a network namespace of their own):
+B hits KV that A computed; the master killed mid-load fails no request; hits resume after."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.netns import NetNS, unavailable_reason
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_two_servers_share_mooncake(tmp_path, tiny_chat_model):
+    reason = unavailable_reason()
+    if reason or not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip(reason or "mooncake_master is not installed")
+    ns = NetNS()
+    ns.create()
+    try:
+        proc = ns.popen([sys.executable, str(ROOT / "tests" / "mooncake_two_servers.py"), str(tiny_chat_model),
+                         str(tmp_path), ns.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        cwd=ROOT)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        ns.delete()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, out[-4000:]
+    res = json.loads(lines[-1])
+    print(res)
+    assert res["a_stored"], res
+    assert res["b_same_output"], res
+    assert res["b_storage_hit_tokens"] > 0, res  # B served KV that A computed
+    assert res["statuses_during_master_kill"] and all(s == 200 for s in res["statuses_during_master_kill"]), res
+    assert res["healthy_after_kill"], res
+    assert res["errors_counted"] > 0, res
+    assert res["hits_resume"], res
+    assert all(res["integrity"]), res
+    assert res["exit_codes"] == [0, 0], res
