@@ -19,6 +19,27 @@ from hicache.tiers.host import HostKVPool
 from serving.kernels.page_copy import PageMover
 
 
+class _GpuLoad(Future):
+    """A load queued on the controller's CUDA stream by the page-move kernel: ``done()`` polls
+    its event, ``result()`` waits for it. No thread: a loader thread would contend for the GIL
+    with the scheduler's loop, which polls the load while it waits."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        super().__init__()
+        self._event = event
+
+    def done(self) -> bool:
+        if not super().done() and self._event.query():
+            self.set_result(None)
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> None:
+        if not super().done():
+            self._event.synchronize()
+            self.set_result(None)
+        return super().result(timeout)
+
+
 class CacheController:
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
         self.device_pool = device_pool
@@ -40,9 +61,20 @@ class CacheController:
                     last.result()
                 self._backup_mover.device_to_host(t.src_pages, t.dst_pages)
                 self.pages_backed_up += len(t.src_pages)
+            elif self._load_mover.use_kernel:  # CUDA + pinned L2: queue the kernel, no thread
+                last = self._load_on_stream(t)
             else:
                 last = self._loader.submit(self._load, t)
         return last
+
+    def _load_on_stream(self, t: Transfer) -> Future:
+        with torch.cuda.stream(self._stream):
+            self._load_mover.host_to_device(t.src_pages, t.dst_pages, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        with self._lock:
+            self.pages_loaded += len(t.src_pages)
+        return _GpuLoad(event)
 
     def _load(self, t: Transfer) -> None:
         if self._stream is not None:

@@ -22,6 +22,8 @@ class ModelConfig:
     tokenizer_path: str | None = None  # default: model_path
     served_model_name: str | None = None
     random_seed: int = 0
+    disable_cuda_graph: bool = False  # CUDA: decode batches replay captured graphs unless set
+    cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -30,6 +32,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.context_length is not None and self.context_length <= 0:
             raise ValueError("context_length must be positive")
+        if self.cuda_graph_max_bs <= 0:
+            raise ValueError("cuda_graph_max_bs must be positive")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class SchedulerConfig:
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
     grammar_backend: str = "xgrammar"  # structured output (json_schema / regex / ebnf); none: off
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
+    disable_overlap_schedule: bool = False  # CUDA: prepare batch N+1 while the GPU runs batch N
 
     def __post_init__(self) -> None:
         if self.max_running_requests <= 0:

@@ -28,6 +28,8 @@ class ForwardBatch:
     # Python copies for loops on the host (avoid device syncs)
     prefix_lens_list: list[int]
     extend_lens_list: list[int]
+    # decode only: fixed number of KV splits (CUDA graphs fix the grid); None picks per batch
+    decode_splits: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -62,7 +64,8 @@ class ForwardBatch:
         extend_lens: list[int] = []
         starts: list[int] = []
         max_pages = max(len(p) for _, _, p in seqs)
-        table = torch.zeros((len(seqs), max(max_pages, 1)), dtype=torch.int32)
+        width = max(max_pages, 1)
+        table = [0] * (len(seqs) * width)  # [B, width] row-major, padded with 0
         for i, (ids, prefix, pages) in enumerate(seqs):
             n = len(ids)
             if prefix + n > len(pages) * page_size:
@@ -74,19 +77,28 @@ class ForwardBatch:
             locs.extend(pages[p // page_size] * page_size + p % page_size for p in pos)
             prefix_lens.append(prefix)
             extend_lens.append(n)
-            if pages:
-                table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            table[i * width: i * width + len(pages)] = pages
         dev = torch.device(device)
-        i32 = dict(dtype=torch.int32, device=dev)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        t, b = len(input_ids), len(seqs)
+        # Two host buffers (int64 and int32), pinned on CUDA and copied without blocking: a
+        # pageable copy would wait for the forward pass already running on the GPU.
+        i64 = torch.tensor(input_ids + positions + locs, dtype=torch.int64)
+        i32 = torch.tensor(prefix_lens + extend_lens + seq_lens + starts + table, dtype=torch.int32)
+        if dev.type == "cuda":
+            i64 = i64.pin_memory().to(dev, non_blocking=True)
+            i32 = i32.pin_memory().to(dev, non_blocking=True)
+        elif dev.type != "cpu":
+            i64, i32 = i64.to(dev), i32.to(dev)
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            prefix_lens=torch.tensor(prefix_lens, **i32),
-            extend_lens=torch.tensor(extend_lens, **i32),
-            seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], **i32),
-            extend_start=torch.tensor(starts, **i32),
-            page_table=table.to(dev),
-            out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=dev),
+            input_ids=i64[:t],
+            positions=i64[t: 2 * t],
+            prefix_lens=i32[:b],
+            extend_lens=i32[b: 2 * b],
+            seq_lens=i32[2 * b: 3 * b],
+            extend_start=i32[3 * b: 4 * b],
+            page_table=i32[4 * b:].view(b, width),
+            out_cache_loc=i64[2 * t:],
             page_size=page_size,
             prefix_lens_list=prefix_lens,
             extend_lens_list=extend_lens,

@@ -8,6 +8,7 @@ import torch
 
 from hicache.tiers.device import DeviceKVPool, KVLayout
 from serving.config import ModelConfig, SchedulerConfig
+from serving.cuda_graph import CudaGraphRunner, capture_sizes
 from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import get_attention_backend
 from serving.models.loader import load_model
@@ -47,6 +48,19 @@ class ModelRunner:
         num_pages = self._num_pages(layout, sched, page_size)
         self.pool = DeviceKVPool(layout, num_pages, page_size, self.device)
         log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
+        self.graphs = None
+        if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
+            self.graphs = self.make_graph_runner(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
+
+    def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
+        """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
+        runner = CudaGraphRunner(
+            self._forward_eager, sizes, self.context_len, self.pool.page_size, self.arch.num_key_value_heads,
+            self.device, capture=capture)
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None:  # the graphs read these cos/sin tables: keep them even if regrown
+            runner.keep_alive = dict(rotary._tables)
+        return runner
 
     def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int) -> int:
         per_page = layout.bytes_per_token() * page_size
@@ -62,4 +76,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """``[B, vocab]`` float32 logits. Decode batches replay a CUDA graph when one fits
+        (the result is then the graph's output buffer, valid until the next forward)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.forward(batch, self.pool, self.attn)

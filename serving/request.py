@@ -37,14 +37,21 @@ class Req:
     num_retractions: int = 0
     stop_scan_from: int = 0  # output text offset already checked for stop strings
     grammar: Any = None  # serving.grammar.runner.GrammarState: structured output (None: unconstrained)
+    # Overlap scheduling: row of the previous step's on-GPU token tensor that holds this
+    # request's next token, not yet on the host (-1: none). While set, ``fill_ids`` ends with
+    # the placeholder ``-1 - pending`` (substituted on the GPU when fed to the model) and
+    # ``seq_len`` counts it; ``output_ids`` never holds it.
+    pending: int = -1
 
     @property
     def fill_ids(self) -> list[int]:
+        if self.pending >= 0:
+            return self.input_ids + self.output_ids + [-1 - self.pending]
         return self.input_ids + self.output_ids
 
     @property
     def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
+        return len(self.input_ids) + len(self.output_ids) + (self.pending >= 0)
 
     @property
     def own_pages(self) -> int:

@@ -57,6 +57,11 @@ class Scheduler:
         self.running: list[Req] = []  # admitted, in admission order
         self.stats = SchedulerStats()
         self.grammar = None  # serving.grammar.runner.GrammarRunner (structured output), set by EngineCore
+        self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
+        if not config.disable_overlap_schedule and self.device.type == "cuda":
+            from serving.overlap import OverlapScheduler
+
+            self._overlap = OverlapScheduler(self)
 
     # -- queue --------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -100,15 +105,22 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward pass; return the requests that got a token or finished."""
+        if self._overlap is not None and self.grammar is not None and self.grammar.active(self.running + self.waiting):
+            overlap, early = False, self._overlap.resolve()  # grammar masks need every token on the host
+        else:
+            overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
         self.cache.poll()
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
         batch_reqs = [(r, 1) for r in decode] + chunks
         updated, self._finished_outside_step = self._finished_outside_step, []
+        updated = early + updated
         if not batch_reqs:
-            return updated
+            return updated + (self._overlap.resolve() if overlap else [])
         seqs = [(r.fill_ids[r.kv_len: r.kv_len + n], r.kv_len, r.pages) for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
+        if overlap:
+            fb = self._overlap.prepare(fb)
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
         if self.grammar is not None:
             masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
@@ -119,6 +131,8 @@ class Scheduler:
             r.kv_len += n
             if r.kv_len == r.seq_len:
                 done_rows.append(i)
+        if overlap:  # sample on the GPU; this step's tokens are read in the next step
+            return updated + self._overlap.finish(logits, done_rows, [batch_reqs[i][0] for i in done_rows])
         if done_rows:
             reqs = [batch_reqs[i][0] for i in done_rows]
             rows = logits[done_rows]

@@ -32,6 +32,19 @@ class HostKVPool(ABC):
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.allocator = PageAllocator(num_pages)
         self.buffer = torch.zeros(self._shape(), dtype=layout.dtype, pin_memory=self.pin)
+        # CUDA event of the last GPU-side write into ``buffer`` (a backup kernel writing pinned
+        # memory directly); host-side accessors wait for it first.
+        self.pending_write: torch.cuda.Event | None = None
+
+    def add_pending_write(self, event: torch.cuda.Event) -> None:
+        self.pending_write = event  # backups run in order on one stream: the last covers all
+
+    def wait_pending_writes(self) -> None:
+        ev = self.pending_write
+        if ev is not None:
+            ev.synchronize()
+            if self.pending_write is ev:
+                self.pending_write = None
 
     @property
     def bytes_per_page(self) -> int:
@@ -63,6 +76,7 @@ class HostKVPool(ABC):
 
     def page_bytes(self, page: int) -> bytes:
         """One page as bytes, layers included (what goes to L3 as one value)."""
+        self.wait_pending_writes()
         return self.read_pages(torch.tensor([page])).contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -75,10 +89,12 @@ class LayerFirstHostPool(HostKVPool):
         return (self.rows, self.num_pages, self.row_elems)
 
     def read_pages(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.wait_pending_writes()
         return torch.index_select(self.buffer, 1, ids, out=out) if out is not None else \
             self.buffer.index_select(1, ids)
 
     def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
+        self.wait_pending_writes()
         self.buffer.index_copy_(1, ids, kv)
 
 
@@ -103,12 +119,14 @@ class PageFirstHostPool(HostKVPool):
         return (self.num_pages, self.rows, self.row_elems)
 
     def read_pages(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.wait_pending_writes()
         pages = torch.index_select(self.buffer, 0, ids, out=self._stage(len(ids)))  # [n, 2L, X]
         if out is None:
             return pages.transpose(0, 1).contiguous()  # [2L, n, X]
         return out.copy_(pages.transpose(0, 1))
 
     def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
+        self.wait_pending_writes()
         staged = self._stage(len(ids)).copy_(kv.transpose(0, 1))  # [2L, n, X] -> [n, 2L, X]
         self.buffer.index_copy_(0, ids, staged)
 

@@ -53,5 +53,5 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         _check_device(q)
         if batch.is_decode:
-            return decode_attention(q, k_cache, v_cache, batch, scale)
+            return decode_attention(q, k_cache, v_cache, batch, scale, splits=batch.decode_splits)
         return extend_attention(q, k_cache, v_cache, batch, scale)

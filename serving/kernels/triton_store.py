@@ -25,7 +25,8 @@ def _store_kv_kernel(
     chunk = tl.program_id(1)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < ROW
+    # slot -1: a padding row of a CUDA-graph batch, not stored
+    ok = (offs < ROW) & ((tl.zeros([BLOCK], dtype=tl.int64) + slot) >= 0)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + offs, mask=ok)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + offs, mask=ok)
     tl.store(k_cache + slot * ROW + offs, k.to(k_cache.dtype.element_ty), mask=ok)
@@ -47,7 +48,9 @@ def store_kv(
     v: torch.Tensor,
     block: int = 1024,
 ) -> None:
-    """Write ``k``/``v [T, KH, D]`` at flat slots ``loc [T]`` of ``[pages, page_size, KH, D]`` caches."""
+    """Write ``k``/``v [T, KH, D]`` at flat slots ``loc [T]`` of ``[pages, page_size, KH, D]`` caches.
+
+    Tokens whose slot is negative are skipped (padding rows of a CUDA-graph batch)."""
     t = k.shape[0]
     if t == 0:
         return

@@ -19,6 +19,20 @@ from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope
 
+_FUSED = None  # serving.kernels.triton_fused, imported on first CUDA use (CPU never imports Triton here)
+
+
+def _fused_for(x: torch.Tensor):  # noqa: ANN202 - the module or None
+    """The fused Triton kernels when ``x`` is on CUDA and they are enabled, else None."""
+    global _FUSED
+    if not x.is_cuda:
+        return None
+    if _FUSED is None:
+        from serving.kernels import triton_fused
+
+        _FUSED = triton_fused
+    return _FUSED if _FUSED.ENABLED else None
+
 
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
@@ -29,6 +43,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = _fused_for(x)
+        if fused is not None:
+            return fused.rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -58,10 +75,16 @@ class Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KH, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if cos.dim() == 2:  # whole cos/sin tables: the fused CUDA path reads them at batch.positions
+            fused = _fused_for(x)
+            q, k = fused.rope_qk(qkv, batch.positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+            k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KH, D]
+            v = v.view(t, self.num_kv_heads, self.head_dim)
         attn.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         o = attn.forward(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
@@ -77,7 +100,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = _fused_for(x)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up, self.inter))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -138,7 +165,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend) -> torch.Tensor:
         """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits."""
         attn.init_forward(batch)
-        cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)  # [T, 1, D]
+        if _fused_for(batch.positions) is not None:  # [L, D] tables, indexed inside the rope kernel
+            cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
+        else:
+            cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)  # [T, 1, D]
         h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(

@@ -84,14 +84,17 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
         return emb.cos(), emb.sin()
 
-    def cos_sin(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, D]`` cos and sin at ``positions``; ``max_len`` bounds them (host-known, no sync)."""
-        dev = positions.device
-        table = self._tables.get(dev)
+    def tables(self, device: torch.device, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``[L >= max_len, D]`` float32 cos and sin tables on ``device``."""
+        table = self._tables.get(device)
         if table is None or table[0].shape[0] < max_len:
             length = max(max_len, self.initial_len, 2 * table[0].shape[0] if table is not None else 0)
-            table = self._tables[dev] = self._build(length, dev)
-        cos, sin = table
+            table = self._tables[device] = self._build(length, device)
+        return table
+
+    def cos_sin(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, D]`` cos and sin at ``positions``; ``max_len`` bounds them (host-known, no sync)."""
+        cos, sin = self.tables(positions.device, max_len)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 

@@ -1,0 +1,153 @@
+"""CUDA graphs for decode batches.
+
+A decode step of a small model or a small batch is bound by kernel launches, not by the
+GPU: dozens of kernels per layer, each a few microseconds. So decode batches replay graphs
+captured once per batch size (1, 2, 4, 8, 16, 24, 32, 48, 64 up to ``cuda_graph_max_bs``);
+a batch is padded up to the next captured size.
+
+Graph-safety: a graph replays fixed kernels on fixed addresses, so every input the
+forward pass reads lives in a static buffer that ``replay`` overwrites in place (token ids,
+positions, sequence lengths, page table, KV slots); intermediate tensors come from the
+graphs' private memory pool; the decode kernel's split count is fixed per size
+(``ForwardBatch.decode_splits``), and nothing on the path syncs with the host. The rotary
+cos/sin table is built for the whole context before capture. Padding rows store no KV
+(slot -1, skipped by the store kernel), attend to one key and are cut from the logits.
+
+``capture=False`` keeps the static buffers and padding but runs the forward pass eagerly
+on them: the same code path for tests on a CPU (with Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from serving.forward_batch import ForwardBatch
+from serving.kernels.triton_decode import BUSY_PROGRAMS, MAX_SPLITS
+
+log = logging.getLogger(__name__)
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def capture_sizes(max_bs: int, max_running: int | None = None) -> list[int]:
+    """Captured sizes: ``CAPTURE_SIZES`` up to ``max_bs`` (and ``max_bs`` itself), no larger
+    than needed for ``max_running`` requests."""
+    if max_running is not None:
+        max_bs = min(max_bs, max_running)
+    out = [s for s in CAPTURE_SIZES if s < max_bs]
+    return out + [max_bs]
+
+
+def decode_splits(batch_size: int, kv_heads: int) -> int:
+    """Fixed split-KV count for a captured size: split only when the batch is too small
+    to fill the GPU (the kernel handles any length with any split count)."""
+    return 1 if batch_size * kv_heads >= BUSY_PROGRAMS else MAX_SPLITS
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        batch_sizes: list[int],
+        context_len: int,
+        page_size: int,
+        kv_heads: int,
+        device: torch.device,
+        capture: bool = True,
+        keep_alive: object = None,
+    ) -> None:
+        self.forward = forward
+        self.sizes = sorted(batch_sizes)
+        self.max_bs = self.sizes[-1]
+        self.context_len = context_len
+        self.page_size = page_size
+        self.max_pages = -(-context_len // page_size)
+        self.kv_heads = kv_heads
+        self.device = device
+        self.capture = capture
+        self.keep_alive = keep_alive  # tensors the graphs read that nobody else may free
+        n = self.max_bs
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.full((n,), -1, **i64)
+        self.prefix_lens = torch.zeros(n, **i32)
+        self.extend_lens = torch.ones(n, **i32)
+        self.seq_lens = torch.ones(n, **i32)
+        self.extend_start = torch.arange(n, **i32)
+        self.page_table = torch.zeros((n, self.max_pages), **i32)
+        self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        if capture:
+            self._capture_all()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs], prefix_lens=self.prefix_lens[:bs],
+            extend_lens=self.extend_lens[:bs], seq_lens=self.seq_lens[:bs], extend_start=self.extend_start[:bs],
+            page_table=self.page_table[:bs], out_cache_loc=self.out_cache_loc[:bs], page_size=self.page_size,
+            # max_seq_len = context_len: the rotary table is built whole before capture
+            prefix_lens_list=[self.context_len - 1] * bs, extend_lens_list=[1] * bs,
+            decode_splits=decode_splits(bs, self.kv_heads),
+        )
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+            fb = self.batches[bs]
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: compiles the Triton kernels, fills caches
+                for _ in range(2):
+                    self.forward(fb)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self.forward(fb)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def padded_size(self, bs: int) -> int | None:
+        for s in self.sizes:
+            if s >= bs:
+                return s
+        return None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.is_decode
+            and 0 < batch.batch_size <= self.max_bs
+            and batch.page_size == self.page_size
+            and batch.page_table.shape[1] <= self.max_pages
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of a decode batch (``can_run`` must hold). The tensor is the
+        graph's output buffer: read it before the next replay."""
+        b = batch.batch_size
+        bs = self.padded_size(b)
+        assert bs is not None
+        w = batch.page_table.shape[1]
+        self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:b].copy_(batch.positions, non_blocking=True)
+        self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        self.out_cache_loc[:b].copy_(batch.out_cache_loc, non_blocking=True)
+        self.page_table[:b, :w].copy_(batch.page_table, non_blocking=True)
+        if bs > b:  # padding rows: no KV stored, one key read
+            self.out_cache_loc[b:bs].fill_(-1)
+            self.seq_lens[b:bs].fill_(1)
+            self.positions[b:bs].zero_()
+            self.input_ids[b:bs].zero_()
+        self.replays += 1
+        if self.capture:
+            self.graphs[bs].replay()
+            return self.outputs[bs][:b]
+        return self.forward(self.batches[bs])[:b]
