@@ -22,7 +22,10 @@ from bench.common import parser, print_table, write_json  # noqa: E402
 
 SETUPS: dict[str, dict[str, Any]] = {
     "L1": {},
-    "L1+L2": {"hicache_ratio": 4.0, "hicache_write_policy": "write_through"},
+    "L1+L2": {"hicache_ratio": 2.0, "hicache_write_policy": "write_through"},
+    "L1+L2+L3": {"hicache_ratio": 2.0, "hicache_write_policy": "write_through",
+                 "hicache_storage_backend": "lmdb", "hicache_storage_prefetch_policy": "wait_complete",
+                 "hicache_storage_prefetch_threshold": 32},
 }
 
 
@@ -34,6 +37,11 @@ def percentile(xs: list[float], q: float) -> float:
 def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: list[list[list[int]]]) -> dict:
     from serving.engine import Engine
 
+    if extra.get("hicache_storage_backend") == "lmdb":
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="hicache-bench-l3-")
+        extra = {**extra, "hicache_storage_backend_extra_config": {"path": path, "capacity_gb": 8.0}}
     eng = Engine(model_path=args.model_path, max_total_tokens=args.l1_tokens, page_size=args.page_size,
                  device=args.device, **extra)
     core = eng.core
@@ -66,6 +74,8 @@ def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: 
                 for k, v in r.cached_by_tier.items():
                     hits[k] += v
     elapsed = time.perf_counter() - t_start
+    if core.storage is not None:
+        core.storage.poll(wait=True)
     core.check_integrity()
     eng.shutdown()
     return {
@@ -102,7 +112,7 @@ def plot(results: dict[str, dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--model-path", default="models/SmolLM2-135M-Instruct")
-    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--users", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=192)
     p.add_argument("--user-tokens", type=int, default=64)
