@@ -177,7 +177,8 @@ def test_engine_outputs_match(engine) -> None:
     jsonschema.validate(json.loads(outs[3]["text"]), SCHEMA)
 
 
-def test_jump_forward_equals_step_by_step(engine) -> None:
+@pytest.mark.parametrize("min_jump", [1, None])  # every forced run / the default (runs that end the grammar)
+def test_jump_forward_equals_step_by_step(engine, min_jump) -> None:
     prompts = ["Reply in JSON.", "Pick one.", "Digits:", "Plain text, no grammar."]
     params = [
         {**GREEDY, "max_new_tokens": 60, "json_schema": SCHEMA},
@@ -185,9 +186,15 @@ def test_jump_forward_equals_step_by_step(engine) -> None:
         {**GREEDY, "max_new_tokens": 20, "regex": r"(abc|abd)xyz!"},
         {**GREEDY, "max_new_tokens": 12},
     ]
-    jumped = engine.core.grammar.stats.jumped_tokens
-    on, passes_on = _run(engine, prompts, params, jump=True)
-    assert engine.core.grammar.stats.jumped_tokens > jumped
+    g = engine.core.grammar
+    default = g.min_jump_tokens
+    g.min_jump_tokens = min_jump or default
+    try:
+        jumped = g.stats.jumped_tokens
+        on, passes_on = _run(engine, prompts, params, jump=True)
+        assert g.stats.jumped_tokens > jumped
+    finally:
+        g.min_jump_tokens = default
     off, passes_off = _run(engine, prompts, params, jump=False)
     assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
     assert [o["meta_info"]["finish_reason"] for o in on] == [o["meta_info"]["finish_reason"] for o in off]

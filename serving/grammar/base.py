@@ -21,6 +21,8 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def rollback(self, num_tokens: int) -> None: ...
+
 
 class GrammarBackend(ABC):
     """One grammar engine bound to one tokenizer / vocabulary (the model's logits width)."""

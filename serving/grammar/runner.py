@@ -14,15 +14,22 @@ Per step:
 3. ``accept(r, tok)`` from ``Scheduler._append_token``: advance the matcher; the grammar's
    termination (it accepted a stop token) finishes the request with reason ``stop``;
 4. ``jump_forward(r, append)``: jump-forward decoding (the compressed-FSM idea of the SGLang
-   paper) made exact. While the grammar allows exactly one next token, that token is appended
-   without a forward pass: step-by-step constrained decoding would get a mask with a single
-   allowed token and pick it whatever the logits (greedy or sampled), so the output is
-   identical. The appended tokens are then prefilled together in the next step (the request is
-   "prefilling" again), i.e. one forward pass instead of one per token. Multi-token strings
-   that the tokenizer can split several ways (``": "`` as ``":`` + `` "`` or ``:`` + ``" "``...)
-   are not skipped: which split the model picks depends on its logits. The gate that keeps the
-   check cheap is the matcher's ``find_jump_forward_string`` (no forced text and the grammar
-   cannot end here: several tokens are allowed).
+   paper) made exact. While the grammar allows exactly one next token, step-by-step
+   constrained decoding would get a mask with a single allowed token and pick it whatever the
+   logits (greedy or sampled), so appending it without a forward pass gives the same tokens.
+   The run of forced tokens is found by looking ahead on the matcher (then rolled back) and
+   appended through the scheduler's normal path (stop checks, ``accept``):
+   - a run that ends the grammar (its last token is the stop token) is always appended: the
+     request finishes at once, without the passes for its closing tokens;
+   - a run that does not end it is appended only when it has ``min_jump_tokens`` tokens or
+     more: its tokens are then prefilled together in the next step (the request is
+     "prefilling" again), one pass instead of one per token, but that step is a mixed batch,
+     which costs more than a decode batch (no CUDA graph; the CPU attention loops per sequence).
+   Multi-token strings the tokenizer can split several ways (``": "`` as ``":`` + `` "`` or
+   ``:`` + ``" "`` ...) are never skipped: which split the model picks depends on its logits.
+   Tokens match step-by-step decoding exactly; the logits after a jump can differ in the last
+   bits where the jumped tokens' KV comes from a prefill kernel instead of a decode kernel
+   (bf16 on GPU), as with any change of batch shape.
 """
 
 from __future__ import annotations
@@ -40,6 +47,13 @@ from serving.grammar.lru import CompiledGrammarCache
 from serving.grammar.registry import make_grammar_backend
 from serving.grammar.spec import grammar_spec
 from serving.sampling_params import InvalidRequest
+
+# A forced run that does not end the grammar is appended only from this length on: its tokens
+# are prefilled as a chunk in the next step, which turns that step from a decode batch (CUDA
+# graphs on GPU, one batched attention on CPU) into a mixed batch that costs more than the few
+# decode steps a short run saves (see bench/structured.py).
+MIN_JUMP_TOKENS = 8
+MAX_JUMP_TOKENS = 256  # look-ahead bound per step
 
 
 @dataclass
@@ -99,6 +113,7 @@ class GrammarRunner:
                  off_reason: str = "", cache_capacity: int = 256) -> None:
         self.backend = backend
         self.enable_jump_forward = jump_forward
+        self.min_jump_tokens = MIN_JUMP_TOKENS
         self.off_reason = off_reason
         self.cache = CompiledGrammarCache(cache_capacity)
         self.stats = GrammarStats()
@@ -185,18 +200,32 @@ class GrammarRunner:
         return None
 
     def jump_forward(self, r: Any, append: Callable[[Any, int], None]) -> None:
-        """Append the tokens the grammar forces after ``r``'s last token (see the module doc)."""
+        """Append the tokens the grammar forces after ``r``'s last token (see the module doc):
+        a forced run that ends the grammar always (the request finishes, no pass needed), a
+        run that does not only when it has ``min_jump_tokens`` tokens or more."""
         st: GrammarState | None = r.grammar
         if not self.enable_jump_forward or st is None or st.matcher is None or r.finished:
             return
         assert self.backend is not None
         t0 = time.perf_counter()
-        while not r.finished:
-            tok = self.backend.forced_token(st.matcher)
-            if tok is None:
+        m = st.matcher
+        forced: list[int] = []  # look ahead on the matcher, then roll back
+        while len(forced) < MAX_JUMP_TOKENS:
+            tok = self.backend.forced_token(m)
+            if tok is None or not m.accept_token(tok):
                 break
-            append(r, tok)  # stop checks and accept(), exactly as for a sampled token
-            self.stats.jumped_tokens += 1
+            forced.append(tok)
+            if m.is_terminated():
+                break
+        ends = bool(forced) and m.is_terminated()
+        if forced:
+            m.rollback(len(forced))
+        if forced and (ends or len(forced) >= self.min_jump_tokens):
+            for tok in forced:
+                if r.finished:
+                    break
+                append(r, tok)  # stop checks and accept(), exactly as for a sampled token
+                self.stats.jumped_tokens += 1
         self.stats.jump_s += time.perf_counter() - t0
 
     def stats_dict(self) -> dict[str, Any]:
