@@ -96,9 +96,14 @@ def main() -> None:
     master.start()
     cfg = config(work, address)
     args = ["--config", str(cfg), "--model-path", model, "--served-model-name", "tiny"]
-    a, b = ServerProcess(args), ServerProcess(args)
-    a.start()
-    b.start()
+    # A writes; B and C read what A computed, under the two other prefetch policies
+    # (the config's own policy, wait_complete, is A's). C runs one request at a time, so
+    # queued requests' best-effort prefetches have time to land.
+    a = ServerProcess(args)
+    b = ServerProcess([*args, "--hicache-storage-prefetch-policy", "timeout"])
+    c = ServerProcess([*args, "--hicache-storage-prefetch-policy", "best_effort", "--max-running-requests", "1"])
+    for srv in (a, b, c):
+        srv.start()
     out: dict = {}
     try:
         p = prompts(1, 6)
@@ -108,6 +113,12 @@ def main() -> None:
         res_b = [gen(b, x) for x in p]
         out["b_same_output"] = [r[1] for r in res_b] == ref
         out["b_storage_hit_tokens"] = sum(r[2] for r in res_b)
+        with ThreadPoolExecutor(len(p)) as pool:
+            res_c = list(pool.map(lambda x: gen(c, x), p))
+        out["c_same_output"] = [r[1] for r in res_c] == ref
+        out["c_storage_hit_tokens"] = sum(r[2] for r in res_c)
+        out["c_integrity"] = c.check_integrity()["ok"]
+        out["c_exit"] = c.stop()
         # master killed in the middle of a load on both servers: no request may fail
         q = prompts(2, 8)
         with ThreadPoolExecutor(8) as pool:
@@ -135,6 +146,8 @@ def main() -> None:
         out["integrity"] = [s.check_integrity()["ok"] for s in (a, b)]
     finally:
         out["exit_codes"] = [s.stop() for s in (a, b)]
+        if c.proc is not None and c.proc.poll() is None:
+            c.stop()
         master.kill()
         print(json.dumps(out), flush=True)
 

@@ -116,8 +116,8 @@ def test_cli_errors_and_stubs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "server.prot" in capsys.readouterr().err
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert "port" in capsys.readouterr().err
-    assert cli.main(["router"]) == 2
-    assert "not implemented" in capsys.readouterr().err
+    assert cli.main(["router", "--port", "70000"]) == 2  # the router's config is validated too
+    assert "port" in capsys.readouterr().err
     parser, _ = cli.build_parser()
     args = parser.parse_args(["convert", "in.gguf", "out"])
     assert args.paths == ["in.gguf", "out"] and args.dtype == "float32"
