@@ -153,16 +153,20 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         res = self._call(lambda c: [c.store.put(k, v) for k, v in zip(full, vals, strict=True)])
         return self._set_results(res, len(keys))
 
+    def _zero_copy_args(
+        self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
+    ) -> tuple[list[str], list[int], list[int]]:
+        """Full keys, pointers into the registered staging buffer, and sizes, checked."""
+        _same_len(keys, spans)
+        self._check_spans(buf, spans)
+        return [self._prefix + k for k in keys], [buf.ptr + off for off, _ in spans], [n for _, n in spans]
+
     def batch_get_into(
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
     ) -> list[int]:
-        _same_len(keys, spans)
         if not keys:
             return []
-        self._check_spans(buf, spans)
-        full = [self._prefix + k for k in keys]
-        ptrs = [buf.ptr + off for off, _ in spans]
-        sizes = [size for _, size in spans]
+        full, ptrs, sizes = self._zero_copy_args(keys, buf, spans)
         res = self._call(lambda c: c.store.batch_get_into(full, ptrs, sizes), buf)
         if res is None or len(res) != len(keys):
             return [ERROR] * len(keys)
@@ -184,13 +188,9 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
     def batch_set_from(
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
     ) -> list[bool]:
-        _same_len(keys, spans)
         if not keys:
             return []
-        self._check_spans(buf, spans)
-        full = [self._prefix + k for k in keys]
-        ptrs = [buf.ptr + off for off, _ in spans]
-        sizes = [size for _, size in spans]
+        full, ptrs, sizes = self._zero_copy_args(keys, buf, spans)
         res = self._call(lambda c: c.store.batch_put_from(full, ptrs, sizes), buf)
         return self._set_results(res, len(keys))
 
