@@ -453,3 +453,17 @@ def test_bench_smoke(tmp_path: Path):
     for v in data.values():
         assert v["us_per_request"] > 0 and 0 <= v["hit_rate"] <= 1
     assert data["unbounded"]["hit_rate"] >= data["l1_100k_l2_400k"]["hit_rate"] >= data["l1_100k"]["hit_rate"]
+
+
+def test_peek_prefix_len_is_read_only():
+    t = HiRadixTree(4, PageAllocator(16))
+    toks = list(range(100, 124))  # 6 pages
+    t.insert(toks, t.device.alloc(6))
+    nodes, before = t.num_nodes, [(n.hit_count, n.last_access) for n in t.nodes()]
+    probe = toks[:10] + [1, 2, 3, 4, 5, 6]  # diverges inside the node, in page 3
+    assert t.peek_prefix_len(probe) == 8
+    assert t.peek_prefix_len(toks + [7]) == 24 and t.peek_prefix_len([9] * 8) == 0
+    assert t.num_nodes == nodes and [(n.hit_count, n.last_access) for n in t.nodes()] == before
+    assert t.match_prefix(probe).device_hit_tokens == 8  # the mutating match agrees (and splits)
+    assert t.num_nodes == nodes + 1
+    t.check_integrity()

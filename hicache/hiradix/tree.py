@@ -142,20 +142,7 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
     def peek_prefix_len(self, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens`` cached on L1 or L2, without touching the tree (no split,
         no hit counts, no backups): for ordering a waiting queue."""
-        tokens = tokens if isinstance(tokens, list) else list(tokens)
-        ps = self.page_size
-        n = len(tokens) - len(tokens) % ps
-        node, pos = self.root, 0
-        while pos < n:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
-            if child is None:
-                break
-            end = pos + len(child.key)
-            if end <= n and tokens[pos:end] == child.key:
-                node, pos = child, end
-                continue
-            return pos + self._common(child.key, tokens, pos, n)
-        return pos
+        return self._walk(tokens if isinstance(tokens, list) else list(tokens), split=False)[1]
 
     def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
         """Insert the full pages of ``tokens`` held in L1 pages ``device_pages``.
@@ -292,7 +279,9 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         check_tree(self, device_in_use, host_in_use)
 
     # ------------------------------------------------------------------ internals
-    def _walk(self, tokens: list[int]) -> tuple[list[TreeNode], int]:
+    def _walk(self, tokens: list[int], split: bool = True) -> tuple[list[TreeNode], int]:
+        """Matched path and length; a match ending mid-node splits it (``split``) or, for a
+        read-only walk, only counts the matched pages of that node (not in the path)."""
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         node, pos, path = self.root, 0, []
@@ -306,7 +295,8 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
                 node, pos = child, end
                 continue
             m = self._common(child.key, tokens, pos, n)
-            path.append(self._split(child, m))
+            if split:
+                path.append(self._split(child, m))
             pos += m
             break
         return path, pos
