@@ -144,8 +144,17 @@ class EngineCore:
         if self.host_pool is not None:
             self.host_pool.allocator.check_integrity()
 
-    def shutdown(self) -> None:
+    def shutdown(self, persist: bool = True) -> None:
+        """Stop background work. With L3 and ``persist``, every cached page is written to
+        L3 first, so a restarted server finds the whole conversation, not only the turns
+        that were hit before."""
         if self.storage is not None:
+            if persist:
+                for r in [*self.scheduler.waiting, *self.scheduler.running]:
+                    self.scheduler.abort(r.rid)  # their computed pages go into the tree
+                self.tree.backup_all()
+                self.req_cache.flush_transfers()  # runs the backups, then writes them on to L3
+                self.storage.persist_all()
             self.storage.shutdown()
         if self.controller is not None:
             self.controller.shutdown()

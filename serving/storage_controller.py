@@ -224,6 +224,13 @@ class StorageController:
         self.pages_prefetched += committed
         return committed
 
+    def persist_all(self) -> None:
+        """Write every cached page that is not in L3 yet (L1-only nodes are backed up to L2
+        first by the caller's flush); waits for the writes."""
+        for node in self.tree.nodes():
+            self._write_back(node)
+        self.poll(wait=True)
+
     def in_flight_host_pages(self, reqs: list[Req]) -> int:
         """Host pages held by uncommitted prefetches (for integrity checks)."""
         return sum(len(r.prefetch.host_pages) for r in reqs if r.prefetch is not None)

@@ -105,3 +105,18 @@ def test_abort_while_prefetching_gives_back_host_pages(tiny, tmp_path):
     core.check_integrity()
     assert core.storage.in_flight_host_pages(core.scheduler.waiting) == 0
     eng.shutdown()
+
+
+def test_shutdown_persists_pages_never_hit(tiny, tmp_path):
+    path, ps, ref = tiny
+    db = tmp_path / "l3"
+    eng = make(path, db, "wait_complete")
+    assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref  # one round: nothing hit
+    assert eng.core.storage.pages_written == 0
+    eng.shutdown()  # backs L1 up to L2 and writes everything on to L3
+    eng = make(path, db, "wait_complete")
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(outs) == ref
+    assert all(o["meta_info"]["cached_tokens_details"]["storage"] > 0 for o in outs)
+    eng.check_integrity()
+    eng.shutdown()

@@ -59,7 +59,8 @@ def test_conversation_survives_restart(tmp_path):
     assert any((tmp_path / "l3").iterdir())
     with running_server(["--config", str(cfg)]) as s:  # a restart: L1 and L2 start empty
         a3 = chat(s, convo)
-        assert a3["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # the whole of turn 2 was persisted at shutdown, not only what turn 2 hit
+        assert a3["usage"]["prompt_tokens_details"]["cached_tokens"] >= a2["usage"]["prompt_tokens"] - 16
         assert metric(s, "hicache_cache_hit_tokens_total", "storage") > 0
         assert metric(s, "hicache_storage_pages_total", "corrupt") == 0
         assert s.check_integrity()["ok"]

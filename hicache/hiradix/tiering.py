@@ -216,6 +216,16 @@ class TieringMixin:
             self.evict_host(n - host.num_free)
         return host.alloc(n) if host.num_free >= n else None
 
+    def backup_all(self) -> int:
+        """Give every L1 node without an L2 copy one, as far as L2 has room (for a graceful
+        shutdown that persists the cache); emits backup transfers; returns pages backed up."""
+        if self.host is None:
+            return 0
+        nodes = [n for n in self.nodes() if n.device_pages is not None and n.host_pages is None]
+        before = self._host_cached
+        self._backup(nodes, protect=self.root)
+        return self._host_cached - before
+
     def _backup(self, nodes: list[TreeNode], protect: TreeNode) -> None:
         """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped."""
         self.lock(protect)  # evict_host must not drop the path being matched

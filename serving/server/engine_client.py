@@ -94,8 +94,9 @@ class EngineClient:
         threading.Thread(target=self._write_loop, name="engine-writer", daemon=True).start()
         threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
 
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """Ask the engine process to exit, wait for it, kill it if it does not. Returns its exit code."""
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Ask the engine process to exit (it first persists its cache to L3, if any), wait for
+        it, kill it if it does not. Returns its exit code."""
         if self.proc is None:
             return None
         self.alive = False
