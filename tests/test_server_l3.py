@@ -100,7 +100,9 @@ def test_sigkill_during_write_back(tmp_path, tiny_chat_model):
     first = [gen(s.url, p) for p in prompts]  # every prompt once: inserted into L1
     with ThreadPoolExecutor(12) as pool:  # every prompt again: hits, backups, L3 writes...
         futures = [pool.submit(gen, s.url, p) for p in prompts * 3]
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while metric(s, "hicache_storage_pages_total", "stored") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first pages are committed; the rest of the write-back is in flight
         kill_tree(s.proc)  # ...killed in the middle of them
         [f.result() for f in futures]
     s2 = ServerProcess(args)
