@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.netns import NetNS, unavailable_reason
@@ -22,12 +23,25 @@ def test_two_servers_share_mooncake(tmp_path, tiny_chat_model):
         pytest.skip(reason or "mooncake_master is not installed")
     ns = NetNS()
     ns.create()
+    proc = None
     try:
         proc = ns.popen([sys.executable, str(ROOT / "tests" / "mooncake_two_servers.py"), str(tiny_chat_model),
                          str(tmp_path), ns.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         cwd=ROOT)
         out, _ = proc.communicate(timeout=400)
     finally:
+        if proc is not None:  # whatever happened, no server or master outlives the test
+            try:
+                kids = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                kids = []
+            for kid in kids:
+                try:
+                    kid.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.kill()
+            proc.wait()
         ns.delete()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     assert lines, out[-4000:]
