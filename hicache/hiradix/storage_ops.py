@@ -2,7 +2,7 @@
 
 A mixin of :class:`hicache.hiradix.tree.HiRadixTree` (split out to keep files small); it
 uses the tree's state (allocators, counters, lazy candidate sets, ids) and its internal
-helpers (``_common``, ``_split``, ``_emit``) directly. See tree.py for the invariants.
+helpers (``_common``, ``_split``, ``_descend``, ``_emit``) directly. See tree.py for the invariants.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class StorageOpsMixin:
     # helpers defined by HiRadixTree / TieringMixin
     _common: Callable[[list[int], list[int], int, int], int]
     _split: Callable[[TreeNode, int], TreeNode]
+    _descend: Callable[[TreeNode, list[int], int, int], tuple[TreeNode, int]]
     _emit: Callable[[str, TreeNode], None]
 
     def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int], start_page: int = 0) -> list[int]:
@@ -86,11 +87,7 @@ class StorageOpsMixin:
                 if self._listeners:
                     self._emit("host_add", new)
                 break
-            end = pos + len(child.key)
-            if not (end <= n and tokens[pos:end] == child.key):
-                m = self._common(child.key, tokens, pos, n)
-                child = self._split(child, m)
-                end = pos + m
+            child, end = self._descend(child, tokens, pos, n)
             given = given_all[(pos - base) // ps : (end - base) // ps]
             if child.host_pages is None:
                 child.host_pages = given

@@ -170,11 +170,7 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
                 self._num_nodes += 1
                 self._set_device(new, list(device_pages[pos // ps : n // ps]))
                 break
-            end = pos + len(child.key)
-            if not (end <= n and tokens[pos:end] == child.key):
-                m = self._common(child.key, tokens, pos, n)
-                child = self._split(child, m)
-                end = pos + m
+            child, end = self._descend(child, tokens, pos, n)
             given = list(device_pages[pos // ps : end // ps])
             if child.device_pages is None:
                 self._set_device(child, given)
@@ -300,6 +296,15 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
             pos += m
             break
         return path, pos
+
+    def _descend(self, child: TreeNode, tokens: list[int], pos: int, n: int) -> tuple[TreeNode, int]:
+        """Step into ``child`` while inserting ``tokens[:n]`` from ``pos``: split it where the
+        tokens diverge from (or end inside) its key; returns the node taken and its end."""
+        end = pos + len(child.key)
+        if end <= n and tokens[pos:end] == child.key:
+            return child, end
+        m = self._common(child.key, tokens, pos, n)
+        return self._split(child, m), pos + m
 
     def _common(self, key: list[int], tokens: list[int], pos: int, n: int) -> int:
         """Matched length (page-aligned, >= one page) of ``key`` against ``tokens[pos:n]``."""
