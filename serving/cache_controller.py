@@ -2,8 +2,9 @@
 
 The tree decides, the controller moves. Backups (L1 -> L2) run synchronously on the
 scheduler's thread, so a freed L1 page is never reused before its bytes are saved.
-Loads (L2 -> L1) run on a background thread (a CUDA side stream on GPU); the request
-that waits for them is skipped by the scheduler until its future is done.
+Loads (L2 -> L1) run on a background thread (a CUDA side stream on GPU); each load's
+future is bound to the ``PendingLoad`` the tree put on the loading nodes, and every
+request that reads those pages is skipped by the scheduler until it is done.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class CacheController:
         self.pages_loaded = 0
 
     def execute(self, transfers: list[Transfer]) -> Future | None:
-        """Run ``transfers`` in order; return the future of the last load, if any."""
+        """Run ``transfers`` in order; bind each load's copy to its ``PendingLoad`` (readers
+        poll that); return the future of the last load, if any."""
         last: Future | None = None
         for t in transfers:
             if t.kind == "backup":
@@ -61,10 +63,13 @@ class CacheController:
                     last.result()
                 self._backup_mover.device_to_host(t.src_pages, t.dst_pages)
                 self.pages_backed_up += len(t.src_pages)
-            elif self._load_mover.use_kernel:  # CUDA + pinned L2: queue the kernel, no thread
+                continue
+            if self._load_mover.use_kernel:  # CUDA + pinned L2: queue the kernel, no thread
                 last = self._load_on_stream(t)
             else:
                 last = self._loader.submit(self._load, t)
+            if t.pending is not None:
+                t.pending.bind(last)
         return last
 
     def _load_on_stream(self, t: Transfer) -> Future:

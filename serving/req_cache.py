@@ -18,7 +18,14 @@ TransferSink = Callable[[list[Transfer]], "Future | None"]
 
 
 class ReqCache:
-    """Owns the request side of L1 pages. Single-threaded (the scheduler's)."""
+    """Owns the request side of L1 pages.
+
+    Concurrency contract: single-threaded (the scheduler's). A request may compute on its
+    matched pages only once :meth:`poll_load` says so: that covers the L2 -> L1 load the
+    request started itself *and* every load still filling pages it found as L1 hits
+    (``Req.wait_loads``, the match's pending loads). Nothing here blocks on a copy except a
+    release, which commits its own load (an in-memory copy, never storage I/O).
+    """
 
     def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
                  run_transfers: TransferSink | None = None, storage: StorageController | None = None) -> None:
@@ -62,15 +69,15 @@ class ReqCache:
 
     def admit(self, req: Req, match: MatchResult) -> None:
         """Lock the matched prefix (loading its L2 part back to L1) and take its pages
-        as the request's first pages. A load runs in the background: the request is
-        ``loading`` until :meth:`poll_load` sees it done."""
+        as the request's first pages. Loads run in the background: the request waits
+        until :meth:`poll_load` sees every load that fills its pages done."""
         m = match
         if match.host_hit_tokens > 0:
             m = self.tree.load_back(match)
-            future = self.flush_transfers()
+            self.flush_transfers()  # the controller binds the load's PendingLoad
             if m is not match:
                 req.load_node = m.last_device_node
-                req.load_future = future
+        req.wait_loads = m.pending_loads
         self.tree.lock(m.last_device_node)
         req.lock_node = m.last_device_node
         if self.storage is not None:
@@ -86,23 +93,23 @@ class ReqCache:
             req.cached_by_tier = {"device": device, "host": req.kv_len - device - storage, "storage": storage}
 
     def poll_load(self, req: Req, wait: bool = False) -> bool:
-        """True when the request's load-back (if any) has finished and is committed."""
-        if req.load_node is None:
-            return True
-        if req.load_future is not None:
-            if not wait and not req.load_future.done():
+        """True when every load filling the request's pages has landed (its own load, if it
+        started one, is then committed to the tree). ``wait`` blocks until then."""
+        if req.wait_loads:
+            if not wait and not all(p.done() for p in req.wait_loads):
                 return False
-            req.load_future.result()
-        self.tree.finish_load(req.load_node)
-        req.load_node = None
-        req.load_future = None
+            for p in req.wait_loads:
+                p.wait()
+            req.wait_loads = ()
+        if req.load_node is not None:
+            self.tree.finish_load(req.load_node)
+            req.load_node = None
         return True
 
     # -- L3 prefetch (no-ops without a storage tier) -------------------------------------
-    def start_prefetch(self, req: Req) -> None:
-        if self.storage is not None and not req.prefetch_checked:
-            self.storage.maybe_prefetch(req)
-            self.flush_transfers()  # its match may have emitted write-through backups
+    def advance_prefetch(self, req: Req) -> None:
+        if self.storage is not None:
+            self.storage.advance_prefetch(req)
 
     def prefetch_ready(self, req: Req) -> bool:
         return self.storage is None or self.storage.prefetch_ready(req)
@@ -140,7 +147,7 @@ class ReqCache:
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
         if req.session_id is not None and full and req.session_id in self.tree.sessions:
-            node = self.tree.match_prefix(tokens).last_device_node
+            node, _ = self.tree.lookup(tokens)  # read-only: no hit counts, no backups
             self.tree.attach_session(req.session_id, node)
         self.flush_transfers()
         if to_free:

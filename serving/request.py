@@ -22,7 +22,7 @@ class Req:
     kv_len: int = 0  # tokens of fill_ids whose KV is in pages
     lock_node: Any = None  # tree node locked for this request (None: nothing locked)
     load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
-    load_future: Any = None  # the controller's future for that load
+    wait_loads: tuple = ()  # PendingLoads still filling pages this request reads (see ReqCache.poll_load)
     page_keys: list[str] = field(default_factory=list)  # L3 keys of full pages (computed lazily)
     prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.storage_controller.PrefetchOp)
     prefetch_checked: bool = False

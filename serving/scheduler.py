@@ -215,7 +215,7 @@ class Scheduler:
         if budget <= 0 or not self.waiting:
             return chunks
         for r in self.waiting:
-            self.cache.start_prefetch(r)
+            self.cache.advance_prefetch(r)
         order = self.policy.order(self.waiting, lambda r: self.cache.peek_prefix_len(r))
         for r in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:

@@ -85,43 +85,71 @@ def test_insert_host_needs_l2_and_enough_pages():
 def test_storage_pages_split_and_mark_stored():
     t = make()
     put_device(t, [1, 2, 3, 4, 5, 6, 7, 8])
-    assert t.mark_stored([1, 2, 3, 4, 5, 6, 7, 8], 3) == 3
+    assert t.mark_stored([1, 2, 3, 4, 5, 6, 7, 8], 0, 3) == 3
     (node,) = t.nodes()
     assert node.storage_pages == 3
     t.match_prefix([1, 2, 3, 4, 5, 6, 0, 0])  # split after 3 pages
     upper = t.match_prefix([1, 2]).last_device_node  # split after 1 page
-    assert [n.storage_pages for n in t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_device_node.path_to_root()] == [
-        0,
-        2,
-        1,
-    ]
+    path = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_device_node.path_to_root()
+    assert [n.storage_pages for n in path] == [0, 2, 1]
     assert upper.storage_pages == 1
-    end = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_device_node
-    assert t.stored_prefix_pages(end) == 3
     # marking is idempotent and never shrinks; a diverging tail stops the walk
-    assert t.mark_stored([1, 2, 3, 4, 9, 9, 9, 9], 4) == 2
-    assert t.stored_prefix_pages(end) == 3
-    assert t.mark_stored([1, 2, 3, 4, 5, 6, 7, 8], 4) == 4
-    assert t.stored_prefix_pages(end) == 4
+    assert t.mark_stored([1, 2, 3, 4, 9, 9, 9, 9], 0, 4) == 2
+    assert [n.storage_pages for n in path] == [0, 2, 1]
+    assert t.mark_stored([1, 2, 3, 4, 5, 6, 7, 8], 3, 4) == 1
+    assert [n.storage_pages for n in path] == [1, 2, 1]
     t.check_integrity()
 
 
-def test_write_back_helpers():
+def test_mark_stored_is_split_safe():
+    """A write-back of pages 2..3 of a node finishes after the node was split after page 3:
+    the range lands on both parts, in their own numbering, with no page marked that was not
+    written (the old offset arithmetic marked 4 pages on a 1-page node)."""
+    t = make()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    put_device(t, tokens)
+    t.mark_stored(tokens, 0, 2)
+    (node,) = t.nodes()
+    assert node.storage_pages == 2
+    t.match_prefix([1, 2, 3, 4, 5, 6, 0, 0])  # split after 3 pages while pages 2..3 are written
+    assert t.mark_stored(tokens, 2, 4) == 2
+    lower = t.match_prefix(tokens).last_device_node
+    assert [n.storage_pages for n in lower.path_to_root()] == [1, 3]
+    t.check_integrity()
+    # a range that does not continue a node's stored pages leaves a hole unmarked
+    t2 = make()
+    put_device(t2, tokens)
+    t2.mark_stored(tokens, 2, 4)
+    assert t2.nodes()[0].storage_pages == 0
+
+
+def test_pinned_host_pages_survive_eviction_and_are_freed_after_unpin():
+    t = make(dev=8, host=8)
+    put_device(t, [1, 2, 3, 4])
+    node = t.match_prefix([1, 2, 3, 4]).last_device_node  # write_through: backed up on the hit
+    t.take_transfers()
+    hp = list(node.host_pages)
+    t.pin_host(hp)
+    assert t.evict_device(2) == 2  # pins never hold L1: the node is demoted to L2
+    assert node.device_pages is None and node.host_pages == hp
+    t.check_integrity()
+    assert t.evict_host(2) == 0  # but L2 eviction skips pages a write-back reads
+    assert node.host_pages == hp
+    t.reset()  # a flush drops the node; its pinned pages wait
+    assert node.removed and all(t.host.is_allocated(p) for p in hp)
+    t.check_integrity()
+    t.unpin_host(hp)
+    assert not any(t.host.is_allocated(p) for p in hp)
+    t.check_integrity(host_in_use=0)
+
+
+def test_path_tokens():
     t = make()
     put_device(t, [1, 2, 3, 4])
-    put_device_tail = t.device.alloc(1)
-    t.insert([1, 2, 3, 4, 5, 6], t.match_prefix([1, 2, 3, 4]).device_pages + put_device_tail)
-    end = t.match_prefix([1, 2, 3, 4, 5, 6]).last_device_node  # write_through: hit backs up to L2
+    t.insert([1, 2, 3, 4, 5, 6], t.match_prefix([1, 2, 3, 4]).device_pages + t.device.alloc(1))
+    end = t.match_prefix([1, 2, 3, 4, 5, 6]).last_device_node
     t.take_transfers()
     assert t.path_tokens(end) == [1, 2, 3, 4, 5, 6]
-    pages = t.host_path_pages(end)
-    assert pages is not None and len(pages) == 3
-    assert pages == [p for n in reversed(end.path_to_root()) for p in n.host_pages]
-    # a node without an L2 copy on the path: nothing to write back from L2
-    t2 = make()
-    put_device(t2, [1, 2])
-    assert t2.host_path_pages(t2.nodes()[0]) is None
-    assert t2.stored_prefix_pages(t2.nodes()[0]) == 0
     t.check_integrity()
 
 

@@ -8,7 +8,8 @@ Checks, raising AssertionError with a message naming the culprit:
   children keyed by their first page and pointing back to the parent; not removed;
 - refs: lock_ref and session_ref >= 0 and a parent's >= the sum of its children's;
   session refs equal what the open sessions imply; loading nodes are locked and on both tiers;
-- the tree's counters and its lazy eviction-candidate sets are up to date.
+- the tree's counters and its lazy eviction-candidate sets are up to date;
+- pinned L2 pages are in the tree or deferred; deferred pages are pinned and counted as used.
 """
 
 from __future__ import annotations
@@ -80,8 +81,6 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
                 if nd.device_pages is None and not nd.children:
                     assert nd in tree._host_leaves, f"L2 leaf missing from the candidate set: {where}"
             assert 0 <= nd.storage_pages <= klen // ps, f"storage_pages {nd.storage_pages} out of range: {where}"
-            if nd.storage_keys is not None:
-                assert len(nd.storage_keys) * ps == klen, f"{len(nd.storage_keys)} storage keys: {where}"
             assert nd.lock_ref >= 0, f"negative lock_ref: {where}"
             assert nd.session_ref >= 0, f"negative session_ref: {where}"
             assert nd.hit_count >= 0, f"negative hit_count: {where}"
@@ -114,5 +113,10 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
     for end, top in tree._loads.items():
         assert end.loading and end.lock_ref > 0 and not end.removed, f"load in flight on a bad node: {end!r}"
         assert not top.removed, f"load in flight under a removed node: {top!r}"
+    deferred = tree._host_deferred
+    assert not deferred & host_ids, f"deferred L2 pages still in the tree: {sorted(deferred & host_ids)[:8]}"
+    stray = [p for p in tree._host_pins if p not in host_ids and p not in deferred]
+    assert not stray, f"pinned L2 pages neither in the tree nor deferred: {stray[:8]}"
+    assert all(p in tree._host_pins for p in deferred), "a deferred L2 page is not pinned"
     _check_pool("device", tree.device, dev_ids, device_in_use)
-    _check_pool("host", tree.host, host_ids, host_in_use)
+    _check_pool("host", tree.host, host_ids | deferred, host_in_use)

@@ -1,11 +1,46 @@
-"""Value objects the tree hands out: the result of a prefix match and a page transfer order."""
+"""Value objects the tree hands out: the result of a prefix match, a page transfer order and
+the handle of a load in flight."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
 from hicache.hiradix.node import TreeNode
+
+
+class PendingLoad:
+    """One L2 -> L1 load in flight: the pages it fills hold no KV until it is :meth:`done`.
+
+    Concurrency contract: ``load_back`` (scheduler thread) creates it, puts it on every node
+    of the chain (``TreeNode.load``) and in the load's :class:`Transfer`; the cache controller
+    that executes the transfer binds the copy's future to it (:meth:`bind`, once, on the
+    scheduler thread, before the transfer list returns). Every reader of those L1 pages --
+    the request that started the load and any later match that reports them as L1 hits
+    (``MatchResult.pending_loads``) -- must not run a forward pass over them until
+    :meth:`done` is true. ``done()`` may be polled from any thread; it never blocks. An
+    unbound load is not done.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: Future | None = None
+
+    def bind(self, future: Future) -> None:
+        if self._future is not None:
+            raise RuntimeError("a pending load is bound once")
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future is not None and self._future.done()
+
+    def wait(self) -> None:
+        """Block until the copy has landed (raises what the copy raised); for teardown."""
+        if self._future is None:
+            raise RuntimeError("waiting for a load that was never started")
+        self._future.result()
 
 
 @dataclass(frozen=True)
@@ -16,23 +51,24 @@ class MatchResult:
       (``len(device_pages) * page_size == device_hit_tokens``).
     - ``host_hit_tokens``: tokens after the L1 hit that are cached on L2 only; they
       run from ``last_device_node`` (exclusive) down to ``last_host_node``.
-    - ``storage_hit_tokens``: tokens after that found on L3 (0 until L3 exists).
     - ``last_device_node``: deepest matched node on L1 (the root when there is no hit);
       lock this one for a request that reads ``device_pages``.
     - ``last_host_node``: deepest matched node on L1 or L2.
+    - ``pending_loads``: loads still filling some of ``device_pages``; a reader waits until
+      each is ``done()`` before it computes on them (see :class:`PendingLoad`).
     """
 
     device_pages: list[int]
     device_hit_tokens: int
     host_hit_tokens: int
-    storage_hit_tokens: int
     last_device_node: TreeNode
     last_host_node: TreeNode
+    pending_loads: tuple[PendingLoad, ...] = ()
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens cached on any tier (L1 + L2 + L3)."""
-        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
+        """Tokens cached on L1 or L2."""
+        return self.device_hit_tokens + self.host_hit_tokens
 
 
 @dataclass(frozen=True)
@@ -50,6 +86,8 @@ class Transfer:
     # backups: the nodes whose pages these are, in order (so a controller can write
     # them on to L3 under their page keys); empty for loads
     nodes: tuple[TreeNode, ...] = field(default=(), compare=False, repr=False)
+    # loads: the handle readers wait on; the executing controller binds its copy to it
+    pending: PendingLoad | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("backup", "load"):

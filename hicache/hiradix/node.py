@@ -8,15 +8,14 @@ Contract:
 - ``storage_pages``: how many leading pages of this node are known to be on L3 (written
   there by a write-back, or read from there by a prefetch). A hint, not a guarantee: L3
   evicts on its own, so a reader still checks the store. Split keeps it per page.
-- ``storage_keys`` is an optional cache of the node's L3 page keys (``None`` unless a
-  caller fills it; split splits it).
 - ``children`` maps the first page of each child's key (as a tuple) to the child.
 - ``lock_ref`` counts requests reading the node; a lock covers the whole path
   root→node, so a parent's ``lock_ref`` is at least the sum of its children's.
 - ``session_ref`` counts soft references from sessions (same path rule).
 - ``last_access`` is a tick of the tree's monotonic counter (not wall time).
-- ``loading`` is set while a load-back L2→L1 of this node is in flight; a loading
-  node is always locked.
+- ``load`` is the :class:`~hicache.hiradix.match.PendingLoad` of an L2→L1 load-back of
+  this node still in flight (``None`` otherwise; ``loading`` says whether there is one).
+  A loading node is always locked; its L1 pages hold no KV until the load is done.
 - ``removed`` is set when the node leaves the tree; a removed node keeps its
   ``parent`` pointer so that sessions still attached to it can release their refs.
 """
@@ -32,7 +31,6 @@ class TreeNode:
         "key",
         "device_pages",
         "host_pages",
-        "storage_keys",
         "storage_pages",
         "children",
         "parent",
@@ -40,7 +38,7 @@ class TreeNode:
         "session_ref",
         "hit_count",
         "last_access",
-        "loading",
+        "load",
         "removed",
     )
 
@@ -56,7 +54,6 @@ class TreeNode:
         self.key = key
         self.device_pages = device_pages
         self.host_pages = host_pages
-        self.storage_keys: list[str] | None = None
         self.storage_pages = 0
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
@@ -64,7 +61,7 @@ class TreeNode:
         self.session_ref = 0
         self.hit_count = 0
         self.last_access = 0
-        self.loading = False
+        self.load = None  # PendingLoad | None
         self.removed = False
 
     @property
@@ -74,6 +71,10 @@ class TreeNode:
         if pages is not None:
             return len(pages)
         return 0 if not self.key else -1  # -1: a node without any copy (never in a healthy tree)
+
+    @property
+    def loading(self) -> bool:
+        return self.load is not None
 
     @property
     def on_device(self) -> bool:

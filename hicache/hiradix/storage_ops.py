@@ -1,4 +1,5 @@
-"""L3 support of the HiRadixTree: prefetched pages into L2, write-back bookkeeping, path helpers.
+"""L3 support of the HiRadixTree: prefetched pages into L2, write-back bookkeeping (pins,
+stored marks), path helpers.
 
 A mixin of :class:`hicache.hiradix.tree.HiRadixTree` (split out to keep files small); it
 uses the tree's state (allocators, counters, lazy candidate sets, ids) and its internal
@@ -25,6 +26,8 @@ class StorageOpsMixin:
     _host_leaves: set[TreeNode]
     _host_cached: int
     _num_nodes: int
+    _host_pins: dict[int, int]
+    _host_deferred: set[int]
     _listeners: tuple[Callable[[str, TreeNode], None], ...]
 
     # helpers defined by HiRadixTree / TieringMixin
@@ -103,44 +106,60 @@ class StorageOpsMixin:
             node, pos = child, end
         return dup
 
-    def mark_stored(self, tokens: Sequence[int], num_pages: int) -> int:
-        """Record that the first ``num_pages`` pages of ``tokens`` are on L3 (a write-back
-        finished). Walks without splitting; nodes that changed meanwhile get what still
-        applies. Returns the pages marked."""
+    def mark_stored(self, tokens: Sequence[int], lo: int, hi: int) -> int:
+        """Record that pages ``lo <= i < hi`` of the path of ``tokens`` are on L3 (a write-back
+        of those pages finished). Walks by tokens without splitting, so splits and removals
+        since the write started do not matter: a node on the path learns the part of the range
+        that continues its leading stored pages (``storage_pages`` counts leading pages only).
+        Returns how many pages of the range the tree still holds."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps = self.page_size
-        n = min(num_pages * ps, len(tokens) - len(tokens) % ps)
+        n = min(hi * ps, len(tokens) - len(tokens) % ps)
         node, pos = self.root, 0
         while pos < n:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
             m = self._common(child.key, tokens, pos, n)
-            child.storage_pages = max(child.storage_pages, m // ps)
+            a = pos // ps  # the node's first page in path numbering
+            first, last = max(lo, a) - a, min(hi, a + m // ps) - a
+            if first < last and first <= child.storage_pages:
+                child.storage_pages = max(child.storage_pages, last)
             pos += m
             if m < len(child.key):
                 break
             node = child
-        return pos // ps
+        return max(0, pos // ps - lo)
 
     def path_tokens(self, node: TreeNode) -> list[int]:
         """The tokens of the path root→node."""
         return [t for nd in reversed(node.path_to_root()) for t in nd.key]
 
-    def host_path_pages(self, node: TreeNode) -> list[int] | None:
-        """L2 page ids of the path root→node in order, or None if a node on it has no L2 copy."""
-        out: list[int] = []
-        for nd in reversed(node.path_to_root()):
-            if nd.host_pages is None:
-                return None
-            out += nd.host_pages
-        return out
+    # ------------------------------------------------------------------ pins (L3 write-back)
+    def pin_host(self, pages: Sequence[int]) -> None:
+        """A reader outside the tree (an L3 write-back) reads L2 ``pages`` until
+        :meth:`unpin_host`: they are not dropped by L2 eviction and never reused meanwhile
+        (a node removed while pinned leaves them deferred). Pins nothing on L1."""
+        pins = self._host_pins
+        for p in pages:
+            pins[p] = pins.get(p, 0) + 1
 
-    def stored_prefix_pages(self, node: TreeNode) -> int:
-        """Leading pages of the path root→node known to be on L3 (write-back starts after them)."""
-        total = 0
-        for nd in reversed(node.path_to_root()):
-            total += nd.storage_pages
-            if nd.storage_pages < len(nd.key) // self.page_size:
-                break
-        return total
+    def unpin_host(self, pages: Sequence[int]) -> None:
+        """End one pin of each page; frees pages the tree dropped meanwhile."""
+        pins, freed = self._host_pins, []
+        for p in pages:
+            k = pins[p] - 1
+            if k:
+                pins[p] = k
+                continue
+            del pins[p]
+            if p in self._host_deferred:
+                self._host_deferred.discard(p)
+                freed.append(p)
+        if freed:
+            self.host.free(freed)
+
+    @property
+    def host_pinned(self) -> int:
+        """Distinct L2 pages pinned now (for tests and stats)."""
+        return len(self._host_pins)

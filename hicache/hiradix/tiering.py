@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from hicache.hiradix.match import MatchResult, Transfer
+from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
 from hicache.hiradix.node import TreeNode
 from hicache.hiradix.policies import EvictionPolicy, WritePolicy
 from hicache.hiradix.unbounded import UnboundedAllocator
@@ -33,6 +33,8 @@ class TieringMixin:
     load_back_threshold: int
     _outbox: list[Transfer]
     _loads: dict[TreeNode, TreeNode]
+    _host_pins: dict[int, int]
+    _host_deferred: set[int]
     _dev_leaves: set[TreeNode]
     _host_leaves: set[TreeNode]
     _device_cached: int
@@ -87,7 +89,8 @@ class TieringMixin:
         return freed
 
     def evict_host(self, num_pages: int) -> int:
-        """Drop L2 copies of unlocked L2-only leaves (policy order) until ``num_pages`` are freed."""
+        """Drop L2 copies of unlocked L2-only leaves (policy order) until ``num_pages`` are freed.
+        Leaves whose pages an L3 write-back is reading (pinned) are skipped."""
         if self.host is None or num_pages <= 0:
             return 0
         key = self.eviction_policy.key
@@ -95,13 +98,13 @@ class TieringMixin:
         for nd in list(self._host_leaves):
             if nd.removed or nd.host_pages is None or nd.device_pages is not None or nd.children:
                 self._host_leaves.discard(nd)
-            elif nd.lock_ref == 0:
+            elif nd.lock_ref == 0 and not self._host_pinned(nd):
                 heap.append((key(nd), nd.id, nd))
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
-            if nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None:
+            if nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None or self._host_pinned(nd):
                 continue
             freed += len(nd.host_pages)
             parent = nd.parent
@@ -115,6 +118,10 @@ class TieringMixin:
                 heapq.heappush(heap, (key(parent), parent.id, parent))
         return freed
 
+    def _host_pinned(self, node: TreeNode) -> bool:
+        pins = self._host_pins
+        return bool(pins) and any(p in pins for p in node.host_pages)
+
     # ------------------------------------------------------------------ load-back
     def load_back(self, match: MatchResult) -> MatchResult:
         """Bring the L2-only part of ``match`` back to L1, all or nothing.
@@ -122,10 +129,11 @@ class TieringMixin:
         Returns ``match`` unchanged when there is nothing to load, the chain is shorter
         than ``load_back_threshold`` pages, or L1 cannot make room (evicting neither
         the chain, its prefix, nor anything locked). Otherwise allocates L1 pages for
-        the whole chain, emits one ``load`` Transfer, marks the chain ``loading`` and
-        locks it, and returns a MatchResult whose ``device_pages`` is the whole prefix
-        (old + new) and whose ``last_device_node`` is the chain's end. Call
-        :meth:`finish_load` with that node once the copy is done.
+        the whole chain, emits one ``load`` Transfer carrying a new :class:`PendingLoad`,
+        puts that on every node of the chain (``node.load``) and locks the chain, and
+        returns a MatchResult whose ``device_pages`` is the whole prefix (old + new), whose
+        ``last_device_node`` is the chain's end and whose ``pending_loads`` include the new
+        load. Call :meth:`finish_load` with that node once the copy is done.
         Call it right after :meth:`match_prefix`; a stale match raises :class:`StaleMatch`.
         """
         if match.host_hit_tokens <= 0 or self.host is None:
@@ -157,30 +165,31 @@ class TieringMixin:
             self.unlock(end)
             return match
         pages = device.alloc(npages)
+        pending = PendingLoad()
         src: list[int] = []
         i = 0
         for nd in chain:
             k = len(nd.host_pages)
             src += nd.host_pages
             self._set_device(nd, pages[i : i + k])
-            nd.loading = True
+            nd.load = pending
             i += k
-        self._outbox.append(Transfer("load", src, list(pages)))
+        self._outbox.append(Transfer("load", src, list(pages), pending=pending))
         self._loads[end] = top
         prefix = [p for n in reversed(top.path_to_root()) for p in n.device_pages]
-        return MatchResult(
-            prefix + pages, (len(prefix) + npages) * self.page_size, 0, match.storage_hit_tokens, end, end
-        )
+        return MatchResult(prefix + pages, (len(prefix) + npages) * self.page_size, 0, end, end,
+                           (*match.pending_loads, pending))
 
     def finish_load(self, node: TreeNode) -> None:
-        """The load ending at ``node`` is done: clear ``loading`` and release the load's lock."""
+        """The load ending at ``node`` is done: clear ``node.load`` on the chain and release the
+        load's lock."""
         try:
             top = self._loads.pop(node)
         except KeyError:
             raise ValueError(f"no load in flight ends at {node!r}") from None
         nd = node
         while nd is not top:
-            nd.loading = False
+            nd.load = None
             nd = nd.parent
         self.unlock(node)
 
@@ -261,7 +270,8 @@ class TieringMixin:
             self._remove(node)
 
     def _remove(self, node: TreeNode) -> None:
-        """Detach ``node`` and its subtree (no L1 copies left, unlocked); free their L2 pages."""
+        """Detach ``node`` and its subtree (no L1 copies left, unlocked); free their L2 pages
+        (pinned ones once they are unpinned)."""
         parent = node.parent
         del parent.children[tuple(node.key[: self.page_size])]
         stack = [node]
@@ -274,7 +284,9 @@ class TieringMixin:
             nd.children = {}
             if nd.host_pages is not None:
                 self._host_cached -= len(nd.host_pages)
-                self.host.free(nd.host_pages)
+                pins = self._host_pins
+                self.host.free([p for p in nd.host_pages if p not in pins])
+                self._host_deferred.update(p for p in nd.host_pages if p in pins)
                 nd.host_pages = None
             nd.removed = True
             self._num_nodes -= 1

@@ -11,6 +11,10 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
   the root). So a match is: an L1 run from the root, then an L2-only run.
 - Locks cover the path root→node; locked nodes are never evicted from L1 nor
   dropped from L2. A loading node is locked (by the load itself).
+- L2 pages pinned by a reader outside the tree (an L3 write-back, :meth:`pin_host`) are
+  never handed out again while pinned: the node keeps them, or, if the tree drops the
+  node meanwhile, the pages wait in a deferred set until :meth:`unpin_host` frees them.
+  Pins do not lock: a pinned node may still lose its L1 copy (write-back never pins L1).
 
 Transfer ordering contract: the caller drains :meth:`take_transfers` right after each
 tree operation and executes the transfers in the order given, and it must execute
@@ -18,14 +22,16 @@ tree operation and executes the transfers in the order given, and it must execut
 L1 page freed meanwhile: eviction frees L1 pages into the allocator immediately,
 right after emitting the backup that still reads them. ``load_back`` may reuse such
 a page as a load destination in the same operation; the order of the outbox covers it.
-Nodes being loaded report as L1 hits to later matches: their readers must be ordered
-after the load (same copy stream / event) like the request that started it.
+Nodes being loaded report as L1 hits to later matches, with the load's
+:class:`~hicache.hiradix.match.PendingLoad` in ``MatchResult.pending_loads``: every reader,
+like the request that started the load, waits until it is done before computing on them.
 
 Typical request (scheduler)::
 
     m = tree.match_prefix(tokens)
     m = tree.load_back(m)                 # no-op unless m.host_hit_tokens > 0
     tree.lock(m.last_device_node)
+    ... wait until every m.pending_loads is done() (without blocking the loop) ...
     ... allocate the uncached pages (tree.evict_device(k) when short), prefill, decode ...
     dup = tree.insert(tokens_with_output, m.device_pages + new_pages)
     allocator.free(dup)
@@ -41,7 +47,7 @@ from collections.abc import Sequence
 
 from hicache.config import CacheConfig
 from hicache.hiradix.integrity import check_tree
-from hicache.hiradix.match import MatchResult, Transfer
+from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
 from hicache.hiradix.node import TreeNode
 from hicache.hiradix.policies import make_eviction_policy, make_write_policy
 from hicache.hiradix.sessions import SessionTable
@@ -87,6 +93,10 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         self._tick = 0
         self._outbox: list[Transfer] = []
         self._loads: dict[TreeNode, TreeNode] = {}  # end of a loading chain -> node above the chain
+        # L2 pages an L3 write-back is reading (page id -> readers), and pages the tree dropped
+        # while they were pinned: freed into the host pool when their last reader is done.
+        self._host_pins: dict[int, int] = {}
+        self._host_deferred: set[int] = set()
         # Lazy supersets of eviction candidates; entries are re-validated when evicting.
         self._dev_leaves: set[TreeNode] = set()
         self._host_leaves: set[TreeNode] = set()
@@ -124,6 +134,7 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         dev_pages: list[int] = []
         dev_node = host_node = self.root
         to_backup = []
+        loads: dict[int, PendingLoad] = {}
         should_backup = self.write_policy.should_backup_on_hit
         for nd in path:
             nd.hit_count += 1
@@ -131,18 +142,38 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
             if nd.device_pages is not None:
                 dev_pages += nd.device_pages
                 dev_node = nd
+                if nd.load is not None:
+                    loads.setdefault(id(nd.load), nd.load)
                 if nd.host_pages is None and self.host is not None and should_backup(nd):
                     to_backup.append(nd)
             host_node = nd
         if to_backup:
             self._backup(to_backup, protect=host_node)
         dev_tokens = len(dev_pages) * self.page_size
-        return MatchResult(dev_pages, dev_tokens, pos - dev_tokens, 0, dev_node, host_node)
+        return MatchResult(dev_pages, dev_tokens, pos - dev_tokens, dev_node, host_node, tuple(loads.values()))
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
+        """Read-only match (no split, no hit counts, no backups): the deepest node the full
+        pages of ``tokens`` reach (one they end inside included; the root if none) and the
+        number of matched tokens (on L1 or L2)."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            m = self._common(child.key, tokens, pos, n)
+            node, pos = child, pos + m
+            if m < len(child.key):
+                break
+        return node, pos
 
     def peek_prefix_len(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens`` cached on L1 or L2, without touching the tree (no split,
-        no hit counts, no backups): for ordering a waiting queue."""
-        return self._walk(tokens if isinstance(tokens, list) else list(tokens), split=False)[1]
+        """Tokens of ``tokens`` cached on L1 or L2, without touching the tree: for ordering a
+        waiting queue."""
+        return self.lookup(tokens)[1]
 
     def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
         """Insert the full pages of ``tokens`` held in L1 pages ``device_pages``.
@@ -275,9 +306,8 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         check_tree(self, device_in_use, host_in_use)
 
     # ------------------------------------------------------------------ internals
-    def _walk(self, tokens: list[int], split: bool = True) -> tuple[list[TreeNode], int]:
-        """Matched path and length; a match ending mid-node splits it (``split``) or, for a
-        read-only walk, only counts the matched pages of that node (not in the path)."""
+    def _walk(self, tokens: list[int]) -> tuple[list[TreeNode], int]:
+        """Matched path and length; a match ending mid-node splits that node."""
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         node, pos, path = self.root, 0, []
@@ -290,10 +320,8 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
                 path.append(child)
                 node, pos = child, end
                 continue
-            m = self._common(child.key, tokens, pos, n)
-            if split:
-                path.append(self._split(child, m))
-            pos += m
+            path.append(self._split(child, self._common(child.key, tokens, pos, n)))
+            pos += len(path[-1].key)
             break
         return path, pos
 
@@ -323,10 +351,8 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:k], node.host_pages[k:]
         upper.storage_pages, node.storage_pages = min(node.storage_pages, k), max(0, node.storage_pages - k)
-        if node.storage_keys is not None:
-            upper.storage_keys, node.storage_keys = node.storage_keys[:k], node.storage_keys[k:]
         upper.lock_ref, upper.session_ref = node.lock_ref, node.session_ref
-        upper.hit_count, upper.last_access, upper.loading = node.hit_count, node.last_access, node.loading
+        upper.hit_count, upper.last_access, upper.load = node.hit_count, node.last_access, node.load
         node.parent.children[tuple(node.key[:ps])] = upper
         node.key = node.key[at:]
         upper.children[tuple(node.key[:ps])] = node

@@ -1,0 +1,224 @@
+"""L3 -> L2 prefetch for waiting requests whose prompt continues past L1/L2 in the store.
+
+A prefetch runs in two background phases, so the scheduler never waits on the store:
+
+1. **lookup** (lookup thread): the prompt's L3 page keys and ``batch_exists`` -- how many
+   of the pages after the cached prefix the store holds;
+2. **fetch** (fetch thread), started by the scheduler once the lookup is in: host pages
+   are allocated for those pages and filled batch by batch, stopping at the first miss.
+
+Concurrency contract (the class owns it):
+- Scheduler thread only: :meth:`Prefetcher.advance`, :meth:`ready`, :meth:`finish`,
+  :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
+  (thread-safe) and write the host pages handed to the op, which belong to nobody else.
+- Before the fetch starts, the node where the cached prefix ends is locked and L2 room is
+  made (eviction cannot touch the locked path); the page count is then capped at what is
+  free, so the allocation cannot fail.
+- ``op.loaded`` is written by the fetch thread after a batch has fully landed; the
+  scheduler reads it once when it finishes the op. :meth:`finish` never blocks: it commits
+  the pages that have landed into the tree, and pages of a batch still in flight are freed
+  by :meth:`poll` once the fetch thread is done with them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from hicache.hiradix import HiRadixTree
+from hicache.hiradix.node import TreeNode
+from hicache.keys import page_keys
+from hicache.tiers.host import HostKVPool
+from hicache.tiers.storage import StorageTier
+from serving.request import Req
+
+
+@dataclass
+class PrefetchOp:
+    start_page: int  # first prompt page looked for in L3 (the cached prefix ends here)
+    tokens: list[int]  # the prompt's full pages
+    started: float
+    deadline: float
+    lookup: Future | None = None  # -> pages present in L3 from start_page on
+    keys: list[str] = field(default_factory=list)  # set by the lookup thread
+    node: TreeNode | None = None  # locked from the fetch's start until finish
+    host_pages: list[int] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    loaded: int = 0  # leading host pages filled (written by the fetch thread)
+    future: Future | None = None  # the fetch
+
+    @property
+    def fetched(self) -> bool:
+        return self.future is not None and self.future.done()
+
+
+class PrefetchPolicy:
+    """When a waiting request stops waiting for its prefetch (SGLang's names)."""
+
+    def ready(self, op: PrefetchOp, now: float) -> bool:
+        raise NotImplementedError
+
+
+class BestEffort(PrefetchPolicy):
+    """Never wait: take whatever has arrived when the request is scheduled."""
+
+    def ready(self, op: PrefetchOp, now: float) -> bool:
+        return True
+
+
+class WaitComplete(PrefetchPolicy):
+    def ready(self, op: PrefetchOp, now: float) -> bool:
+        return op.fetched
+
+
+class Timeout(PrefetchPolicy):
+    """Wait until done or ``base + per_1k_tokens * tokens / 1000`` seconds have passed."""
+
+    def ready(self, op: PrefetchOp, now: float) -> bool:
+        return op.fetched or now >= op.deadline
+
+
+PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
+    "best_effort": BestEffort, "wait_complete": WaitComplete, "timeout": Timeout}
+
+
+class Prefetcher:
+    """See the module docstring."""
+
+    def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
+                 policy: str = "best_effort", threshold_tokens: int = 256,
+                 timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25) -> None:
+        if policy not in PREFETCH_POLICIES:
+            raise ValueError(f"unknown prefetch policy {policy!r}; choose from {sorted(PREFETCH_POLICIES)}")
+        self.tree = tree
+        self.host_pool = host_pool
+        self.tier = tier
+        self.namespace = namespace
+        self.page_size = tree.page_size
+        self.policy = PREFETCH_POLICIES[policy]()
+        self.threshold_tokens = threshold_tokens
+        self.timeout_base_s = timeout_base_s
+        self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
+        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-lookup")
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-fetch")
+        self._draining: list[tuple[Future, list[int]]] = []  # host pages a cancelled fetch may still write
+        self.pages_prefetched = 0
+        self.prefetches_revoked = 0
+
+    # -- scheduler side -----------------------------------------------------------------
+    def advance(self, req: Req) -> None:
+        """Called for every waiting request each step: start its lookup once, start the fetch
+        once the lookup is in. Never waits."""
+        op: PrefetchOp | None = req.prefetch
+        if op is None:
+            if not req.prefetch_checked:
+                req.prefetch_checked = True
+                self._start_lookup(req)
+            return
+        if op.future is None and op.lookup.done():
+            self._start_fetch(req, op)
+
+    def _start_lookup(self, req: Req) -> None:
+        ps = self.page_size
+        prompt = req.fill_ids[: req.seq_len - 1]
+        full = len(prompt) // ps
+        cached = self.tree.peek_prefix_len(prompt) // ps
+        if (full - cached) * ps < self.threshold_tokens:
+            return
+        now = time.monotonic()
+        op = PrefetchOp(cached, prompt[: full * ps], now, now + self.timeout_base_s)
+        op.lookup = self._lookups.submit(self._lookup, op)
+        req.prefetch = op
+
+    def _start_fetch(self, req: Req, op: PrefetchOp) -> None:
+        ps, tree = self.page_size, self.tree
+        n = op.lookup.result() if op.lookup.exception() is None else 0
+        node, matched = tree.lookup(op.tokens[: op.start_page * ps])
+        if n * ps < self.threshold_tokens or matched < op.start_page * ps:
+            req.prefetch = None  # nothing worth fetching, or the prefix it hangs below is gone
+            return
+        tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
+        host = tree.host
+        if host.num_free < n:
+            tree.evict_host(n - host.num_free)
+        n = min(n, host.num_free)
+        if n * ps < self.threshold_tokens:
+            tree.unlock(node)
+            req.prefetch = None
+            return
+        op.node, op.host_pages, op.keys = node, host.alloc(n), op.keys[:n]
+        op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
+        op.future = self._fetcher.submit(self._fetch, op)
+
+    def ready(self, req: Req) -> bool:
+        return req.prefetch is None or self.policy.ready(req.prefetch, time.monotonic())
+
+    def finish(self, req: Req) -> int:
+        """Stop the request's prefetch and commit what has landed into L2; returns pages
+        committed. Never waits: host pages of a batch still in flight are freed later."""
+        op: PrefetchOp | None = req.prefetch
+        if op is None:
+            return 0
+        req.prefetch = None
+        op.cancel.set()
+        if op.future is None:  # still looking up: nothing allocated yet
+            return 0
+        loaded = op.loaded  # pages below this have landed; the thread may still fill the rest
+        committed, rest = 0, op.host_pages[loaded:]
+        if loaded and not op.node.removed:
+            upto = (op.start_page + loaded) * self.page_size
+            dup = self.tree.insert_host(op.tokens[:upto], op.host_pages[:loaded], start_page=op.start_page)
+            committed = loaded - len(dup)
+            self.tree.host.free(list(dup))
+        elif loaded:
+            rest = op.host_pages
+        if rest:
+            if op.future.done():
+                self.tree.host.free(rest)
+            else:
+                self._draining.append((op.future, rest))
+        self.prefetches_revoked += int(committed == 0)
+        self.tree.unlock(op.node)
+        self.pages_prefetched += committed
+        return committed
+
+    def poll(self, wait: bool = False) -> None:
+        """Free host pages of cancelled fetches once their thread is done with them."""
+        keep = []
+        for fut, pages in self._draining:
+            if wait:
+                fut.exception()
+            if fut.done():
+                self.tree.host.free(pages)
+            else:
+                keep.append((fut, pages))
+        self._draining = keep
+
+    def in_flight_host_pages(self, reqs: list[Req]) -> int:
+        """Host pages held by uncommitted prefetches (for integrity checks)."""
+        held = sum(len(r.prefetch.host_pages) for r in reqs if r.prefetch is not None)
+        return held + sum(len(p) for _, p in self._draining)
+
+    def shutdown(self) -> None:
+        self.poll(wait=True)
+        self._lookups.shutdown(wait=True)
+        self._fetcher.shutdown(wait=True)
+
+    # -- background threads ---------------------------------------------------------------
+    def _lookup(self, op: PrefetchOp) -> int:
+        keys = page_keys(op.tokens, self.page_size, self.namespace)[op.start_page:]
+        op.keys = keys
+        return 0 if op.cancel.is_set() else self.tier.batch_exists(keys)
+
+    def _fetch(self, op: PrefetchOp) -> None:
+        step = self.tier.batch_pages
+        for lo in range(0, len(op.keys), step):
+            if op.cancel.is_set():
+                return
+            hi = min(len(op.keys), lo + step)
+            got = self.tier.batch_get(op.keys[lo:hi], self.host_pool, op.host_pages[lo:hi])
+            op.loaded += got
+            if got < hi - lo:
+                return

@@ -1,0 +1,104 @@
+"""L2 -> L3 write-back: nodes that got an L2 copy are written on to the storage tier.
+
+Concurrency contract (the class owns it):
+- Scheduler thread only: :meth:`WriteBack.write` and :meth:`WriteBack.poll` (and every tree
+  call). The writer thread only reads the L2 pages it was given and calls the storage tier
+  (thread-safe); it never touches the tree.
+- What the write reads is protected, and nothing else: the node's L2 pages are pinned in
+  the tree (:meth:`HiRadixTree.pin_host`) from submission until :meth:`poll` sees the write
+  finished. L1 is never locked, so a node being written stays evictable from L1; if the
+  tree drops the node meanwhile, its pinned pages are freed only when the write is done.
+- Progress is recorded by tokens, not by node: the write remembers the path's tokens and
+  the page range it covers, and :meth:`poll` marks that range stored with
+  :meth:`HiRadixTree.mark_stored`, which walks the tree as it is then (splits since the
+  submission, removals and re-insertions are all fine). Pages are marked only after the
+  store confirmed them.
+- L3 page keys (a hash over the whole path) are computed on the writer thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from hicache.hiradix import HiRadixTree
+from hicache.hiradix.node import TreeNode
+from hicache.keys import page_keys
+from hicache.tiers.host import HostKVPool
+from hicache.tiers.storage import StorageTier
+
+
+@dataclass
+class _Write:
+    future: Future  # -> (leading pages now in L3, pages this call wrote)
+    tokens: list[int]  # the path's tokens up to the node's end
+    first: int  # path page index of the first page written
+    host_pages: list[int]  # pinned until the write is done
+    node_id: int
+
+
+class WriteBack:
+    """Writes L2 pages on to L3 in the background (see the module docstring)."""
+
+    def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str) -> None:
+        self.tree = tree
+        self.host_pool = host_pool
+        self.tier = tier
+        self.namespace = namespace
+        self.page_size = tree.page_size
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-write")
+        self._writes: list[_Write] = []
+        self._pending: set[int] = set()  # ids of nodes with a write in flight
+        self.pages_written = 0
+        self.before_write = None  # test hook: called on the writer thread before each write
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._writes)
+
+    def write(self, node: TreeNode) -> None:
+        """Write ``node``'s L2 pages that are not on L3 yet (no-op if none, or one is in flight)."""
+        npages = len(node.key) // self.page_size
+        done = node.storage_pages
+        if node.removed or node.host_pages is None or done >= npages or node.id in self._pending:
+            return
+        tokens = self.tree.path_tokens(node)
+        pages = list(node.host_pages[done:])
+        first = len(tokens) // self.page_size - npages + done
+        self.tree.pin_host(pages)
+        self._pending.add(node.id)
+        future = self._writer.submit(self._write, tokens, first, pages)
+        self._writes.append(_Write(future, tokens, first, pages, node.id))
+
+    def _write(self, tokens: list[int], first: int, host_pages: list[int]) -> tuple[int, int]:
+        if self.before_write is not None:
+            self.before_write()
+        keys = page_keys(tokens, self.page_size, self.namespace)[first : first + len(host_pages)]
+        present = self.tier.batch_exists(keys)  # another server may have stored them
+        if present == len(keys):
+            return present, 0
+        wrote = self.tier.batch_set(keys[present:], self.host_pool, host_pages[present:])
+        return present + wrote, wrote
+
+    def poll(self, wait: bool = False) -> None:
+        """Finish the writes that are done (all of them with ``wait``): mark what reached L3
+        (a failed write is retried at the node's next backup or hit) and unpin their pages."""
+        keep = []
+        for w in self._writes:
+            if not (wait or w.future.done()):
+                keep.append(w)
+                continue
+            try:
+                stored, wrote = w.future.result()
+            except Exception:  # a backend bug: nothing is marked, the pages are unpinned
+                stored, wrote = 0, 0
+            self.pages_written += wrote
+            if stored:
+                self.tree.mark_stored(w.tokens, w.first, w.first + stored)
+            self.tree.unpin_host(w.host_pages)
+            self._pending.discard(w.node_id)
+        self._writes = keep
+
+    def shutdown(self) -> None:
+        self.poll(wait=True)
+        self._writer.shutdown(wait=True)

@@ -1,0 +1,69 @@
+"""A real LMDB store whose calls are slowed down (or throttled) on purpose, for tests.
+
+Registered in the storage registry under a test-local name, so an engine is built with it
+exactly like with ``lmdb``: ``hicache_storage_backend="slow_lmdb"`` and the usual LMDB
+options plus ``delay_s`` (sleep before each batch call) and ``read_mb_s`` (throttle reads
+to that many MB/s, 0 = unthrottled).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from hicache.tiers import storage
+from hicache.tiers.lmdb_store import LMDBConfig, LMDBStore
+
+
+class SlowLMDBStore(LMDBStore):
+    def __init__(self, config: LMDBConfig, delay_s: float = 0.0, read_mb_s: float = 0.0,
+                 slow_calls: Sequence[str] = ("exists", "get", "set")) -> None:
+        super().__init__(config)
+        self.delay_s = delay_s
+        self.read_mb_s = read_mb_s
+        self.slow_calls = frozenset(slow_calls)
+        self.calls: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
+        self.in_call = threading.Event()  # set while any slowed call sleeps (tests watch it)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SlowLMDBStore:
+        cfg = dict(config)
+        delay = float(cfg.pop("delay_s", 0.0))
+        mb_s = float(cfg.pop("read_mb_s", 0.0))
+        calls = cfg.pop("slow_calls", ("exists", "get", "set"))
+        return cls(LMDBConfig.from_mapping(cfg), delay, mb_s, calls)
+
+    def _slow(self, call: str) -> None:
+        self.calls[call] += 1
+        if call in self.slow_calls and self.delay_s > 0:
+            self.in_call.set()
+            time.sleep(self.delay_s)
+            self.in_call.clear()
+
+    def batch_exists(self, keys):
+        self._slow("exists")
+        return super().batch_exists(keys)
+
+    def batch_get_into(self, keys, buf, spans):
+        self._slow("get")
+        t0 = time.monotonic()
+        out = super().batch_get_into(keys, buf, spans)
+        if self.read_mb_s > 0:
+            nbytes = sum(s for s in out if s > 0)
+            time.sleep(max(0.0, nbytes / (self.read_mb_s * 1e6) - (time.monotonic() - t0)))
+        return out
+
+    def batch_set_from(self, keys, buf, spans):
+        self._slow("set")
+        return super().batch_set_from(keys, buf, spans)
+
+
+@pytest.fixture
+def slow_lmdb(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Registers ``slow_lmdb`` for the test; returns the backend name."""
+    monkeypatch.setitem(storage.STORAGE_BACKENDS, "slow_lmdb", SlowLMDBStore.from_config)
+    return "slow_lmdb"
