@@ -16,6 +16,9 @@ class HostKVPool(ABC):
 
     Contract:
     - Page ids come from ``self.allocator`` (owned by the tree's L2 bookkeeping).
+    - GPU writes into the buffer (backups by the page-move kernel) are announced with
+      :meth:`add_pending_write` (scheduler thread); every host-side reader, on any thread,
+      calls :meth:`wait_pending_writes` first, which never forgets an event it did not wait for.
     - ``read_pages(ids)`` / ``write_pages(ids, kv)`` exchange pages in the device pool's
       order, flattened: ``[2 * layers, n, page_size * kv_heads * head_dim]``; the layout
       only changes how bytes sit in host memory.
@@ -33,16 +36,23 @@ class HostKVPool(ABC):
         self.allocator = PageAllocator(num_pages)
         self.buffer = torch.zeros(self._shape(), dtype=layout.dtype, pin_memory=self.pin)
         # CUDA event of the last GPU-side write into ``buffer`` (a backup kernel writing pinned
-        # memory directly); host-side accessors wait for it first.
+        # memory directly); host-side accessors wait for it first. The scheduler thread sets
+        # it, any thread (the L3 writer, the loader) waits for it: ``_pending_lock`` makes the
+        # clear-after-wait atomic with respect to a newer event being set meanwhile.
         self.pending_write: torch.cuda.Event | None = None
+        self._pending_lock = threading.Lock()
 
     def add_pending_write(self, event: torch.cuda.Event) -> None:
-        self.pending_write = event  # backups run in order on one stream: the last covers all
+        with self._pending_lock:
+            self.pending_write = event  # backups run in order on one stream: the last covers all
 
     def wait_pending_writes(self) -> None:
+        """Block until every GPU write into ``buffer`` queued so far has landed."""
         ev = self.pending_write
-        if ev is not None:
-            ev.synchronize()
+        if ev is None:
+            return
+        ev.synchronize()
+        with self._pending_lock:  # clear only if no newer write was queued while we waited
             if self.pending_write is ev:
                 self.pending_write = None
 
