@@ -79,6 +79,9 @@ CASES: list[tuple[str, Any, int, str]] = [
     (C, chat(max_tokens=True), 400, "max_tokens"),
     (C, chat(max_completion_tokens=CONTEXT), 400, "max_completion_tokens"),
     (C, chat(foo=1), 400, "foo"),
+    (C, chat(messages=[{"role": "user", "content": "hi", "foo": 1}]), 400, "foo"),
+    (P, comp(foo=1), 400, "foo"),
+    (G, gen(foo=1), 400, "foo"),
     (C, chat(n=2), 400, "n=1"),
     (C, chat(temperature=-1), 400, "temperature"),
     (C, chat(temperature="hot"), 400, "temperature"),
@@ -143,6 +146,29 @@ def assert_error(r: httpx.Response, status: int, word: str) -> None:
 def test_bad_input(server: ServerProcess, path: str, body: Any, status: int, word: str) -> None:
     assert_error(post(server, path, body), status, word)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_ignored_fields_do_not_change_the_answer(server: ServerProcess) -> None:
+    """The few fields accepted and ignored (README): a 200 with the same greedy answer."""
+    base = chat(messages=[{"role": "user", "content": "Say something."}], max_tokens=6, temperature=0)
+    plain = post(server, C, base)
+    assert plain.status_code == 200, plain.text
+    named = {**base, "messages": [{"role": "user", "content": "Say something.", "name": "ann"}],
+             "user": "user-42", "parallel_tool_calls": False}
+    r = post(server, C, named)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    with_user, without = post(server, P, comp(user="user-42", temperature=0)), post(server, P, comp(temperature=0))
+    assert with_user.status_code == 200, with_user.text
+    assert with_user.json()["choices"][0]["text"] == without.json()["choices"][0]["text"]
+    greedy = {"max_new_tokens": 2, "temperature": 0}
+    with_start, without = post(server, G, gen(sampling_params=greedy, logprob_start_len=0)), post(
+        server, G, gen(sampling_params=greedy))
+    assert with_start.status_code == 200, with_start.text
+    assert with_start.json()["output_ids"] == without.json()["output_ids"]
+    sid = post(server, "/open_session", {"capacity_of_str_len": 1000})
+    assert sid.status_code == 200, sid.text
+    assert post(server, "/close_session", {"session_id": sid.json()}).status_code == 200
 
 
 def test_oversize_body(server: ServerProcess) -> None:

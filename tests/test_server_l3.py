@@ -57,6 +57,8 @@ def test_conversation_survives_restart(tmp_path):
         convo += [{"role": "assistant", "content": a2["choices"][0]["message"]["content"]},
                   {"role": "user", "content": "Thanks. One more?"}]
     assert any((tmp_path / "l3").iterdir())
+    persisted = re.search(r"persisted (\d+) pages to L3, (\d+) not written", s.log())  # the engine's shutdown report
+    assert persisted and int(persisted.group(1)) > 0 and persisted.group(2) == "0", s.log()
     with running_server(["--config", str(cfg)]) as s:  # a restart: L1 and L2 start empty
         a3 = chat(s, convo)
         # the whole of turn 2 was persisted at shutdown, not only what turn 2 hit

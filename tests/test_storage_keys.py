@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ NS = namespace_for("org/model", LAYOUT)
 def test_keys_are_a_chain_and_prefix_closed():
     toks = list(range(40))
     keys = page_keys(toks, 8, NS)
-    assert len(keys) == 5 and all(len(k) == KEY_HEX_LEN and int(k, 16) >= 0 for k in keys)
+    assert len(keys) == 5 and all(re.fullmatch(f"[0-9a-f]{{{KEY_HEX_LEN}}}", k) for k in keys), keys
     assert len(set(keys)) == 5
     assert page_keys(toks[:24], 8, NS) == keys[:3]
     assert page_keys(toks + [1, 2, 3], 8, NS) == keys  # a partial page gets no key

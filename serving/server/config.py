@@ -41,6 +41,9 @@ class ServerConfig:
     enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
     graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
     enable_cache_events: bool = False  # GET /cache_events: pages added / evicted per tier (for routers)
+    # at shutdown the engine process gets this long to finish (with L3 it first writes every cached
+    # page on to L3); past it, it is killed and the pages not yet written are lost
+    shutdown_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -53,6 +56,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.graceful_shutdown_timeout_s < 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0")
+        if self.shutdown_timeout_s <= 0:
+            raise ValueError("shutdown_timeout_s must be positive")
 
 
 SECTIONS: dict[str, type] = {

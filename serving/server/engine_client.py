@@ -94,11 +94,14 @@ class EngineClient:
         threading.Thread(target=self._write_loop, name="engine-writer", daemon=True).start()
         threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """Ask the engine process to exit (it first persists its cache to L3, if any), wait for
-        it, kill it if it does not. Returns its exit code."""
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Ask the engine process to exit and wait for it: with L3 it first writes every cached
+        page on to L3 and logs how many it could not write. Past ``timeout`` (default: the
+        server's ``shutdown_timeout_s``) it is killed. Returns its exit code."""
         if self.proc is None:
             return None
+        if timeout is None:
+            timeout = self.server_config.shutdown_timeout_s
         self.alive = False
         if self.proc.is_alive():
             if self.loop is not None:
@@ -109,9 +112,15 @@ class EngineClient:
                     self._tx_http.send_bytes(m.encode([m.Shutdown()]))
                 except OSError:
                     pass
+            persists = self.engine_config.cache.storage_enabled
+            if persists:
+                log.info("waiting up to %.0f s (shutdown_timeout_s) for the engine to persist its cache to L3",
+                         timeout)
             self.proc.join(timeout)
             if self.proc.is_alive():
-                log.warning("engine process did not exit in %.0f s; terminating it", timeout)
+                log.error(
+                    "the engine process did not finish its shutdown within shutdown_timeout_s=%.0f s; killing it%s",
+                    timeout, " (cached pages not yet written to L3 are lost)" if persists else "")
                 self.proc.terminate()
                 self.proc.join(5)
             if self.proc.is_alive():

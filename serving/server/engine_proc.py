@@ -5,9 +5,15 @@ It talks over two one-way pipes (``multiprocessing.connection``): ``rx`` brings 
 the HTTP process, ``tx`` takes replies back. The loop:
 
 1. drain ``rx`` without blocking (block on it, with a timeout, only when there is no work);
-2. run one ``step()`` when the scheduler has work;
+2. run one ``step()`` when the scheduler has work. A step that raises fails the requests that
+   took part in it (a 500 each), gives their pages back and checks the cache's invariants;
+   if they cannot be restored, the process exits with status ``EXIT_BROKEN`` (the HTTP process
+   then answers 503 and shuts down): a broken tree is never served nor persisted;
 3. send each live request's new token ids (and its finish) in one frame;
 4. close sessions idle for longer than ``session_idle_timeout_s``.
+
+At shutdown, with L3, every cached page is written on to L3 and the process logs
+"persisted N pages to L3, M not written" (see ``shutdown_core``).
 
 Only token ids leave this process: detokenization happens in the HTTP process (see
 engine_client), so the step loop spends its time on forward passes, not on string work.
@@ -34,6 +40,7 @@ from serving.server.config import ServerConfig
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
 STALL_WAIT_S = 0.002
+EXIT_BROKEN = 3  # exit status of an engine process whose cache invariants broke (see EngineLoop._fail_step)
 
 
 @dataclass
@@ -51,6 +58,7 @@ class EngineLoop:
         self.session_used: dict[str, float] = {}
         self.out: list[m.Message] = []
         self.running = True
+        self.broken: str | None = None  # why the cache's invariants broke (then the process exits)
         self._next_sweep = time.monotonic() + SESSION_SWEEP_S
         self.events: CacheEventLog | None = None
         if server.enable_cache_events:
@@ -83,13 +91,51 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             self.core.step()
-        except Exception:  # an engine bug: fail what is running, keep serving the rest
+        except Exception:  # an engine bug: fail this step's requests, then check the cache
             text = traceback.format_exc()
             log.error("step failed:\n%s", text)
-            for rid in list(self.live):
-                self.core.scheduler.abort(rid)
-                self.out.append(m.Error(500, f"engine step failed: {text.splitlines()[-1]}", rid=rid))
-                self._forget(rid)
+            self._fail_step(text.strip().splitlines()[-1])
+
+    def _fail_step(self, error: str) -> None:
+        """After a failed step: fail the requests that took part in it (a 500 each), give
+        their pages back, and verify the cache's invariants. Requests still waiting with
+        nothing allocated keep their place. If the invariants cannot be restored, tell every
+        live request, then raise SystemExit(EXIT_BROKEN): the engine never serves on a broken
+        tree (the HTTP process sees it gone and answers 503)."""
+        sched = self.core.scheduler
+        queued = {id(r) for r in sched.waiting} | {id(r) for r in sched.running}
+        affected = list(sched.running) + [
+            r for r in sched.waiting if r.pages or r.lock_node is not None or r.prefetch is not None
+        ]
+        # taken out of the queues mid-step and never finished: nobody would ever answer them
+        affected += [lv.req for lv in self.live.values() if id(lv.req) not in queued and not lv.req.finished]
+        problems: list[str] = []
+        for r in affected:
+            try:
+                sched.abort(r.rid)  # returns its pages (full computed ones go into the tree)
+            except Exception as e:
+                log.exception("could not abort request %s after the failed step", r.rid)
+                problems.append(f"abort of {r.rid} raised {type(e).__name__}: {e}")
+            if r.rid in self.live:
+                self.out.append(m.Error(500, f"engine step failed: {error}", rid=r.rid))
+                self._forget(r.rid)
+        try:
+            self.core.check_integrity()
+        except Exception as e:
+            problems.append(f"check_integrity: {type(e).__name__}: {e}")
+        if not problems:
+            log.warning("step failed: %d request(s) failed, cache invariants hold; serving goes on", len(affected))
+            return
+        self.broken = "; ".join(problems)
+        log.critical("after a failed step the cache invariants cannot be restored (%s); the engine exits "
+                     "with status %d rather than serve on a broken tree", self.broken, EXIT_BROKEN)
+        for rid in list(self.live):
+            self.out.append(m.Error(503, "the engine stopped: its cache is inconsistent after a failed step",
+                                    rid=rid))
+            self._forget(rid)
+        self.running = False
+        self.flush()
+        raise SystemExit(EXIT_BROKEN)
 
     def _collect(self) -> None:
         """Queue a TokenOut for every live request with news (new ids, finish, acceptance)."""
@@ -263,8 +309,60 @@ def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
     }
 
 
+@dataclass
+class PersistReport:
+    """What a shutdown left on L3, counted over the tree's pages (those it held when the
+    shutdown began, and any added since)."""
+
+    persisted: int  # cached pages known to be on L3 at the end (written now, before, or found there)
+    not_written: int  # cached pages that are not on L3 (no room in L2 for their copy, a failed write ...)
+    written_now: int  # pages the shutdown itself wrote
+    error: str | None = None  # the shutdown raised (the counts are what the tree says afterwards)
+
+    def line(self) -> str:
+        return (f"persisted {self.persisted} pages to L3, {self.not_written} not written "
+                f"({self.written_now} written during shutdown)")
+
+
+def shutdown_core(core: Any, persist: bool = True) -> PersistReport | None:
+    """``core.shutdown`` with a report: with L3 and ``persist``, the live requests are aborted
+    (their computed pages go into the tree), the tree is checked (a broken tree is never
+    written to L3), every cached page is written on to L3, and the outcome is logged as
+    "persisted N pages to L3, M not written". Returns None when nothing was persisted."""
+    storage = getattr(core, "storage", None)
+    if storage is not None and persist:
+        sched = core.scheduler
+        try:
+            for r in [*sched.waiting, *sched.running]:
+                sched.abort(r.rid)
+            core.check_integrity()
+        except Exception as e:
+            log.error("the cache is inconsistent (%s: %s): nothing is persisted to L3", type(e).__name__, e)
+            persist = False
+    if storage is None or not persist:
+        core.shutdown(persist=False)
+        return None
+    ps = core.config.cache.page_size
+    nodes = {nd.id: nd for nd in core.tree.nodes()}
+    written = storage.pages_written
+    log.info("persisting %d cached pages to L3 ...", sum(len(nd.key) // ps for nd in nodes.values()))
+    error = None
+    try:
+        core.shutdown(persist=True)
+    except Exception as e:
+        log.exception("persisting the cache to L3 failed")
+        error = f"{type(e).__name__}: {e}"
+    nodes.update((nd.id, nd) for nd in core.tree.nodes())  # a node split since: both halves count
+    total = sum(len(nd.key) // ps for nd in nodes.values())
+    stored = sum(min(nd.storage_pages, len(nd.key) // ps) for nd in nodes.values())
+    report = PersistReport(stored, total - stored, storage.pages_written - written, error)
+    (log.warning if report.not_written or error else log.info)("shutdown: %s", report.line())
+    return report
+
+
 def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: Connection) -> None:
-    """Entry point of the spawned engine process."""
+    """Entry point of the spawned engine process. Exits non-zero when the loop failed
+    (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     try:
@@ -282,7 +380,24 @@ def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: 
 
     signal.signal(signal.SIGTERM, _stop)
     tx.send_bytes(m.encode([m.Ready(ready_info(core, config))]))
+    code = 0
     try:
         loop.run()
-    finally:
-        core.shutdown()  # waits for L3 write-backs in flight, closes the store
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        log.exception("the engine loop failed")
+        code = 1
+    if code:
+        tx.close()  # the HTTP side sees the engine gone now (503s), not after the shutdown below
+    try:
+        # waits for L3 write-backs in flight, persists the cache (never a broken one), closes the store
+        report = shutdown_core(core, persist=loop.broken is None)
+    except Exception:
+        log.exception("engine shutdown failed")
+        code = code or 1
+    else:
+        if report is not None and report.error is not None:
+            code = code or 1
+    if code:
+        raise SystemExit(code)

@@ -15,6 +15,7 @@ from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext
 from serving.server.engine_client import EngineClient, EngineStartError
+from serving.server.engine_proc import EXIT_BROKEN
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
 from serving.tokenizer import Tokenizer, has_tokenizer
@@ -111,7 +112,10 @@ def run_server(cfg: AppConfig) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-        code = client.stop()
-        if code not in (0, None):
+        code = client.stop(cfg.server.shutdown_timeout_s)
+        if code == EXIT_BROKEN:
+            log.error("engine process exited with code %s: its cache invariants broke after a failed step "
+                      "(see the engine's log above)", code)
+        elif code not in (0, None):
             log.warning("engine process exited with code %s", code)
     return 0 if code in (0, None) else 1

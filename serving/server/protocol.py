@@ -3,7 +3,9 @@
 Every model forbids unknown fields and does not coerce types (``"10"`` is not a number).
 Fields OpenAI defines but HiCache does not implement are accepted only with their neutral
 value (``n=1``, ``logprobs=false``, no tools ...) and rejected otherwise, with a message
-that says so.
+that says so. The only fields accepted and ignored are those that cannot change the answer
+(README "Endpoints" lists them): ``user``, ``parallel_tool_calls``, ``ChatMessage.name``,
+``logprob_start_len`` (/generate) and ``capacity_of_str_len`` (/open_session).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class OpenAISampling(SGLangExtras):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted and ignored
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None  # text | json_object | json_schema (structured output)
@@ -108,7 +110,7 @@ class TextPart(StrictModel):
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = None  # accepted and ignored (not passed to the chat template)
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -125,7 +127,7 @@ class ChatCompletionRequest(OpenAISampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored (tools are rejected)
 
     @model_validator(mode="after")
     def _chat_unsupported(self) -> ChatCompletionRequest:
