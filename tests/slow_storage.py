@@ -26,8 +26,13 @@ class SlowLMDBStore(LMDBStore):
         self.delay_s = delay_s
         self.read_mb_s = read_mb_s
         self.slow_calls = frozenset(slow_calls)
-        self.calls: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
+        self.calls: dict[str, int] = {"exists": 0, "get": 0, "set": 0}  # started
+        self.finished: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
         self.in_call = threading.Event()  # set while any slowed call sleeps (tests watch it)
+
+    def busy(self, call: str) -> bool:
+        """A call of this kind started and has not returned yet."""
+        return self.finished[call] < self.calls[call]
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SlowLMDBStore:
@@ -46,20 +51,29 @@ class SlowLMDBStore(LMDBStore):
 
     def batch_exists(self, keys):
         self._slow("exists")
-        return super().batch_exists(keys)
+        try:
+            return super().batch_exists(keys)
+        finally:
+            self.finished["exists"] += 1
 
     def batch_get_into(self, keys, buf, spans):
         self._slow("get")
-        t0 = time.monotonic()
-        out = super().batch_get_into(keys, buf, spans)
-        if self.read_mb_s > 0:
-            nbytes = sum(s for s in out if s > 0)
-            time.sleep(max(0.0, nbytes / (self.read_mb_s * 1e6) - (time.monotonic() - t0)))
-        return out
+        try:
+            t0 = time.monotonic()
+            out = super().batch_get_into(keys, buf, spans)
+            if self.read_mb_s > 0:
+                nbytes = sum(s for s in out if s > 0)
+                time.sleep(max(0.0, nbytes / (self.read_mb_s * 1e6) - (time.monotonic() - t0)))
+            return out
+        finally:
+            self.finished["get"] += 1
 
     def batch_set_from(self, keys, buf, spans):
         self._slow("set")
-        return super().batch_set_from(keys, buf, spans)
+        try:
+            return super().batch_set_from(keys, buf, spans)
+        finally:
+            self.finished["set"] += 1
 
 
 @pytest.fixture
