@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 
 import pytest
+import torch
 
 from serving.cache_controller import CacheController
 from serving.engine import Engine
@@ -54,14 +56,21 @@ def world(tmp_path_factory):
 
 @pytest.fixture
 def slow_loads(monkeypatch):
-    """L2 -> L1 loads (CPU: the controller's loader thread) start 30 ms late."""
-    orig = CacheController._load
+    """L2 -> L1 loads start 30 ms late: on CPU the loader thread sleeps first; on CUDA the
+    controller's stream spins before the copy kernel (the scheduler thread does not wait)."""
+    orig, orig_stream = CacheController._load, CacheController._load_on_stream
 
     def late(self, t):
         time.sleep(0.03)
         return orig(self, t)
 
+    def late_on_stream(self, t):
+        with torch.cuda.stream(self._stream):
+            torch.cuda._sleep(50_000_000)  # ~30 ms of GPU clock cycles
+        return orig_stream(self, t)
+
     monkeypatch.setattr(CacheController, "_load", late)
+    monkeypatch.setattr(CacheController, "_load_on_stream", late_on_stream)
 
 
 def run_wave(core, prompts, rng, session: str | None):
@@ -92,12 +101,29 @@ def run_wave(core, prompts, rng, session: str | None):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("write", WRITE)
 def test_every_answer_equals_recompute(world, tmp_path, slow_lmdb, slow_loads, write, layout, prefetch):  # noqa: F811
+    run_waves(world, tmp_path, slow_lmdb, write, layout, prefetch, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("write", "layout", "prefetch"), [
+    ("write_through", "page_first", "timeout"), ("write_through", "layer_first", "best_effort"),
+    ("write_through_selective", "page_first", "wait_complete"), ("write_through_selective", "layer_first", "timeout"),
+    ("write_back", "page_first", "best_effort"), ("write_back", "layer_first", "wait_complete")])
+def test_every_answer_equals_recompute_on_gpu(world, tmp_path, slow_lmdb, slow_loads, write, layout,  # noqa: F811
+                                             prefetch):
+    """The GPU path: pinned L2, loads by the page-move kernel on the controller's CUDA stream,
+    overlap scheduling and CUDA graphs on, fp32."""
+    run_waves(world, tmp_path, slow_lmdb, write, layout, prefetch, device="cuda")
+
+
+def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
     path, groups, ref = world
-    seed = hash((write, layout, prefetch)) % 1000
+    seed = zlib.crc32(f"{write}/{layout}/{prefetch}".encode())
     rng = random.Random(seed)
-    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=256, hicache_ratio=1.5,
+    eng = Engine(model_path=str(path), device=device, dtype="float32", page_size=4, max_total_tokens=256,
+                 hicache_ratio=1.5,
                  hicache_write_policy=write, write_through_threshold=2, hicache_mem_layout=layout,
-                 hicache_storage_backend=slow_lmdb,
+                 hicache_storage_backend=backend,
                  hicache_storage_backend_extra_config={"path": str(tmp_path / "l3"), "capacity_gb": 0.05,
                                                        "initial_map_mb": 1, "delay_s": 0.01},
                  hicache_storage_prefetch_policy=prefetch, hicache_storage_prefetch_threshold=8,
@@ -127,7 +153,7 @@ def test_every_answer_equals_recompute(world, tmp_path, slow_lmdb, slow_loads, w
                 wrong.append((wave, r.cached_by_tier, r.output_ids, ref[tuple(r.input_ids)]))
         core.check_integrity()
     l3 = core.storage_stats()
-    print(f"{write}/{layout}/{prefetch}: {answered} answers, cached tokens by tier {by_tier}, "
+    print(f"{device} {write}/{layout}/{prefetch}: {answered} answers, cached tokens by tier {by_tier}, "
           f"L3 pages written {l3['pages_written']} read {l3['hits']} committed {l3['pages_prefetched']}")
     assert not wrong, f"{len(wrong)} of {answered} answers differ from recompute: {wrong[:3]}"
     # the waves did exercise every tier (else this test proves nothing)
