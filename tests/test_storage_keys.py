@@ -9,7 +9,7 @@ import torch
 
 from hicache.keys import KEY_HEX_LEN, namespace_for, page_keys
 from hicache.tiers.device import KVLayout
-from hicache.tiers.storage import HEADER_SIZE, STORAGE_BACKENDS, PageCodec, make_storage
+from hicache.tiers.storage import STORAGE_BACKENDS, TRAILER_SIZE, PageCodec, make_storage
 
 LAYOUT = KVLayout(2, 2, 8, torch.bfloat16)
 NS = namespace_for("org/model", LAYOUT)
@@ -61,9 +61,13 @@ def test_codec_rejects_every_kind_of_damage():
     key, other = page_keys(list(range(8)), 4, NS)
     payload = torch.randn(codec.page_nbytes // 2).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     value = codec.encode(key, payload)
-    assert len(value) == HEADER_SIZE + codec.page_nbytes and codec.verify(value, key)
+    nb = codec.page_nbytes
+    assert len(value) == nb + TRAILER_SIZE and codec.verify(value, key)
+    assert value[:nb] == payload  # payload first: one copy into a page_first L2 page
     assert not codec.verify(value, other)  # stored under another key
-    for pos in (0, 5, 8, 20, 40, HEADER_SIZE, len(value) - 1):  # magic, dtype, shape, crc, payload
+    # payload (first, middle, last byte), then the trailer: magic, version, dtype, rows, page
+    # size, payload size, checksum, key digest
+    for pos in (0, nb // 2, nb - 1, nb, nb + 4, nb + 6, nb + 8, nb + 12, nb + 24, nb + 32, nb + 44):
         bad = bytearray(value)
         bad[pos] ^= 0x10
         assert not codec.verify(bytes(bad), key), pos

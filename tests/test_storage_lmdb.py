@@ -269,3 +269,35 @@ def _writer(path: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "writer":
     _writer(sys.argv[2])
+
+
+def test_direct_reads_on_threads_stop_at_the_first_bad_page(tmp_path):
+    """page_first pool + LMDB: pages are copied straight from the map into L2 by 4 reader
+    threads; a missing page (in the third thread's share) or a corrupt one (in the first's)
+    ends the count there, whatever the other threads read."""
+    store = open_store(tmp_path / "db", capacity_gb=0.05)
+    tier = StorageTier(store, SMALL, PS, read_threads=4)
+    assert tier._readers is not None
+    src = make_host_pool("page_first", SMALL, 64, PS)
+    fill(src, 7)
+    keys = keys_for(64)
+    assert tier.batch_set(keys, src, list(range(64))) == 64
+    dst = make_host_pool("page_first", SMALL, 64, PS)
+    assert tier.batch_get(keys, dst, list(range(64))) == 64
+    assert torch.equal(dst.buffer, src.buffer)
+    store.delete(keys[37])
+    dst.buffer.zero_()
+    assert tier.batch_get(keys, dst, list(range(64))) == 37
+    assert torch.equal(dst.buffer[:37], src.buffer[:37])
+    import lmdb
+
+    env = store._env
+    with env.begin(write=True, db=store._data) as txn:  # flip one payload byte of page 10
+        bad = bytearray(txn.get(keys[10].encode()))
+        bad[100] ^= 0x01
+        txn.put(keys[10].encode(), bytes(bad))
+    assert isinstance(env, lmdb.Environment)
+    assert tier.batch_get(keys, dst, list(range(64))) == 10
+    st = tier.stats()
+    assert st["corrupt"] == 1 and st["hits"] == 64 + 37 + 10
+    assert not store.exists(keys[10])  # deleted, so a later write can replace it

@@ -156,6 +156,32 @@ class StorageBackend(ABC):
                 out.append(len(val))
         return out
 
+    # Backends that can copy a value straight out of their own memory (no staging) say so:
+    # the storage tier then reads ``page_first`` pools through :meth:`batch_get_pages` on
+    # several threads at once.
+    direct_reads = False
+
+    def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any) -> list[int]:
+        """Copy each key's value into two places: its first ``len(dsts[i])`` bytes into the
+        writable uint8 array ``dsts[i]``, the rest into row ``i`` of the uint8 array
+        ``trailers`` (``[n, t]``). Returns per key the value's size, or :data:`MISSING` /
+        :data:`ERROR`; a value whose size is not ``len(dsts[i]) + t`` is left uncopied and
+        reported by its size (the caller rejects it)."""
+        _same_len(keys, dsts)
+        out = []
+        t = trailers.shape[1]
+        for i, val in enumerate(self.batch_get(keys)):
+            if val is None:
+                out.append(MISSING)
+                continue
+            mv = memoryview(val).cast("B")
+            n = len(dsts[i])
+            if len(mv) == n + t:
+                dsts[i][:] = mv[:n]
+                trailers[i][:] = mv[n:]
+            out.append(len(mv))
+        return out
+
     def batch_set_from(
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
     ) -> list[bool]:

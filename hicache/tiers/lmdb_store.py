@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from hicache.tiers.base import ERROR, MISSING, TOO_LARGE, Buffer, StagingBuffer, StorageBackend, _same_len
 from hicache.tiers.lmdb_support import _MIB, _U64, LMDBConfig, _LMDBBookkeeping, _RWLock
@@ -51,16 +53,18 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
     """
 
     name = "lmdb"
+    direct_reads = True  # values are read as views into the map and copied once, GIL released
 
     def __init__(self, config: LMDBConfig) -> None:
         self.config = config
         os.makedirs(config.path, exist_ok=True)
         self._psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self.capacity = max(16 * self._psize, int(config.capacity_gb * 2**30) // self._psize * self._psize)
-        init = min(self.capacity, max(_MIB, int(config.initial_map_mb * _MIB)) // self._psize * self._psize)
+        init = self.capacity if config.initial_map_mb <= 0 else \
+            min(self.capacity, max(_MIB, int(config.initial_map_mb * _MIB)) // self._psize * self._psize)
         self._env = lmdb.open(
             config.path,
-            map_size=init,
+            map_size=init,  # the whole capacity unless initial_map_mb says otherwise: no resize under load
             max_dbs=4,
             max_readers=config.max_readers,
             sync=config.sync,
@@ -134,6 +138,31 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
                 else:
                     buf.view(off, len(val))[:] = val
                     res.append(len(val))
+            return res
+
+        out = self._read(run, buffers=True)
+        if out is None:
+            return [ERROR] * len(keys)
+        self._touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
+        return out
+
+    def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any) -> list[int]:
+        _same_len(keys, dsts)
+        t = trailers.shape[1]
+
+        def run(txn):
+            res = []
+            for i, k in enumerate(keys):
+                val = txn.get(k.encode(), db=self._data)  # a view into the map, valid in txn
+                if val is None:
+                    res.append(MISSING)
+                    continue
+                n = len(dsts[i])
+                if len(val) == n + t:
+                    src = np.frombuffer(val, dtype=np.uint8)
+                    np.copyto(dsts[i], src[:n])  # one copy, map -> L2 page (numpy drops the GIL)
+                    trailers[i] = src[n:]
+                res.append(len(val))
             return res
 
         out = self._read(run, buffers=True)
@@ -236,16 +265,23 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
     def _write(self, fn) -> bool:
         """Run ``fn(txn)`` in a write transaction (caller holds ``_wlock``), growing the map
         or evicting on ``MapFullError``. False when it could not commit."""
+        stalls = 0
         for _ in range(12):
             used_before = self._used
             try:
-                with self._rw.shared(), self._env.begin(write=True) as txn:
+                # buffers: values read inside writes (sizes of old values) are views, never copies
+                with self._rw.shared(), self._env.begin(write=True, buffers=True) as txn:
                     fn(txn)
                 return True
             except lmdb.MapFullError:
                 self._used = used_before  # the transaction was aborted
                 if not self._grow_map() and not self._evict(self.capacity // 10):
-                    return False
+                    # nothing left to evict: the free pages are still pinned by readers'
+                    # snapshots; give them a moment to end their transactions
+                    if stalls >= 5:
+                        return False
+                    time.sleep(0.005 * 2**stalls)
+                    stalls += 1
             except lmdb.MapResizedError:
                 self._used = used_before
                 with self._rw.exclusive():
@@ -269,13 +305,13 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
             for kb in touched:
                 old = txn.get(kb, db=self._kseq)
                 if old is not None:
-                    txn.delete(old, db=self._order)
+                    txn.delete(bytes(old), db=self._order)
                     self._stamp(txn, kb)
             for kb, v in items:
                 old = txn.get(kb, db=self._data)
                 if old is not None:
                     self._used -= self._cost(len(kb), len(old))
-                    txn.delete(txn.get(kb, db=self._kseq), db=self._order)
+                    txn.delete(bytes(txn.get(kb, db=self._kseq)), db=self._order)
                 txn.put(kb, v, db=self._data)
                 self._stamp(txn, kb)
                 self._used += self._cost(len(kb), len(v))

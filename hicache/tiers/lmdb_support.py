@@ -26,7 +26,7 @@ class LMDBConfig:
 
     path: str
     capacity_gb: float = 64.0
-    initial_map_mb: float = 64.0
+    initial_map_mb: float = 0.0  # 0: map the whole capacity up front (sparse; no resize under load)
     sync: bool = True
     high_watermark: float = 0.85
     low_watermark: float = 0.75
@@ -36,8 +36,8 @@ class LMDBConfig:
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("lmdb storage needs a path")
-        if self.capacity_gb <= 0 or self.initial_map_mb <= 0:
-            raise ValueError("capacity_gb and initial_map_mb must be positive")
+        if self.capacity_gb <= 0 or self.initial_map_mb < 0:
+            raise ValueError("capacity_gb must be positive and initial_map_mb >= 0")
         if not 0 < self.low_watermark <= self.high_watermark < 1:
             raise ValueError("need 0 < low_watermark <= high_watermark < 1")
 
@@ -154,7 +154,7 @@ class _LMDBBookkeeping:
             cur.delete()
         seq = txn.pop(kb, db=self._kseq)
         if seq is not None:
-            txn.delete(seq, db=self._order)
+            txn.delete(bytes(seq), db=self._order)
         return True
 
     def _evict(self, nbytes: int) -> bool:
@@ -170,8 +170,8 @@ class _LMDBBookkeeping:
             for seq, kb in cur:
                 if freed >= nbytes:
                     break
-                victims.append((seq, kb))
-                val = txn.get(kb, db=self._data)
+                victims.append((bytes(seq), bytes(kb)))
+                val = txn.get(kb, db=self._data)  # a view (buffers): only its length is read
                 freed += self._cost(len(kb), len(val)) if val is not None else 0
             for seq, kb in victims:
                 self._delete_key(txn, kb)
@@ -181,7 +181,7 @@ class _LMDBBookkeeping:
 
         used_before = self._used
         try:
-            with self._rw.shared(), self._env.begin(write=True) as txn:
+            with self._rw.shared(), self._env.begin(write=True, buffers=True) as txn:
                 run(txn)
         except lmdb.Error:
             self._used = used_before

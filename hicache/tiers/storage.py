@@ -1,30 +1,26 @@
-"""The storage tier (L3): page values with a verified header, moved between a host pool and a
-raw-bytes :class:`~hicache.tiers.base.StorageBackend`; and the registry of backends.
+"""The storage tier (L3): pages moved between a host pool and a raw-bytes
+:class:`~hicache.tiers.base.StorageBackend`, each value verified on read (format:
+:mod:`hicache.tiers.page_codec`); and the registry of backends.
 
-Value format (version 1), one value per page, independent of the host pool's layout (a
-``layer_first`` server and a ``page_first`` server share values)::
-
-    header (64 bytes, little-endian)                       payload (page_nbytes)
-    magic "HCKV" | version u16 | dtype u16 |               the page's K and V of every layer in
-    rows u32 (2*layers) | page_size u32 | kv_heads u32 |   device order: [2 * layers, page_size,
-    head_dim u32 | payload_nbytes u64 | crc32 u32 |        kv_heads, head_dim], in the dtype
-    key digest 16 bytes | zero padding
-
-A value is served only if every header field matches what this tier expects, the key
-digest is the key it was read under, and the payload's CRC-32 matches. Anything else is
-counted as ``corrupt`` and treated as a miss; the bad value is deleted so that a later
-write can replace it.
+Two data paths, chosen per call:
+- **direct** (a ``page_first`` host pool and a backend with ``direct_reads``, i.e. LMDB):
+  a read copies each value's payload straight from the store into its L2 page (one copy)
+  and its trailer into a side buffer; the keys are split over ``read_threads`` reader
+  threads, each with its own read transaction. A write copies the page once into staging
+  (payload + trailer, one contiguous value) and hands that to the backend.
+- **staged** (any other pool or backend, e.g. Mooncake with its registered buffers): values
+  land in a reused staging buffer and are scattered into the pool's layout.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import threading
-import zlib
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.tiers.base import TOO_LARGE, StagingBuffer, StorageBackend
@@ -32,76 +28,14 @@ from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb_store import LMDBStore
 from hicache.tiers.mooncake_store import MooncakeStore
+from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
 
-FORMAT_VERSION = 1
-MAGIC = b"HCKV"
-HEADER_SIZE = 64
-_HEADER = struct.Struct("<4sHHIIIIQI16s12x")  # 52 bytes of fields, zero-padded to HEADER_SIZE
-_DTYPE_CODES = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float8_e4m3fn: 4,
-    torch.float8_e5m2: 5,
-    torch.float64: 6,
-}
-
-
-def _key_digest(key: str) -> bytes:
-    try:
-        raw = bytes.fromhex(key)
-    except ValueError:
-        raw = b""
-    return raw if len(raw) == 16 else hashlib.blake2b(key.encode(), digest_size=16).digest()
-
-
-class PageCodec:
-    """Header encoding / verification for pages of one :class:`KVLayout` and page size."""
-
-    def __init__(self, layout: KVLayout, page_size: int) -> None:
-        if layout.dtype not in _DTYPE_CODES:
-            raise ValueError(f"no storage format for dtype {layout.dtype}")
-        self.layout = layout
-        self.page_size = page_size
-        self.page_nbytes = layout.bytes_per_token() * page_size
-        self.value_nbytes = HEADER_SIZE + self.page_nbytes
-        self._fields = (
-            MAGIC,
-            FORMAT_VERSION,
-            _DTYPE_CODES[layout.dtype],
-            2 * layout.num_layers,
-            page_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-            self.page_nbytes,
-        )
-
-    def pack_into(self, buf, offset: int, key: str, payload) -> None:
-        """Write the header of ``payload`` (a buffer of ``page_nbytes``) at ``buf[offset:]``."""
-        _HEADER.pack_into(buf, offset, *self._fields, zlib.crc32(payload), _key_digest(key))
-
-    def encode(self, key: str, payload: bytes) -> bytes:
-        """A whole value (header + payload) as bytes; for tests and tools."""
-        if len(payload) != self.page_nbytes:
-            raise ValueError(f"payload of {len(payload)} bytes, expected {self.page_nbytes}")
-        out = bytearray(self.value_nbytes)
-        out[HEADER_SIZE:] = payload
-        self.pack_into(out, 0, key, payload)
-        return bytes(out)
-
-    def verify(self, value, key: str) -> bool:
-        """Whether ``value`` (header + payload, exactly ``value_nbytes``) is a good page for ``key``."""
-        if len(value) != self.value_nbytes:
-            return False
-        fields = _HEADER.unpack_from(value, 0)
-        if fields[:8] != self._fields or fields[9] != _key_digest(key):
-            return False
-        return zlib.crc32(value[HEADER_SIZE:]) == fields[8]
+__all__ = ["TRAILER_SIZE", "PageCodec", "StorageTier", "STORAGE_BACKENDS", "make_storage"]
 
 
 class StorageTier:
-    """Moves pages between a :class:`HostKVPool` and a :class:`StorageBackend`, framing
-    each page with a verified header (see the module docstring).
+    """Moves pages between a :class:`HostKVPool` and a :class:`StorageBackend` (see the
+    module docstring).
 
     Contract:
     - Thread-safe: the controller's background threads may call concurrently (each
@@ -109,12 +43,14 @@ class StorageTier:
       call must not be written by anyone else during it (the tree hands out disjoint pages).
     - Never raises because of the store (backends turn failures into misses); raises
       ``ValueError`` for a pool of another layout / page size, or mismatched lengths.
-    - ``batch_get`` writes host pages ``host_pages[:n]`` only (``n`` the returned count);
-      pages past ``n`` are left untouched for the caller to free.
+    - ``batch_get`` returns ``n``: host pages ``host_pages[:n]`` hold verified pages; pages
+      past ``n`` may have been written (the direct path reads ahead in parallel) and hold
+      nothing usable: the caller frees them.
     - Stats (pages): ``hits`` loaded and verified, ``misses`` asked for and not loaded,
-      ``corrupt`` rejected by the header check, ``stored`` / ``store_failed`` by batch_set,
-      ``bytes_read`` / ``bytes_written`` (values, headers included); plus the backend's
-      own stats under ``backend.*`` (``errors`` among them).
+      ``corrupt`` rejected by the trailer check, ``stored`` / ``store_failed`` by batch_set,
+      ``bytes_read`` / ``bytes_written`` (values, trailers included), ``read_s`` / ``write_s``
+      (wall time inside batch_get / batch_set); plus the backend's own stats under
+      ``backend.*`` (``errors`` among them).
     """
 
     def __init__(
@@ -124,6 +60,7 @@ class StorageTier:
         page_size: int,
         max_batch_pages: int = 64,
         staging_bytes: int = 64 << 20,
+        read_threads: int = 8,
     ) -> None:
         self.backend = backend
         self.codec = PageCodec(layout, page_size)
@@ -132,11 +69,15 @@ class StorageTier:
         # Slots are 64-byte aligned so that payloads view cleanly as the KV dtype.
         self.slot = (self.codec.value_nbytes + 63) // 64 * 64
         self.batch_pages = max(1, min(max_batch_pages, staging_bytes // self.slot))
+        self.read_threads = max(1, read_threads)
+        self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-l3-read") \
+            if self.read_threads > 1 and getattr(backend, "direct_reads", False) else None
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._stats = dict.fromkeys(
-            ("hits", "misses", "corrupt", "stored", "store_failed", "bytes_read", "bytes_written"), 0
-        )
+        self._views: dict[int, np.ndarray] = {}
+        self._stats: dict[str, float] = dict.fromkeys(
+            ("hits", "misses", "corrupt", "stored", "store_failed", "bytes_read", "bytes_written", "read_s",
+             "write_s"), 0)
 
     # ------------------------------------------------------------------ API
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -145,66 +86,50 @@ class StorageTier:
 
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
         """Load the values of ``keys`` into host pages ``host_pages`` (same length), in order.
-
-        Returns how many leading pages were loaded and verified; stops at the first miss or
-        corrupt value.
-        """
+        Returns how many leading pages were loaded and verified (stops at the first miss or
+        corrupt value)."""
         self._check(keys, host_pool, host_pages)
-        codec, slot, done = self.codec, self.slot, 0
-        H, nb = HEADER_SIZE, codec.page_nbytes
-        for lo in range(0, len(keys), self.batch_pages):
-            ck = list(keys[lo : lo + self.batch_pages])
-            n = len(ck)
-            buf = self._staging()
-            sizes = self.backend.batch_get_into(ck, buf, [(i * slot, slot) for i in range(n)])
-            ok, corrupt = 0, None
-            for i, size in enumerate(sizes):
-                if size < 0 and size != TOO_LARGE:  # missing / error: a plain miss
-                    break
-                if size != codec.value_nbytes or not codec.verify(buf.view(i * slot, size), ck[i]):
-                    corrupt = ck[i]
-                    break
-                ok += 1
-            if ok:
-                rows = buf.tensor[: ok * slot].view(ok, slot)[:, H : H + nb]
-                kv = rows.view(self.layout.dtype).view(ok, 2 * self.layout.num_layers, -1)
-                ids = torch.tensor(list(host_pages[lo : lo + ok]), dtype=torch.long)
-                host_pool.write_pages(ids, kv.transpose(0, 1))
-            done += ok
-            with self._lock:
-                self._stats["bytes_read"] += ok * codec.value_nbytes
-                if corrupt is not None:
-                    self._stats["corrupt"] += 1
-            if corrupt is not None:
-                self.backend.delete(corrupt)
-            if ok < n:
-                break
+        if not keys:
+            return 0
+        t0 = time.perf_counter()
+        host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
+        if self._direct(host_pool):
+            done = self._get_direct(list(keys), host_pool, list(host_pages))
+        else:
+            done = self._get_staged(list(keys), host_pool, list(host_pages))
         with self._lock:
             self._stats["hits"] += done
             self._stats["misses"] += len(keys) - done
+            self._stats["bytes_read"] += done * self.codec.value_nbytes
+            self._stats["read_s"] += time.perf_counter() - t0
         return done
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
-        """Store host pages ``host_pages`` under ``keys`` (same length), in order.
-
-        Returns how many leading pages were stored; stops at the first failure (later
-        pages would be unreachable for a prefix lookup anyway).
-        """
+        """Store host pages ``host_pages`` under ``keys`` (same length), in order. Returns how
+        many leading pages were stored; stops at the first failure (later pages would be
+        unreachable for a prefix lookup anyway)."""
         self._check(keys, host_pool, host_pages)
+        t0 = time.perf_counter()
+        host_pool.wait_pending_writes()  # the pages' GPU backups must have landed
         codec, slot, done = self.codec, self.slot, 0
-        H, nb = HEADER_SIZE, codec.page_nbytes
-        rows = 2 * self.layout.num_layers
+        nb = codec.page_nbytes
+        direct = host_pool.layout_name == "page_first"
+        pages_np = self._pool_view(host_pool) if direct else None
         for lo in range(0, len(keys), self.batch_pages):
             ck = list(keys[lo : lo + self.batch_pages])
+            cp = list(host_pages[lo : lo + self.batch_pages])
             n = len(ck)
             buf = self._staging()
-            ids = torch.tensor(list(host_pages[lo : lo + n]), dtype=torch.long)
-            kv = host_pool.read_pages(ids)  # [2L, n, X]
-            dst = buf.tensor[: n * slot].view(n, slot)[:, H : H + nb].view(self.layout.dtype)
-            dst.view(n, rows, -1).copy_(kv.transpose(0, 1))
+            rows = buf.array[: n * slot].reshape(n, slot)
+            if direct:
+                for i, p in enumerate(cp):
+                    np.copyto(rows[i, :nb], pages_np[p])
+            else:
+                kv = host_pool.read_pages(torch.tensor(cp, dtype=torch.long))  # [2L, n, X]
+                dst = buf.tensor[: n * slot].view(n, slot)[:, :nb].view(self.layout.dtype)
+                dst.view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
             for i in range(n):
-                off = i * slot
-                codec.pack_into(buf.array, off, ck[i], buf.view(off + H, nb))
+                codec.pack_trailer_into(rows[i], nb, ck[i], rows[i, :nb])
             res = self.backend.batch_set_from(ck, buf, [(i * slot, codec.value_nbytes) for i in range(n)])
             ok = 0
             for r in res:
@@ -212,13 +137,13 @@ class StorageTier:
                     break
                 ok += 1
             done += ok
-            with self._lock:
-                self._stats["bytes_written"] += ok * codec.value_nbytes
             if ok < n:
                 break
         with self._lock:
+            self._stats["bytes_written"] += done * codec.value_nbytes
             self._stats["stored"] += done
             self._stats["store_failed"] += len(keys) - done
+            self._stats["write_s"] += time.perf_counter() - t0
         return done
 
     def stats(self) -> dict[str, float]:
@@ -228,9 +153,86 @@ class StorageTier:
         return out
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         self.backend.close()
 
+    # ------------------------------------------------------------------ direct path
+    def _direct(self, pool: HostKVPool) -> bool:
+        return pool.layout_name == "page_first" and getattr(self.backend, "direct_reads", False)
+
+    def _pool_view(self, pool: HostKVPool) -> np.ndarray:
+        view = self._views.get(id(pool))
+        if view is None:
+            view = self._views[id(pool)] = host_page_bytes(pool)
+        return view
+
+    def _get_direct(self, keys: list[str], pool: HostKVPool, pages: list[int]) -> int:
+        view = self._pool_view(pool)
+        n = len(keys)
+        parts = 1 if self._readers is None else min(self.read_threads, max(1, n // 2))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        if parts == 1:
+            return self._read_chunk(keys, view, pages)
+        futs = [self._readers.submit(self._read_chunk, keys[a:b], view, pages[a:b])
+                for a, b in zip(bounds, bounds[1:], strict=False)]
+        done, whole = 0, True
+        for a, b, fut in zip(bounds, bounds[1:], futs, strict=False):
+            got = fut.result()  # every reader finishes before we return: they write into pages
+            if whole:
+                done += got
+                whole = got == b - a
+        return done
+
+    def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int]) -> int:
+        """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread)."""
+        trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
+        dsts = [view[p] for p in pages]
+        sizes = self.backend.batch_get_pages(keys, dsts, trailers)
+        ok = 0
+        for i, size in enumerate(sizes):
+            if size < 0 and size != TOO_LARGE:  # missing / error: a plain miss
+                break
+            if size != self.codec.value_nbytes or not self.codec.verify_parts(trailers[i], keys[i], dsts[i]):
+                self._corrupt(keys[i])
+                break
+            ok += 1
+        return ok
+
+    # ------------------------------------------------------------------ staged path
+    def _get_staged(self, keys: list[str], pool: HostKVPool, pages: list[int]) -> int:
+        codec, slot, done = self.codec, self.slot, 0
+        nb = codec.page_nbytes
+        for lo in range(0, len(keys), self.batch_pages):
+            ck = keys[lo : lo + self.batch_pages]
+            n = len(ck)
+            buf = self._staging()
+            sizes = self.backend.batch_get_into(ck, buf, [(i * slot, slot) for i in range(n)])
+            rows = buf.array[: n * slot].reshape(n, slot)
+            ok = 0
+            for i, size in enumerate(sizes):
+                if size < 0 and size != TOO_LARGE:
+                    break
+                if size != codec.value_nbytes or not codec.verify_parts(rows[i, nb : nb + TRAILER_SIZE], ck[i],
+                                                                        rows[i, :nb]):
+                    self._corrupt(ck[i])
+                    break
+                ok += 1
+            if ok:
+                kv = buf.tensor[: ok * slot].view(ok, slot)[:, :nb].view(self.layout.dtype)
+                ids = torch.tensor(pages[lo : lo + ok], dtype=torch.long)
+                pool.write_pages(ids, kv.view(ok, 2 * self.layout.num_layers, -1).transpose(0, 1))
+            done += ok
+            if ok < n:
+                break
+        return done
+
     # ------------------------------------------------------------------ internals
+    def _corrupt(self, key: str) -> None:
+        with self._lock:
+            self._stats["corrupt"] += 1
+        self.backend.delete(key)
+
     def _check(self, keys: Sequence[str], pool: HostKVPool, pages: Sequence[int]) -> None:
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys but {len(pages)} host pages")
