@@ -32,6 +32,11 @@ class CacheConfig:
     hicache_storage_prefetch_timeout_base: float = 0.5  # seconds (policy "timeout")
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens (policy "timeout")
     cache_salt: str | None = None  # isolates this server's L3 keys from others sharing the store
+    # L3 data path and scheduling (not SGLang flags; see serving/cost_model.py and l3_writeback.py)
+    hicache_storage_load_policy: str = "cost_model"  # cost_model (load only when faster) | always_load
+    hicache_storage_read_threads: int = 8  # reader threads of a direct (page_first + LMDB) read
+    hicache_storage_write_queue_pages: int = 16384  # write-backs beyond this many queued pages are dropped
+    hicache_storage_write_rate_mb_s: float = 0.0  # write-back bandwidth cap (0: none)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -41,6 +46,13 @@ class CacheConfig:
         if self.hicache_mem_layout not in ("layer_first", "page_first"):
             raise ValueError(f"hicache_mem_layout must be layer_first or page_first, got {self.hicache_mem_layout!r}")
 
+        if self.hicache_storage_load_policy not in ("cost_model", "always_load"):
+            raise ValueError("hicache_storage_load_policy must be cost_model or always_load, "
+                             f"got {self.hicache_storage_load_policy!r}")
+        if self.hicache_storage_read_threads < 1 or self.hicache_storage_write_queue_pages < 1:
+            raise ValueError("hicache_storage_read_threads and hicache_storage_write_queue_pages must be >= 1")
+        if self.hicache_storage_write_rate_mb_s < 0:
+            raise ValueError("hicache_storage_write_rate_mb_s must be >= 0")
         if self.hicache_storage_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
             raise ValueError("hicache_storage_prefetch_policy must be best_effort, wait_complete or timeout, "
                              f"got {self.hicache_storage_prefetch_policy!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from hicache.config import CacheConfig
@@ -11,6 +12,7 @@ from serving.engine_core import EngineCore
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
 
+IDLE_WAIT_S = 0.0005  # a step that ran nothing sleeps this long (a spinning loop starves the I/O threads)
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
 
@@ -46,6 +48,7 @@ def output_dict(core: EngineCore, r: Req) -> dict[str, Any]:
             "cached_tokens": r.cached_tokens,
             "cached_tokens_details": dict(r.cached_by_tier),
             "finish_reason": r.finish_reason,
+            **({"l3_decision": r.l3_decision} if r.l3_decision else {}),
         },
     }
 
@@ -83,7 +86,10 @@ class Engine:
         for r in reqs:
             self.core.add(r)
         while not all(r.finished for r in reqs):
+            before = self.core.scheduler.stats.forward_passes
             self.core.step()
+            if self.core.scheduler.stats.forward_passes == before:
+                time.sleep(IDLE_WAIT_S)  # waiting for a copy or the store: leave them the GIL
         outs = [output_dict(self.core, r) for r in reqs]
         return outs[0] if single else outs
 

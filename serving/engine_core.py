@@ -17,6 +17,7 @@ from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache_controller import CacheController
 from serving.config import EngineConfig
+from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
 from serving.model_runner import ModelRunner
 from serving.req_cache import ReqCache
@@ -59,20 +60,24 @@ class EngineCore:
         self.grammar = make_grammar_runner(config.scheduler.grammar_backend, config.scheduler.jump_forward,
                                            self.tokenizer, self.runner.arch.vocab_size, self.eos_ids)
         self.scheduler.grammar = self.grammar
+        if self.storage is not None:  # the load-vs-recompute model learns the prefill rate
+            self.scheduler.prefill_observer = self.storage.load_policy.observe_prefill
         self.sessions: set[str] = set()
 
     def _make_storage(self) -> StorageController:
         cache, model = self.config.cache, self.config.model
         backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
         layout = self.runner.pool.layout
-        tier = StorageTier(backend, layout, cache.page_size)
+        tier = StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads)
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
         namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size)
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
+        load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(
             self.tree, self.host_pool, tier, namespace, cache.hicache_storage_prefetch_policy,
             cache.hicache_storage_prefetch_threshold, cache.hicache_storage_prefetch_timeout_base,
-            cache.hicache_storage_prefetch_timeout_per_ki_token)
+            cache.hicache_storage_prefetch_timeout_per_ki_token, load_policy,
+            cache.hicache_storage_write_queue_pages, cache.hicache_storage_write_rate_mb_s)
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, input_ids: list[int] | None = None, text: str | None = None,
@@ -128,12 +133,7 @@ class EngineCore:
 
     def storage_stats(self) -> dict[str, float]:
         """L3 counters (pages): hits, misses, corrupt, stored, errors ...; empty without L3."""
-        if self.storage is None:
-            return {}
-        st = dict(self.storage.tier.stats())
-        st.update(pages_written=self.storage.pages_written, pages_prefetched=self.storage.pages_prefetched,
-                  prefetches_revoked=self.storage.prefetches_revoked)
-        return st
+        return {} if self.storage is None else self.storage.stats()
 
     def check_integrity(self) -> None:
         host_in_use = 0

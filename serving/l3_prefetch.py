@@ -32,6 +32,7 @@ from hicache.hiradix.node import TreeNode
 from hicache.keys import page_keys
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
+from serving.cost_model import AlwaysLoad, LoadPolicy
 from serving.request import Req
 
 
@@ -48,6 +49,7 @@ class PrefetchOp:
     cancel: threading.Event = field(default_factory=threading.Event)
     loaded: int = 0  # leading host pages filled (written by the fetch thread)
     future: Future | None = None  # the fetch
+    read_s: float = 0.0  # time inside the store's reads so far (written by the fetch thread)
 
     @property
     def fetched(self) -> bool:
@@ -89,7 +91,8 @@ class Prefetcher:
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
                  policy: str = "best_effort", threshold_tokens: int = 256,
-                 timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25) -> None:
+                 timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
+                 load_policy: LoadPolicy | None = None) -> None:
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"unknown prefetch policy {policy!r}; choose from {sorted(PREFETCH_POLICIES)}")
         self.tree = tree
@@ -101,6 +104,7 @@ class Prefetcher:
         self.threshold_tokens = threshold_tokens
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
+        self.load_policy = load_policy or AlwaysLoad()
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-lookup")
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-fetch")
         self._draining: list[tuple[Future, list[int]]] = []  # host pages a cancelled fetch may still write
@@ -139,6 +143,12 @@ class Prefetcher:
         if n * ps < self.threshold_tokens or matched < op.start_page * ps:
             req.prefetch = None  # nothing worth fetching, or the prefix it hangs below is gone
             return
+        d = self.load_policy.decide(n)
+        req.l3_decision = {"pages": n, "tokens": n * ps, "load": d.load, "reason": d.reason,
+                           "est_load_s": d.load_s, "est_recompute_s": d.recompute_s}
+        if not d.load:
+            req.prefetch = None  # recomputing them is faster than loading them
+            return
         tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
         host = tree.host
         if host.num_free < n:
@@ -166,6 +176,8 @@ class Prefetcher:
         if op.future is None:  # still looking up: nothing allocated yet
             return 0
         loaded = op.loaded  # pages below this have landed; the thread may still fill the rest
+        if loaded:
+            self.load_policy.observe_read(loaded * self.tier.codec.value_nbytes, op.read_s)
         committed, rest = 0, op.host_pages[loaded:]
         if loaded and not op.node.removed:
             upto = (op.start_page + loaded) * self.page_size
@@ -218,7 +230,9 @@ class Prefetcher:
             if op.cancel.is_set():
                 return
             hi = min(len(op.keys), lo + step)
+            t0 = time.perf_counter()
             got = self.tier.batch_get(op.keys[lo:hi], self.host_pool, op.host_pages[lo:hi])
+            op.read_s += time.perf_counter() - t0
             op.loaded += got
             if got < hi - lo:
                 return

@@ -14,10 +14,15 @@ Concurrency contract (the class owns it):
   submission, removals and re-insertions are all fine). Pages are marked only after the
   store confirmed them.
 - L3 page keys (a hash over the whole path) are computed on the writer thread.
+- Write-back never slows serving: at most ``max_queued_pages`` pages wait for the writer
+  (a write that would exceed it is dropped and counted in ``pages_dropped``; the node is
+  written at its next backup or hit), and ``rate_mb_s`` caps the writer's bandwidth so it
+  does not take the memory bandwidth and cores that decode needs.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,7 +45,8 @@ class _Write:
 class WriteBack:
     """Writes L2 pages on to L3 in the background (see the module docstring)."""
 
-    def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str) -> None:
+    def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
+                 max_queued_pages: int = 16384, rate_mb_s: float = 0.0) -> None:
         self.tree = tree
         self.host_pool = host_pool
         self.tier = tier
@@ -49,7 +55,11 @@ class WriteBack:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-write")
         self._writes: list[_Write] = []
         self._pending: set[int] = set()  # ids of nodes with a write in flight
+        self.max_queued_pages = max_queued_pages
+        self.rate_mb_s = rate_mb_s
+        self._queued_pages = 0
         self.pages_written = 0
+        self.pages_dropped = 0
         self.before_write = None  # test hook: called on the writer thread before each write
 
     @property
@@ -62,10 +72,14 @@ class WriteBack:
         done = node.storage_pages
         if node.removed or node.host_pages is None or done >= npages or node.id in self._pending:
             return
-        tokens = self.tree.path_tokens(node)
         pages = list(node.host_pages[done:])
+        if self._queued_pages + len(pages) > self.max_queued_pages:
+            self.pages_dropped += len(pages)  # under pressure: retried at the next backup or hit
+            return
+        tokens = self.tree.path_tokens(node)
         first = len(tokens) // self.page_size - npages + done
         self.tree.pin_host(pages)
+        self._queued_pages += len(pages)
         self._pending.add(node.id)
         future = self._writer.submit(self._write, tokens, first, pages)
         self._writes.append(_Write(future, tokens, first, pages, node.id))
@@ -77,7 +91,11 @@ class WriteBack:
         present = self.tier.batch_exists(keys)  # another server may have stored them
         if present == len(keys):
             return present, 0
+        t0 = time.monotonic()
         wrote = self.tier.batch_set(keys[present:], self.host_pool, host_pages[present:])
+        if self.rate_mb_s > 0:  # hold the writer back to the configured bandwidth
+            time.sleep(max(0.0, wrote * self.tier.codec.value_nbytes / (self.rate_mb_s * 1e6)
+                           - (time.monotonic() - t0)))
         return present + wrote, wrote
 
     def poll(self, wait: bool = False) -> None:
@@ -96,6 +114,7 @@ class WriteBack:
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)
+            self._queued_pages -= len(w.host_pages)
             self._pending.discard(w.node_id)
         self._writes = keep
 

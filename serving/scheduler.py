@@ -57,6 +57,9 @@ class Scheduler:
         self.running: list[Req] = []  # admitted, in admission order
         self.stats = SchedulerStats()
         self.grammar = None  # serving.grammar.runner.GrammarRunner (structured output), set by EngineCore
+        # (prefill tokens, seconds) of every step that prefilled: the L3 cost model's prefill rate
+        self.prefill_observer: Callable[[int, float], None] | None = None
+        self._step_prefill = 0
         self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
         if not config.disable_overlap_schedule and self.device.type == "cuda":
             from serving.overlap import OverlapScheduler
@@ -105,6 +108,14 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward pass; return the requests that got a token or finished."""
+        t0 = time.perf_counter()
+        self._step_prefill = 0
+        out = self._step()
+        if self._step_prefill and self.prefill_observer is not None:
+            self.prefill_observer(self._step_prefill, time.perf_counter() - t0)
+        return out
+
+    def _step(self) -> list[Req]:
         if self._overlap is not None and self.grammar is not None and self.grammar.active(self.running + self.waiting):
             overlap, early = False, self._overlap.resolve()  # grammar masks need every token on the host
         else:
@@ -112,6 +123,7 @@ class Scheduler:
         self.cache.poll()
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
+        self._step_prefill = sum(n for _, n in chunks)
         batch_reqs = [(r, 1) for r in decode] + chunks
         updated, self._finished_outside_step = self._finished_outside_step, []
         updated = early + updated

@@ -18,6 +18,7 @@ from hicache.hiradix import HiRadixTree, Transfer
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
+from serving.cost_model import LoadPolicy
 from serving.l3_prefetch import Prefetcher
 from serving.l3_writeback import WriteBack
 from serving.request import Req
@@ -26,12 +27,15 @@ from serving.request import Req
 class StorageController:
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
                  policy: str = "best_effort", threshold_tokens: int = 256,
-                 timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25) -> None:
+                 timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
+                 load_policy: LoadPolicy | None = None, write_queue_pages: int = 16384,
+                 write_rate_mb_s: float = 0.0) -> None:
         self.tree = tree
         self.tier = tier
-        self.writeback = WriteBack(tree, host_pool, tier, namespace)
+        self.writeback = WriteBack(tree, host_pool, tier, namespace, write_queue_pages, write_rate_mb_s)
         self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, policy, threshold_tokens,
-                                     timeout_base_s, timeout_per_1k_tokens_s)
+                                     timeout_base_s, timeout_per_1k_tokens_s, load_policy)
+        self.load_policy = self.prefetcher.load_policy
 
     # -- write-back -----------------------------------------------------------------------
     def on_transfers_done(self, transfers: list[Transfer]) -> None:
@@ -85,6 +89,14 @@ class StorageController:
     @property
     def prefetches_revoked(self) -> int:
         return self.prefetcher.prefetches_revoked
+
+    def stats(self) -> dict[str, float]:
+        """The tier's counters, the controller's, and the load policy's estimates."""
+        st = dict(self.tier.stats())
+        st.update(pages_written=self.pages_written, pages_prefetched=self.pages_prefetched,
+                  prefetches_revoked=self.prefetches_revoked, write_pages_dropped=self.writeback.pages_dropped,
+                  **self.load_policy.stats())
+        return st
 
     def shutdown(self) -> None:
         self.writeback.shutdown()

@@ -21,7 +21,7 @@ def make(path, db, policy: str, **kw) -> Engine:
                   hicache_storage_backend="lmdb",
                   hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
                   hicache_storage_prefetch_policy=policy, hicache_storage_prefetch_threshold=8,
-                  hicache_storage_prefetch_timeout_base=5.0, **kw)
+                  hicache_storage_prefetch_timeout_base=5.0, hicache_storage_load_policy="always_load", **kw)
 
 
 def warm_store(path, db, ps, ref) -> None:

@@ -29,6 +29,7 @@ def rand_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def engine(path, db, backend: str = "lmdb", extra: dict | None = None, **kw) -> Engine:
     kw.setdefault("hicache_ratio", 2.0)
     kw.setdefault("hicache_storage_prefetch_threshold", 8)
+    kw.setdefault("hicache_storage_load_policy", "always_load")  # the tiny model recomputes faster
     return Engine(model_path=str(path), page_size=4, hicache_storage_backend=backend,
                   hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1,
                                                         **(extra or {})}, **kw)

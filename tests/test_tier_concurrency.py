@@ -127,6 +127,7 @@ def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
                  hicache_storage_backend_extra_config={"path": str(tmp_path / "l3"), "capacity_gb": 0.05,
                                                        "initial_map_mb": 1, "delay_s": 0.01},
                  hicache_storage_prefetch_policy=prefetch, hicache_storage_prefetch_threshold=8,
+                 hicache_storage_load_policy="always_load",  # a tiny model recomputes faster: load anyway
                  hicache_storage_prefetch_timeout_base=2.0, max_running_requests=8, chunked_prefill_size=96)
     core = eng.core
     wrong, answered, by_tier = [], 0, {"device": 0, "host": 0, "storage": 0}

@@ -153,6 +153,7 @@ class EngineLoop:
                     prompt_tokens=len(r.input_ids),
                     cached_tokens=r.cached_tokens,
                     cached_by_tier=dict(r.cached_by_tier),
+                    l3_decision=r.l3_decision,
                     finish_reason=r.finish_reason,
                 )
             )

@@ -93,6 +93,7 @@ class TokenOut:
     cached_tokens: int
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: dict[str, Any] | None = None  # SGLang's shape; None while running
+    l3_decision: dict[str, Any] | None = None  # load vs recompute of its L3 pages (see cost_model.py)
 
 
 @dataclass

@@ -31,6 +31,7 @@ def meta_info(st: ReqState) -> dict[str, Any]:
         "cached_tokens": st.cached_tokens,
         "cached_tokens_details": dict(st.cached_by_tier),
         "finish_reason": st.finish_reason,
+        **({"l3_decision": st.l3_decision} if st.l3_decision else {}),
     }
 
 

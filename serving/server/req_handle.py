@@ -23,6 +23,7 @@ class ReqState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    l3_decision: dict[str, Any] | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
@@ -41,6 +42,7 @@ class ReqState:
         self.output_ids.extend(out.new_ids)
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.cached_by_tier = out.cached_by_tier
+        self.l3_decision = out.l3_decision
         self.finish_reason = out.finish_reason
 
 

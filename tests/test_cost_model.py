@@ -1,0 +1,82 @@
+"""The L3 load-vs-recompute cost model: its arithmetic, and its decisions on a real engine
+(SmolLM2, fp32, CPU) with a throttled store and a fast one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serving.cost_model import CostModel, make_load_policy
+from serving.engine import Engine
+from tests.model_utils import smollm2_path
+from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture
+
+GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+
+
+def test_line_fit_and_decisions():
+    cm = CostModel(page_bytes=1_000_000, page_size=16, explore_every=4)
+    d = cm.decide(10)
+    assert d.load and "not measured" in d.reason  # nothing known: load, to learn
+    cm.observe_prefill(1600, 1.0)  # 1600 tok/s: 10 pages = 0.1 s to recompute
+    for pages in (4, 16, 64):  # 5 ms fixed + 1 GB/s
+        cm.observe_read(pages * 1_000_000, 0.005 + pages * 1e-3)
+    load_s, recompute_s = cm.estimate(10)
+    assert load_s == pytest.approx(0.015, rel=0.05) and recompute_s == pytest.approx(0.1)
+    assert cm.decide(10).load
+    st = cm.stats()
+    assert st["cost_l3_read_gbps"] == pytest.approx(1.0, rel=0.05)
+    assert st["cost_l3_fixed_ms"] == pytest.approx(5, rel=0.1)
+    slow = CostModel(page_bytes=1_000_000, page_size=16, explore_every=4)
+    slow.observe_prefill(1600, 1.0)
+    slow.observe_read(10_000_000, 1.0)  # 10 MB/s: 10 pages = 1 s to load
+    decisions = [slow.decide(10) for _ in range(8)]
+    assert [d.load for d in decisions] == [False, False, False, True] * 2  # every 4th refusal explores
+    assert slow.stats()["cost_tokens_recomputed_although_cached"] == 6 * 160
+    assert make_load_policy("always_load", 1, 1).decide(10).load
+    with pytest.raises(ValueError):
+        make_load_policy("sometimes", 1, 1)
+
+
+def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("read_mb_s", "loads"), [(8.0, False), (0.0, True)])
+def test_engine_loads_only_when_faster(tmp_path, slow_lmdb, read_mb_s, loads):  # noqa: F811
+    """Two prompts are in L3 (written by an earlier engine). A new engine first serves three
+    uncached prompts (it learns the prefill rate), then the first stored prompt (it loads: the
+    store's speed is not known yet), then the second: with the store throttled to 8 MB/s
+    (SmolLM2 has 46 KB of KV per token: ~1.5 s for 256 tokens, against a fraction of that to
+    recompute) it recomputes; unthrottled it loads. Answers equal the cold ones either way."""
+    model = str(smollm2_path())
+    db = tmp_path / "l3"
+    *warmup, s0, s1 = _prompts(1, 5, 256)
+    stored = [s0, s1]
+    cfg = dict(model_path=model, page_size=16, max_total_tokens=4096, hicache_ratio=2.0,
+               hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=64,
+               hicache_storage_prefetch_timeout_base=30.0)
+    warm = Engine(**cfg, hicache_storage_backend="lmdb",
+                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 1.0})
+    cold = [o["output_ids"] for o in warm.generate(input_ids=stored, sampling_params=GREEDY)]
+    warm.shutdown()  # persists both prompts to L3
+    eng = Engine(**cfg, hicache_storage_backend=slow_lmdb,
+                 hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 1.0, "read_mb_s": read_mb_s})
+    for p in warmup:  # the prefill rate: the median of these steps (the first one starts things up)
+        eng.generate(input_ids=p, sampling_params=GREEDY)
+    first = eng.generate(input_ids=stored[0], sampling_params=GREEDY)
+    assert first["meta_info"]["l3_decision"]["load"] and first["meta_info"]["cached_tokens_details"]["storage"] > 0
+    second = eng.generate(input_ids=stored[1], sampling_params=GREEDY)
+    decision = second["meta_info"]["l3_decision"]
+    print(f"read_mb_s={read_mb_s}: {decision}")
+    assert decision["load"] is loads, decision
+    assert (second["meta_info"]["cached_tokens_details"]["storage"] > 0) is loads
+    assert [first["output_ids"], second["output_ids"]] == cold
+    st = eng.core.storage_stats()
+    assert st["cost_l3_refusals"] == (0 if loads else 1)
+    assert st["cost_tokens_recomputed_although_cached"] == (0 if loads else decision["tokens"])
+    eng.check_integrity()
+    eng.shutdown()
