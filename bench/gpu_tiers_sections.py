@@ -98,5 +98,6 @@ def ceilings(res: dict, args, work: str) -> None:
     in_threads(1, lmdb_reader, nbytes)
     res["lmdb_read_1t_gbps"] = in_threads(1, lmdb_reader, nbytes)
     res[f"lmdb_read_{threads}t_gbps"] = in_threads(threads, lmdb_reader, nbytes)
+    res["lmdb_read_16t_gbps"] = in_threads(16, lmdb_reader, nbytes)
     env.close()
     print(f"ceilings: { {k: round(v, 2) for k, v in res.items() if k.endswith('gbps')} }", flush=True)

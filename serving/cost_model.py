@@ -80,10 +80,15 @@ class Decision:
     reason: str
 
 
+EXPLORE = "recompute is faster; loading to re-measure"
+
+
 class LoadPolicy:
     """Decides whether L3 pages are loaded; registry below (``hicache_storage_load_policy``)."""
 
-    def decide(self, pages: int) -> Decision:
+    def decide(self, pages: int, explore: bool = True) -> Decision:
+        """Load ``pages`` pages or recompute them? ``explore=False``: never an exploratory load
+        (a second look at a request whose first decision was made before its lookup)."""
         raise NotImplementedError
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:  # noqa: B027 - optional
@@ -97,7 +102,7 @@ class LoadPolicy:
 
 
 class AlwaysLoad(LoadPolicy):
-    def decide(self, pages: int) -> Decision:
+    def decide(self, pages: int, explore: bool = True) -> Decision:
         return Decision(True, None, None, "always_load")
 
 
@@ -113,7 +118,6 @@ class CostModel(LoadPolicy):
         self._reads = _LineFit(alpha)  # (bytes, seconds) of fetches
         self._prefill = _Median(16)  # tokens / s
         self._refused = 0
-        self.loads = 0
         self.refusals = 0
         self.tokens_recomputed = 0  # tokens found in L3 and recomputed because that was faster
 
@@ -131,22 +135,19 @@ class CostModel(LoadPolicy):
         recompute = None if rate is None else pages * self.page_size / rate
         return load, recompute
 
-    def decide(self, pages: int) -> Decision:
+    def decide(self, pages: int, explore: bool = True) -> Decision:
         load_s, recompute_s = self.estimate(pages)
         if load_s is None or recompute_s is None:
-            return self._load(Decision(True, load_s, recompute_s, "not measured yet: load"))
+            return Decision(True, load_s, recompute_s, "not measured yet: load")
         if load_s <= recompute_s:
-            return self._load(Decision(True, load_s, recompute_s, "load is faster"))
-        self._refused += 1
-        if self._refused % self.explore_every == 0:
-            return self._load(Decision(True, load_s, recompute_s, "recompute is faster; loading to re-measure"))
+            return Decision(True, load_s, recompute_s, "load is faster")
+        if explore:
+            self._refused += 1
+            if self._refused % self.explore_every == 0:
+                return Decision(True, load_s, recompute_s, EXPLORE)
         self.refusals += 1
         self.tokens_recomputed += pages * self.page_size
         return Decision(False, load_s, recompute_s, "recompute is faster")
-
-    def _load(self, d: Decision) -> Decision:
-        self.loads += 1
-        return d
 
     def stats(self) -> dict[str, float]:
         fixed, bw = self._reads.params() or (0.0, 0.0)
@@ -154,7 +155,6 @@ class CostModel(LoadPolicy):
             "cost_l3_read_gbps": bw / 1e9,
             "cost_l3_fixed_ms": 1e3 * fixed,
             "cost_prefill_tok_s": self._prefill.value or 0.0,
-            "cost_l3_loads": self.loads,
             "cost_l3_refusals": self.refusals,
             "cost_tokens_recomputed_although_cached": self.tokens_recomputed,
         }

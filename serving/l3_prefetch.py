@@ -32,7 +32,7 @@ from hicache.hiradix.node import TreeNode
 from hicache.keys import page_keys
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
-from serving.cost_model import AlwaysLoad, LoadPolicy
+from serving.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.request import Req
 
 
@@ -131,6 +131,10 @@ class Prefetcher:
         cached = self.tree.peek_prefix_len(prompt) // ps
         if (full - cached) * ps < self.threshold_tokens:
             return
+        d = self.load_policy.decide(full - cached)
+        req.l3_decision = self._decision(full - cached, d, looked_up=False)
+        if not d.load:  # even if the store held every page, recomputing would be faster: no lookup
+            return
         now = time.monotonic()
         op = PrefetchOp(cached, prompt[: full * ps], now, now + self.timeout_base_s)
         op.lookup = self._lookups.submit(self._lookup, op)
@@ -143,9 +147,11 @@ class Prefetcher:
         if n * ps < self.threshold_tokens or matched < op.start_page * ps:
             req.prefetch = None  # nothing worth fetching, or the prefix it hangs below is gone
             return
-        d = self.load_policy.decide(n)
-        req.l3_decision = {"pages": n, "tokens": n * ps, "load": d.load, "reason": d.reason,
-                           "est_load_s": d.load_s, "est_recompute_s": d.recompute_s}
+        first = req.l3_decision  # made before the lookup, for every page the prompt could have
+        d = self.load_policy.decide(n, explore=False)
+        if not d.load and first is not None and first["reason"] == EXPLORE:
+            d = Decision(True, d.load_s, d.recompute_s, EXPLORE)  # an exploration stays one
+        req.l3_decision = self._decision(n, d, looked_up=True)
         if not d.load:
             req.prefetch = None  # recomputing them is faster than loading them
             return
@@ -161,6 +167,10 @@ class Prefetcher:
         op.node, op.host_pages, op.keys = node, host.alloc(n), op.keys[:n]
         op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
         op.future = self._fetcher.submit(self._fetch, op)
+
+    def _decision(self, pages: int, d, looked_up: bool) -> dict:
+        return {"pages": pages, "tokens": pages * self.page_size, "looked_up": looked_up, "load": d.load,
+                "reason": d.reason, "est_load_s": d.load_s, "est_recompute_s": d.recompute_s}
 
     def ready(self, req: Req) -> bool:
         return req.prefetch is None or self.policy.ready(req.prefetch, time.monotonic())
@@ -225,7 +235,7 @@ class Prefetcher:
         return 0 if op.cancel.is_set() else self.tier.batch_exists(keys)
 
     def _fetch(self, op: PrefetchOp) -> None:
-        step = self.tier.batch_pages
+        step = self.tier.fetch_batch_pages(self.host_pool)
         for lo in range(0, len(op.keys), step):
             if op.cancel.is_set():
                 return

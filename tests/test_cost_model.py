@@ -33,7 +33,8 @@ def test_line_fit_and_decisions():
     slow.observe_read(10_000_000, 1.0)  # 10 MB/s: 10 pages = 1 s to load
     decisions = [slow.decide(10) for _ in range(8)]
     assert [d.load for d in decisions] == [False, False, False, True] * 2  # every 4th refusal explores
-    assert slow.stats()["cost_tokens_recomputed_although_cached"] == 6 * 160
+    assert not slow.decide(10, explore=False).load  # a second look never explores
+    assert slow.stats()["cost_tokens_recomputed_although_cached"] == 7 * 160
     assert make_load_policy("always_load", 1, 1).decide(10).load
     with pytest.raises(ValueError):
         make_load_policy("sometimes", 1, 1)
@@ -51,7 +52,8 @@ def test_engine_loads_only_when_faster(tmp_path, slow_lmdb, read_mb_s, loads):  
     uncached prompts (it learns the prefill rate), then the first stored prompt (it loads: the
     store's speed is not known yet), then the second: with the store throttled to 8 MB/s
     (SmolLM2 has 46 KB of KV per token: ~1.5 s for 256 tokens, against a fraction of that to
-    recompute) it recomputes; unthrottled it loads. Answers equal the cold ones either way."""
+    recompute) it recomputes, decided before even looking the pages up; unthrottled it loads.
+    Answers equal the cold ones either way."""
     model = str(smollm2_path())
     db = tmp_path / "l3"
     *warmup, s0, s1 = _prompts(1, 5, 256)
@@ -73,6 +75,7 @@ def test_engine_loads_only_when_faster(tmp_path, slow_lmdb, read_mb_s, loads):  
     decision = second["meta_info"]["l3_decision"]
     print(f"read_mb_s={read_mb_s}: {decision}")
     assert decision["load"] is loads, decision
+    assert decision["looked_up"] is loads  # refused before the lookup: no store call at all
     assert (second["meta_info"]["cached_tokens_details"]["storage"] > 0) is loads
     assert [first["output_ids"], second["output_ids"]] == cold
     st = eng.core.storage_stats()

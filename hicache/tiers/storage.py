@@ -73,6 +73,7 @@ class StorageTier:
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-l3-read") \
             if self.read_threads > 1 and getattr(backend, "direct_reads", False) else None
         self._local = threading.local()
+        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-frame")
         self._lock = threading.Lock()
         self._views: dict[int, np.ndarray] = {}
         self._stats: dict[str, float] = dict.fromkeys(
@@ -112,24 +113,18 @@ class StorageTier:
         t0 = time.perf_counter()
         host_pool.wait_pending_writes()  # the pages' GPU backups must have landed
         codec, slot, done = self.codec, self.slot, 0
-        nb = codec.page_nbytes
-        direct = host_pool.layout_name == "page_first"
-        pages_np = self._pool_view(host_pool) if direct else None
-        for lo in range(0, len(keys), self.batch_pages):
-            ck = list(keys[lo : lo + self.batch_pages])
-            cp = list(host_pages[lo : lo + self.batch_pages])
+        batches = [(list(keys[lo : lo + self.batch_pages]), list(host_pages[lo : lo + self.batch_pages]))
+                   for lo in range(0, len(keys), self.batch_pages)]
+        # Double buffering: batch k+1 is framed (copy + checksum) on a helper thread while the
+        # backend stores batch k (both drop the GIL for the bulk of their work).
+        bufs = (self._staging(0), self._staging(1))
+        prep = self._preparer.submit(self._frame, *batches[0], host_pool, bufs[0]) if batches else None
+        for k, (ck, _) in enumerate(batches):
+            buf = bufs[k % 2]
+            prep.result()
+            if k + 1 < len(batches):
+                prep = self._preparer.submit(self._frame, *batches[k + 1], host_pool, bufs[(k + 1) % 2])
             n = len(ck)
-            buf = self._staging()
-            rows = buf.array[: n * slot].reshape(n, slot)
-            if direct:
-                for i, p in enumerate(cp):
-                    np.copyto(rows[i, :nb], pages_np[p])
-            else:
-                kv = host_pool.read_pages(torch.tensor(cp, dtype=torch.long))  # [2L, n, X]
-                dst = buf.tensor[: n * slot].view(n, slot)[:, :nb].view(self.layout.dtype)
-                dst.view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
-            for i in range(n):
-                codec.pack_trailer_into(rows[i], nb, ck[i], rows[i, :nb])
             res = self.backend.batch_set_from(ck, buf, [(i * slot, codec.value_nbytes) for i in range(n)])
             ok = 0
             for r in res:
@@ -139,12 +134,29 @@ class StorageTier:
             done += ok
             if ok < n:
                 break
+        if prep is not None:
+            prep.result()  # never leave a framing job writing into a staging buffer
         with self._lock:
             self._stats["bytes_written"] += done * codec.value_nbytes
             self._stats["stored"] += done
             self._stats["store_failed"] += len(keys) - done
             self._stats["write_s"] += time.perf_counter() - t0
         return done
+
+    def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> None:
+        """Lay out ``pages`` as values (payload + trailer) in ``buf``, one slot each."""
+        n, nb, slot = len(keys), self.codec.page_nbytes, self.slot
+        rows = buf.array[: n * slot].reshape(n, slot)
+        if pool.layout_name == "page_first":
+            view = self._pool_view(pool)
+            for i, p in enumerate(pages):
+                np.copyto(rows[i, :nb], view[p])
+        else:
+            kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X]
+            dst = buf.tensor[: n * slot].view(n, slot)[:, :nb].view(self.layout.dtype)
+            dst.view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
+        for i in range(n):
+            self.codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb])
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -155,7 +167,13 @@ class StorageTier:
     def close(self) -> None:
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+        self._preparer.shutdown(wait=True)
         self.backend.close()
+
+    def fetch_batch_pages(self, pool: HostKVPool) -> int:
+        """Pages worth asking for in one :meth:`batch_get` into ``pool``: on the direct path
+        enough to keep every reader thread busy for a while; staged, one staging buffer."""
+        return self.read_threads * 32 if self._direct(pool) else self.batch_pages
 
     # ------------------------------------------------------------------ direct path
     def _direct(self, pool: HostKVPool) -> bool:
@@ -242,10 +260,14 @@ class StorageTier:
                 f"storage tier's {self.layout} / {self.page_size}"
             )
 
-    def _staging(self) -> StagingBuffer:
-        buf = getattr(self._local, "buf", None)
+    def _staging(self, i: int = 0) -> StagingBuffer:
+        """This thread's staging buffer number ``i`` (reads use 0; writes alternate 0 and 1)."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [None, None]
+        buf = bufs[i]
         if buf is None or buf.busy:  # busy: an abandoned transfer may still write into it
-            buf = self._local.buf = StagingBuffer(self.batch_pages * self.slot)
+            buf = bufs[i] = StagingBuffer(self.batch_pages * self.slot)
         return buf
 
 
