@@ -64,7 +64,10 @@ def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: 
                 r = pending.pop(0)
                 r.created = time.monotonic()
                 core.add(r)
+            before = core.scheduler.stats.forward_passes
             core.step()
+            if core.scheduler.stats.forward_passes == before:
+                time.sleep(0.0005)  # waiting on a copy or the store: leave those threads the GIL
         for u, r in enumerate(reqs):
             convo[u] += r.output_ids
             out_tokens += len(r.output_ids)

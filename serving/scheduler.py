@@ -113,6 +113,8 @@ class Scheduler:
         out = self._step()
         if self._step_prefill and self.prefill_observer is not None:
             self.prefill_observer(self._step_prefill, time.perf_counter() - t0)
+        for r in self.waiting:  # lookups that finished during the forward pass start their fetch now,
+            self.cache.advance_prefetch(r)  # not a whole step later
         return out
 
     def _step(self) -> list[Req]:
