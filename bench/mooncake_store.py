@@ -52,7 +52,7 @@ def child(args) -> dict:
         for _ in range(3):
             np.copyto(b, a)
         row = {"page_mib": src.bytes_per_page / 2**20, "memcpy_gbps": 3 * nbytes / (time.perf_counter() - t0) / 1e9}
-        stores = {"mooncake": lambda: make_storage("mooncake", {
+        stores = {"mooncake": lambda nbytes=nbytes: make_storage("mooncake", {
                       "master_server_address": args.master, "metadata_server": args.metadata,
                       "local_hostname": args.host, "global_segment_mb": int(nbytes * 1.5) >> 20,
                       "local_buffer_mb": 64, "timeout_s": 30.0}),
