@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ Buffer = Any  # bytes-like: bytes, bytearray, memoryview, a contiguous numpy uin
 MISSING = -1  # no such key
 ERROR = -2  # the store failed / timed out / is unavailable (counted in stats["errors"])
 TOO_LARGE = -3  # the value does not fit its span (the caller treats it as corrupt)
+REJECTED = -4  # batch_get_pages: copied, but the caller's check refused it (reading stopped there)
 
 
 class StagingBuffer:
@@ -161,14 +162,18 @@ class StorageBackend(ABC):
     # several threads at once.
     direct_reads = False
 
-    def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any) -> list[int]:
+    def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
+                        check: Callable[[int], bool] | None = None) -> list[int]:
         """Copy each key's value into two places: its first ``len(dsts[i])`` bytes into the
         writable uint8 array ``dsts[i]``, the rest into row ``i`` of the uint8 array
-        ``trailers`` (``[n, t]``). Returns per key the value's size, or :data:`MISSING` /
-        :data:`ERROR`; a value whose size is not ``len(dsts[i]) + t`` is left uncopied and
-        reported by its size (the caller rejects it)."""
+        ``trailers`` (``[n, t]``), then call ``check(i)`` (while the page is still in the CPU's
+        caches); a page it refuses is reported :data:`REJECTED` and ends the batch (later keys
+        read as :data:`MISSING`). Returns
+        per key the value's size, or :data:`MISSING` / :data:`ERROR`; a value whose size is
+        not ``len(dsts[i]) + t`` is left uncopied and reported by its size (the caller
+        rejects it)."""
         _same_len(keys, dsts)
-        out = []
+        out: list[int] = []
         t = trailers.shape[1]
         for i, val in enumerate(self.batch_get(keys)):
             if val is None:
@@ -179,8 +184,11 @@ class StorageBackend(ABC):
             if len(mv) == n + t:
                 dsts[i][:] = mv[:n]
                 trailers[i][:] = mv[n:]
+                if check is not None and not check(i):
+                    out.append(REJECTED)
+                    break
             out.append(len(mv))
-        return out
+        return out + [MISSING] * (len(keys) - len(out))
 
     def batch_set_from(
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]

@@ -35,13 +35,22 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lmdb
 import numpy as np
 
-from hicache.tiers.base import ERROR, MISSING, TOO_LARGE, Buffer, StagingBuffer, StorageBackend, _same_len
+from hicache.tiers.base import (
+    ERROR,
+    MISSING,
+    REJECTED,
+    TOO_LARGE,
+    Buffer,
+    StagingBuffer,
+    StorageBackend,
+    _same_len,
+)
 from hicache.tiers.lmdb_support import _MIB, _U64, LMDBConfig, _LMDBBookkeeping, _RWLock
 
 
@@ -146,7 +155,8 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         self._touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
         return out
 
-    def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any) -> list[int]:
+    def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
+                        check: Callable[[int], bool] | None = None) -> list[int]:
         _same_len(keys, dsts)
         t = trailers.shape[1]
 
@@ -162,8 +172,11 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
                     src = np.frombuffer(val, dtype=np.uint8)
                     np.copyto(dsts[i], src[:n])  # one copy, map -> L2 page (numpy drops the GIL)
                     trailers[i] = src[n:]
+                    if check is not None and not check(i):  # verified while the page is cache-hot
+                        res.append(REJECTED)
+                        break
                 res.append(len(val))
-            return res
+            return res + [MISSING] * (len(keys) - len(res))
 
         out = self._read(run, buffers=True)
         if out is None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.tiers.base import TOO_LARGE, StagingBuffer, StorageBackend
+from hicache.tiers.base import REJECTED, TOO_LARGE, StagingBuffer, StorageBackend
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb_store import LMDBStore
@@ -203,15 +203,18 @@ class StorageTier:
         return done
 
     def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int]) -> int:
-        """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread)."""
+        """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread).
+        Each page is verified right after its copy, while it is still in the CPU's caches."""
         trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
         dsts = [view[p] for p in pages]
-        sizes = self.backend.batch_get_pages(keys, dsts, trailers)
+        codec = self.codec
+        sizes = self.backend.batch_get_pages(keys, dsts, trailers,
+                                             check=lambda i: codec.verify_parts(trailers[i], keys[i], dsts[i]))
         ok = 0
         for i, size in enumerate(sizes):
-            if size < 0 and size != TOO_LARGE:  # missing / error: a plain miss
+            if size < 0 and size not in (TOO_LARGE, REJECTED):  # missing / error: a plain miss
                 break
-            if size != self.codec.value_nbytes or not self.codec.verify_parts(trailers[i], keys[i], dsts[i]):
+            if size != codec.value_nbytes:  # refused by the check, or of the wrong size
                 self._corrupt(keys[i])
                 break
             ok += 1
