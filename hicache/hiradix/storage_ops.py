@@ -9,7 +9,7 @@ helpers (``_common``, ``_split``, ``_descend``, ``_emit``) directly. See tree.py
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.allocator import PageAllocator
@@ -34,6 +34,7 @@ class StorageOpsMixin:
     _common: Callable[[list[int], list[int], int, int], int]
     _split: Callable[[TreeNode, int], TreeNode]
     _descend: Callable[[TreeNode, list[int], int, int], tuple[TreeNode, int]]
+    _touched: Callable[[list[int], int], Iterator[tuple[TreeNode, int, int]]]
     _emit: Callable[[str, TreeNode], None]
 
     def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int], start_page: int = 0) -> list[int]:
@@ -114,22 +115,14 @@ class StorageOpsMixin:
         Returns how many pages of the range the tree still holds."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps = self.page_size
-        n = min(hi * ps, len(tokens) - len(tokens) % ps)
-        node, pos = self.root, 0
-        while pos < n:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
-            if child is None:
-                break
-            m = self._common(child.key, tokens, pos, n)
+        end = 0
+        for child, pos, m in self._touched(tokens, min(hi * ps, len(tokens) - len(tokens) % ps)):
             a = pos // ps  # the node's first page in path numbering
             first, last = max(lo, a) - a, min(hi, a + m // ps) - a
             if first < last and first <= child.storage_pages:
                 child.storage_pages = max(child.storage_pages, last)
-            pos += m
-            if m < len(child.key):
-                break
-            node = child
-        return max(0, pos // ps - lo)
+            end = pos + m
+        return max(0, end // ps - lo)
 
     def path_tokens(self, node: TreeNode) -> list[int]:
         """The tokens of the path root→node."""

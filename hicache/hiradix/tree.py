@@ -43,7 +43,7 @@ Typical request (scheduler)::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from hicache.config import CacheConfig
 from hicache.hiradix.integrity import check_tree
@@ -157,18 +157,25 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         pages of ``tokens`` reach (one they end inside included; the root if none) and the
         number of matched tokens (on L1 or L2)."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
+        last, end = self.root, 0
+        for child, pos, m in self._touched(tokens, len(tokens) - len(tokens) % self.page_size):
+            last, end = child, pos + m
+        return last, end
+
+    def _touched(self, tokens: list[int], n: int) -> Iterator[tuple[TreeNode, int, int]]:
+        """Read-only walk over ``tokens[:n]`` (page-aligned ``n``): each node it reaches with
+        the position it starts at and how many of its tokens match (the last may match part)."""
         ps = self.page_size
-        n = len(tokens) - len(tokens) % ps
         node, pos = self.root, 0
         while pos < n:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
-                break
+                return
             m = self._common(child.key, tokens, pos, n)
-            node, pos = child, pos + m
+            yield child, pos, m
             if m < len(child.key):
-                break
-        return node, pos
+                return
+            node, pos = child, pos + m
 
     def peek_prefix_len(self, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens`` cached on L1 or L2, without touching the tree: for ordering a
