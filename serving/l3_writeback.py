@@ -15,7 +15,8 @@ Concurrency contract (the class owns it):
   store confirmed them.
 - L3 page keys (a hash over the whole path) are computed on the writer thread.
 - Write-back never slows serving: at most ``max_queued_pages`` pages wait for the writer
-  (a write that would exceed it is dropped and counted in ``pages_dropped``; the node is
+  (a write that would exceed it is dropped and counted in ``pages_dropped``, unless the queue
+  is empty: a node larger than the cap still goes alone; the node is
   written at its next backup or hit), and ``rate_mb_s`` caps the writer's bandwidth so it
   does not take the memory bandwidth and cores that decode needs.
 """
@@ -66,6 +67,11 @@ class WriteBack:
     def in_flight(self) -> int:
         return len(self._writes)
 
+    def room_for(self, node: TreeNode) -> bool:
+        """Whether a write of ``node`` would fit under ``max_queued_pages`` now."""
+        pages = len(node.key) // self.page_size - node.storage_pages
+        return not self._queued_pages or self._queued_pages + pages <= self.max_queued_pages
+
     def write(self, node: TreeNode) -> None:
         """Write ``node``'s L2 pages that are not on L3 yet (no-op if none, or one is in flight)."""
         npages = len(node.key) // self.page_size
@@ -73,7 +79,7 @@ class WriteBack:
         if node.removed or node.host_pages is None or done >= npages or node.id in self._pending:
             return
         pages = list(node.host_pages[done:])
-        if self._queued_pages + len(pages) > self.max_queued_pages:
+        if self._queued_pages and self._queued_pages + len(pages) > self.max_queued_pages:
             self.pages_dropped += len(pages)  # under pressure: retried at the next backup or hit
             return
         tokens = self.tree.path_tokens(node)

@@ -61,6 +61,8 @@ class StorageController:
         """Write every L2 page that is not in L3 yet (L1-only nodes are backed up to L2 first
         by the caller's flush); waits for the writes."""
         for node in self.tree.nodes():
+            if not self.writeback.room_for(node):  # a shutdown drops nothing: drain, then queue
+                self.writeback.poll(wait=True)
             self.writeback.write(node)
         self.writeback.poll(wait=True)
 

@@ -157,3 +157,25 @@ def test_session_bookkeeping_counts_no_hits(model, tmp_path):
     assert core.controller.pages_backed_up == 0 and core.tree.cached_pages("host") == 0
     core.check_integrity()
     eng.shutdown()
+
+
+def test_write_back_queue_is_capped_but_shutdown_persists_everything(model, tmp_path, slow_lmdb):  # noqa: F811
+    """At most 4 pages wait for the (slow) writer (a larger node only when it goes alone):
+    further write-backs are dropped and counted, never queued without bound; a graceful
+    shutdown still writes every page."""
+    db = tmp_path / "l3"
+    eng = engine(model, db, slow_lmdb, {"delay_s": 0.2, "slow_calls": ["set"]}, max_total_tokens=256,
+                 hicache_write_policy="write_through", hicache_storage_write_queue_pages=4)
+    a = rand_prompts(3, 36, seed=8)
+    eng.generate(input_ids=a, sampling_params=GREEDY)
+    eng.generate(input_ids=a, sampling_params=GREEDY)  # hits: 27 pages backed up, at most 4 queued
+    st = eng.core.storage_stats()
+    assert st["write_pages_dropped"] > 0, st
+    assert eng.core.storage.writeback.in_flight == 1  # each 8-page node exceeds the cap: it goes alone
+    eng.shutdown()
+    again = engine(model, db, max_total_tokens=256, hicache_storage_prefetch_policy="wait_complete",
+                   hicache_storage_prefetch_timeout_base=30.0)
+    outs = again.generate(input_ids=a, sampling_params=GREEDY)
+    assert all(o["meta_info"]["cached_tokens_details"]["storage"] >= 32 for o in outs), [o["meta_info"] for o in outs]
+    again.check_integrity()
+    again.shutdown()
