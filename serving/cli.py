@@ -4,12 +4,15 @@
 file overrides the defaults of the frozen config dataclasses. Every dataclass field of a
 simple type gets a flag named after it, SGLang-style (``max_running_requests`` ->
 ``--max-running-requests``); defaults are shown from the dataclasses, never repeated here.
+The API key may also come from the environment, ``HICACHE_API_KEY`` (a flag shows in ``ps``):
+``--api-key`` wins over the variable, the variable over the config file.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -19,6 +22,7 @@ from typing import Any
 from serving.server.config import SECTIONS, ConfigError, field_types, load_config
 
 _SCALARS = (str, int, float)
+API_KEY_ENV = "HICACHE_API_KEY"
 
 
 def _flag_type(tp: Any) -> Any:
@@ -80,6 +84,17 @@ def _overrides(args: argparse.Namespace, dests: dict[str, tuple[str, str]]) -> d
     return out
 
 
+def serve_overrides(
+    args: argparse.Namespace, dests: dict[str, tuple[str, str]], environ: Any = os.environ
+) -> dict[str, dict[str, Any]]:
+    """The flags' overrides, plus the API key from ``HICACHE_API_KEY`` unless ``--api-key`` is given."""
+    out = _overrides(args, dests)
+    key = environ.get(API_KEY_ENV)
+    if key and "api_key" not in out.get("server", {}):
+        out.setdefault("server", {})["api_key"] = key
+    return out
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, tuple[str, str]]]:
     from serving import convert
 
@@ -107,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
     try:
-        cfg = load_config(args.config, _overrides(args, dests))
+        cfg = load_config(args.config, serve_overrides(args, dests))
     except ConfigError as e:
         print(f"hicache serve: {e}", file=sys.stderr)
         return 2

@@ -109,7 +109,7 @@ def main() -> None:
         p = prompts(1, 6)
         ref = [gen(a, x)[1] for x in p]  # A computes...
         [gen(a, x) for x in p]  # ...and hits its own pages: backed up to L2, written to Mooncake
-        out["a_stored"] = wait_for(lambda: metric(a, "hicache_storage_pages_total", "stored") > 0, 20)
+        out["a_stored"] = wait_for(lambda: metric(a, "hicache_storage_events_total", "stored") > 0, 20)
         res_b = [gen(b, x) for x in p]
         out["b_same_output"] = [r[1] for r in res_b] == ref
         out["b_storage_hit_tokens"] = sum(r[2] for r in res_b)
@@ -129,7 +129,7 @@ def main() -> None:
         statuses += [gen(srv, x)[0] for x in prompts(4, 2) for srv in (a, b)]  # with the master gone
         out["statuses_during_master_kill"] = statuses
         out["healthy_after_kill"] = all(httpx.get(s.url + "/health", timeout=10).status_code == 200 for s in (a, b))
-        out["errors_counted"] = sum(metric(srv, "hicache_storage_pages_total", f"backend_{k}")
+        out["errors_counted"] = sum(metric(srv, "hicache_storage_events_total", f"backend_{k}")
                                     for srv in (a, b) for k in ("errors", "timeouts", "unavailable"))
         master.start()  # it comes back (empty: the old objects died with it)
         attempt = iter(range(100, 200))
@@ -138,11 +138,11 @@ def main() -> None:
             # fresh prompts each attempt: a prompt B already computed itself (while its store
             # was still reconnecting) would hit B's own L1 from then on, never L3
             r = prompts(next(attempt), 3)
-            before = metric(a, "hicache_storage_pages_total", "stored")
+            before = metric(a, "hicache_storage_events_total", "stored")
             for x in r:
                 gen(a, x)
                 gen(a, x)  # a hit: backed up to L2 and written on to Mooncake
-            if not wait_for(lambda: metric(a, "hicache_storage_pages_total", "stored") > before, 5):
+            if not wait_for(lambda: metric(a, "hicache_storage_events_total", "stored") > before, 5):
                 return False
             return sum(gen(b, x)[2] for x in r) > 0
 

@@ -27,12 +27,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+    """``api_key_env``: pass the key in the environment (HICACHE_API_KEY), not as a flag."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, api_key_env: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port), "--enable-debug-endpoints"]
-        if api_key:
+        self.env: dict[str, str] = {}
+        if api_key and api_key_env:
+            self.env["HICACHE_API_KEY"] = api_key
+        elif api_key:
             self.args += ["--api-key", api_key]
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
         self.ready = threading.Event()
@@ -57,7 +62,10 @@ class ServerProcess:
             **os.environ,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
             "PYTHONUNBUFFERED": "1",
+            **self.env,
         }
+        if "HICACHE_API_KEY" not in self.env:
+            env.pop("HICACHE_API_KEY", None)  # only the key this test means
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serving.cli", "serve", *self.args],
             cwd=ROOT,
@@ -102,9 +110,9 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(args: list[str], api_key: str | None = None) -> Iterator[ServerProcess]:
+def running_server(args: list[str], api_key: str | None = None, api_key_env: bool = False) -> Iterator[ServerProcess]:
     """Start a server, yield it, stop it with SIGTERM and assert it exited cleanly."""
-    server = ServerProcess(args, api_key)
+    server = ServerProcess(args, api_key, api_key_env)
     server.start()
     try:
         yield server

@@ -34,7 +34,8 @@ WORDS = "cache page token prefix router worker radix tree load balance session t
 
 
 def worker_args(model: Path) -> list[str]:
-    return ["--model-path", str(model), "--max-total-tokens", "16384", "--enable-cache-events"]
+    return ["--model-path", str(model), "--served-model-name", "tiny", "--max-total-tokens", "16384",
+            "--enable-cache-events"]
 
 
 @pytest.fixture(scope="module")

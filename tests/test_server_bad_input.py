@@ -34,6 +34,8 @@ def server(tiny_chat_model: Path) -> ServerProcess:
         "1",
         "--max-queued-requests",
         "1",
+        "--served-model-name",
+        "m",
     ]
     with running_server(args, api_key=KEY) as s:
         yield s

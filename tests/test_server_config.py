@@ -142,3 +142,30 @@ def test_messages_round_trip() -> None:
     assert m.decode(m.encode(msgs)) == msgs
     with pytest.raises(OverflowError):
         m.pack(m.GenerateReq("r2", [10**30], {}))
+
+
+def test_watchdog_and_limit_flags() -> None:
+    cfg = _config(["--watchdog-timeout", "5", "--engine-call-timeout-s", "2.5", "--max-json-depth", "32"])
+    assert (cfg.server.watchdog_timeout, cfg.server.engine_call_timeout_s, cfg.server.max_json_depth) == (5, 2.5, 32)
+    assert ServerConfig().watchdog_timeout == 300 and ServerConfig().engine_call_timeout_s == 60
+    for bad in (["--watchdog-timeout", "0"], ["--engine-call-timeout-s", "-1"], ["--max-json-depth", "1"]):
+        with pytest.raises(ConfigError):
+            _config(bad)
+
+
+def test_api_key_from_the_environment(tmp_path: Path) -> None:
+    """HICACHE_API_KEY keeps the key out of ps: the flag wins over it, it wins over the file."""
+    parser, dests = cli.build_parser()
+
+    def key(argv: list[str], environ: dict[str, str]) -> str | None:
+        args = parser.parse_args(["serve", *argv])
+        return load_config(args.config, cli.serve_overrides(args, dests, environ)).server.api_key
+
+    file = tmp_path / "k.yaml"
+    file.write_text("server:\n  api_key: from-file\n")
+    env = {"HICACHE_API_KEY": "from-env"}
+    assert key([], env) == "from-env"
+    assert key(["--api-key", "from-flag"], env) == "from-flag"
+    assert key(["--config", str(file)], env) == "from-env"
+    assert key(["--config", str(file)], {}) == "from-file"
+    assert key([], {}) is None and key([], {"HICACHE_API_KEY": ""}) is None

@@ -40,7 +40,7 @@ def metric(server: ServerProcess, name: str, label: str) -> float:
 
 def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 8) -> dict:
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        "model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -64,7 +64,7 @@ def test_conversation_survives_restart(tmp_path):
         # the whole of turn 2 was persisted at shutdown, not only what turn 2 hit
         assert a3["usage"]["prompt_tokens_details"]["cached_tokens"] >= a2["usage"]["prompt_tokens"] - 16
         assert metric(s, "hicache_cache_hit_tokens_total", "storage") > 0
-        assert metric(s, "hicache_storage_pages_total", "corrupt") == 0
+        assert metric(s, "hicache_storage_events_total", "corrupt") == 0
         assert s.check_integrity()["ok"]
     # the same output as a cold recompute
     eng = Engine(model_path=str(smollm2_path()), max_total_tokens=4096)
@@ -103,7 +103,7 @@ def test_sigkill_during_write_back(tmp_path, tiny_chat_model):
     with ThreadPoolExecutor(12) as pool:  # every prompt again: hits, backups, L3 writes...
         futures = [pool.submit(gen, s.url, p) for p in prompts * 3]
         deadline = time.monotonic() + 30
-        while metric(s, "hicache_storage_pages_total", "stored") == 0 and time.monotonic() < deadline:
+        while metric(s, "hicache_storage_events_total", "stored") == 0 and time.monotonic() < deadline:
             time.sleep(0.1)  # the first pages are committed; the rest of the write-back is in flight
         kill_tree(s.proc)  # ...killed in the middle of them
         [f.result() for f in futures]
@@ -112,7 +112,7 @@ def test_sigkill_during_write_back(tmp_path, tiny_chat_model):
     try:
         again = [gen(s2.url, p) for p in prompts]
         assert again == first  # whatever came from L3 was good KV
-        assert metric(s2, "hicache_storage_pages_total", "corrupt") == 0
+        assert metric(s2, "hicache_storage_events_total", "corrupt") == 0
         assert metric(s2, "hicache_cache_hit_tokens_total", "storage") > 0  # committed pages still hit
         assert s2.check_integrity()["ok"]
     finally:

@@ -31,6 +31,8 @@ def server(tiny_chat_model: Path) -> ServerProcess:
         "32",
         "--session-idle-timeout-s",
         "1",
+        "--served-model-name",
+        "m",
     ]
     with running_server(args) as s:
         yield s

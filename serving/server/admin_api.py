@@ -1,5 +1,13 @@
 """Operational routes: health, model/server info, cache flush, sessions, metrics, debug.
 
+``GET /health`` is 200 while the engine process runs and makes progress: 503 once it is gone,
+or once the watchdog saw no progress for ``watchdog_timeout`` seconds with work pending (see
+serving.server.watchdog); it turns 200 again as soon as the engine moves. Routes that change
+state (``/flush_cache``, sessions, ``/debug/check_integrity``) are POST only. Every route that
+asks the engine something gets a 504 when it does not answer within ``engine_call_timeout_s``,
+and a 503 at once while it is stalled; ``/metrics`` then still serves the HTTP process's own
+metrics and ``hicache_engine_stall_seconds``, without the engine's.
+
 ``POST /debug/check_integrity`` runs the engine's ``check_integrity()`` (every pool: free +
 cached + in use = total) and answers ``{"ok": true, ...stats}`` or ``{"ok": false, "error":
 <assertion text>, ...}``. It exists only when the server runs with
@@ -9,6 +17,7 @@ and exposes internals; otherwise the route is a 404 like any unknown path.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from typing import Any
@@ -30,21 +39,28 @@ VERSION = "0.1.0"
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if not get_ctx(request).client.alive:
+    client = get_ctx(request).client
+    if not client.alive:
         raise APIError(503, "the engine process is not running")
+    if client.stalled:
+        raise APIError(503, client.stall_message())
     return Response(status_code=200)
 
 
 @router.api_route("/health_generate", methods=["GET", "POST"])
 async def health_generate(request: Request) -> Response:
-    """Runs a one-token greedy generation through the engine."""
+    """Runs a one-token greedy generation through the engine (504 past ``engine_call_timeout_s``)."""
     ctx = get_ctx(request)
     req = m.GenerateReq(
         rid=f"health-{uuid.uuid4().hex}",
         input_ids=[0],
         sampling_params={"max_new_tokens": 1, "temperature": 0.0},
     )
-    [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
+    timeout = ctx.server.engine_call_timeout_s
+    try:
+        [st] = await unless_disconnected(request, asyncio.wait_for(run_all(ctx.client, [req]), timeout))
+    except TimeoutError:
+        raise APIError(504, f"the health generation took over {timeout:g} s (engine_call_timeout_s)") from None
     if len(st.output_ids) != 1:
         raise APIError(503, f"health generation produced {len(st.output_ids)} tokens")
     return Response(status_code=200)
@@ -79,7 +95,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(request: Request) -> dict[str, Any]:
     if not await get_ctx(request).client.call(m.FlushCache):
         raise APIError(400, "cannot flush the cache while requests are running or waiting")
@@ -94,7 +110,7 @@ async def open_session(request: Request) -> JSONResponse:
     body = (
         OpenSessionRequest()
         if empty
-        else await parse_body(request, OpenSessionRequest, ctx.server.max_request_bytes)
+        else await parse_body(request, OpenSessionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     )
     if body.session_id is not None and not body.session_id:
         raise APIError(400, "session_id must not be empty", param="session_id")
@@ -105,7 +121,7 @@ async def open_session(request: Request) -> JSONResponse:
 @router.post("/close_session")
 async def close_session(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
-    body = await parse_body(request, CloseSessionRequest, ctx.server.max_request_bytes)
+    body = await parse_body(request, CloseSessionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     await ctx.client.call(m.CloseSession, session_id=body.session_id)
     return {"success": True}
 
@@ -129,8 +145,11 @@ async def cache_events(request: Request, since: int = 0, epoch: str | None = Non
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)
-    snapshot = await ctx.client.call(m.Stats)
-    return Response(ctx.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+    try:
+        snapshot = await ctx.client.call(m.Stats)
+    except APIError:  # the engine is gone, stalled or slow: the HTTP side's metrics still count
+        snapshot = {}
+    return Response(ctx.metrics.render(snapshot, ctx.client.stall_s()), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/debug/check_integrity")

@@ -1,12 +1,14 @@
-"""The FastAPI application: routers, error handlers, API-key check."""
+"""The FastAPI application: routers, error handlers, API-key check, cross-origin refusal."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,37 +19,82 @@ from serving.server.context import ServerContext
 OPEN_PATHS = frozenset({"/health"})
 
 
+async def _refuse(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps(errors.error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def bearer_token(header: bytes) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header; the scheme is case-insensitive
+    (RFC 9110, 11.1). None for another scheme or no token."""
+    scheme, _, token = header.strip().partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <api_key>``; /health stays open."""
+    """401 unless ``Authorization: Bearer <api_key>`` (any case of "Bearer"); /health stays open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        token = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        if token is not None and hmac.compare_digest(token, self.expected):
             return await self.app(scope, receive, send)
-        body = json.dumps(
-            errors.error_body(401, "missing or invalid API key (send Authorization: Bearer <key>)")
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body.encode()})
+        await _refuse(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                      ((b"www-authenticate", b"Bearer"),))
+
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class SameOriginMiddleware:
+    """403 for a state-changing request (any method but GET / HEAD / OPTIONS) that a browser
+    sent from another origin: its ``Origin`` header names another host than ``Host``.
+
+    The server sends no CORS headers, so no page of another origin can read its answers; but
+    a browser sends some POSTs without asking first (a form, or ``fetch`` with no body or a
+    text/plain one), and those would flush the cache or start generations. JSON routes also
+    require ``Content-Type: application/json`` (see http_io.read_json), which such requests
+    cannot carry; this closes the rest (bodyless POSTs such as /flush_cache). Clients that
+    are not browsers (curl, SDKs, the router) send no ``Origin`` and are not affected."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        origin = headers.get(b"origin")
+        if origin is None or _same_origin(origin, headers.get(b"host", b"")):
+            return await self.app(scope, receive, send)
+        await _refuse(send, 403, f"cross-origin request refused (Origin: {origin.decode('latin-1')[:200]})")
+
+
+def _same_origin(origin: bytes, host: bytes) -> bool:
+    try:
+        netloc = urlsplit(origin.decode("latin-1")).netloc
+    except ValueError:
+        return False
+    return bool(netloc) and netloc.lower() == host.decode("latin-1").lower()
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.client.attach(asyncio.get_running_loop())
+        watchdog = asyncio.create_task(ctx.client.watch())
         yield
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
 
     app = FastAPI(title="HiCache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
@@ -56,4 +103,5 @@ def create_app(ctx: ServerContext) -> FastAPI:
         app.include_router(module.router)
     if ctx.server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key)
+    app.add_middleware(SameOriginMiddleware)  # added last: runs first
     return app

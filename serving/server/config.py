@@ -34,7 +34,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    # when set, every route but /health needs "Authorization: Bearer <key>"; `hicache serve` also
+    # reads it from the environment variable HICACHE_API_KEY (which, unlike a flag, ps does not show)
+    api_key: str | None = None
     max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413
     session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
     log_level: str = "info"
@@ -44,6 +46,13 @@ class ServerConfig:
     # at shutdown the engine process gets this long to finish (with L3 it first writes every cached
     # page on to L3); past it, it is killed and the pages not yet written are lost
     shutdown_timeout_s: float = 120.0
+    # the engine watchdog (SGLang's flag name): /health answers 503 once the engine has made no
+    # progress (no step, no finished request) for this many seconds while work is pending
+    watchdog_timeout: float = 300.0
+    # every call from the HTTP process to the engine (control routes, a request's acceptance)
+    # fails with 504 when the engine has not answered within this many seconds
+    engine_call_timeout_s: float = 60.0
+    max_json_depth: int = 128  # request bodies nested deeper (arrays / objects) get HTTP 400
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -58,6 +67,12 @@ class ServerConfig:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0")
         if self.shutdown_timeout_s <= 0:
             raise ValueError("shutdown_timeout_s must be positive")
+        if self.watchdog_timeout <= 0:
+            raise ValueError("watchdog_timeout must be positive")
+        if self.engine_call_timeout_s <= 0:
+            raise ValueError("engine_call_timeout_s must be positive")
+        if self.max_json_depth < 2:
+            raise ValueError("max_json_depth must be at least 2")
 
 
 SECTIONS: dict[str, type] = {

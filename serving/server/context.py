@@ -3,6 +3,7 @@ from a validated body to an engine request (tokenize, check lengths and sampling
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,20 @@ class ServerContext:
     @property
     def model_name(self) -> str:
         return str(self.info["served_model_name"])
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """The names a request's ``model`` may give: the served name (``--served-model-name``,
+        default the model path), the model path, and the path's last component."""
+        path = str(self.info["model_path"])
+        return frozenset({self.model_name, path, os.path.basename(path.rstrip("/"))} - {""})
+
+    def check_model(self, model: str) -> str:
+        """The served name when ``model`` names the served model, else a 404 in OpenAI's shape."""
+        if model not in self.model_names:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found", kind="invalid_request_error")
+        return self.model_name
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -6,6 +6,10 @@ the loop (``call_soon_threadsafe``). Each request gets a :class:`ReqHandle` whos
 the cumulative output ids; closing a handle before its request finished aborts it in the
 engine, which frees its pages.
 
+Every wait on the engine is bounded: a control call or a request's acceptance fails with 504
+after ``engine_call_timeout_s``, and at once with 503 while the watchdog (serving.server.watchdog)
+sees the engine stalled: no progress for ``watchdog_timeout`` seconds with work pending.
+
 Detokenization happens here, in the HTTP process (serving.server.text): the engine process
 only moves ids, so its step loop is never slowed by string work, and the tokenizer that
 applied the chat template is the one that decodes.
@@ -29,6 +33,7 @@ from serving.server.config import ServerConfig
 from serving.server.engine_proc import engine_main
 from serving.server.errors import APIError
 from serving.server.req_handle import ReqHandle
+from serving.server.watchdog import make_heartbeat, stall_seconds
 
 log = logging.getLogger("hicache.server")
 
@@ -51,6 +56,9 @@ class EngineClient:
         self.started_at = time.time()
         self.proc: mp.process.BaseProcess | None = None
         self.on_gone: Callable[[], None] | None = None  # called if the engine dies while serving
+        self.heartbeat: Any = None  # the engine's watchdog heartbeat (shared memory), set by spawn
+        self._waiting_since: float | None = None  # since when handles or calls have been pending
+        self.watchdog_tripped = False  # the watchdog task's last verdict (it logs the changes)
 
     # -- lifecycle -------------------------------------------------------------------------
     def spawn(self) -> None:
@@ -58,10 +66,11 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self._rx_engine, self._tx_http = ctx.Pipe(duplex=False)  # http -> engine
         self._rx_http, self._tx_engine = ctx.Pipe(duplex=False)  # engine -> http
+        self.heartbeat = make_heartbeat(ctx)
         self.proc = ctx.Process(
             target=engine_main,
             name="hicache-engine",
-            args=(self.engine_config, self.server_config, self._rx_engine, self._tx_engine),
+            args=(self.engine_config, self.server_config, self._rx_engine, self._tx_engine, self.heartbeat),
         )
         self.proc.start()
         self._rx_engine.close()
@@ -93,6 +102,41 @@ class EngineClient:
         self.loop = loop
         threading.Thread(target=self._write_loop, name="engine-writer", daemon=True).start()
         threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+
+    # -- watchdog --------------------------------------------------------------------------
+    def stall_s(self) -> float:
+        """Seconds the engine has made no progress while work is pending (0.0 when none is)."""
+        if not self.alive:
+            return 0.0
+        if self._waiting_since is not None and not self.handles and not self.calls:
+            self._waiting_since = None
+        return stall_seconds(self.heartbeat, self._waiting_since)
+
+    @property
+    def stalled(self) -> bool:
+        return self.stall_s() > self.server_config.watchdog_timeout
+
+    def stall_message(self) -> str:
+        return (f"the engine has made no progress for {self.stall_s():.0f} s with work pending "
+                f"(watchdog_timeout={self.server_config.watchdog_timeout:g} s)")
+
+    async def watch(self, period_s: float = 0.5) -> None:
+        """Log when the watchdog trips and when the engine recovers (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(period_s)
+            tripped = self.stalled
+            if tripped and not self.watchdog_tripped:
+                pending = len(self.handles) + len(self.calls)
+                log.error("engine watchdog: %s, %d request(s) or call(s) waiting; /health answers 503",
+                          self.stall_message(), pending)
+            elif self.watchdog_tripped and not tripped and self.alive:
+                log.warning("engine watchdog: the engine makes progress again; /health answers 200")
+            self.watchdog_tripped = tripped
+
+    def _start_waiting(self) -> None:
+        """Call before adding a handle or a call: starts the stall clock if nothing was pending."""
+        if not self.handles and not self.calls:
+            self._waiting_since = time.monotonic()
 
     def stop(self, timeout: float | None = None) -> int | None:
         """Ask the engine process to exit and wait for it: with L3 it first writes every cached
@@ -208,30 +252,47 @@ class EngineClient:
     def _check_alive(self) -> None:
         if not self.alive:
             raise APIError(503, "the engine process is not running")
+        if self.stalled:
+            raise APIError(503, self.stall_message())
 
     async def submit(self, req: m.GenerateReq) -> ReqHandle:
         """Send a request; return once the engine accepted it (raises APIError otherwise)."""
         self._check_alive()
         if req.rid in self.handles:
             raise APIError(400, f"a request with rid {req.rid!r} is already running", param="rid")
+        self._start_waiting()
         handle = ReqHandle(self, req.rid)
         self.handles[req.rid] = handle
+        timeout = self.server_config.engine_call_timeout_s
         try:
             self.send(req)
-            handle._apply(await handle.queue.get())  # the acceptance TokenOut, or an Error
+            try:  # the acceptance TokenOut, or an Error
+                first = await asyncio.wait_for(handle.queue.get(), timeout)
+            except TimeoutError:
+                raise APIError(504, f"the engine did not accept the request within {timeout:g} s "
+                                    "(engine_call_timeout_s); it may be stalled") from None
+            handle._apply(first)
         except BaseException:
-            handle.close()
+            handle.close()  # aborts it in the engine, should it accept it later
             raise
         return handle
 
-    async def call(self, msg_type: type, **kwargs: Any) -> Any:
+    async def call(self, msg_type: type, timeout: float | None = None, **kwargs: Any) -> Any:
+        """A control call: its result, or APIError (503 when the engine is gone or stalled,
+        504 when it did not answer within ``timeout``, default ``engine_call_timeout_s``;
+        the engine then drops the call unrun)."""
         self._check_alive()
         assert self.loop is not None
+        timeout = self.server_config.engine_call_timeout_s if timeout is None else timeout
+        self._start_waiting()
         call_id = next(self._call_ids)
         fut = self.loop.create_future()
         self.calls[call_id] = fut
-        self.send(msg_type(call_id=call_id, **kwargs))
         try:
-            return await fut
+            self.send(msg_type(call_id=call_id, deadline=time.monotonic() + timeout, **kwargs))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise APIError(504, f"the engine did not answer {msg_type.__name__} within {timeout:g} s "
+                                "(engine_call_timeout_s); it may be stalled") from None
         finally:
             self.calls.pop(call_id, None)

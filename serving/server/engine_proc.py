@@ -10,7 +10,9 @@ the HTTP process, ``tx`` takes replies back. The loop:
    if they cannot be restored, the process exits with status ``EXIT_BROKEN`` (the HTTP process
    then answers 503 and shuts down): a broken tree is never served nor persisted;
 3. send each live request's new token ids (and its finish) in one frame;
-4. close sessions idle for longer than ``session_idle_timeout_s``.
+4. close sessions idle for longer than ``session_idle_timeout_s``;
+5. beat the watchdog's heartbeat (serving.server.watchdog): the loop went round, and whether
+   it made progress (a forward pass, a finished request, or nothing to do).
 
 At shutdown, with L3, every cached page is written on to L3 and the process logs
 "persisted N pages to L3, M not written" (see ``shutdown_core``).
@@ -36,6 +38,7 @@ from serving.sampling_params import InvalidRequest
 from serving.server import messages as m
 from serving.server.cache_events import CacheEventLog, engine_namespace
 from serving.server.config import ServerConfig
+from serving.server.watchdog import HeartbeatWriter
 
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
@@ -50,8 +53,12 @@ class _Live:
 
 
 class EngineLoop:
-    def __init__(self, core: Any, rx: Connection, tx: Connection, server: ServerConfig) -> None:
+    def __init__(
+        self, core: Any, rx: Connection, tx: Connection, server: ServerConfig, heartbeat: Any = None
+    ) -> None:
         self.core = core
+        self.heartbeat = HeartbeatWriter(heartbeat)
+        self.finished = 0  # requests finished or aborted (progress for the watchdog)
         self.rx, self.tx = rx, tx
         self.idle_timeout = server.session_idle_timeout_s
         self.live: dict[str, _Live] = {}
@@ -80,13 +87,16 @@ class EngineLoop:
                 log.info("HTTP process went away; engine exits")
                 return
             stalled = False
+            passes, finished = self.core.scheduler.stats.forward_passes, self.finished
             if self.running and self.core.scheduler.has_work:
-                before = self.core.scheduler.stats.forward_passes
                 self._step()
-                stalled = self.core.scheduler.stats.forward_passes == before
+                stalled = self.core.scheduler.stats.forward_passes == passes
             self._collect()
             self._sweep_sessions()
             self.flush()
+            forward_passes = self.core.scheduler.stats.forward_passes
+            self.heartbeat.beat(self.core.scheduler.has_work,
+                                forward_passes != passes or self.finished != finished, forward_passes)
 
     def _step(self) -> None:
         try:
@@ -171,6 +181,8 @@ class EngineLoop:
 
     def _forget(self, rid: str) -> None:
         live = self.live.pop(rid, None)
+        if live is not None:
+            self.finished += 1
         if live is not None and live.req.session_id is not None:
             self.session_used[live.req.session_id] = time.monotonic()
 
@@ -218,6 +230,11 @@ class EngineLoop:
 
     def _call(self, msg: m.Message) -> None:
         call_id = msg.call_id  # type: ignore[union-attr]
+        deadline = getattr(msg, "deadline", 0.0)
+        if deadline and time.monotonic() > deadline:  # its caller answered 504 already: not done
+            log.warning("%s not run: its caller stopped waiting %.1f s ago (engine_call_timeout_s)",
+                        type(msg).__name__, time.monotonic() - deadline)
+            return
         try:
             value = self._call_value(msg)
         except KeyError as e:
@@ -361,9 +378,12 @@ def shutdown_core(core: Any, persist: bool = True) -> PersistReport | None:
     return report
 
 
-def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: Connection) -> None:
+def engine_main(
+    config: EngineConfig, server: ServerConfig, rx: Connection, tx: Connection, heartbeat: Any = None
+) -> None:
     """Entry point of the spawned engine process. Exits non-zero when the loop failed
-    (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed."""
+    (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed.
+    ``heartbeat``: the watchdog's shared array (serving.server.watchdog), beaten every turn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     try:
@@ -374,7 +394,7 @@ def engine_main(config: EngineConfig, server: ServerConfig, rx: Connection, tx: 
         log.exception("engine failed to start")
         tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
         return
-    loop = EngineLoop(core, rx, tx, server)
+    loop = EngineLoop(core, rx, tx, server, heartbeat)
 
     def _stop(sig: int, frame: Any) -> None:  # e.g. SIGTERM sent to the whole process group
         loop.running = False

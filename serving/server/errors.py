@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("hicache.server")
 
@@ -24,9 +25,11 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -36,24 +39,27 @@ _UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "functio
 class APIError(Exception):
     """An error the API answers with; ``status`` is the HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
 ) -> dict[str, Any]:
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    """OpenAI's error shape; ``kind`` (its ``type``) defaults to one per status."""
+    kind = kind or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
     return {
         "error": {"message": message, "type": kind, "param": param, "code": code if code else str(status)}
     }
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return JSONResponse(error_body(status, message, param, code, kind), status_code=status)
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
@@ -83,7 +89,11 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.kind)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:  # not an error: nothing logged
+        return error_response(499, "the client closed the connection")
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

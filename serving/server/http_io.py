@@ -1,4 +1,11 @@
-"""Reading request bodies safely, server-sent events, and noticing clients that went away."""
+"""Reading request bodies safely, server-sent events, and noticing clients that went away.
+
+A JSON body must come with ``Content-Type: application/json`` (or ``application/<x>+json``),
+else 415: a browser can send a cross-origin POST without asking first only with a form or
+text/plain type, so this keeps web pages from driving the server. Bodies over the size
+limit are a 413, nested deeper than ``max_json_depth`` a 400 (checked before parsing), and a
+client that goes away while sending is not an error (499, nothing logged).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,10 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from serving.server.errors import APIError, error_body, validation_message
 
@@ -16,21 +25,56 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
+DEFAULT_MAX_DEPTH = 128  # ServerConfig.max_json_depth's default
+_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'"[]{}')))  # deleted before the depth scan
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON: 413 over ``limit`` bytes, 400 for invalid UTF-8 or JSON."""
+def json_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text (brackets inside strings do not count).
+    A few passes in C and numpy, never a Python loop per byte (8 MB: well under 0.2 s).
+
+    In valid JSON a backslash appears only in strings, where it escapes the next byte; so
+    dropping every ``\\\\`` pair, then every ``\\"``, leaves only the quotes that open and close
+    strings; a bracket is inside a string when an odd number of quotes precede it."""
+    s = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    a = np.frombuffer(s, dtype=np.uint8)
+    steps = np.zeros(a.size, dtype=np.int8)
+    steps[(a == 0x5B) | (a == 0x7B)] = 1
+    steps[(a == 0x5D) | (a == 0x7D)] = -1
+    steps[np.bitwise_xor.accumulate(a == 0x22)] = 0  # inside a string
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def check_json_type(request: Request) -> None:
+    """415 unless the body is declared JSON."""
+    declared = request.headers.get("content-type")
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(415, "the request body must be JSON sent with Content-Type: application/json"
+                        + (f" (got {declared[:100]!r})" if declared else " (no Content-Type was sent)"))
+
+
+async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """The body as JSON: 415 unless declared JSON, 413 over ``limit`` bytes, 400 for invalid
+    UTF-8 or JSON or nesting deeper than ``max_depth``; 499 if the client leaves meanwhile."""
+    check_json_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {length} bytes; the limit is {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the connection before it sent the whole body") from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
@@ -38,14 +82,19 @@ async def read_json(request: Request, limit: int) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    too_deep = f"the request body nests arrays and objects deeper than the limit of {max_depth} (max_json_depth)"
+    if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(raw) > max_depth:
+        raise APIError(400, too_deep)
     try:
         return json.loads(text, parse_constant=_no_constants)
+    except RecursionError:
+        raise APIError(400, too_deep) from None
     except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-async def parse_body(request: Request, model: type[M], limit: int) -> M:
-    data = await read_json(request, limit)
+async def parse_body(request: Request, model: type[M], limit: int, max_depth: int = DEFAULT_MAX_DEPTH) -> M:
+    data = await read_json(request, limit, max_depth)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -91,5 +140,5 @@ async def sse_stream(chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield sse(chunk)
     except APIError as e:
-        yield sse(error_body(e.status, e.message, e.param, e.code))
+        yield sse(error_body(e.status, e.message, e.param, e.code, e.kind))
     yield SSE_DONE

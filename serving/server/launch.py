@@ -1,7 +1,14 @@
-"""Start the engine process, then uvicorn; stop both cleanly on SIGTERM / SIGINT."""
+"""Start the engine process, then uvicorn; stop both cleanly on SIGTERM / SIGINT.
+
+The port is bound (and listened on) first, before the engine process starts: a port in use
+fails at once with a clear message, without loading the model or opening the L3 store (which
+may be the live server's). Connections made while the model loads wait in the backlog and
+are served once the server is ready.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -61,11 +68,36 @@ def _raise_interrupt(sig: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+class PortError(RuntimeError):
+    pass
+
+
+def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket bound to ``host:port`` and listening (as uvicorn would make it), for uvicorn
+    to serve on later; PortError naming the address if it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        hint = " (is another server running there? pick another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise PortError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
 def run_server(cfg: AppConfig) -> int:
     """Blocks until the server is stopped; returns the process exit status."""
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Until uvicorn installs its own handlers, SIGTERM interrupts the start like Ctrl-C does.
+    try:
+        sock = listen_socket(cfg.server.host, cfg.server.port)
+    except PortError as e:
+        log.error("%s; nothing was started (the model was not loaded)", e)
+        return 1
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     metrics = ServerMetrics()
     client = EngineClient(cfg.engine, cfg.server, metrics)
@@ -101,7 +133,7 @@ def run_server(cfg: AppConfig) -> int:
 
         client.on_gone = engine_gone
         signal.signal(signal.SIGTERM, previous)
-        server.run()
+        server.run(sockets=[sock])
         if not server.started or server.failed:
             return 1
     except EngineStartError as e:
@@ -111,6 +143,7 @@ def run_server(cfg: AppConfig) -> int:
         log.info("interrupted while starting")
         return 130
     finally:
+        sock.close()
         signal.signal(signal.SIGTERM, previous)
         code = client.stop(cfg.server.shutdown_timeout_s)
         if code == EXIT_BROKEN:

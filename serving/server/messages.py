@@ -8,9 +8,12 @@ HTTP -> engine: GenerateReq, AbortReq, OpenSession, CloseSession, FlushCache, Ch
 Stats, CacheEvents, Shutdown.  Engine -> HTTP: Ready (once, at start-up), TokenOut, Result, Error.
 
 Requests are matched by ``rid``; control calls (sessions, flush, integrity, stats) by
-``call_id``. TokenOut carries only the ids that are new since the previous TokenOut of that
-request (``offset`` says where they start): the HTTP side keeps the cumulative list, so a
-long generation does not resend its whole output every step. The first TokenOut of a request
+``call_id``. A control call carries its caller's ``deadline`` (``time.monotonic()``, one clock
+for both processes on Linux): the engine does not run a call whose caller already gave up (it
+answered 504), so a timed-out /flush_cache never flushes later. TokenOut carries only the ids
+that are new since the previous TokenOut of that request (``offset`` says where they start):
+the HTTP side keeps the cumulative list, so a long generation does not resend its whole
+output every step. The first TokenOut of a request
 (``offset`` 0, maybe no ids) is sent as soon as the engine accepted it: the HTTP side waits
 for it, or for an Error, before it answers, so validation errors get a proper status even on
 streaming requests.
@@ -43,27 +46,32 @@ class AbortReq:
 class OpenSession:
     call_id: int
     session_id: str | None = None
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
 @dataclass
 class CloseSession:
     call_id: int
     session_id: str
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
 @dataclass
 class FlushCache:
     call_id: int
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
 @dataclass
 class CheckIntegrity:
     call_id: int
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
 @dataclass
 class Stats:
     call_id: int
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
 @dataclass
@@ -71,6 +79,7 @@ class CacheEvents:
     call_id: int
     since: int = 0
     epoch: str | None = None
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
 @dataclass

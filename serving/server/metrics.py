@@ -3,27 +3,139 @@
 Latencies (time to first token, inter-token latency, end-to-end) are measured in the HTTP
 process, where clients see them. Token and page counts come from the engine process: each
 scrape of /metrics asks it for a fresh ``Stats`` snapshot, exposed by a custom collector.
+
+Names follow Prometheus' rules: counters end in ``_total``, gauges never do, and a quantity
+with a unit says it in base units (``_bytes``, ``_seconds``, ``_bytes_per_second``). The
+engine's L3 stats (``EngineCore.storage_stats()``) map key by key (``STORAGE_METRICS``):
+
+- ``hicache_storage_events_total{event}``: every L3 count: pages ``hits``, ``misses``,
+  ``corrupt``, ``stored``, ``store_failed``, ``pages_written``, ``pages_prefetched``,
+  ``write_pages_dropped``, prefetches ``prefetches_revoked``, and the backend's own counts
+  as ``backend_<name>`` (``backend_errors``, ``backend_evicted``, ``backend_timeouts`` ...);
+- ``hicache_storage_read_bytes_total`` / ``_written_bytes_total``, ``hicache_storage_read_seconds_total``
+  / ``_write_seconds_total`` (time inside reads and writes);
+- gauges ``hicache_storage_used_bytes``, ``hicache_storage_capacity_bytes``, ``hicache_storage_entries``,
+  ``hicache_storage_map_size_bytes``, ``hicache_storage_file_size_bytes`` (LMDB),
+  ``hicache_storage_connected`` (Mooncake, 0 or 1);
+- the load-or-recompute cost model: gauges ``hicache_cost_model_l3_read_bytes_per_second``,
+  ``hicache_cost_model_l3_fixed_seconds``, ``hicache_cost_model_prefill_tokens_per_second``; counters
+  ``hicache_cost_model_l3_refusals_total``, ``hicache_cost_model_recomputed_cached_tokens_total``.
+
+A key without an entry (a new backend's) is still exposed, untyped, as ``hicache_storage_stat{key}``.
+KV pools: ``hicache_pool_pages{pool,state}`` (state ``used`` or ``free``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "hicache"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+EVENTS = "storage_events"  # the counter family for dimensionless L3 counts, labelled by event
+
+
+class StorageMetric(NamedTuple):
+    kind: str  # "counter" | "gauge"
+    name: str  # after PREFIX_, without _total (prometheus_client appends it to counters)
+    doc: str
+    scale: float = 1.0  # multiplies the stat into the metric's base unit
+    skip_negative: bool = False  # a negative value means "unknown": not exposed
+
+
+def _event(doc: str) -> StorageMetric:
+    return StorageMetric("counter", EVENTS, doc)
+
+
+STORAGE_METRICS: dict[str, StorageMetric] = {
+    # the storage tier (hicache.tiers.storage), pages
+    "hits": _event("pages loaded from L3 and verified"),
+    "misses": _event("pages asked of L3 and not loaded"),
+    "corrupt": _event("pages L3 returned that failed their checksum (deleted, treated as misses)"),
+    "stored": _event("pages written to L3"),
+    "store_failed": _event("pages L3 failed to write"),
+    "bytes_read": StorageMetric("counter", "storage_read_bytes", "Bytes read from L3 (trailers included)"),
+    "bytes_written": StorageMetric("counter", "storage_written_bytes", "Bytes written to L3 (trailers included)"),
+    "read_s": StorageMetric("counter", "storage_read_seconds", "Wall time spent in L3 reads"),
+    "write_s": StorageMetric("counter", "storage_write_seconds", "Wall time spent in L3 writes"),
+    # the storage controller (serving.storage_controller)
+    "pages_written": _event("pages the write-back wrote to L3"),
+    "pages_prefetched": _event("pages prefetched from L3 into L2"),
+    "prefetches_revoked": _event("prefetches revoked"),
+    "write_pages_dropped": _event("pages whose write-back was dropped (queue full)"),
+    # the load-or-recompute policy (serving.cost_model)
+    "cost_l3_read_gbps": StorageMetric("gauge", "cost_model_l3_read_bytes_per_second",
+                                       "Estimated L3 read bandwidth", 1e9),
+    "cost_l3_fixed_ms": StorageMetric("gauge", "cost_model_l3_fixed_seconds",
+                                      "Estimated fixed cost of one L3 read", 1e-3),
+    "cost_prefill_tok_s": StorageMetric("gauge", "cost_model_prefill_tokens_per_second", "Estimated prefill rate"),
+    "cost_l3_refusals": StorageMetric("counter", "cost_model_l3_refusals",
+                                      "Requests whose L3 pages were recomputed rather than loaded"),
+    "cost_tokens_recomputed_although_cached": StorageMetric(
+        "counter", "cost_model_recomputed_cached_tokens", "Tokens recomputed although L3 held them"),
+    # backends (hicache.tiers.lmdb_store, hicache.tiers.mooncake_store)
+    "backend.errors": _event("backend errors"),
+    "backend.evicted": _event("entries the backend evicted"),
+    "backend.deleted": _event("entries the backend deleted"),
+    "backend.map_grows": _event("LMDB map resizes"),
+    "backend.timeouts": _event("backend calls that timed out"),
+    "backend.unavailable": _event("backend calls refused while it was unavailable"),
+    "backend.setups": _event("backend connection set-ups"),
+    "backend.reconnects": _event("backend reconnections"),
+    "backend.used_bytes": StorageMetric("gauge", "storage_used_bytes", "Bytes of L3 in use"),
+    "backend.capacity_bytes": StorageMetric("gauge", "storage_capacity_bytes", "L3 capacity"),
+    "backend.entries": StorageMetric("gauge", "storage_entries", "Values held by L3", skip_negative=True),
+    "backend.map_size": StorageMetric("gauge", "storage_map_size_bytes", "LMDB map size"),
+    "backend.file_bytes": StorageMetric("gauge", "storage_file_size_bytes", "LMDB data file size",
+                                        skip_negative=True),
+    "backend.connected": StorageMetric("gauge", "storage_connected", "1 while the backend is connected"),
+}
+
+
+def event_label(key: str) -> str:
+    return key.replace("backend.", "backend_")
+
+
+def storage_families(stats: dict[str, float]) -> Iterator[Metric]:
+    """The metric families of the engine's L3 stats (see the module docstring)."""
+    events = CounterMetricFamily(f"{PREFIX}_{EVENTS}", "L3 storage events, by kind (see each event's name)",
+                                 labels=["event"])
+    unknown = UnknownMetricFamily(f"{PREFIX}_storage_stat", "L3 stats without a metric of their own",
+                                  labels=["key"])
+    singles: list[Metric] = []
+    for key, value in sorted(stats.items()):
+        spec = STORAGE_METRICS.get(key)
+        if spec is None:
+            unknown.add_metric([key], float(value))
+        elif spec.skip_negative and value < 0:
+            continue
+        elif spec.name == EVENTS:
+            events.add_metric([event_label(key)], float(value))
+        else:
+            family = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            singles.append(family(f"{PREFIX}_{spec.name}", spec.doc, value=float(value) * spec.scale))
+    yield events
+    yield from singles
+    if unknown.samples:
+        yield unknown
 
 
 class EngineCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: dict[str, Any] = {}
+        self.stall_s = 0.0
 
     def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_engine_stall_seconds",
+            "Seconds the engine has made no progress while work is pending (the watchdog's measure)",
+            value=self.stall_s,
+        )
         s = self.snapshot
         if not s:
             return
@@ -41,23 +153,17 @@ class EngineCollector(Collector):
         for tier, n in sorted(s["cached_by_tier"].items()):
             hits.add_metric([tier], n)
         yield hits
-        used = GaugeMetricFamily(
-            f"{PREFIX}_pages_used", "KV pages in use or cached, by pool", labels=["pool"]
+        pages = GaugeMetricFamily(
+            f"{PREFIX}_pool_pages", "KV pages by pool and state (used: in use or cached; free)",
+            labels=["pool", "state"],
         )
-        total = GaugeMetricFamily(f"{PREFIX}_pages_total", "KV pages, by pool", labels=["pool"])
         for pool, p in sorted(s["pages"].items()):
-            used.add_metric([pool], p["used"])
-            total.add_metric([pool], p["total"])
-        yield used
-        yield total
+            pages.add_metric([pool, "used"], p["used"])
+            pages.add_metric([pool, "free"], p["total"] - p["used"])
+        yield pages
         storage = s.get("storage") or {}
         if storage:
-            fam = CounterMetricFamily(
-                f"{PREFIX}_storage_pages", "L3 storage tier page counters (hits, misses, corrupt, stored, "
-                "errors, ...)", labels=["event"])
-            for event, n in sorted(storage.items()):
-                fam.add_metric([event.replace("backend.", "backend_")], float(n))
-            yield fam
+            yield from storage_families(storage)
         yield GaugeMetricFamily(f"{PREFIX}_num_running_reqs", "Requests running", value=s["running"])
         yield GaugeMetricFamily(f"{PREFIX}_num_waiting_reqs", "Requests waiting", value=s["waiting"])
         yield GaugeMetricFamily(f"{PREFIX}_num_sessions", "Open sessions", value=s["sessions"])
@@ -103,6 +209,7 @@ class ServerMetrics:
         if state.finished:
             self.e2e.observe(now - state.created)
 
-    def render(self, snapshot: dict[str, Any]) -> bytes:
-        self.engine.snapshot = snapshot
+    def render(self, snapshot: dict[str, Any], stall_s: float = 0.0) -> bytes:
+        """The exposition text; ``snapshot``: the engine's Stats ({} when it did not answer)."""
+        self.engine.snapshot, self.engine.stall_s = snapshot, stall_s
         return generate_latest(self.registry)

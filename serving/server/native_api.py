@@ -38,7 +38,7 @@ def meta_info(st: ReqState) -> dict[str, Any]:
 @router.post("/generate")
 async def generate(request: Request) -> Any:
     ctx = get_ctx(request)
-    body = await parse_body(request, GenerateRequest, ctx.server.max_request_bytes)
+    body = await parse_body(request, GenerateRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     prompts = body.prompts
     if body.batched and (body.stream or body.rid is not None):
         raise APIError(400, "stream and rid need a single prompt, not a batch", param="stream")

@@ -69,14 +69,15 @@ def _stop(body: OpenAISampling) -> list[str]:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
     ctx = get_ctx(request)
-    body = await parse_body(request, ChatCompletionRequest, ctx.server.max_request_bytes)
+    body = await parse_body(request, ChatCompletionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    model = ctx.check_model(body.model)
     ids = ctx.chat_ids([msg.as_template_dict() for msg in body.messages])
     max_tokens = body.requested_max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(ids))
     req = ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, param_name=name)
-    head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": body.model}
+    head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
         text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, _skip_special(body))
@@ -130,7 +131,8 @@ async def _chat_chunks(
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
     ctx = get_ctx(request)
-    body = await parse_body(request, CompletionRequest, ctx.server.max_request_bytes)
+    body = await parse_body(request, CompletionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    model = ctx.check_model(body.model)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     reqs = []
     for prompt in body.prompt:
@@ -138,7 +140,7 @@ async def completions(request: Request) -> Any:
         reqs.append(
             ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt")
         )
-    head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": body.model}
+    head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": model}
     if not body.stream:
         states = await unless_disconnected(request, run_all(ctx.client, reqs))
         choices = [

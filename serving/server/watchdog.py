@@ -1,0 +1,71 @@
+"""The engine watchdog: a heartbeat the engine process writes into shared memory and the HTTP
+process reads, so that ``/health`` tells whether the engine is making progress.
+
+The heartbeat is four doubles (a ``multiprocessing`` RawArray, no lock: each slot is written
+by the engine alone, and a torn read at worst misjudges one check):
+
+- ``PROGRESS``: ``time.monotonic()`` when the engine last made progress: a step that ran a
+  forward pass or finished a request, or a turn of its loop with nothing to do;
+- ``BEAT``: when its loop last went round (whether or not it made progress);
+- ``BUSY``: 1.0 while the scheduler has requests (running or waiting), else 0.0;
+- ``FORWARD_PASSES``: the scheduler's forward-pass count.
+
+``time.monotonic()`` is the system-wide CLOCK_MONOTONIC on Linux, so both processes read the
+same clock. The HTTP side (``EngineClient.stall_s``) calls the engine stalled once it has
+made no progress for ``watchdog_timeout`` seconds while work is pending: requests or calls
+the HTTP side waits on, or requests the engine itself holds. An idle engine is never stalled;
+one stopped while idle is noticed as soon as something is asked of it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+PROGRESS, BEAT, BUSY, FORWARD_PASSES = range(4)
+SLOTS = 4
+
+
+def make_heartbeat(ctx: Any) -> Any:
+    """A fresh heartbeat in shared memory (``ctx``: a multiprocessing context), stamped now."""
+    hb = ctx.RawArray("d", SLOTS)
+    now = time.monotonic()
+    hb[PROGRESS] = hb[BEAT] = now
+    return hb
+
+
+class HeartbeatWriter:
+    """The engine loop's side: ``beat()`` once per turn of the loop."""
+
+    def __init__(self, hb: Any | None) -> None:
+        self.hb = hb
+
+    def beat(self, busy: bool, progressed: bool, forward_passes: int) -> None:
+        hb = self.hb
+        if hb is None:
+            return
+        now = time.monotonic()
+        if progressed or not busy:
+            hb[PROGRESS] = now
+        hb[BEAT] = now
+        hb[BUSY] = 1.0 if busy else 0.0
+        hb[FORWARD_PASSES] = float(forward_passes)
+
+
+def stall_seconds(hb: Any | None, waiting_since: float | None, now: float | None = None) -> float:
+    """How long the engine has made no progress while work is pending; 0.0 when nothing is.
+
+    ``waiting_since``: since when the HTTP side has been waiting on the engine without a
+    break (None: it waits on nothing). A stall is counted from the later of that moment and
+    the engine's last progress, so an engine stopped while idle is not blamed for the time
+    before anyone asked it for something.
+    """
+    if hb is None:
+        return 0.0
+    engine_busy = hb[BUSY] > 0.0
+    if waiting_since is None and not engine_busy:
+        return 0.0
+    start = hb[PROGRESS]
+    if waiting_since is not None:
+        start = max(start, waiting_since)
+    return max(0.0, (time.monotonic() if now is None else now) - start)
