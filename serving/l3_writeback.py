@@ -23,6 +23,7 @@ Concurrency contract (the class owns it):
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from hicache.hiradix import HiRadixTree
 from hicache.hiradix.node import TreeNode
 from hicache.keys import page_keys
+from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
 
@@ -61,6 +63,7 @@ class WriteBack:
         self._queued_pages = 0
         self.pages_written = 0
         self.pages_dropped = 0
+        self._warn = RateLimitedLog(logging.getLogger("hicache.storage"))
         self.before_write = None  # test hook: called on the writer thread before each write
 
     @property
@@ -81,6 +84,9 @@ class WriteBack:
         pages = list(node.host_pages[done:])
         if self._queued_pages and self._queued_pages + len(pages) > self.max_queued_pages:
             self.pages_dropped += len(pages)  # under pressure: retried at the next backup or hit
+            self._warn.warning("write_dropped", "L3 write-back queue full (%d pages queued, the cap is %d): "
+                               "the write of %d pages is dropped for now", self._queued_pages,
+                               self.max_queued_pages, len(pages))
             return
         tokens = self.tree.path_tokens(node)
         first = len(tokens) // self.page_size - npages + done

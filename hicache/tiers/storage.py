@@ -14,6 +14,7 @@ Two data paths, chosen per call:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.base import REJECTED, TOO_LARGE, StagingBuffer, StorageBackend
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
@@ -31,6 +33,7 @@ from hicache.tiers.mooncake_store import MooncakeStore
 from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
 
 __all__ = ["TRAILER_SIZE", "PageCodec", "StorageTier", "STORAGE_BACKENDS", "make_storage"]
+log = logging.getLogger("hicache.storage")
 
 
 class StorageTier:
@@ -75,6 +78,7 @@ class StorageTier:
         self._local = threading.local()
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-frame")
         self._lock = threading.Lock()
+        self._warn = RateLimitedLog(log)  # corrupt values and failed writes are logged, not only counted
         self._views: dict[int, np.ndarray] = {}
         self._stats: dict[str, float] = dict.fromkeys(
             ("hits", "misses", "corrupt", "stored", "store_failed", "bytes_read", "bytes_written", "read_s",
@@ -141,6 +145,9 @@ class StorageTier:
             self._stats["stored"] += done
             self._stats["store_failed"] += len(keys) - done
             self._stats["write_s"] += time.perf_counter() - t0
+        if done < len(keys):
+            self._warn.warning("store_failed", "L3: %d of %d pages could not be written (%s); they are not marked "
+                               "stored", len(keys) - done, len(keys), type(self.backend).__name__)
         return done
 
     def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> None:
@@ -252,6 +259,8 @@ class StorageTier:
     def _corrupt(self, key: str) -> None:
         with self._lock:
             self._stats["corrupt"] += 1
+        self._warn.warning("corrupt", "L3: the value of page %s failed its check (corrupt); deleted, and the page "
+                           "is recomputed", key)
         self.backend.delete(key)
 
     def _check(self, keys: Sequence[str], pool: HostKVPool, pages: Sequence[int]) -> None:
