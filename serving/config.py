@@ -47,6 +47,14 @@ class SchedulerConfig:
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
     grammar_backend: str = "xgrammar"  # structured output (json_schema / regex / ebnf); none: off
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
+    # Grammar budgets (serving/grammar/compile_pool.py). A grammar compiles off the scheduler thread
+    # while its request waits in the queue; past the time budget its trial compile (in a worker process)
+    # is killed and the request fails with a 400 naming the budget. Legitimate grammars compile in
+    # milliseconds to ~1 s; a 600-byte regex can take minutes.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_max_bytes: int = 32768  # a json_schema / regex / ebnf text over this is a 400 at once
+    grammar_compile_workers: int = 2  # worker processes for trial compiles (started with the first grammar)
+    grammar_max_pending_compiles: int = 128  # distinct grammars queued or compiling; beyond: 429
     disable_overlap_schedule: bool = False  # CUDA: prepare batch N+1 while the GPU runs batch N
 
     def __post_init__(self) -> None:
@@ -56,6 +64,11 @@ class SchedulerConfig:
             raise ValueError("chunked_prefill_size must be positive or -1 (off)")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("max_total_tokens must be positive")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be positive")
+        for name in ("grammar_max_bytes", "grammar_compile_workers", "grammar_max_pending_compiles"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}")
 

@@ -57,8 +57,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.req_cache, self.runner.forward, StopChecker(self.eos_ids, decode),
             self.runner.context_len, self.runner.device)
-        self.grammar = make_grammar_runner(config.scheduler.grammar_backend, config.scheduler.jump_forward,
-                                           self.tokenizer, self.runner.arch.vocab_size, self.eos_ids)
+        self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
+                                           self.eos_ids)
         self.scheduler.grammar = self.grammar
         if self.storage is not None:  # the load-vs-recompute model learns the prefill rate
             self.scheduler.prefill_observer = self.storage.load_policy.observe_prefill
@@ -85,13 +85,16 @@ class EngineCore:
                      session_id: str | None = None, rid: str | None = None) -> Req:
         if (input_ids is None) == (text is None):
             raise InvalidRequest("give exactly one of text or input_ids")
-        if text is not None:
+        if text is not None:  # only the offline Engine sends text (in its caller's thread); the server sends ids
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer; send input_ids")
             if not isinstance(text, str):
                 raise InvalidRequest("text must be a string")
             input_ids = self.tokenizer.encode(text)
         vocab = self.runner.arch.vocab_size
+        n, ctx = len(input_ids) if isinstance(input_ids, list) else 0, self.runner.context_len
+        if n >= ctx:  # before the O(n) scan below
+            raise InvalidRequest(f"the prompt has {n} tokens; this model's context length is {ctx}")
         if not isinstance(input_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in input_ids):
             raise InvalidRequest(f"input_ids must be a list of integers in [0, {vocab})")
@@ -101,7 +104,9 @@ class EngineCore:
             raise KeyError(f"unknown session_id {session_id!r}")
         req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id)
         self.scheduler.validate(req)
-        req.grammar = self.grammar.new_state(params)  # parsed here (400 if invalid), compiled on a worker
+        # size-checked here (400); parsed and compiled off this thread, within the time budget, while
+        # the request waits in the queue (the scheduler admits it once its grammar is ready)
+        req.grammar = self.grammar.new_state(params)
         return req
 
     def add(self, req: Req) -> None:
@@ -158,3 +163,4 @@ class EngineCore:
             self.storage.shutdown()
         if self.controller is not None:
             self.controller.shutdown()
+        self.grammar.shutdown()

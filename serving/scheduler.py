@@ -80,12 +80,17 @@ class Scheduler:
             raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds {capacity}")
 
     def add(self, req: Req) -> None:
-        self.validate(req)
-        if len(self.waiting) >= self.config.max_queued_requests:
-            raise OverflowError(f"the queue is full ({len(self.waiting)} requests waiting)")
+        try:
+            self.validate(req)
+            if len(self.waiting) >= self.config.max_queued_requests:
+                raise OverflowError(f"the queue is full ({len(self.waiting)} requests waiting)")
+        except Exception:
+            self._release_grammar(req)  # its compile is not waited for
+            raise
         self.stats.prompt_tokens += len(req.input_ids)
         if req.sampling.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
+            self._release_grammar(req)
             return
         self.waiting.append(req)
 
@@ -123,6 +128,7 @@ class Scheduler:
         else:
             overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
         self.cache.poll()
+        self._poll_grammars()
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
         self._step_prefill = sum(n for _, n in chunks)
@@ -178,6 +184,23 @@ class Scheduler:
         r.finish_reason = reason
         self.cache.release(r)
         self.sampler.forget(r.rid)
+        self._release_grammar(r)
+
+    # -- structured output: requests wait in the queue until their grammar compiled -------
+    def _release_grammar(self, r: Req) -> None:
+        if r.grammar is not None and self.grammar is not None:
+            self.grammar.release(r.grammar)  # the last request waiting for a compile cancels it
+
+    def _poll_grammars(self) -> None:
+        """Never waits: a request whose grammar is still compiling stays in the queue (skipped
+        by admission); one whose compile failed (invalid, over the time budget) finishes."""
+        if self.grammar is None:
+            return
+        for r in [r for r in self.waiting if r.grammar is not None and not r.grammar.ready]:
+            if self.grammar.poll(r.grammar) and r.grammar.failure is not None:
+                self.waiting.remove(r)
+                self._finish(r, r.grammar.failure)
+                self._finished_outside_step.append(r)
 
     # -- decode reservation and retraction ------------------------------------------------
     def _reserve_decode(self) -> list[Req]:
@@ -230,7 +253,8 @@ class Scheduler:
             return chunks
         for r in self.waiting:
             self.cache.advance_prefetch(r)
-        order = self.policy.order(self.waiting, lambda r: self.cache.peek_prefix_len(r))
+        ready = [r for r in self.waiting if r.grammar is None or r.grammar.ready]  # the rest still compile
+        order = self.policy.order(ready, lambda r: self.cache.peek_prefix_len(r)) if ready else []
         for r in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break

@@ -1,5 +1,6 @@
-"""The grammar-backend contract: parse (cheap, at validation), compile (may be slow, thread-safe),
-per-request matchers, token masks filled for a batch and applied to logits."""
+"""The grammar-backend contract: parse and compile (both may be slow: run on worker threads,
+after a trial in a worker process, see ``compile_pool``), per-request matchers, token masks
+filled for a batch and applied to logits."""
 
 from __future__ import annotations
 
@@ -32,12 +33,21 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def parse(self, kind: str, text: str) -> Any:
-        """Check ``text`` of ``kind`` (json_schema / regex / ebnf); raise GrammarError.
-        Cheap (no tokenizer work): runs on the request's validation path."""
+        """Check ``text`` of ``kind`` (json_schema / regex / ebnf); raise GrammarError naming
+        the problem. No tokenizer work, but not always cheap (a schema of many integer ranges:
+        ~10 us per byte): runs on a worker thread, never on the scheduler's."""
 
     @abstractmethod
     def compile(self, parsed: Any) -> Any:
-        """The compiled grammar of a ``parse`` result; runs on a worker thread."""
+        """The compiled grammar of a ``parse`` result (GrammarError if it fails); runs on a
+        worker thread, and only for a grammar whose trial compiled within the time budget."""
+
+    @abstractmethod
+    def worker_spec(self) -> tuple[str, Any]:
+        """How a compile worker process (``compile_worker``) rebuilds this backend's parse and
+        compile for trials: ``("module:function", config)``, where ``function(config)`` (run
+        in the worker; ``config`` msgpack-able) returns ``compile(kind, text)`` that parses and
+        compiles, raising GrammarError for a grammar it cannot use."""
 
     @abstractmethod
     def new_matcher(self, compiled: Any) -> Matcher: ...

@@ -2,8 +2,10 @@
 
 A repeated schema is neither parsed nor compiled again (the future is shared, so requests
 that arrive while it is still compiling wait on the same compile). A compile that failed is
-dropped, so it is retried next time. The backend's own compiler may cache too (xgrammar's
-does); this cache also saves the parse and keeps the number of live grammars bounded.
+dropped, so it is retried next time, unless its error says ``cached`` (a grammar over the
+compile time budget: sent again, it fails at once instead of costing another budget). The
+backend's own compiler may cache too (xgrammar's does); this cache also saves the parse and
+keeps the number of live grammars bounded.
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ class CompiledGrammarCache:
         fut.add_done_callback(lambda f: self._drop_failed(key, f))
         return fut
 
+    def discard(self, key: Key, fut: Future[Any]) -> None:
+        """Forget ``key`` if it still maps to ``fut`` (a compile being cancelled)."""
+        with self._lock:
+            if self._items.get(key) is fut:
+                del self._items[key]
+
     def _drop_failed(self, key: Key, fut: Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            with self._lock:
-                if self._items.get(key) is fut:
-                    del self._items[key]
+        if fut.cancelled() or (fut.exception() is not None and not getattr(fut.exception(), "cached", False)):
+            self.discard(key, fut)
 
     def stats(self) -> dict[str, int]:
         return {"size": len(self._items), "hits": self.hits, "misses": self.misses}

@@ -1,8 +1,14 @@
 """What the scheduler calls for structured output.
 
-Per request, a :class:`GrammarState` (created at validation: the grammar is parsed there, so
-an invalid one is a 400 before the request reaches a batch; the compile runs on a worker
-thread and is joined only when the request's first token is sampled, so it overlaps prefill).
+Per request, a :class:`GrammarState` (created at validation, ``new_state``): only a size check
+runs there (over ``grammar_max_bytes``: a 400 naming the limit). Parsing and compiling run off
+the scheduler thread (``compile_pool``): a trial in a worker process that is killed past
+``grammar_compile_timeout_s``, then the compile in this process. Until the grammar is ready
+the request waits in the queue while others run: the scheduler calls ``poll`` each step and
+admits the request once its matcher exists, or finishes it with ``failure`` (an invalid
+grammar, or one over the time budget: status 400 with a message naming the problem). A
+request that leaves (finished, aborted) calls ``release``: the last request waiting for a
+compile cancels it.
 
 Per step:
 
@@ -36,13 +42,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from serving.grammar.base import GrammarBackend, GrammarError, Matcher
+from serving.grammar.compile_pool import CompileJob, CompilePool
 from serving.grammar.lru import CompiledGrammarCache
 from serving.grammar.registry import make_grammar_backend
 from serving.grammar.spec import grammar_spec
@@ -58,31 +65,25 @@ MAX_JUMP_TOKENS = 256  # look-ahead bound per step
 
 @dataclass
 class GrammarState:
-    """A request's grammar: its compile (shared through the cache) and its own matcher."""
+    """A request's grammar: its compile (shared through the cache) and, once that is done, its
+    own matcher."""
 
     kind: str
     text: str
-    compiled: Future[Any]
+    job: CompileJob
     matcher: Matcher | None = None
-    error: str | None = None
+    failure: dict[str, Any] | None = None  # the request's finish reason when the compile failed
+    released: bool = False
 
-    def ready_matcher(self, backend: GrammarBackend) -> Matcher | None:
-        """The matcher, waiting for the compile if needed; None if the compile failed."""
-        if self.matcher is None and self.error is None:
-            try:
-                compiled = self.compiled.result()
-            except Exception as e:
-                self.error = str(e) or type(e).__name__
-                return None
-            self.matcher = backend.new_matcher(compiled)
-        return self.matcher
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
 
 
 @dataclass
 class GrammarStats:
     masked_steps: int = 0  # steps with at least one constrained row
     masked_rows: int = 0
-    compile_wait_s: float = 0.0  # worker waiting for compiles (first token of a new grammar)
     fill_s: float = 0.0  # mask fill, on the worker thread (overlaps the forward pass)
     wait_s: float = 0.0  # scheduler blocked joining the worker after the forward pass
     apply_s: float = 0.0  # masks applied to logits
@@ -110,14 +111,17 @@ class MaskJob:
 
 class GrammarRunner:
     def __init__(self, backend: GrammarBackend | None, jump_forward: bool = True,
-                 off_reason: str = "", cache_capacity: int = 256) -> None:
+                 off_reason: str = "", cache_capacity: int = 256, compile_timeout_s: float = 10.0,
+                 max_grammar_bytes: int = 32768, compile_workers: int = 2, max_pending_compiles: int = 128) -> None:
         self.backend = backend
         self.enable_jump_forward = jump_forward
         self.min_jump_tokens = MIN_JUMP_TOKENS
         self.off_reason = off_reason
+        self.max_grammar_bytes = max_grammar_bytes
         self.cache = CompiledGrammarCache(cache_capacity)
         self.stats = GrammarStats()
-        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.compiles = CompilePool(backend, compile_workers, compile_timeout_s, max_pending_compiles) \
+            if backend is not None else None
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._mask = backend.allocate_mask(64) if backend is not None else None
         self._job: MaskJob | None = None
@@ -128,24 +132,59 @@ class GrammarRunner:
 
     # -- requests --------------------------------------------------------------------------
     def new_state(self, params: Any) -> GrammarState | None:
-        """The state for a request's SamplingParams (None: unconstrained). Parses the grammar
-        now (InvalidRequest naming the problem) and starts its compile unless cached."""
+        """The state for a request's SamplingParams (None: unconstrained). Checks the size
+        (InvalidRequest naming the limit) and starts the compile unless cached; raises
+        OverflowError (a 429) when too many grammars are waiting to compile."""
         spec = grammar_spec(params)
         if spec is None:
             return None
-        if self.backend is None:
+        if self.backend is None or self.compiles is None:
             raise InvalidRequest(f"{spec[0]}: structured output is not available ({self.off_reason})")
-        backend = self.backend
+        kind, text = spec
+        nbytes = len(text.encode("utf-8", "surrogatepass"))  # bounded by the request's body limit
+        if nbytes > self.max_grammar_bytes:
+            raise InvalidRequest(f"the {kind} is {nbytes} bytes, over the limit of {self.max_grammar_bytes} "
+                                 f"bytes (grammar_max_bytes)")
+        compiles = self.compiles
+        job = self.cache.get_or_start(spec, lambda: compiles.submit(kind, text))
+        assert isinstance(job, CompileJob)
+        job.waiters += 1
+        return GrammarState(kind, text, job)
 
-        def start() -> Future[Any]:
-            parsed = backend.parse(*spec)
-            return self._compile_pool.submit(backend.compile, parsed)
-
+    def poll(self, st: GrammarState) -> bool:
+        """True once ``st`` is settled: ready (its matcher made), or failed (``st.failure``)."""
+        if st.matcher is not None or st.failure is not None:
+            return True
+        job = st.job
+        if not job.done():
+            return False
+        assert self.backend is not None
         try:
-            fut = self.cache.get_or_start(spec, start)
+            compiled = job.result()
+        except CancelledError:  # only when nobody waits for it; a request polling it still does
+            st.failure = _failure(f"the {st.kind} compile was cancelled", 503)
         except GrammarError as e:
-            raise InvalidRequest(str(e)) from None
-        return GrammarState(spec[0], spec[1], fut)
+            st.failure = _failure(str(e), 400)
+        except Exception as e:
+            st.failure = _failure(str(e) or type(e).__name__, getattr(e, "status", 500))
+        else:
+            st.matcher = self.backend.new_matcher(compiled)
+            return True
+        self.release(st)
+        return True
+
+    def release(self, st: GrammarState) -> None:
+        """The request holding ``st`` finished or left: the last one waiting cancels the compile."""
+        if st.released or self.compiles is None:
+            return
+        st.released = True
+        if self.compiles.release(st.job):
+            self.cache.discard((st.kind, st.text), st.job)
+
+    def shutdown(self) -> None:
+        if self.compiles is not None:
+            self.compiles.shutdown()
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def active(reqs: Sequence[Any]) -> bool:
@@ -171,28 +210,19 @@ class GrammarRunner:
     def _fill(self, states: list[GrammarState], rows: list[int]) -> list[int]:
         t0 = time.perf_counter()
         assert self.backend is not None and self._mask is not None
-        matchers, filled = [], []
-        for st, row in zip(states, rows, strict=True):
-            m = st.ready_matcher(self.backend)  # waits for a compile still running
-            if m is not None:  # a failed compile: unmasked here, finished by accept()
-                matchers.append(m)
-                filled.append(row)
-        t1 = time.perf_counter()
-        if matchers:
-            self.backend.fill_masks(matchers, self._mask, filled)
-        self.stats.compile_wait_s += t1 - t0
-        self.stats.fill_s += time.perf_counter() - t1
-        return filled
+        matchers = [st.matcher for st in states]  # the scheduler admits a request once it has its matcher
+        assert all(m is not None for m in matchers)
+        self.backend.fill_masks(matchers, self._mask, rows)  # type: ignore[arg-type]
+        self.stats.fill_s += time.perf_counter() - t0
+        return rows
 
     def accept(self, r: Any, tok: int) -> dict[str, Any] | None:
         """Advance ``r``'s matcher by ``tok``; a finish reason when the request must end."""
         st: GrammarState = r.grammar
-        assert self.backend is not None
         if self._job is not None and not self._job.future.done():
             self._job.future.result()
-        m = st.ready_matcher(self.backend)
-        if m is None:
-            return {"type": "abort", "message": f"the {st.kind} failed to compile: {st.error}"}
+        m = st.matcher
+        assert m is not None
         if not m.accept_token(tok):
             return {"type": "abort", "message": f"token {tok} does not match the {st.kind}"}
         if m.is_terminated():
@@ -229,16 +259,25 @@ class GrammarRunner:
         self.stats.jump_s += time.perf_counter() - t0
 
     def stats_dict(self) -> dict[str, Any]:
-        return {**asdict(self.stats), "cache": self.cache.stats()}
+        compiles = self.compiles.stats() if self.compiles is not None else {}
+        return {**asdict(self.stats), "cache": self.cache.stats(), "compiles": compiles}
 
 
-def make_grammar_runner(backend_name: str, jump_forward: bool, tokenizer: Any, vocab_size: int,
-                        stop_ids: Sequence[int]) -> GrammarRunner:
-    """The engine's runner; a disabled one (requests with a grammar get a 400) when the backend
-    is ``none`` or the model has no tokenizer."""
-    if backend_name == "none":
+def _failure(message: str, status: int) -> dict[str, Any]:
+    """The finish reason of a request whose grammar could not be used: the engine process
+    answers it with an error of ``status`` (see serving.server.engine_proc)."""
+    return {"type": "abort", "message": message, "status": status}
+
+
+def make_grammar_runner(config: Any, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> GrammarRunner:
+    """The engine's runner for a SchedulerConfig; a disabled one (requests with a grammar get a
+    400) when the backend is ``none`` or the model has no tokenizer."""
+    if config.grammar_backend == "none":
         return GrammarRunner(None, off_reason="the server runs with --grammar-backend none")
     if tokenizer is None:
         return GrammarRunner(None, off_reason="this model has no tokenizer")
     hf = getattr(tokenizer, "hf", tokenizer)
-    return GrammarRunner(make_grammar_backend(backend_name, hf, vocab_size, stop_ids), jump_forward)
+    return GrammarRunner(
+        make_grammar_backend(config.grammar_backend, hf, vocab_size, stop_ids), config.jump_forward,
+        compile_timeout_s=config.grammar_compile_timeout_s, max_grammar_bytes=config.grammar_max_bytes,
+        compile_workers=config.grammar_compile_workers, max_pending_compiles=config.grammar_max_pending_compiles)

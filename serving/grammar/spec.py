@@ -30,7 +30,12 @@ def normalize_grammar_params(d: dict[str, Any]) -> str | None:
     kind = given[0]
     value = d[kind]
     if kind == "json_schema" and isinstance(value, dict | bool):
-        d[kind] = value = json.dumps(value)
+        try:
+            d[kind] = value = json.dumps(value)
+        except RecursionError:
+            return "json_schema is nested too deeply"
+        except (TypeError, ValueError) as e:
+            return f"json_schema is not valid JSON: {e}"
     if not isinstance(value, str) or not value.strip():
         what = "a JSON schema (a string or an object)" if kind == "json_schema" else "a non-empty string"
         return f"{kind} must be {what}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,50 @@ def clean_error(e: BaseException) -> str:
     return text[:300]
 
 
+def parse_grammar(kind: str, text: str) -> xgr.Grammar:
+    """``text`` of ``kind`` as an xgrammar Grammar; GrammarError names the problem."""
+    try:
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"invalid json_schema: not valid JSON ({e})") from None
+            if not isinstance(schema, dict | bool):
+                raise GrammarError("invalid json_schema: a schema must be a JSON object")
+            # compact JSON (fixed separators ", " and ": "): small models otherwise tend to
+            # emit runs of whitespace, and a fixed layout gives jump-forward more to skip
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "ebnf":
+            return xgr.Grammar.from_ebnf(text)
+    except GrammarError:
+        raise
+    except RecursionError:
+        raise GrammarError(f"invalid {kind}: nested too deeply") from None
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError with the C++ message
+        raise GrammarError(f"invalid {kind}: {clean_error(e)}") from None
+    raise GrammarError(f"unknown grammar kind {kind!r}")
+
+
+def compile_grammar(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+    try:
+        return compiler.compile_grammar(grammar)
+    except Exception as e:
+        raise GrammarError(f"the grammar failed to compile: {clean_error(e)}") from None
+
+
+def worker_compiler(config: dict[str, Any]) -> Callable[[str, str], None]:
+    """In a compile worker process (see compile_worker): parse and compile, keep nothing."""
+    info = xgr.TokenizerInfo.deserialize_json(config["tokenizer_info"])
+    compiler = xgr.GrammarCompiler(info, max_threads=int(config["threads"]), cache_enabled=False)
+
+    def trial(kind: str, text: str) -> None:
+        compile_grammar(compiler, parse_grammar(kind, text))
+
+    return trial
+
+
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
@@ -34,7 +78,7 @@ class XGrammarBackend(GrammarBackend):
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids) or None)
-        threads = max(1, min(8, os.cpu_count() or 1))
+        self.threads = threads = max(1, min(8, os.cpu_count() or 1))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_limit_bytes=cache_limit_bytes)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=threads)
         self.stop_ids = frozenset(self.info.stop_token_ids)
@@ -42,29 +86,14 @@ class XGrammarBackend(GrammarBackend):
 
     # -- grammars --------------------------------------------------------------------------
     def parse(self, kind: str, text: str) -> xgr.Grammar:
-        try:
-            if kind == "json_schema":
-                try:
-                    schema = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise GrammarError(f"invalid json_schema: not valid JSON ({e})") from None
-                if not isinstance(schema, dict | bool):
-                    raise GrammarError("invalid json_schema: a schema must be a JSON object")
-                # compact JSON (fixed separators ", " and ": "): small models otherwise tend to
-                # emit runs of whitespace, and a fixed layout gives jump-forward more to skip
-                return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-            if kind == "regex":
-                return xgr.Grammar.from_regex(text)
-            if kind == "ebnf":
-                return xgr.Grammar.from_ebnf(text)
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError with the C++ message
-            raise GrammarError(f"invalid {kind}: {clean_error(e)}") from None
-        raise GrammarError(f"unknown grammar kind {kind!r}")
+        return parse_grammar(kind, text)
 
     def compile(self, parsed: xgr.Grammar) -> xgr.CompiledGrammar:
-        return self.compiler.compile_grammar(parsed)
+        return compile_grammar(self.compiler, parsed)
+
+    def worker_spec(self) -> tuple[str, Any]:
+        return f"{__name__}:worker_compiler", {"tokenizer_info": self.info.serialize_json(),
+                                               "threads": self.threads}
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled)

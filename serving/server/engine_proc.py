@@ -148,10 +148,22 @@ class EngineLoop:
         raise SystemExit(EXIT_BROKEN)
 
     def _collect(self) -> None:
-        """Queue a TokenOut for every live request with news (new ids, finish, acceptance)."""
+        """Queue a TokenOut for every live request with news (new ids, finish, acceptance).
+
+        A request with a grammar is accepted only once its grammar compiled: one that fails to
+        (invalid, over the compile time budget) is answered with an error instead (a 400 naming
+        the problem, before any stream starts), like a request refused at once. The engine never
+        waits for it meanwhile: the request waits in the scheduler's queue."""
         for rid, live in list(self.live.items()):
             r = live.req
             n = len(r.output_ids)
+            if live.sent < 0 and not r.finished and r.grammar is not None and not r.grammar.ready:
+                continue  # still compiling
+            reason = r.finish_reason or {}
+            if reason.get("status") is not None and n == 0:  # refused after it was queued (its grammar failed)
+                self.out.append(m.Error(int(reason["status"]), str(reason.get("message", "")), rid=rid))
+                self._forget(rid)
+                continue
             if n == live.sent and not r.finished:
                 continue
             start = max(live.sent, 0)
