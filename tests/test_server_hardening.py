@@ -164,3 +164,33 @@ def test_busy_port_fails_before_the_model_loads(server: ServerProcess, tmp_path:
     assert not l3.exists(), "the second server touched the L3 directory"
     assert took < 60, took
     assert httpx.get(server.url + "/health").status_code == 200  # the live server is unaffected
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
+def test_tokenizing_a_huge_prompt_does_not_block_other_requests(server: ServerProcess, route: str) -> None:
+    """A 6 MB prompt takes seconds to tokenize (then it is a 400: far over the context); the
+    tokenizer and the chat template run off the event loop, so /health keeps answering."""
+    import threading
+
+    text = "word " * 1_200_000
+    body = {"text": text, "sampling_params": {"max_new_tokens": 2}} if route == "/generate" else \
+        {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    out: dict[str, Any] = {}
+
+    def huge() -> None:
+        t0 = time.monotonic()
+        out["r"] = post(server, route, body)
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=huge)
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    assert out["r"].status_code == 400, out["r"].text
+    assert out["s"] > 1.5, out["s"]  # the tokenizer did take long (else this test shows nothing)
+    assert worst < 1.0, f"/health waited {worst:.2f} s while a huge prompt was tokenized"

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
@@ -43,15 +44,16 @@ async def generate(request: Request) -> Any:
     if body.batched and (body.stream or body.rid is not None):
         raise APIError(400, "stream and rid need a single prompt, not a batch", param="stream")
     params = dict(body.sampling_params or {})
+    ids = [await run_in_threadpool(ctx.encode, p) if isinstance(p, str) else p for p in prompts]  # off the loop
     reqs = [
         ctx.make_request(
-            ctx.encode(p) if isinstance(p, str) else p,
+            p,
             params,
             body.session_id,
             body.rid,
             param_name="max_new_tokens",
         )
-        for p in prompts
+        for p in ids
     ]
     skip = params.get("skip_special_tokens", True)
     if not body.stream:

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from serving.server.context import ServerContext, get_ctx
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
@@ -71,7 +72,8 @@ async def chat_completions(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await parse_body(request, ChatCompletionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     model = ctx.check_model(body.model)
-    ids = ctx.chat_ids([msg.as_template_dict() for msg in body.messages])
+    # the chat template and the tokenizer run off the event loop: a huge prompt delays only itself
+    ids = await run_in_threadpool(ctx.chat_ids, [msg.as_template_dict() for msg in body.messages])
     max_tokens = body.requested_max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
@@ -136,7 +138,7 @@ async def completions(request: Request) -> Any:
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     reqs = []
     for prompt in body.prompt:
-        ids = ctx.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = await run_in_threadpool(ctx.encode, prompt) if isinstance(prompt, str) else prompt
         reqs.append(
             ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt")
         )
