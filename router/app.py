@@ -98,7 +98,10 @@ class RouterState:
 
 
 def _auth_ok(request: Request, expected: bytes) -> bool:
-    return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
+    """``Authorization: Bearer <key>``; the scheme in any case (RFC 7235), the key compared in
+    constant time."""
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
@@ -114,7 +117,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app.state.router = state
 
     if cfg.api_key:
-        expected = f"Bearer {cfg.api_key}".encode()
+        expected = cfg.api_key.encode()
 
         @app.middleware("http")
         async def check_key(request: Request, call_next: Any) -> Response:
@@ -192,7 +195,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             w, "POST", "/close_session", raw, state.forwarder.headers_for(request.headers)
         )
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # state-changing: POST only (a GET is a 405), like the workers
     async def flush_cache(request: Request) -> Response:
         headers = state.forwarder.headers_for(request.headers)
         workers = state.pool.available()

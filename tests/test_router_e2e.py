@@ -206,6 +206,11 @@ def test_cli_router_streams_and_enforces_api_key(workers: list[ServerProcess], t
         assert httpx.get(url + "/v1/models").status_code == 401
         auth = {"Authorization": "Bearer k"}
         assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["object"] == "model"
+        # the scheme in any case (RFC 7235); a wrong key or another scheme is still a 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "bearer k"}).status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer x"}).status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Basic k"}).status_code == 401
+        assert httpx.get(url + "/flush_cache", headers=auth).status_code == 405  # state-changing: POST only
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
         body |= {"ignore_eos": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=auth, timeout=60) as s:
