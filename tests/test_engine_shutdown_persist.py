@@ -13,7 +13,7 @@ from serving import cli
 from serving.engine import Engine, config_from_kwargs
 from serving.server.config import ServerConfig, load_config
 from serving.server.engine_client import EngineClient
-from serving.server.engine_proc import shutdown_core
+from serving.server.engine_shutdown import shutdown_core
 from tests.model_utils import tiny_model
 
 PS = 4
