@@ -40,7 +40,6 @@ from serving.request import Req
 class PrefetchOp:
     start_page: int  # first prompt page looked for in L3 (the cached prefix ends here)
     tokens: list[int]  # the prompt's full pages
-    started: float
     deadline: float
     lookup: Future | None = None  # -> pages present in L3 from start_page on
     keys: list[str] = field(default_factory=list)  # set by the lookup thread
@@ -136,7 +135,7 @@ class Prefetcher:
         if not d.load:  # even if the store held every page, recomputing would be faster: no lookup
             return
         now = time.monotonic()
-        op = PrefetchOp(cached, prompt[: full * ps], now, now + self.timeout_base_s)
+        op = PrefetchOp(cached, prompt[: full * ps], now + self.timeout_base_s)
         op.lookup = self._lookups.submit(self._lookup, op)
         req.prefetch = op
 

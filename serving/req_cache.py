@@ -36,16 +36,15 @@ class ReqCache:
         self.storage = storage
 
     # -- moving data -----------------------------------------------------------------
-    def flush_transfers(self) -> Future | None:
-        """Execute the tree's pending tier moves (in order) before any freed page is reused."""
+    def flush_transfers(self) -> None:
+        """Execute the tree's pending tier moves (in order) before any freed page is reused;
+        loads run on in the background (their PendingLoads say when they have landed)."""
         transfers = self.tree.take_transfers()
         if not transfers or self._run_transfers is None:
-            return None
-        future = self._run_transfers(transfers)  # backups are done when this returns
+            return
+        self._run_transfers(transfers)  # backups are done when this returns
         if self.storage is not None:
             self.storage.on_transfers_done(transfers)
-            self.tree.take_transfers()  # (locking for write-back emits nothing; keep the outbox empty)
-        return future
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` L1 pages, evicting unlocked cached pages if needed; None if impossible."""
