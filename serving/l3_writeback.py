@@ -64,6 +64,7 @@ class WriteBack:
         self.pages_written = 0
         self.pages_dropped = 0
         self._warn = RateLimitedLog(logging.getLogger("hicache.storage"))
+        self.before_write = None  # test hook: called on the writer thread before each write
 
     @property
     def in_flight(self) -> int:
@@ -96,6 +97,8 @@ class WriteBack:
         self._writes.append(_Write(future, tokens, first, pages, node.id))
 
     def _write(self, tokens: list[int], first: int, host_pages: list[int]) -> tuple[int, int]:
+        if self.before_write is not None:
+            self.before_write()
         keys = page_keys(tokens, self.page_size, self.namespace)[first : first + len(host_pages)]
         present = self.tier.batch_exists(keys)  # another server may have stored them
         if present == len(keys):
