@@ -6,6 +6,7 @@ Proxied with routing: POST /v1/chat/completions, /v1/completions, /generate. Ses
 /health_generate. Broadcast: /flush_cache. Router-own: /health (200 while any worker is
 available), /get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``),
 /list_workers. Every answer that came from a worker names it in ``x-hicache-worker``.
+With ``pd_disaggregation``, router/pd.py forwards and router/pd_app.py has the admin routes.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ class RouterState:
         if self.view is not None:
             self.view.urls = lambda: [w.url for w in self.pool.workers.values() if w.healthy]
             self.pool.on_reset.append(self.view.forget)
-        self.forwarder = Forwarder(cfg, self.pool, self.policy, self.client, self.worker_headers)
+        self.forwarder = self.make_forwarder()
         self.pool.on_reset.append(self.forwarder.sessions.forget_worker)
         self.keys = KeyMaker()
         self._maint: asyncio.Task[None] | None = None
+
+    def make_forwarder(self) -> Forwarder:
+        return Forwarder(self.cfg, self.pool, self.policy, self.client, self.worker_headers)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -105,7 +109,12 @@ def _auth_ok(request: Request, expected: bytes) -> bool:
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
-    state = RouterState(cfg)
+    if cfg.pd_disaggregation:
+        from router.pd_app import PDRouterState
+
+        state: RouterState = PDRouterState(cfg)
+    else:
+        state = RouterState(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -244,4 +253,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             "policy_stats": state.policy.stats(),
         }
 
+    if cfg.pd_disaggregation:
+        from router.pd_app import add_pd_routes
+
+        add_pd_routes(app, state)  # type: ignore[arg-type]  # PD's versions of the admin routes
     return app

@@ -1,7 +1,8 @@
 """``hicache router --config configs/router.yaml`` or ``hicache router --worker-urls URL ...``.
 
 Every RouterConfig field of a simple type gets a flag named after it (``cache_threshold`` ->
-``--cache-threshold``), ``worker_urls`` gets ``--worker-urls URL [URL ...]``; a flag overrides
+``--cache-threshold``), ``worker_urls`` gets ``--worker-urls URL [URL ...]``, PD mode's workers
+``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` (router/pd_config.py); a flag overrides
 the file, the file overrides the dataclass defaults (shown in ``--help``).
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.config import ConfigError, RouterConfig, field_types, load_config
+from router.pd_config import add_pd_args
 
 READY_MESSAGE = "The router is ready to route!"
 
@@ -46,6 +48,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 flag, dest=name, type=kind, metavar=kind.__name__.upper(), default=argparse.SUPPRESS, help=help_
             )
+    add_pd_args(parser)  # --prefill URL [BOOTSTRAP_PORT], --decode URL (prefill_urls, decode_urls)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"hicache router: {e}", file=sys.stderr)
         return 2
-    if not cfg.worker_urls:
+    if not cfg.worker_urls and not cfg.pd_disaggregation:
         print("hicache router: no workers (give --worker-urls, or add them with POST /add_worker)", file=sys.stderr)
     return serve(cfg)
 

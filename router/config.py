@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from router.pd_config import check_pd
+
 CACHE_VIEWS = ("approx", "events")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -55,6 +57,11 @@ class RouterConfig:
     api_key: str | None = None  # enforced at the router; also sent to workers (unless worker_api_key)
     worker_api_key: str | None = None
     log_level: str = "info"
+    # prefill-decode disaggregation (router/pd.py): prefill workers as (url, bootstrap port or None:
+    # ask the worker), decode workers as urls; `policy` picks the prefill, the least loaded decodes
+    pd_disaggregation: bool = False
+    prefill_urls: tuple[tuple[str, int | None], ...] = ()
+    decode_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from router.policies import POLICIES  # late: policies import this module
@@ -81,6 +88,7 @@ class RouterConfig:
                 raise ValueError(f"{f.name} must be positive")
         for url in self.worker_urls:
             check_url(url)
+        check_pd(self)  # PD mode's workers (router/pd_config.py)
 
 
 def check_url(url: str) -> str:
@@ -99,6 +107,8 @@ def field_types() -> dict[str, Any]:
 
 
 def _yaml_type(tp: Any) -> Any:
+    if tp == tuple[tuple[str, int | None], ...]:  # prefill_urls: [url, ...] or [[url, port], ...]
+        return list[str | list[str | int | None]]
     return list[str] if tp == tuple[str, ...] else tp
 
 
