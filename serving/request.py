@@ -28,6 +28,7 @@ class Req:
     prefetch_checked: bool = False
     storage_hit_tokens: int = 0  # prompt tokens that came from L3 (through L2)
     l3_decision: dict[str, Any] | None = None  # the load-vs-recompute choice for its L3 pages, if any
+    pd: Any = None  # serving.disagg.protocol.Bootstrap of a PD request (its prefill server and room)
     # reporting
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
     cached_by_tier: dict[str, int] = field(default_factory=dict)

@@ -61,10 +61,15 @@ class Scheduler:
         self.prefill_observer: Callable[[int, float], None] | None = None
         self._step_prefill = 0
         self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
+        self.pd = None  # serving.disagg.role.PDRole of a prefill / decode server (None: colocated)
         if not config.disable_overlap_schedule and self.device.type == "cuda":
             from serving.overlap import OverlapScheduler
 
             self._overlap = OverlapScheduler(self)
+
+    def attach_role(self, role) -> None:  # noqa: ANN001 - serving.disagg.role.PDRole
+        self.pd = role
+        role.attach(self)
 
     # -- queue --------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -92,6 +97,8 @@ class Scheduler:
             req.finish_reason = {"type": "length", "length": 0}
             self._release_grammar(req)
             return
+        if self.pd is not None and self.pd.on_add(req):
+            return  # a decode server's request waits in its role until its KV has arrived
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
@@ -101,14 +108,24 @@ class Scheduler:
                     queue.remove(req)
                     self._finish(req, {"type": "abort", "message": "aborted"})
                     return req
-        return None
+        return self.pd.abort(rid) if self.pd is not None else None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or (self.pd is not None and self.pd.busy)
 
     def in_use_pages(self) -> int:
-        return sum(r.own_pages for r in self.running)
+        return sum(r.own_pages for r in self.running) + (self.pd.held_pages() if self.pd is not None else 0)
+
+    def start_decoding(self, r: Req, first_token: int) -> None:
+        """A request whose prompt KV was computed elsewhere (a PD decode server): its pages
+        hold the prompt's KV (``r.kv_len == len(r.input_ids)``); it decodes from ``first_token``."""
+        self.running.append(r)
+        self.stats.cached_tokens += r.cached_tokens
+        for tier, v in r.cached_by_tier.items():
+            self.stats.cached_by_tier[tier] = self.stats.cached_by_tier.get(tier, 0) + v
+        self._finished_outside_step.append(r)  # reported as updated by this step
+        self._append_token(r, first_token)
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -128,6 +145,8 @@ class Scheduler:
         else:
             overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
         self.cache.poll()
+        if self.pd is not None:
+            self.pd.step()
         self._poll_grammars()
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
@@ -182,7 +201,8 @@ class Scheduler:
 
     def _finish(self, r: Req, reason: dict) -> None:
         r.finish_reason = reason
-        self.cache.release(r)
+        if self.pd is None or not self.pd.on_finish(r):  # a prefill server keeps the pages until sent
+            self.cache.release(r)
         self.sampler.forget(r.rid)
         self._release_grammar(r)
 

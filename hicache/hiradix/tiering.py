@@ -235,6 +235,18 @@ class TieringMixin:
         self._backup(nodes, protect=self.root)
         return self._host_cached - before
 
+    def backup_prefix(self, tokens: list[int]) -> int:
+        """Give the L1 nodes on ``tokens``' path an L2 copy now (and so, with L3, a write-back),
+        whatever the write policy says (a PD decode server publishes each finished sequence);
+        returns pages backed up."""
+        if self.host is None:
+            return 0
+        path, _ = self._walk(tokens)
+        nodes = [n for n in path if n.device_pages is not None and n.host_pages is None]
+        before = self._host_cached
+        self._backup(nodes, protect=path[-1] if path else self.root)
+        return self._host_cached - before
+
     def _backup(self, nodes: list[TreeNode], protect: TreeNode) -> None:
         """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped."""
         self.lock(protect)  # evict_host must not drop the path being matched

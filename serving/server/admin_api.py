@@ -80,6 +80,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     server = dataclasses.asdict(ctx.server)
@@ -91,6 +92,8 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         **dataclasses.asdict(ctx.engine_config),
         "server": server,
         "engine": ctx.info,
+        "disaggregation_mode": ctx.server.disaggregation_mode,
+        "disaggregation_bootstrap_port": ctx.server.disaggregation_bootstrap_port,
         "internal_states": [stats],
     }
 

@@ -53,6 +53,15 @@ class ServerConfig:
     # fails with 504 when the engine has not answered within this many seconds
     engine_call_timeout_s: float = 60.0
     max_json_depth: int = 128  # request bodies nested deeper (arrays / objects) get HTTP 400
+    # Prefill-decode disaggregation (SGLang's flags; README "PD disaggregation"). null: colocated
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    disaggregation_transfer_backend: str = "mooncake"  # mooncake | nixl: how KV pages travel
+    disaggregation_bootstrap_port: int = 8998  # prefill: where decode servers register their pages
+    disaggregation_decode_enable_radix_cache: bool = False  # decode: reuse cached prefixes, fetch the rest
+    # address peers reach this server's transport at (Mooncake: its local hostname); default: the
+    # transport's own choice of a LAN address
+    disaggregation_transfer_host: str | None = None
+    disaggregation_bootstrap_timeout_s: float = 60.0  # a room whose other half has not shown up fails
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -73,6 +82,16 @@ class ServerConfig:
             raise ValueError("engine_call_timeout_s must be positive")
         if self.max_json_depth < 2:
             raise ValueError("max_json_depth must be at least 2")
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in ("mooncake", "nixl"):
+            raise ValueError("disaggregation_transfer_backend must be mooncake or nixl, "
+                             f"got {self.disaggregation_transfer_backend!r}")
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError("disaggregation_bootstrap_port must be in 1..65535, "
+                             f"got {self.disaggregation_bootstrap_port}")
+        if self.disaggregation_bootstrap_timeout_s <= 0:
+            raise ValueError("disaggregation_bootstrap_timeout_s must be positive")
 
 
 SECTIONS: dict[str, type] = {

@@ -88,6 +88,7 @@ class ServerContext:
         rid: str | None = None,
         param_name: str = "max_tokens",
         prompt_param: str = "input_ids",
+        bootstrap: dict[str, Any] | None = None,
     ) -> m.GenerateReq:
         """Check what can be checked here (the engine checks the rest) and build the message."""
         try:
@@ -118,7 +119,8 @@ class ServerContext:
                 param=param_name,
             )
         return m.GenerateReq(
-            rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id
+            rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id,
+            bootstrap=bootstrap,
         )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serving.config import EngineConfig
+from serving.disagg.protocol import Bootstrap
+from serving.disagg.role import make_role
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
 from serving.server import messages as m
@@ -223,6 +226,8 @@ class EngineLoop:
                 session_id=msg.session_id,
                 rid=msg.rid,
             )
+            if msg.bootstrap is not None:
+                req.pd = Bootstrap(**msg.bootstrap)
             self.core.add(req)
         except InvalidRequest as e:
             self.out.append(m.Error(400, str(e), rid=msg.rid))
@@ -302,6 +307,7 @@ class EngineLoop:
             "sessions": len(self.core.sessions),
             "pages": pages,
             "storage": self.core.storage_stats(),
+            **({"pd": self.core.scheduler.pd.stats()} if self.core.scheduler.pd is not None else {}),
         }
 
     # -- sessions --------------------------------------------------------------------------
@@ -352,6 +358,7 @@ def engine_main(
         from serving.engine_core import EngineCore
 
         core = EngineCore(config)
+        make_role(server, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
     except Exception as e:
         log.exception("engine failed to start")
         tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
@@ -382,5 +389,12 @@ def engine_main(
     else:
         if report is not None and report.error is not None:
             code = code or 1
+    if core.scheduler.pd is not None:
+        # everything is shut down; a PD transport's native libraries (UCX's libnl under NIXL) can
+        # crash in the C exit handlers, so leave without running them
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         raise SystemExit(code)

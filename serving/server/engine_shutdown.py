@@ -34,6 +34,12 @@ def shutdown_core(core: Any, persist: bool = True) -> PersistReport | None:
     (their computed pages go into the tree), the tree is checked (a broken tree is never
     written to L3), every cached page is written on to L3, and the outcome is logged as
     "persisted N pages to L3, M not written". Returns None when nothing was persisted."""
+    pd = getattr(core.scheduler, "pd", None)
+    if pd is not None:  # PD: stop the bootstrap channel and the transport; held pages go back
+        try:
+            pd.close()
+        except Exception:
+            log.exception("closing the PD role failed")
     storage = getattr(core, "storage", None)
     if storage is not None and persist:
         sched = core.scheduler

@@ -35,6 +35,7 @@ class GenerateReq:
     input_ids: list[int]
     sampling_params: dict[str, Any]
     session_id: str | None = None
+    bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
 
 
 @dataclass

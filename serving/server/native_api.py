@@ -52,8 +52,9 @@ async def generate(request: Request) -> Any:
             body.session_id,
             body.rid,
             param_name="max_new_tokens",
+            bootstrap=body.bootstrap(i, len(ids)),
         )
-        for p in ids
+        for i, p in enumerate(ids)
     ]
     skip = params.get("skip_special_tokens", True)
     if not body.stream:

@@ -78,7 +78,8 @@ async def chat_completions(request: Request) -> Any:
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(ids))
-    req = ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, param_name=name)
+    req = ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, param_name=name,
+                           bootstrap=body.bootstrap(0, 1))
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
@@ -137,10 +138,11 @@ async def completions(request: Request) -> Any:
     model = ctx.check_model(body.model)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     reqs = []
-    for prompt in body.prompt:
+    for i, prompt in enumerate(body.prompt):
         ids = await run_in_threadpool(ctx.encode, prompt) if isinstance(prompt, str) else prompt
         reqs.append(
-            ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt")
+            ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt",
+                             bootstrap=body.bootstrap(i, len(body.prompt)))
         )
     head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": model}
     if not body.stream:

@@ -29,7 +29,37 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
-class SGLangExtras(StrictModel):
+class BootstrapFields(StrictModel):
+    """PD disaggregation (SGLang's fields): the prefill server's bootstrap address and the
+    request's room, set by a PD router. Lists (one per prompt) for a batched /generate."""
+
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+    def bootstrap(self, i: int, n: int) -> dict[str, Any] | None:
+        """Prompt ``i`` of ``n``'s bootstrap (None: not a PD request). Raises ValueError."""
+        given = [self.bootstrap_host is not None, self.bootstrap_port is not None, self.bootstrap_room is not None]
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError("bootstrap_host, bootstrap_port and bootstrap_room go together")
+        out = {}
+        for name, key in (("bootstrap_host", "host"), ("bootstrap_port", "port"), ("bootstrap_room", "room")):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                if len(v) != n:
+                    raise ValueError(f"{name}: a list of {len(v)} for {n} prompts")
+                v = v[i]
+            out[key] = v
+        if not 1 <= out["port"] <= 65535:
+            raise ValueError("bootstrap_port must be in 1..65535")
+        if not 0 <= out["room"] < 2**63:
+            raise ValueError("bootstrap_room must be in [0, 2**63)")
+        return out
+
+
+class SGLangExtras(BootstrapFields):
     """Sampling knobs SGLang accepts on its OpenAI routes, plus HiCache's session id."""
 
     top_k: int | None = None
@@ -137,6 +167,7 @@ class ChatCompletionRequest(OpenAISampling):
             raise ValueError("tools: tool calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: tool calling is not supported")
+        self.bootstrap(0, 1)  # validates
         return self
 
     @property
@@ -162,6 +193,8 @@ class CompletionRequest(OpenAISampling):
         if self.suffix:
             raise ValueError("suffix: not supported")
         self.prompt = check_prompt(self.prompt, "prompt")
+        for i in range(len(self.prompt)):
+            self.bootstrap(i, len(self.prompt))  # validates
         return self
 
 
@@ -189,7 +222,7 @@ def check_prompt(prompt: Any, name: str, kinds: str = "text+ids") -> list[str] |
     raise ValueError(f"{name}: must be {what[kinds]}")
 
 
-class GenerateRequest(StrictModel):
+class GenerateRequest(BootstrapFields):
     """SGLang's native /generate."""
 
     text: Any = None
@@ -209,7 +242,9 @@ class GenerateRequest(StrictModel):
             raise ValueError("give exactly one of text or input_ids")
         if self.return_logprob or self.top_logprobs_num:
             raise ValueError("return_logprob: not supported")
-        self.prompts  # noqa: B018 - validates
+        n = len(self.prompts)  # validates
+        for i in range(n):
+            self.bootstrap(i, n)
         return self
 
     @property

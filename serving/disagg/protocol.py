@@ -1,0 +1,153 @@
+"""Typed messages between a prefill and a decode server, and the KV geometry both must share.
+
+The handshake (SGLang's shape, one bootstrap room per request):
+
+1. the router sends the same request to a prefill and a decode server with the same
+   ``bootstrap_room`` and the prefill server's ``bootstrap_host``/``bootstrap_port``;
+2. the decode server takes L1 pages for the prompt (reusing the pages of a prefix its radix
+   cache holds) and PUTs a :class:`DecodeTarget` to the prefill server's bootstrap port:
+   its transport endpoint, its pool geometry, the pages to fill and where to report;
+3. the prefill server computes the prompt (through its own HiCache), writes the KV of the
+   pages the decode server does not hold straight into them with the transport, then POSTs
+   a :class:`KVDone` (the first token) to the decode server, which decodes from there.
+
+Both messages travel as JSON; ``from_dict`` validates types so a bad peer gets a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def prompt_digest(ids: list[int]) -> str:
+    """Both sides must have tokenized the same prompt: a hash of its token ids."""
+    return xxhash.xxh3_64_hexdigest(b",".join(str(t).encode() for t in ids))
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Where page ``p`` of layer ``l`` (K: kv=0, V: kv=1) lives in a DeviceKVPool's one buffer
+    ``[2, layers, pages, page_size, kv_heads, head_dim]``: ``base + ((kv*layers + l)*pages + p) * chunk``."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_pages: int
+    base: int
+
+    @classmethod
+    def of_pool(cls, pool: Any) -> KVGeometry:
+        lay = pool.layout
+        return cls(lay.num_layers, pool.page_size, lay.num_kv_heads, lay.head_dim,
+                   str(lay.dtype).removeprefix("torch."), pool.num_pages, pool.kv_buffer.data_ptr())
+
+    @property
+    def chunk(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def mismatch(self, other: KVGeometry) -> str | None:
+        """Why KV of ``self`` cannot be written into ``other`` (None: it can)."""
+        for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} on the peer"
+        return None
+
+    def addrs(self, pages: list[int]) -> list[int]:
+        """Chunk addresses of ``pages``, ordered (kv, layer, page)."""
+        out = []
+        for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"page {p} is outside the pool of {self.num_pages} pages")
+        for plane in range(2 * self.num_layers):
+            row = self.base + plane * self.num_pages * self.chunk
+            out.extend(row + p * self.chunk for p in pages)
+        return out
+
+
+def _typed(cls: type, d: Any) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__}: expected a JSON object")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(d) - set(names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    return d
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    room: int
+    prompt_len: int
+    prompt_digest: str
+    endpoint: dict[str, Any]  # the decode side's transport endpoint
+    geometry: KVGeometry
+    pages: list[int]  # decode pages for prompt pages skip_pages .. ceil(prompt_len / page_size) - 1
+    skip_pages: int  # leading prompt pages the decode side holds already (its radix cache)
+    notify_url: str  # where the prefill side POSTs the KVDone
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> DecodeTarget:
+        d = _typed(cls, d)
+        try:
+            geo = KVGeometry(**_typed(KVGeometry, d["geometry"]))
+            t = cls(int(d["room"]), int(d["prompt_len"]), str(d["prompt_digest"]), dict(d["endpoint"]), geo,
+                    [int(p) for p in d["pages"]], int(d["skip_pages"]), str(d["notify_url"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"DecodeTarget: {e}") from None
+        if t.skip_pages < 0 or t.prompt_len <= 0:
+            raise ValueError("DecodeTarget: skip_pages must be >= 0 and prompt_len > 0")
+        return t
+
+
+@dataclass(frozen=True)
+class KVDone:
+    room: int
+    ok: bool
+    first_token: int = -1
+    error: str = ""
+    status: int = 0  # HTTP status for the decode side's client when not ok
+    cached_tokens: int = 0  # prompt tokens the prefill side served from its cache
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    pages: int = 0
+    nbytes: int = 0
+    transfer_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KVDone:
+        d = _typed(cls, d)
+        try:
+            return cls(**{**d, "room": int(d["room"]), "ok": bool(d["ok"])})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"KVDone: {e}") from None
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """A request's PD fields (SGLang's names): where its prefill server's bootstrap listens."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+__all__ = ["Bootstrap", "DecodeTarget", "KVDone", "KVGeometry", "prompt_digest"]
