@@ -137,7 +137,7 @@ class DecodeRole(PDRole):
 
     @property
     def busy(self) -> bool:
-        return bool(self.pending or self.registered or self.quarantine)
+        return bool(self.pending or self.registered or self.quarantine) or not self.control.inbox.empty()
 
     def held_pages(self) -> int:
         return sum(r.own_pages for r, _ in self.registered.values()) + sum(r.own_pages for r, _ in self.quarantine)

@@ -100,7 +100,7 @@ class PrefillRole(PDRole):
 
     @property
     def busy(self) -> bool:
-        return bool(self.parked or self.sending or self.targets or self.failed)
+        return bool(self.parked or self.sending or self.targets or self.failed) or not self.control.inbox.empty()
 
     def held_pages(self) -> int:
         return sum(r.own_pages for r, _ in self.parked.values()) + sum(r.own_pages for r, _ in self.sending.values())
