@@ -34,6 +34,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model: ModelConfig, sched: SchedulerConfig, page_size: int) -> None:
         self.device = resolve_device(model.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # streams, graphs and Triton launches follow the current device
         self.dtype = resolve_dtype(model.dtype, self.device)
         torch.manual_seed(model.random_seed)
         self.model, self.arch = load_model(

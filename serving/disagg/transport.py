@@ -3,7 +3,8 @@
 A prefill worker (sender) writes KV bytes straight into a decode worker's (receiver's) registered
 buffer. Both sides :meth:`KVTransport.register` their KV buffer once at startup; the receiver
 publishes :meth:`KVTransport.endpoint` (JSON) out of band; the sender calls :meth:`KVTransport.write`
-with that endpoint. Backends: ``mooncake`` (Mooncake transfer engine, TCP) and ``nixl`` (NIXL/UCX).
+with that endpoint. Backends: ``mooncake`` (Mooncake transfer engine, TCP), ``nixl`` (NIXL/UCX) and
+``cuda_ipc`` (GPU to GPU on one host).
 """
 
 from __future__ import annotations
@@ -125,7 +126,12 @@ def _load(module: str, cls: str, package: str) -> Callable[[TransportConfig], KV
         raise RuntimeError(f"KV transport needs the {package} package ({e}); see `make setup`") from e
 
 
-TRANSPORTS: dict[str, Callable[[TransportConfig], KVTransport]] = {"mooncake": _mooncake, "nixl": _nixl}
+def _cuda_ipc(config: TransportConfig) -> KVTransport:
+    return _load("serving.disagg.transport_cuda_ipc", "CudaIpcTransport", "torch (CUDA build)")(config)
+
+
+TRANSPORTS: dict[str, Callable[[TransportConfig], KVTransport]] = {
+    "mooncake": _mooncake, "nixl": _nixl, "cuda_ipc": _cuda_ipc}
 
 
 def make_transport(name: str, config: TransportConfig | None = None) -> KVTransport:

@@ -55,7 +55,7 @@ class ServerConfig:
     max_json_depth: int = 128  # request bodies nested deeper (arrays / objects) get HTTP 400
     # Prefill-decode disaggregation (SGLang's flags; README "PD disaggregation"). null: colocated
     disaggregation_mode: str = "null"  # null | prefill | decode
-    disaggregation_transfer_backend: str = "mooncake"  # mooncake | nixl: how KV pages travel
+    disaggregation_transfer_backend: str = "mooncake"  # mooncake | nixl | cuda_ipc (GPUs of one host)
     disaggregation_bootstrap_port: int = 8998  # prefill: where decode servers register their pages
     disaggregation_decode_enable_radix_cache: bool = False  # decode: reuse cached prefixes, fetch the rest
     # address peers reach this server's transport at (Mooncake: its local hostname); default: the
@@ -84,8 +84,8 @@ class ServerConfig:
             raise ValueError("max_json_depth must be at least 2")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError(f"disaggregation_mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
-        if self.disaggregation_transfer_backend not in ("mooncake", "nixl"):
-            raise ValueError("disaggregation_transfer_backend must be mooncake or nixl, "
+        if self.disaggregation_transfer_backend not in ("mooncake", "nixl", "cuda_ipc"):
+            raise ValueError("disaggregation_transfer_backend must be mooncake, nixl or cuda_ipc, "
                              f"got {self.disaggregation_transfer_backend!r}")
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError("disaggregation_bootstrap_port must be in 1..65535, "
