@@ -41,6 +41,9 @@ if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL's Python logger prints INFO lin
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
+PUMP_S = 0.0005
+
+
 class NixlTransport(KVTransport):
     """Thread-safe: the agent runs in NIXL's strict sync mode (its calls are serialised internally,
     transfers proceed in UCX's progress thread) and the per-peer cache is guarded by a lock."""
@@ -51,7 +54,7 @@ class NixlTransport(KVTransport):
         super().__init__()
         self.timeout_s = config.timeout_s
         self.agent_name = f"hicache-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        conf = _nixl.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+        conf = _nixl.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
                                        sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = _nixl.nixl_agent(self.agent_name, conf)
         if "UCX" not in self.agent.backends:
@@ -60,6 +63,12 @@ class NixlTransport(KVTransport):
         self._peers: dict[str, str] = {}  # agent name -> the metadata we loaded for it
         self._lock = threading.Lock()
         self._metadata: str | None = None
+        # NIXL's own progress thread busy-polls UCX (a whole core per agent, always); instead a pump
+        # thread progresses the worker (get_new_notifs) every PUMP_S, so that writes into this
+        # agent's memory over UCX's TCP transport, which need the target to progress, complete
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._progress, name="hicache-nixl-progress", daemon=True)
+        self._pump.start()
 
     def _register(self, ptr: int, nbytes: int) -> None:
         try:
@@ -133,7 +142,16 @@ class NixlTransport(KVTransport):
             except Exception:  # still active and not cancellable: NIXL frees it with the agent
                 pass
 
+    def _progress(self) -> None:
+        while not self._stop.wait(PUMP_S):
+            try:
+                self.agent.get_new_notifs()
+            except Exception:  # noqa: BLE001 - closing: the agent is going away
+                return
+
     def _close(self) -> None:
+        self._stop.set()
+        self._pump.join(5)
         with self._lock:
             for name in list(self._peers):
                 try:
