@@ -192,8 +192,8 @@ def raw_rates(args: Any, chunk: int, layers: int, per_transfer: float | None, lo
     try:
         cfg = TransportConfig(host=args.transfer_host)
         a, b = make_transport(args.backend, cfg), make_transport(args.backend, cfg)
-        a.register(bufs[0].data_ptr(), nbytes)
-        b.register(bufs[1].data_ptr(), nbytes)
+        a.register_tensor(bufs[0])
+        b.register_tensor(bufs[1])
         out["gbps_page"] = raw_write_gbps(a, b, nbytes, chunk, repeat=args.raw_repeat)
         out["gbps_coalesced"] = raw_write_gbps(a, b, nbytes, coalesced, repeat=args.raw_repeat)
     except Exception as e:  # noqa: BLE001 - e.g. a transport that cannot loop back within one process

@@ -286,8 +286,8 @@ def test_coalesce():
 
 
 def test_registry():
-    assert set(TRANSPORTS) == {"mooncake", "nixl"}
-    with pytest.raises(ValueError, match="mooncake, nixl"):
+    assert set(TRANSPORTS) == {"cuda_ipc", "mooncake", "nixl"}
+    with pytest.raises(ValueError, match="cuda_ipc, mooncake, nixl"):
         make_transport("rdma", TransportConfig())
     with pytest.raises(TransferError):
         raise TransferError("is a RuntimeError") from None

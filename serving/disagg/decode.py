@@ -58,7 +58,7 @@ class DecodeRole(PDRole):
         self.page_size = pool.page_size
         self.transport = make_transport(server.disaggregation_transfer_backend,
                                         TransportConfig(host=server.disaggregation_transfer_host))
-        self.transport.register(self.geometry.base, pool.kv_buffer.numel() * pool.kv_buffer.element_size())
+        self.transport.register_tensor(pool.kv_buffer)
         self.control = ControlServer(server.host, 0, {"mode": self.mode})
         self.io = ThreadPoolExecutor(2, thread_name_prefix="hicache-pd-register")
         self.pending: list[Req] = []

@@ -42,7 +42,7 @@ class PrefillRole(PDRole):
         self.page_size = pool.page_size
         self.transport = make_transport(server.disaggregation_transfer_backend,
                                         TransportConfig(host=server.disaggregation_transfer_host))
-        self.transport.register(self.geometry.base, pool.kv_buffer.numel() * pool.kv_buffer.element_size())
+        self.transport.register_tensor(pool.kv_buffer)
         info = {"mode": self.mode, "backend": server.disaggregation_transfer_backend}
         self.control = ControlServer(server.host, server.disaggregation_bootstrap_port, info)
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="hicache-pd-send")

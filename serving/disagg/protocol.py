@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -61,16 +62,13 @@ class KVGeometry:
                 return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} on the peer"
         return None
 
-    def addrs(self, pages: list[int]) -> list[int]:
+    def addrs(self, pages: list[int]) -> np.ndarray:
         """Chunk addresses of ``pages``, ordered (kv, layer, page)."""
-        out = []
-        for p in pages:
-            if not 0 <= p < self.num_pages:
-                raise ValueError(f"page {p} is outside the pool of {self.num_pages} pages")
-        for plane in range(2 * self.num_layers):
-            row = self.base + plane * self.num_pages * self.chunk
-            out.extend(row + p * self.chunk for p in pages)
-        return out
+        p = np.asarray(pages, dtype=np.int64)
+        if p.size and (p.min() < 0 or p.max() >= self.num_pages):
+            raise ValueError(f"a page is outside the pool of {self.num_pages} pages")
+        planes = np.arange(2 * self.num_layers, dtype=np.int64)[:, None] * self.num_pages
+        return (self.base + (planes + p[None, :]) * self.chunk).reshape(-1)
 
 
 def _typed(cls: type, d: Any) -> Any:

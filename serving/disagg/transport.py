@@ -53,6 +53,10 @@ class KVTransport(ABC):
         self._register(int(ptr), int(nbytes))
         self.regions.append((int(ptr), int(nbytes)))
 
+    def register_tensor(self, t: Any) -> None:
+        """Register a tensor's bytes (GPU transports export the tensor's storage instead)."""
+        self.register(t.data_ptr(), t.numel() * t.element_size())
+
     @abstractmethod
     def _register(self, ptr: int, nbytes: int) -> None: ...
 

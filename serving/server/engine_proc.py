@@ -47,6 +47,7 @@ from serving.server.watchdog import HeartbeatWriter
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
 STALL_WAIT_S = 0.002
+GIL_SWITCH_S = 0.0005
 EXIT_BROKEN = 3  # exit status of an engine process whose cache invariants broke (see EngineLoop._fail_step)
 
 
@@ -353,6 +354,10 @@ def engine_main(
     (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed.
     ``heartbeat``: the watchdog's shared array (serving.server.watchdog), beaten every turn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
+    # The scheduler thread holds the GIL between kernel launches; a background thread (an L3 read, a
+    # PD transfer or its notification) that wakes up would otherwise wait up to 5 ms (Python's
+    # default switch interval) for it, on every hand-off.
+    sys.setswitchinterval(GIL_SWITCH_S)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     try:
         from serving.engine_core import EngineCore
