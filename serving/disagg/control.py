@@ -28,6 +28,7 @@ from serving.disagg.protocol import DecodeTarget, KVDone
 
 log = logging.getLogger("hicache.pd")
 MAX_BODY = 16 * 2**20
+MAX_INBOX = 4096
 ROUTES: dict[str, Callable[[Any], Any]] = {"/pd/target": DecodeTarget.from_dict, "/pd/done": KVDone.from_dict}
 
 
@@ -73,6 +74,9 @@ class ControlServer:
                     msg = parse(json.loads(self.rfile.read(n)))
                 except (ValueError, UnicodeDecodeError) as e:
                     self._reply(400, {"error": str(e)})
+                    return
+                if outer.inbox.qsize() >= MAX_INBOX:  # the engine is not draining: refuse, do not queue forever
+                    self._reply(429, {"error": f"{MAX_INBOX} control messages are waiting; try later"})
                     return
                 outer.inbox.put(msg)
                 self._reply(200, {"ok": True})

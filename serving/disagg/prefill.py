@@ -30,6 +30,7 @@ from serving.request import Req
 
 log = logging.getLogger("hicache.pd")
 NOTIFY_TIMEOUT_S = 10.0
+MAX_WAITING_TARGETS = 4096
 
 
 class PrefillRole(PDRole):
@@ -77,6 +78,10 @@ class PrefillRole(PDRole):
                 continue
             if t.room in self.targets or t.room in self.sending:  # two decode requests, one room
                 done = KVDone(t.room, False, error=f"bootstrap_room {t.room} is already in use", status=409)
+                self.sender.submit(self._notify, t, done)
+            elif len(self.targets) >= MAX_WAITING_TARGETS:  # rooms whose request never comes pile up: bounded
+                done = KVDone(t.room, False, error=f"{MAX_WAITING_TARGETS} rooms are waiting for their request on "
+                              "this prefill server", status=429)
                 self.sender.submit(self._notify, t, done)
             else:
                 self.targets[t.room] = (t, now)
