@@ -109,6 +109,7 @@ class Prefetcher:
         self._draining: list[tuple[Future, list[int]]] = []  # host pages a cancelled fetch may still write
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
+        self._fetching = 0  # fetches started and not finished: they hold L2 pages
 
     # -- scheduler side -----------------------------------------------------------------
     def advance(self, req: Req) -> None:
@@ -156,13 +157,16 @@ class Prefetcher:
             return
         tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
         host = tree.host
-        if host.num_free < n:
-            tree.evict_host(n - host.num_free)
+        if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
+            tree.evict_host(n - host.num_free, drop_backups=True)
         n = min(n, host.num_free)
         if n * ps < self.threshold_tokens:
             tree.unlock(node)
+            if self._fetching and time.monotonic() < op.deadline:
+                return  # other prefetches hold L2: their pages become evictable once committed; retry
             req.prefetch = None
             return
+        self._fetching += 1
         op.node, op.host_pages, op.keys = node, host.alloc(n), op.keys[:n]
         op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
         op.future = self._fetcher.submit(self._fetch, op)
@@ -182,8 +186,9 @@ class Prefetcher:
             return 0
         req.prefetch = None
         op.cancel.set()
-        if op.future is None:  # still looking up: nothing allocated yet
+        if op.future is None:  # still looking up (or waiting for L2 room): nothing allocated yet
             return 0
+        self._fetching -= 1
         loaded = op.loaded  # pages below this have landed; the thread may still fill the rest
         if loaded:
             self.load_policy.observe_read(loaded * self.tier.codec.value_nbytes, op.read_s)

@@ -17,7 +17,8 @@ def tiny(tmp_path_factory):
 
 
 def make(path, db, policy: str, **kw) -> Engine:
-    return Engine(model_path=str(path), page_size=4, max_total_tokens=256, hicache_ratio=2.0,
+    kw.setdefault("hicache_ratio", 2.0)
+    return Engine(model_path=str(path), page_size=4, max_total_tokens=256,
                   hicache_storage_backend="lmdb",
                   hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
                   hicache_storage_prefetch_policy=policy, hicache_storage_prefetch_threshold=8,
@@ -118,5 +119,23 @@ def test_shutdown_persists_pages_never_hit(tiny, tmp_path):
     outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
     assert ids_of(outs) == ref
     assert all(o["meta_info"]["cached_tokens_details"]["storage"] > 0 for o in outs)
+    eng.check_integrity()
+    eng.shutdown()
+
+
+def test_queued_prefetches_wait_for_l2_room_instead_of_recomputing(tiny, tmp_path):
+    """After a restart, with an L2 that holds about one prompt's pages, every queued request
+    still gets its prefix from L3: a prefetch that finds L2 full (other prefetches hold it, or
+    backups of pages that are on L1) makes room or waits for it, instead of giving up and
+    recomputing. Outputs stay those of HF's recompute."""
+    path, ps, ref = tiny
+    db = tmp_path / "l3"
+    warm_store(path, db, ps, ref)
+    eng = make(path, db, "wait_complete", max_running_requests=1, hicache_ratio=0.25)  # 16 L2 pages
+    assert eng.core.host_pool.allocator.num_pages < 2 * min(len(p) for p in ps) // 4
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(outs) == ref
+    storage_hits = [o["meta_info"]["cached_tokens_details"]["storage"] for o in outs]
+    assert all(h > 0 for h in storage_hits), storage_hits
     eng.check_integrity()
     eng.shutdown()

@@ -467,3 +467,20 @@ def test_peek_prefix_len_is_read_only():
     assert t.match_prefix(probe).device_hit_tokens == 8  # the mutating match agrees (and splits)
     assert t.num_nodes == nodes + 1
     t.check_integrity()
+
+
+def test_evict_host_drops_backups_of_l1_nodes_only_when_asked():
+    t = make(dev=16, host=16, policy="write_through")
+    put(t, [1, 1, 2, 2])
+    t.match_prefix([1, 1, 2, 2])  # backed up: on L1 and L2
+    t.take_transfers()
+    assert t.cached_pages("host") == 2
+    assert t.evict_host(100) == 0  # plain eviction keeps backups of L1 nodes
+    m = t.match_prefix([1, 1, 2, 2])
+    t.lock(m.last_device_node)
+    assert t.evict_host(100, drop_backups=True) == 0  # locked: kept
+    t.unlock(m.last_device_node)
+    assert t.evict_host(1, drop_backups=True) == 2  # a prefetch needs room: the backup goes, L1 stays
+    assert t.cached_pages("host") == 0 and t.cached_pages("device") == 2
+    assert t.match_prefix([1, 1, 2, 2]).device_hit_tokens == 4
+    t.check_integrity()

@@ -88,9 +88,10 @@ class TieringMixin:
                 heapq.heappush(heap, (key(parent), parent.id, parent))
         return freed
 
-    def evict_host(self, num_pages: int) -> int:
-        """Drop L2 copies of unlocked L2-only leaves (policy order) until ``num_pages`` are freed.
-        Leaves whose pages an L3 write-back is reading (pinned) are skipped."""
+    def evict_host(self, num_pages: int, drop_backups: bool = False) -> int:
+        """Drop L2 copies of unlocked L2-only leaves (policy order) until ``num_pages`` are freed;
+        with ``drop_backups`` then also L2 backups of nodes that are on L1 too (an L3 prefetch
+        makes room so). Pages an L3 write-back is reading (pinned) are skipped."""
         if self.host is None or num_pages <= 0:
             return 0
         key = self.eviction_policy.key
@@ -116,6 +117,27 @@ class TieringMixin:
                 and parent.lock_ref == 0
             ):
                 heapq.heappush(heap, (key(parent), parent.id, parent))
+        if freed < num_pages and drop_backups:
+            freed += self._drop_backups(num_pages - freed)
+        return freed
+
+    def _drop_backups(self, num_pages: int) -> int:
+        """Free the L2 copies of nodes that are on L1 too (policy order) until ``num_pages`` are
+        freed: the L1 copy stays, and an eviction from L1 backs the node up again. Locked, loading
+        and write-pinned nodes keep theirs."""
+        cands = [nd for nd in self.nodes() if nd.host_pages is not None and nd.device_pages is not None
+                 and nd.lock_ref == 0 and nd.load is None and not self._host_pinned(nd)]
+        cands.sort(key=self.eviction_policy.key)
+        freed = 0
+        for nd in cands:
+            if freed >= num_pages:
+                break
+            if self._listeners:
+                self._emit("host_evict", nd)
+            pages, nd.host_pages = nd.host_pages, None
+            self._host_cached -= len(pages)
+            self.host.free(pages)
+            freed += len(pages)
         return freed
 
     def _host_pinned(self, node: TreeNode) -> bool:

@@ -59,6 +59,8 @@ class CacheEventLog:
             self._append("remove", "L1", self.node_keys(node))
         elif kind == "host_add":
             self._append("add", "L2", self.node_keys(node))
+        elif kind == "host_evict":  # an L2 backup dropped; the node stays on L1
+            self._append("remove", "L2", self.node_keys(node))
         elif kind == "remove":
             if node.host_pages is not None:
                 self._append("remove", "L2", self.node_keys(node))
