@@ -12,8 +12,10 @@ Concurrency contract (the class owns it):
   :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
   (thread-safe) and write the host pages handed to the op, which belong to nobody else.
 - Before the fetch starts, the node where the cached prefix ends is locked and L2 room is
-  made (eviction cannot touch the locked path); the page count is then capped at what is
-  free, so the allocation cannot fail.
+  made (eviction cannot touch the locked path; L2 backups of pages on L1 may go); the page
+  count is then capped at what is free, so the allocation cannot fail. When other fetches
+  hold the L2 it needs, the op waits (retried each step) while waiting and loading would
+  still beat recomputing, instead of giving up at once.
 - ``op.loaded`` is written by the fetch thread after a batch has fully landed; the
   scheduler reads it once when it finishes the op. :meth:`finish` never blocks: it commits
   the pages that have landed into the tree, and pages of a batch still in flight are freed
@@ -49,6 +51,7 @@ class PrefetchOp:
     loaded: int = 0  # leading host pages filled (written by the fetch thread)
     future: Future | None = None  # the fetch
     read_s: float = 0.0  # time inside the store's reads so far (written by the fetch thread)
+    room_wait_since: float = 0.0  # when it first found L2 full (0: never)
 
     @property
     def fetched(self) -> bool:
@@ -162,14 +165,26 @@ class Prefetcher:
         n = min(n, host.num_free)
         if n * ps < self.threshold_tokens:
             tree.unlock(node)
-            if self._fetching and time.monotonic() < op.deadline:
-                return  # other prefetches hold L2: their pages become evictable once committed; retry
+            if self._worth_waiting(op, d):
+                return  # other prefetches hold L2; their pages become evictable once committed: retry
             req.prefetch = None
             return
         self._fetching += 1
         op.node, op.host_pages, op.keys = node, host.alloc(n), op.keys[:n]
         op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
         op.future = self._fetcher.submit(self._fetch, op)
+
+    def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
+        """Wait for L2 room while other fetches hold it, as long as waiting and then loading would
+        still beat recomputing (the cost model's estimates; without them, until the op's deadline)."""
+        now = time.monotonic()
+        if not self._fetching or now >= op.deadline:
+            return False
+        if not op.room_wait_since:
+            op.room_wait_since = now
+        if d.load_s is None or d.recompute_s is None:
+            return True
+        return now - op.room_wait_since < d.recompute_s - d.load_s
 
     def _decision(self, pages: int, d, looked_up: bool) -> dict:
         return {"pages": pages, "tokens": pages * self.page_size, "looked_up": looked_up, "load": d.load,
