@@ -27,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import ServerProcess, free_port  # noqa: E402
+from tests.server_utils import ServerProcess, free_port, start_all  # noqa: E402
 
 MODEL = str(ROOT / "models" / "SmolLM2-135M-Instruct")
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
@@ -197,14 +197,7 @@ def main() -> None:
     router = Router(P, bp, D)
     out: dict = {"backend": backend}
     try:
-        threads = [threading.Thread(target=s.start) for s in servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for s in servers:
-            if not s.ready.is_set():
-                raise RuntimeError("a server did not start:\n" + s.log()[-3000:])
+        start_all(*servers)
         router.start()
         scenarios(out, router, P, D, C, "--quick" in sys.argv)
         if with_l3:

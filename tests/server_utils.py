@@ -120,3 +120,32 @@ def running_server(args: list[str], api_key: str | None = None, api_key_env: boo
         code = server.stop()
     assert code == 0, f"server exited with {code}:\n{server.log()}"
     assert "Traceback" not in server.log(), server.log()
+
+
+def start_all(*servers: ServerProcess) -> None:
+    """Start servers in parallel threads (model loads overlap); every one must come up."""
+    threads = [threading.Thread(target=s.start) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in servers:
+        if not s.ready.is_set():
+            raise RuntimeError("a server did not start:\n" + s.log()[-3000:])
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and all its descendants (a driver and the servers it started)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    for kid in kids:
+        try:
+            kid.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.kill()
+    proc.wait()

@@ -15,28 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.netns import NetNS, unavailable_reason
+from tests.server_utils import kill_tree
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = str(ROOT / "tests" / "pd_cluster.py")
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        kids = []
-    for kid in kids:
-        try:
-            kid.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.kill()
-    proc.wait()
 
 
 def _findings(out: str) -> dict:
@@ -71,7 +57,7 @@ def test_pd_mooncake_with_sessions_and_l3(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc is not None:
-            _kill_tree(proc)
+            kill_tree(proc)
         ns.delete()
     res = _findings(out)
     _check_common(res)
@@ -100,5 +86,5 @@ def test_pd_nixl(tmp_path: Path) -> None:
     try:
         out, _ = proc.communicate(timeout=600)
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     _check_common(_findings(out))

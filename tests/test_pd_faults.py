@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, start_all
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 3.0  # --disaggregation-bootstrap-timeout-s of these servers
@@ -46,16 +46,6 @@ def _args(model: Path, mode: str, bootstrap_port: int | None = None) -> list[str
     if bootstrap_port is not None:
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return args
-
-
-def _start(*servers: ServerProcess) -> None:
-    threads = [threading.Thread(target=s.start) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in servers:
-        assert s.ready.is_set(), s.log()
 
 
 def _kill(s: ServerProcess) -> None:
@@ -99,7 +89,7 @@ def pair(tiny_chat_model: Path) -> Iterator[tuple[ServerProcess, ServerProcess, 
     old = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "OMP_NUM_THREADS")}
     os.environ.update(UCX_TLS=old["UCX_TLS"] or "tcp,self,sm", UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
     try:
-        _start(p, d)
+        start_all(p, d)
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -159,7 +149,7 @@ def test_decode_dies_before_its_kv_is_written(tiny_chat_model: Path) -> None:
     _nixl_or_skip()
     bp = free_port()
     p, d = ServerProcess(_args(tiny_chat_model, "prefill", bp)), ServerProcess(_args(tiny_chat_model, "decode"))
-    _start(p, d)
+    start_all(p, d)
     try:
         base = _used(p)
         room = random.getrandbits(63)
@@ -191,7 +181,7 @@ def test_prefill_dies_decode_aborts_router_retries(tiny_chat_model: Path) -> Non
     p1 = ServerProcess(_args(tiny_chat_model, "prefill", bp1))
     p2 = ServerProcess(_args(tiny_chat_model, "prefill", bp2))
     d = ServerProcess(_args(tiny_chat_model, "decode"))
-    _start(p1, p2, d)
+    start_all(p1, p2, d)
     try:
         base = _used(d)
         room = random.getrandbits(63)

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.netns import NetNS, unavailable_reason
+from tests.server_utils import kill_tree
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,17 +31,7 @@ def test_two_servers_share_mooncake(tmp_path, tiny_chat_model):
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc is not None:  # whatever happened, no server or master outlives the test
-            try:
-                kids = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                kids = []
-            for kid in kids:
-                try:
-                    kid.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            proc.kill()
-            proc.wait()
+            kill_tree(proc)
         ns.delete()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     assert lines, out[-4000:]

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.disagg.control import ControlServer, post_json
-from serving.disagg.protocol import DecodeTarget, KVDone, KVGeometry, prompt_digest
+from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
 from serving.disagg.role import PDRole
-from serving.disagg.transport import TransportConfig, make_transport
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
 
@@ -51,14 +50,8 @@ class DecodeRole(PDRole):
     mode = "decode"
 
     def __init__(self, server: Any, core: Any) -> None:
-        self.timeout_s = server.disaggregation_bootstrap_timeout_s
+        self._open_transport(server, core)
         self.use_radix = server.disaggregation_decode_enable_radix_cache
-        pool = core.runner.pool
-        self.geometry = KVGeometry.of_pool(pool)
-        self.page_size = pool.page_size
-        self.transport = make_transport(server.disaggregation_transfer_backend,
-                                        TransportConfig(host=server.disaggregation_transfer_host))
-        self.transport.register_tensor(pool.kv_buffer)
         self.control = ControlServer(server.host, 0, {"mode": self.mode})
         self.io = ThreadPoolExecutor(2, thread_name_prefix="hicache-pd-register")
         self.pending: list[Req] = []

@@ -23,9 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from serving.disagg.control import ControlServer, post_json
-from serving.disagg.protocol import DecodeTarget, KVDone, KVGeometry, prompt_digest
+from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
 from serving.disagg.role import PDRole
-from serving.disagg.transport import TransportConfig, coalesce, make_transport
 from serving.request import Req
 
 log = logging.getLogger("hicache.pd")
@@ -37,13 +36,7 @@ class PrefillRole(PDRole):
     mode = "prefill"
 
     def __init__(self, server: Any, core: Any) -> None:
-        self.timeout_s = server.disaggregation_bootstrap_timeout_s
-        pool = core.runner.pool
-        self.geometry = KVGeometry.of_pool(pool)
-        self.page_size = pool.page_size
-        self.transport = make_transport(server.disaggregation_transfer_backend,
-                                        TransportConfig(host=server.disaggregation_transfer_host))
-        self.transport.register_tensor(pool.kv_buffer)
+        self._open_transport(server, core)
         info = {"mode": self.mode, "backend": server.disaggregation_transfer_backend}
         self.control = ControlServer(server.host, server.disaggregation_bootstrap_port, info)
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="hicache-pd-send")
@@ -176,16 +169,14 @@ class PrefillRole(PDRole):
         if len(src_pages) != len(target.pages) or target.skip_pages > need:
             raise ValueError(f"the decode server offered {len(target.pages)} pages after {target.skip_pages}; "
                              f"the prompt needs {need - target.skip_pages}")
-        chunk = self.geometry.chunk
         src, dst = self.geometry.addrs(src_pages), target.geometry.addrs(target.pages)
-        src, dst, lengths = coalesce(src, dst, [chunk] * len(src))
         t0 = time.perf_counter()
-        if lengths:
-            self.transport.write(target.endpoint, src, dst, lengths)
+        if len(src):  # the transport coalesces neighbouring chunks
+            self.transport.write(target.endpoint, src, dst, [self.geometry.chunk] * len(src))
         dt = time.perf_counter() - t0
         return KVDone(target.room, True, first_token=req.output_ids[0], cached_tokens=req.cached_tokens,
                       cached_by_tier=dict(req.cached_by_tier), pages=len(src_pages),
-                      nbytes=sum(lengths), transfer_s=dt)
+                      nbytes=len(src) * self.geometry.chunk, transfer_s=dt)
 
     def _notify(self, target: DecodeTarget, done: KVDone) -> bool:
         try:

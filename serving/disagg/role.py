@@ -31,6 +31,19 @@ if TYPE_CHECKING:
 class PDRole:
     mode = "null"
 
+    def _open_transport(self, server: Any, core: Any) -> None:
+        """What both roles share: the pool's geometry and the transport with L1 registered."""
+        from serving.disagg.protocol import KVGeometry
+        from serving.disagg.transport import TransportConfig, make_transport
+
+        pool = core.runner.pool
+        self.timeout_s = server.disaggregation_bootstrap_timeout_s
+        self.geometry = KVGeometry.of_pool(pool)
+        self.page_size = pool.page_size
+        self.transport = make_transport(server.disaggregation_transfer_backend,
+                                        TransportConfig(host=server.disaggregation_transfer_host))
+        self.transport.register_tensor(pool.kv_buffer)
+
     def attach(self, scheduler: Scheduler) -> None:
         self.sched = scheduler
 

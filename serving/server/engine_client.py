@@ -30,7 +30,7 @@ from typing import Any
 from serving.config import EngineConfig
 from serving.server import messages as m
 from serving.server.config import ServerConfig
-from serving.server.engine_proc import engine_main
+from serving.server.engine_main import engine_main
 from serving.server.errors import APIError
 from serving.server.req_handle import ReqHandle
 from serving.server.watchdog import make_heartbeat, stall_seconds

@@ -1,0 +1,97 @@
+"""The engine process's entry point: started with multiprocessing ``spawn`` by
+:class:`serving.server.engine_client.EngineClient`; builds the EngineCore (and, for PD, its
+role), announces readiness, runs :class:`serving.server.engine_proc.EngineLoop`, shuts down
+(persisting to L3) and exits with the loop's status."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from serving.config import EngineConfig
+from serving.disagg.role import make_role
+from serving.server import messages as m
+from serving.server.config import ServerConfig
+from serving.server.engine_proc import EngineLoop
+from serving.server.engine_shutdown import shutdown_core
+
+log = logging.getLogger("hicache.engine")
+GIL_SWITCH_S = 0.0005
+
+
+def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
+    tok = core.tokenizer
+    return {
+        "model_path": config.model.model_path,
+        "tokenizer_path": (config.model.tokenizer_path or config.model.model_path) if tok else None,
+        "served_model_name": config.model.served_model_name or config.model.model_path,
+        "context_len": core.runner.context_len,
+        "vocab_size": core.runner.arch.vocab_size,
+        "page_size": config.cache.page_size,
+        "num_pages": core.runner.pool.allocator.num_pages,
+        "device": str(core.runner.device),
+        "pid": os.getpid(),
+        "dtype": str(core.runner.dtype).removeprefix("torch."),
+    }
+
+
+def engine_main(
+    config: EngineConfig, server: ServerConfig, rx: Connection, tx: Connection, heartbeat: Any = None
+) -> None:
+    """Entry point of the spawned engine process. Exits non-zero when the loop failed
+    (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed.
+    ``heartbeat``: the watchdog's shared array (serving.server.watchdog), beaten every turn."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
+    # The scheduler thread holds the GIL between kernel launches; a background thread (an L3 read, a
+    # PD transfer or its notification) that wakes up would otherwise wait up to 5 ms (Python's
+    # default switch interval) for it, on every hand-off.
+    sys.setswitchinterval(GIL_SWITCH_S)
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    try:
+        from serving.engine_core import EngineCore
+
+        core = EngineCore(config)
+        make_role(server, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
+    except Exception as e:
+        log.exception("engine failed to start")
+        tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
+        return
+    loop = EngineLoop(core, rx, tx, server, heartbeat)
+
+    def _stop(sig: int, frame: Any) -> None:  # e.g. SIGTERM sent to the whole process group
+        loop.running = False
+
+    signal.signal(signal.SIGTERM, _stop)
+    tx.send_bytes(m.encode([m.Ready(ready_info(core, config))]))
+    code = 0
+    try:
+        loop.run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        log.exception("the engine loop failed")
+        code = 1
+    if code:
+        tx.close()  # the HTTP side sees the engine gone now (503s), not after the shutdown below
+    try:
+        # waits for L3 write-backs in flight, persists the cache (never a broken one), closes the store
+        report = shutdown_core(core, persist=loop.broken is None)
+    except Exception:
+        log.exception("engine shutdown failed")
+        code = code or 1
+    else:
+        if report is not None and report.error is not None:
+            code = code or 1
+    if core.scheduler.pd is not None:
+        # everything is shut down; a PD transport's native libraries (UCX's libnl under NIXL) can
+        # crash in the C exit handlers, so leave without running them
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
