@@ -68,7 +68,10 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
+        """``cache_salt`` (vLLM's name): requests with the same salt share cached prefixes,
+        requests with different salts (or none) share nothing (hicache.salt)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
@@ -81,7 +84,7 @@ class Engine:
             raise InvalidRequest("sampling_params list must match the number of prompts")
         if session_id is not None and session_id not in self.core.sessions:
             self.core.open_session(session_id)
-        reqs = [self.core.make_request(**it, sampling_params=p, session_id=session_id)
+        reqs = [self.core.make_request(**it, sampling_params=p, session_id=session_id, cache_salt=cache_salt)
                 for it, p in zip(items, params, strict=True)]
         for r in reqs:
             self.core.add(r)

@@ -11,6 +11,7 @@ import os
 import uuid
 from typing import Any
 
+from hicache import salt
 from hicache.hiradix import HiRadixTree
 from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
@@ -82,7 +83,10 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
     def make_request(self, input_ids: list[int] | None = None, text: str | None = None,
                      sampling_params: dict[str, Any] | SamplingParams | None = None,
-                     session_id: str | None = None, rid: str | None = None) -> Req:
+                     session_id: str | None = None, rid: str | None = None,
+                     cache_salt: str | None = None, tenant: str | None = None) -> Req:
+        """``cache_salt``: the request's effective salt (hicache.salt; None: unsalted);
+        ``tenant``: who it counts against (quotas, per-tenant counters)."""
         if (input_ids is None) == (text is None):
             raise InvalidRequest("give exactly one of text or input_ids")
         if text is not None:  # only the offline Engine sends text (in its caller's thread); the server sends ids
@@ -102,7 +106,11 @@ class EngineCore:
             SamplingParams.from_dict(sampling_params)
         if session_id is not None and session_id not in self.sessions:
             raise KeyError(f"unknown session_id {session_id!r}")
-        req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                       or len(cache_salt) > salt.MAX_SALT_CHARS):
+            raise InvalidRequest(f"cache_salt must be a non-empty string of at most {salt.MAX_SALT_CHARS} characters")
+        req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id,
+                  salt_tags=salt.salt_tags(cache_salt), tenant=tenant)
         self.scheduler.validate(req)
         # size-checked here (400); parsed and compiled off this thread, within the time budget, while
         # the request waits in the queue (the scheduler admits it once its grammar is ready)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache import salt
 from serving.sampling_params import SamplingParams
 
 
@@ -15,6 +16,10 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     session_id: str | None = None
+    # cache partition (hicache.salt): tags of the request's effective cache_salt (() = unsalted) and
+    # its tenant (None: the default tenant), for per-tenant quotas and counters
+    salt_tags: tuple[int, ...] = ()
+    tenant: str | None = None
     output_ids: list[int] = field(default_factory=list)
     # KV state. pages[i] holds positions i*page_size .. (i+1)*page_size-1 of fill_ids.
     pages: list[int] = field(default_factory=list)
@@ -47,9 +52,19 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
+        """The sequence as the KV cache keys it: with a cache salt its first ids are salted
+        (hicache.salt); the model reads :meth:`model_ids`."""
+        ids = self.input_ids + self.output_ids
         if self.pending >= 0:
-            return self.input_ids + self.output_ids + [-1 - self.pending]
-        return self.input_ids + self.output_ids
+            ids.append(-1 - self.pending)
+        return salt.apply(ids, self.salt_tags) if self.salt_tags else ids
+
+    def model_ids(self, lo: int, hi: int) -> list[int]:
+        """Raw ids of positions ``lo .. hi - 1`` (placeholders included): what the model reads."""
+        ids = self.input_ids + self.output_ids
+        if self.pending >= 0:
+            ids.append(-1 - self.pending)
+        return ids[lo:hi]
 
     @property
     def seq_len(self) -> int:

@@ -156,7 +156,7 @@ class Scheduler:
         updated = early + updated
         if not batch_reqs:
             return updated + (self._overlap.resolve() if overlap else [])
-        seqs = [(r.fill_ids[r.kv_len: r.kv_len + n], r.kv_len, r.pages) for r, n in batch_reqs]
+        seqs = [(r.model_ids(r.kv_len, r.kv_len + n), r.kv_len, r.pages) for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
         if overlap:
             fb = self._overlap.prepare(fb)

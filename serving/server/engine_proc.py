@@ -219,6 +219,8 @@ class EngineLoop:
                 sampling_params=msg.sampling_params,
                 session_id=msg.session_id,
                 rid=msg.rid,
+                cache_salt=msg.cache_salt,
+                tenant=msg.tenant,
             )
             if msg.bootstrap is not None:
                 req.pd = Bootstrap(**msg.bootstrap)

@@ -36,6 +36,8 @@ class GenerateReq:
     sampling_params: dict[str, Any]
     session_id: str | None = None
     bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
+    cache_salt: str | None = None  # the effective salt (tenant + the request's cache_salt; hicache.salt)
+    tenant: str | None = None  # the API key's tenant (None: the default tenant)
 
 
 @dataclass
