@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.server import admin_api, errors, native_api, openai_api
 from serving.server.context import ServerContext
+from serving.server.tenants import CURRENT, TenantTable
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -35,18 +36,28 @@ def bearer_token(header: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <api_key>`` (any case of "Bearer"); /health stays open."""
+    """401 unless ``Authorization: Bearer <key>`` (any case of "Bearer") names ``api_key`` (the
+    default tenant) or a tenant's key (``--api-keys-file``: the request then runs as that
+    tenant, see serving/server/tenants.py); /health stays open. Constant-time comparisons."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, tenants: TenantTable | None = None) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = None if api_key is None else api_key.encode()
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         token = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
-        if token is not None and hmac.compare_digest(token, self.expected):
-            return await self.app(scope, receive, send)
+        if token is not None:
+            default = self.expected is not None and hmac.compare_digest(token, self.expected)
+            tenant = self.tenants.find(token) if self.tenants is not None else None
+            if default or tenant is not None:
+                reset = CURRENT.set(tenant)
+                try:
+                    return await self.app(scope, receive, send)
+                finally:
+                    CURRENT.reset(reset)
         await _refuse(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
                       ((b"www-authenticate", b"Bearer"),))
 
@@ -101,7 +112,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     errors.install(app)
     for module in (openai_api, native_api, admin_api):
         app.include_router(module.router)
-    if ctx.server.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key)
+    if ctx.server.api_key or ctx.tenants is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)
     app.add_middleware(SameOriginMiddleware)  # added last: runs first
     return app

@@ -37,6 +37,9 @@ class ServerConfig:
     # when set, every route but /health needs "Authorization: Bearer <key>"; `hicache serve` also
     # reads it from the environment variable HICACHE_API_KEY (which, unlike a flag, ps does not show)
     api_key: str | None = None
+    # YAML of tenants (key -> tenant, optional quota_pages per tier): each key's requests run in that
+    # tenant's isolated cache space (serving/server/tenants.py); --api-key stays the default tenant
+    api_keys_file: str | None = None
     max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413
     session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
     log_level: str = "info"

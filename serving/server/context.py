@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from hicache import salt
 from serving.config import EngineConfig
 from serving.sampling_params import InvalidRequest, SamplingParams
 from serving.server import messages as m
@@ -17,6 +18,7 @@ from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError
 from serving.server.metrics import ServerMetrics
+from serving.server.tenants import CURRENT, TenantTable, effective_salt
 from serving.tokenizer import Tokenizer
 
 GREEDY_EPS = 1e-6
@@ -29,6 +31,7 @@ class ServerContext:
     client: EngineClient
     tokenizer: Tokenizer | None
     metrics: ServerMetrics
+    tenants: TenantTable | None = None  # --api-keys-file
 
     @property
     def info(self) -> dict[str, Any]:
@@ -89,8 +92,12 @@ class ServerContext:
         param_name: str = "max_tokens",
         prompt_param: str = "input_ids",
         bootstrap: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> m.GenerateReq:
-        """Check what can be checked here (the engine checks the rest) and build the message."""
+        """Check what can be checked here (the engine checks the rest) and build the message.
+        ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space."""
+        check_salt(cache_salt)
+        tenant = CURRENT.get()
         try:
             sp = SamplingParams.from_dict(params)
         except InvalidRequest as e:
@@ -120,8 +127,15 @@ class ServerContext:
             )
         return m.GenerateReq(
             rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id,
-            bootstrap=bootstrap,
+            bootstrap=bootstrap, cache_salt=effective_salt(tenant, cache_salt),
+            tenant=None if tenant is None else tenant.name,
         )
+
+
+def check_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and (not cache_salt or len(cache_salt) > salt.MAX_SALT_CHARS):
+        raise APIError(400, f"cache_salt must be a non-empty string of at most {salt.MAX_SALT_CHARS} characters",
+                       param="cache_salt")
 
 
 def get_ctx(request: Request) -> ServerContext:

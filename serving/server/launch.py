@@ -25,6 +25,7 @@ from serving.server.engine_client import EngineClient, EngineStartError
 from serving.server.engine_proc import EXIT_BROKEN
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
+from serving.server.tenants import load_tenants
 from serving.tokenizer import Tokenizer, has_tokenizer
 
 READY_MESSAGE = "The server is fired up and ready to roll!"
@@ -98,6 +99,12 @@ def run_server(cfg: AppConfig) -> int:
     except PortError as e:
         log.error("%s; nothing was started (the model was not loaded)", e)
         return 1
+    try:
+        tenants = load_tenants(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
+    except ValueError as e:
+        sock.close()
+        log.error("%s; nothing was started", e)
+        return 1
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     metrics = ServerMetrics()
     client = EngineClient(cfg.engine, cfg.server, metrics)
@@ -114,7 +121,7 @@ def run_server(cfg: AppConfig) -> int:
             info["num_pages"],
             info["page_size"],
         )
-        ctx = ServerContext(cfg.engine, cfg.server, client, tokenizer, metrics)
+        ctx = ServerContext(cfg.engine, cfg.server, client, tokenizer, metrics, tenants)
         server = _Uvicorn(
             uvicorn.Config(
                 create_app(ctx),

@@ -53,6 +53,7 @@ async def generate(request: Request) -> Any:
             body.rid,
             param_name="max_new_tokens",
             bootstrap=body.bootstrap(i, len(ids)),
+            cache_salt=body.cache_salt,
         )
         for i, p in enumerate(ids)
     ]

@@ -79,7 +79,7 @@ async def chat_completions(request: Request) -> Any:
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(ids))
     req = ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, param_name=name,
-                           bootstrap=body.bootstrap(0, 1))
+                           bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt)
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
@@ -142,7 +142,7 @@ async def completions(request: Request) -> Any:
         ids = await run_in_threadpool(ctx.encode, prompt) if isinstance(prompt, str) else prompt
         reqs.append(
             ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt",
-                             bootstrap=body.bootstrap(i, len(body.prompt)))
+                             bootstrap=body.bootstrap(i, len(body.prompt)), cache_salt=body.cache_salt)
         )
     head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": model}
     if not body.stream:

@@ -71,6 +71,7 @@ class SGLangExtras(BootstrapFields):
     regex: str | None = None  # structured output: the text matches this regex
     ebnf: str | None = None  # structured output: the text matches this EBNF grammar (root rule "root")
     session_id: str | None = None
+    cache_salt: str | None = None  # vLLM's field: subdivides the caller's tenant's cache space (hicache.salt)
 
 
 class OpenAISampling(SGLangExtras):
@@ -230,6 +231,7 @@ class GenerateRequest(BootstrapFields):
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     session_id: str | None = None
+    cache_salt: str | None = None  # vLLM's field: subdivides the caller's tenant's cache space (hicache.salt)
     rid: str | None = None
     return_logprob: bool = False
     logprob_start_len: int | None = None
