@@ -3,8 +3,12 @@
 The tree decides, the controller moves. Backups (L1 -> L2) run synchronously on the
 scheduler's thread, so a freed L1 page is never reused before its bytes are saved.
 Loads (L2 -> L1) run on a background thread (a CUDA side stream on GPU); each load's
-future is bound to the ``PendingLoad`` the tree put on the loading nodes, and every
-request that reads those pages is skipped by the scheduler until it is done.
+future is bound to the ``PendingLoad`` the tree put on the loading nodes. On CPU every
+request that reads those pages is skipped by the scheduler until the load is done. On
+CUDA a load is *layered*: queued on the side stream one layer at a time with an event per
+layer (``_GpuLoad.layer_events``), so the scheduler runs a reader at once and its forward
+pass waits, on the GPU, for layer ``i``'s event before layer ``i`` (the copy overlaps the
+compute; see ``serving.forward_batch.LayerWaits``).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from serving.kernels.page_copy import PageMover
 class _GpuLoad(Future):
     """A load queued on the controller's CUDA stream by the page-move kernel: ``done()`` polls
     its event, ``result()`` waits for it. No thread: a loader thread would contend for the GIL
-    with the scheduler's loop, which polls the load while it waits."""
+    with the scheduler's loop, which polls the load while it waits. ``layer_events[i]`` is
+    recorded once layer ``i`` of every page has landed (the last one is ``done()``'s event)."""
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, layer_events: list[torch.cuda.Event]) -> None:
         super().__init__()
-        self._event = event
+        self.layer_events = layer_events
+        self._event = layer_events[-1]
 
     def done(self) -> bool:
         if not super().done() and self._event.query():
@@ -74,12 +80,10 @@ class CacheController:
 
     def _load_on_stream(self, t: Transfer) -> Future:
         with torch.cuda.stream(self._stream):
-            self._load_mover.host_to_device(t.src_pages, t.dst_pages, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+            events = self._load_mover.host_to_device_layered(t.src_pages, t.dst_pages)
         with self._lock:
             self.pages_loaded += len(t.src_pages)
-        return _GpuLoad(event)
+        return _GpuLoad(events)
 
     def _load(self, t: Transfer) -> None:
         if self._stream is not None:

@@ -7,6 +7,26 @@ from dataclasses import dataclass
 import torch
 
 
+class LayerWaits:
+    """GPU events of layered L2 -> L1 loads that a forward pass reads from: before layer ``i``
+    touches the KV pool, the current stream waits (on the GPU; the host never blocks) for
+    every load's layer-``i`` event. A CUDA-graph replay, which cannot wait between layers,
+    waits for all of them first (:meth:`before_all`)."""
+
+    __slots__ = ("per_layer",)
+
+    def __init__(self, loads: list[list]) -> None:
+        self.per_layer = list(zip(*loads, strict=True))  # [layers][loads]
+
+    def before_layer(self, i: int) -> None:
+        stream = torch.cuda.current_stream()
+        for ev in self.per_layer[i]:
+            stream.wait_event(ev)
+
+    def before_all(self) -> None:
+        self.before_layer(len(self.per_layer) - 1)  # each load's layers land in order
+
+
 @dataclass
 class ForwardBatch:
     """A ragged batch: sequence ``i`` adds ``extend_lens[i]`` new tokens on top of
@@ -30,6 +50,8 @@ class ForwardBatch:
     extend_lens_list: list[int]
     # decode only: fixed number of KV splits (CUDA graphs fix the grid); None picks per batch
     decode_splits: int | None = None
+    # L2 -> L1 loads still landing in pages this batch reads (GPU only); see LayerWaits
+    layer_waits: LayerWaits | None = None
 
     @property
     def batch_size(self) -> int:

@@ -81,6 +81,8 @@ class ModelRunner:
         """``[B, vocab]`` float32 logits. Decode batches replay a CUDA graph when one fits
         (the result is then the graph's output buffer, valid until the next forward)."""
         if self.graphs is not None and self.graphs.can_run(batch):
+            if batch.layer_waits is not None:
+                batch.layer_waits.before_all()
             return self.graphs.run(batch)
         return self._forward_eager(batch)
 

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 from hicache.hiradix import HiRadixTree, MatchResult, Transfer
 from hicache.tiers.allocator import PageAllocator
+from serving.forward_batch import LayerWaits
 from serving.request import Req
 from serving.storage_controller import StorageController
 
@@ -92,18 +93,29 @@ class ReqCache:
             req.cached_by_tier = {"device": device, "host": req.kv_len - device - storage, "storage": storage}
 
     def poll_load(self, req: Req, wait: bool = False) -> bool:
-        """True when every load filling the request's pages has landed (its own load, if it
-        started one, is then committed to the tree). ``wait`` blocks until then."""
+        """True when the request may run a forward pass over its pages: every load filling
+        them has landed, or is a layered GPU load whose per-layer events the pass will wait
+        for (:meth:`layer_waits`; those loads stay in ``req.wait_loads`` until they land).
+        The request's own load is committed to the tree only once it has landed. ``wait``
+        blocks until every load has landed."""
         if req.wait_loads:
-            if not wait and not all(p.done() for p in req.wait_loads):
-                return False
-            for p in req.wait_loads:
-                p.wait()
+            if wait:
+                for p in req.wait_loads:
+                    p.wait()
+            if not all(p.done() for p in req.wait_loads):
+                return all(p.layer_events() is not None for p in req.wait_loads)
             req.wait_loads = ()
         if req.load_node is not None:
             self.tree.finish_load(req.load_node)
             req.load_node = None
         return True
+
+    @staticmethod
+    def layer_waits(reqs: list[Req]) -> LayerWaits | None:
+        """The per-layer events of loads still landing in pages these requests read (every
+        request here passed :meth:`poll_load`, so each such load has them)."""
+        loads = [p.layer_events() for r in reqs for p in r.wait_loads if not p.done()]
+        return LayerWaits(loads) if loads else None
 
     # -- L3 prefetch (no-ops without a storage tier) -------------------------------------
     def advance_prefetch(self, req: Req) -> None:

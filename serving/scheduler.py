@@ -158,6 +158,7 @@ class Scheduler:
             return updated + (self._overlap.resolve() if overlap else [])
         seqs = [(r.model_ids(r.kv_len, r.kv_len + n), r.kv_len, r.pages) for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
+        fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])
         if overlap:
             fb = self._overlap.prepare(fb)
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
@@ -297,7 +298,7 @@ class Scheduler:
                 for tier, v in r.cached_by_tier.items():
                     self.stats.cached_by_tier[tier] += v
             if not self.cache.poll_load(r):
-                continue  # runs once its L2 -> L1 copy is in; the budget stays free meanwhile
+                continue  # runs once its L2 -> L1 copy is in (CPU); the budget stays free meanwhile
             chunks.append((r, n))
             budget -= n
         return chunks

@@ -96,6 +96,56 @@ def test_page_mover_kernel_round_trip(layout):
     assert torch.equal(pool.kv_buffer.view(8, 64, -1)[:, back].cpu(), flat[:, src])
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_layered_load_waits_per_layer_on_the_gpu(layout):
+    """A layered load on a side stream that is held back (a GPU sleep): the main stream's
+    reads of layer i, queued behind LayerWaits.before_layer(i), still see the loaded KV."""
+    from hicache.tiers.device import DeviceKVPool, KVLayout
+    from hicache.tiers.host import make_host_pool
+    from serving.forward_batch import LayerWaits
+    from serving.kernels.page_copy import PageMover
+
+    lay = KVLayout(6, 8, 128, torch.bfloat16)
+    pool = DeviceKVPool(lay, 64, 16, "cuda")
+    host = make_host_pool(layout, lay, 64, 16)
+    host.buffer.normal_()
+    mover = PageMover(pool.kv_buffer, host)
+    src, dst = list(range(10, 50)), list(range(3, 43))
+    want = host.read_pages(torch.tensor(src)).view(2, 6, 40, -1)  # [K/V, layer, page, X]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: without the waits the reads below see zeros
+        events = mover.host_to_device_layered(src, dst)
+    assert len(events) == 6
+    waits = LayerWaits([events])
+    got = []
+    for layer in range(6):
+        waits.before_layer(layer)
+        got.append(pool.kv_buffer[:, layer, dst].clone())  # [2, pages, ps, H, D], on the main stream
+    torch.cuda.synchronize()
+    for layer in range(6):
+        assert torch.equal(got[layer].view(2, 40, -1).cpu(), want[:, layer])
+
+
+def test_engine_layered_l2_loads_under_concurrency(tiny):
+    """Requests that share a prefix being loaded back from L2 run in the same step as the load
+    (their forward waits per layer on the GPU): greedy tokens equal the cold run's."""
+    from serving.engine import Engine
+    from tests.test_engine import GREEDY, ids_of
+
+    path, ps, ref = tiny
+    eng = Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=320, hicache_ratio=4.0,
+                 max_running_requests=8, cuda_graph_max_bs=8)
+    assert ids_of(eng.generate(input_ids=ps[:4], sampling_params=GREEDY)) == ref[:4]
+    eng.generate(input_ids=ps[4:], sampling_params=GREEDY)  # pushes the first prompts out of L1
+    before = eng.core.controller.pages_loaded
+    again = eng.generate(input_ids=ps[:4] * 2, sampling_params=GREEDY)  # each prefix matched twice at once
+    assert ids_of(again) == ref[:4] * 2
+    assert eng.core.controller.pages_loaded > before
+    eng.check_integrity()
+    eng.shutdown()
+
+
 def test_backup_is_ordered_after_queued_kv_writes():
     """A backup issued right after a (queued, not yet run) write of the page sees the write."""
     from hicache.tiers.device import DeviceKVPool, KVLayout

@@ -41,7 +41,7 @@ def overlapped(eng: Engine) -> OverlapScheduler:
 ], ids=["plain", "chunked", "retract", "l2"])
 def test_overlap_greedy_matches_hf(tiny, kw):
     path, ps, ref = tiny
-    kw = {"page_size": 4, "max_total_tokens": 4096, **kw}
+    kw = {"page_size": 4, "max_total_tokens": 4096, "dtype": "float32", **kw}  # fp32 on CUDA too (auto: bf16)
     eng = Engine(model_path=str(path), **kw)
     ov = overlapped(eng)
     outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
@@ -59,7 +59,7 @@ def test_overlap_greedy_matches_hf(tiny, kw):
 def test_overlap_stops_one_step_late_but_outputs_are_exact(tiny):
     """Stop tokens and max_new_tokens land on the same token as without overlap."""
     path, ps, ref = tiny
-    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096)
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096, dtype="float32")
     overlapped(eng)
     params = [{"temperature": 0, "max_new_tokens": 3 + i, "ignore_eos": True} for i in range(len(ps))]
     params[0] = {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [ref[0][4]]}
@@ -76,9 +76,9 @@ def test_overlap_falls_back_for_sampled_requests(tiny):
     resolves pending tokens first and samples on the host)."""
     path, ps, ref = tiny
     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_new_tokens": 8, "ignore_eos": True}
-    plain = Engine(model_path=str(path), page_size=4, max_total_tokens=4096)
+    plain = Engine(model_path=str(path), page_size=4, max_total_tokens=4096, dtype="float32")
     want = plain.generate(input_ids=ps[:2], sampling_params=[GREEDY, sampled])
-    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096)
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096, dtype="float32")
     overlapped(eng)
     got = eng.generate(input_ids=ps[:2], sampling_params=[GREEDY, sampled])
     assert ids_of(got) == ids_of(want)
@@ -87,7 +87,7 @@ def test_overlap_falls_back_for_sampled_requests(tiny):
 
 def test_overlap_abort_while_pending(tiny):
     path, ps, _ = tiny
-    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096)
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096, dtype="float32")
     ov = overlapped(eng)
     core = eng.core
     reqs = [core.make_request(input_ids=p, sampling_params=GREEDY) for p in ps[:3]]

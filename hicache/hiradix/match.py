@@ -19,8 +19,10 @@ class PendingLoad:
     scheduler thread, before the transfer list returns). Every reader of those L1 pages --
     the request that started the load and any later match that reports them as L1 hits
     (``MatchResult.pending_loads``) -- must not run a forward pass over them until
-    :meth:`done` is true. ``done()`` may be polled from any thread; it never blocks. An
-    unbound load is not done.
+    :meth:`done` is true -- or, when the copy runs on a GPU stream and its future exposes
+    per-layer events (:meth:`layer_events`), until that forward pass is queued behind those
+    events on the GPU (layer ``i`` waits for event ``i``). ``done()`` may be polled from any
+    thread; it never blocks. An unbound load is not done.
     """
 
     __slots__ = ("_future",)
@@ -35,6 +37,11 @@ class PendingLoad:
 
     def done(self) -> bool:
         return self._future is not None and self._future.done()
+
+    def layer_events(self) -> list | None:
+        """The copy's per-layer GPU events (opaque here), or None when readers must wait for
+        :meth:`done` on the host (CPU copies, unbound loads)."""
+        return None if self._future is None else getattr(self._future, "layer_events", None)
 
     def wait(self) -> None:
         """Block until the copy has landed (raises what the copy raised); for teardown."""

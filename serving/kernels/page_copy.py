@@ -10,7 +10,9 @@ page).
   then waits (on the GPU, not the host) for the copy before it may overwrite those pages.
   The host pool remembers the copy's event, and host-side readers of L2 wait for it.
   Loads (L2 -> L1) run on the caller's current stream (the controller's side stream),
-  after pending backups and after the work already queued on the model's stream.
+  after pending backups and after the work already queued on the model's stream; a
+  *layered* load launches once per layer and records an event after each, so a forward
+  pass can start layer ``i`` as soon as layer ``i``'s KV has landed.
 - CPU, or an unpinned host pool: torch indexing through reused staging buffers (on CUDA
   the gather runs on the device, one bulk copy crosses PCIe, the scatter runs on the host).
 """
@@ -117,7 +119,11 @@ class PageMover:
         self._main.wait_event(done)  # freed L1 pages are rewritten only after the copy
         self.host.add_pending_write(done)
 
-    def _kernel_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+    def _kernel_load(self, host_pages: Sequence[int], device_pages: Sequence[int],
+                     layered: bool = False) -> list[torch.cuda.Event] | None:
+        """Queue the load on the current stream; ``layered``: one launch per layer, each
+        followed by an event (returned, in layer order) that a forward pass can wait for
+        before that layer reads its KV."""
         from serving.kernels.page_copy_triton import move_pages
 
         s = torch.cuda.current_stream(self.dev.device)
@@ -129,7 +135,19 @@ class PageMover:
         if pending is not None:
             s.wait_event(pending)  # a backup still writing host pages
         ids = self._dev_ids(host_pages, device_pages)
-        move_pages(self.host.buffer, _host_page_dim(self.host), ids[0], self.dev, 1, ids[1])
+        if not layered:
+            move_pages(self.host.buffer, _host_page_dim(self.host), ids[0], self.dev, 1, ids[1])
+            return None
+        layers = self.dev.shape[0] // 2  # row r of the flat pool: K of layer r (< L), V of layer r - L
+        hdim = _host_page_dim(self.host)
+        events = []
+        for layer in range(layers):
+            src = self.host.buffer[:, layer::layers] if hdim == 0 else self.host.buffer[layer::layers]
+            move_pages(src, hdim, ids[0], self.dev[layer::layers], 1, ids[1])
+            ev = torch.cuda.Event()
+            ev.record(s)
+            events.append(ev)
+        return events
 
     # -- moves --------------------------------------------------------------------------
     def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
@@ -171,6 +189,16 @@ class PageMover:
             staged.copy_(src, non_blocking=non_blocking)
             src = staged
         self.dev.index_copy_(1, self._ids(device_pages, dev), src)
+
+    def host_to_device_layered(self, host_pages: Sequence[int],
+                               device_pages: Sequence[int]) -> list[torch.cuda.Event]:
+        """Kernel path only: queue the load on the current stream layer by layer; returns one
+        event per layer, recorded when that layer's K and V of every page have landed."""
+        if not self.use_kernel:
+            raise RuntimeError("layered loads need the CUDA kernel path (pinned L2)")
+        if len(device_pages) != len(host_pages) or not host_pages:
+            raise ValueError("need equally long, non-empty page lists")
+        return self._kernel_load(host_pages, device_pages, layered=True)
 
     def synchronize(self) -> None:
         """Wait on the host until every backup queued so far has landed in L2."""

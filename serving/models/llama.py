@@ -170,7 +170,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)  # [T, 1, D]
         h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        waits = batch.layer_waits
         for i, layer in enumerate(self.model.layers):
+            if waits is not None:
+                waits.before_layer(i)  # this layer's KV loaded back from L2 has landed (GPU-side wait)
             h = h + layer.self_attn(
                 layer.input_layernorm(h), cos, sin, batch, kv.k_buffers[i], kv.v_buffers[i], attn
             )
