@@ -13,6 +13,7 @@ from typing import Any
 
 from hicache import salt
 from hicache.hiradix import HiRadixTree
+from hicache.hiradix.quota import TenantLedger
 from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
 from hicache.tiers.storage import StorageTier, make_storage
@@ -50,6 +51,8 @@ class EngineCore:
                      self.host_pool.nbytes() / 2**30)
         self.tree = HiRadixTree.from_config(
             cache, pool.allocator, self.host_pool.allocator if self.host_pool else None)
+        self.ledger = TenantLedger(cache.page_size)  # per-tenant pages; quotas: set_quotas
+        self.tree.set_ledger(self.ledger)
         self.storage = self._make_storage() if cache.storage_enabled else None
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size,
                                   self.controller.execute if self.controller else None, self.storage)
@@ -111,6 +114,7 @@ class EngineCore:
             raise InvalidRequest(f"cache_salt must be a non-empty string of at most {salt.MAX_SALT_CHARS} characters")
         req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id,
                   salt_tags=salt.salt_tags(cache_salt), tenant=tenant)
+        self.ledger.register(req.salt_tags, tenant)
         self.scheduler.validate(req)
         # size-checked here (400); parsed and compiled off this thread, within the time budget, while
         # the request waits in the queue (the scheduler admits it once its grammar is ready)
@@ -119,6 +123,10 @@ class EngineCore:
 
     def add(self, req: Req) -> None:
         self.scheduler.add(req)
+
+    def set_quotas(self, quotas: dict[str, dict[str, int]]) -> None:
+        """Soft per-tenant page quotas (tenant -> {"device" | "host" | "storage": pages})."""
+        self.ledger.quotas = TenantLedger(self.config.cache.page_size, quotas).quotas
 
     def step(self) -> list[Req]:
         return self.scheduler.step()

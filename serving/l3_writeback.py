@@ -63,6 +63,7 @@ class WriteBack:
         self._queued_pages = 0
         self.pages_written = 0
         self.pages_dropped = 0
+        self.pages_over_quota = 0  # not written: their tenant is at its L3 quota (hicache.hiradix.quota)
         self._warn = RateLimitedLog(logging.getLogger("hicache.storage"))
         self.before_write = None  # test hook: called on the writer thread before each write
 
@@ -89,6 +90,10 @@ class WriteBack:
                                self.max_queued_pages, len(pages))
             return
         tokens = self.tree.path_tokens(node)
+        ledger = self.tree.ledger
+        if ledger is not None and not ledger.may_store(tokens, len(pages)):
+            self.pages_over_quota += len(pages)
+            return
         first = len(tokens) // self.page_size - npages + done
         self.tree.pin_host(pages)
         self._queued_pages += len(pages)
@@ -123,6 +128,8 @@ class WriteBack:
             except Exception:  # a backend bug: nothing is marked, the pages are unpinned
                 stored, wrote = 0, 0
             self.pages_written += wrote
+            if wrote and self.tree.ledger is not None:
+                self.tree.ledger.add_stored(w.tokens, wrote)
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)

@@ -120,3 +120,5 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
     assert all(p in tree._host_pins for p in deferred), "a deferred L2 page is not pinned"
     _check_pool("device", tree.device, dev_ids, device_in_use)
     _check_pool("host", tree.host, host_ids | deferred, host_in_use)
+    if tree.ledger is not None:
+        tree.ledger.check_integrity(tree.nodes())

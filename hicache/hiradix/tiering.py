@@ -45,9 +45,20 @@ class TieringMixin:
     # an L2 copy), "remove" (it leaves the tree; ``host_pages`` still tells whether it had an
     # L2 copy), "reset" (flush; node = root). Listeners must not raise nor touch the tree.
     _listeners: tuple[Callable[[str, TreeNode], None], ...] = ()
+    # per-tenant accounting (hicache.hiradix.quota.TenantLedger): with quotas, eviction takes
+    # nodes of tenants over their quota on the tier first
+    ledger = None
 
     def add_listener(self, fn: Callable[[str, TreeNode], None]) -> None:
         self._listeners = (*self._listeners, fn)
+
+    def set_ledger(self, ledger) -> None:  # noqa: ANN001 - hicache.hiradix.quota.TenantLedger
+        self.ledger = ledger
+        self.add_listener(ledger.on_tree_event)
+
+    def _evict_key(self, tier: str) -> Callable[[TreeNode], tuple]:
+        base = self.eviction_policy.key
+        return base if self.ledger is None else self.ledger.eviction_key(tier, base)
 
     def _emit(self, kind: str, node: TreeNode) -> None:
         for fn in self._listeners:
@@ -63,7 +74,7 @@ class TieringMixin:
         """
         if num_pages <= 0:
             return 0
-        key = self.eviction_policy.key
+        key = self._evict_key("device")
         heap = []
         for nd in list(self._dev_leaves):
             if nd.removed or nd.device_pages is None or self._has_device_child(nd):
@@ -94,7 +105,7 @@ class TieringMixin:
         makes room so). Pages an L3 write-back is reading (pinned) are skipped."""
         if self.host is None or num_pages <= 0:
             return 0
-        key = self.eviction_policy.key
+        key = self._evict_key("host")
         heap = []
         for nd in list(self._host_leaves):
             if nd.removed or nd.host_pages is None or nd.device_pages is not None or nd.children:
@@ -127,7 +138,7 @@ class TieringMixin:
         and write-pinned nodes keep theirs."""
         cands = [nd for nd in self.nodes() if nd.host_pages is not None and nd.device_pages is not None
                  and nd.lock_ref == 0 and nd.load is None and not self._host_pinned(nd)]
-        cands.sort(key=self.eviction_policy.key)
+        cands.sort(key=self._evict_key("host"))
         freed = 0
         for nd in cands:
             if freed >= num_pages:

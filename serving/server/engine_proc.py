@@ -36,6 +36,7 @@ from serving.sampling_params import InvalidRequest
 from serving.server import messages as m
 from serving.server.cache_events import CacheEventLog, engine_namespace
 from serving.server.config import ServerConfig
+from serving.server.tenants import load_tenants
 from serving.server.watchdog import HeartbeatWriter
 
 log = logging.getLogger("hicache.engine")
@@ -68,6 +69,8 @@ class EngineLoop:
         self.events: CacheEventLog | None = None
         if server.enable_cache_events:
             self.events = CacheEventLog(core.tree, engine_namespace(core), core.config.cache.page_size)
+        if server.api_keys_file:  # the HTTP process validated it at start-up
+            core.set_quotas(load_tenants(server.api_keys_file).quotas())
 
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -193,6 +196,8 @@ class EngineLoop:
         live = self.live.pop(rid, None)
         if live is not None:
             self.finished += 1
+            if live.req.admitted:
+                self.core.ledger.record(live.req.tenant, len(live.req.input_ids), live.req.cached_by_tier)
         if live is not None and live.req.session_id is not None:
             self.session_used[live.req.session_id] = time.monotonic()
 
@@ -303,8 +308,19 @@ class EngineLoop:
             "sessions": len(self.core.sessions),
             "pages": pages,
             "storage": self.core.storage_stats(),
+            "tenants": self.core.ledger.snapshot(),
+            "bytes_per_page": self._bytes_per_page(),
             **({"pd": self.core.scheduler.pd.stats()} if self.core.scheduler.pd is not None else {}),
         }
+
+    def _bytes_per_page(self) -> dict[str, int]:
+        pool = self.core.runner.pool
+        out = {"device": int(pool.bytes_per_page)}
+        if getattr(self.core, "host_pool", None) is not None:
+            out["host"] = int(pool.bytes_per_page)
+        if getattr(self.core, "storage", None) is not None:
+            out["storage"] = int(self.core.storage.tier.codec.value_nbytes)
+        return out
 
     # -- sessions --------------------------------------------------------------------------
     def _sweep_sessions(self) -> None:

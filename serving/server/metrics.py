@@ -125,6 +125,35 @@ def storage_families(stats: dict[str, float]) -> Iterator[Metric]:
         yield unknown
 
 
+def tenant_families(tenants: dict[str, Any], bytes_per_page: dict[str, int]) -> Iterator[Metric]:
+    """Per-tenant metrics (hicache.hiradix.quota.TenantLedger.snapshot; the label set is bounded:
+    tenants of --api-keys-file, "default", "_other"): pages and bytes held per tier, quotas,
+    requests, prompt tokens and cached tokens by tier."""
+    pages = GaugeMetricFamily(f"{PREFIX}_tenant_pages", "KV pages a tenant holds, by tier (storage: written)",
+                              labels=["tenant", "tier"])
+    nbytes = GaugeMetricFamily(f"{PREFIX}_tenant_bytes", "KV bytes a tenant holds, by tier (storage: written)",
+                               labels=["tenant", "tier"])
+    quota = GaugeMetricFamily(f"{PREFIX}_tenant_quota_pages", "A tenant's soft quota, by tier",
+                              labels=["tenant", "tier"])
+    reqs = CounterMetricFamily(f"{PREFIX}_tenant_requests", "Finished requests", labels=["tenant"])
+    prompt = CounterMetricFamily(f"{PREFIX}_tenant_prompt_tokens", "Prompt tokens", labels=["tenant"])
+    hits = CounterMetricFamily(f"{PREFIX}_tenant_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
+                               labels=["tenant", "tier"])
+    for name, row in sorted(tenants.items()):
+        for tier, n in sorted(row["pages"].items()):
+            pages.add_metric([name, tier], n)
+            nbytes.add_metric([name, tier], n * bytes_per_page.get(tier, 0))
+        for tier, n in sorted(row["quota_pages"].items()):
+            quota.add_metric([name, tier], n)
+        r = row["requests"]
+        reqs.add_metric([name], r.get("requests", 0))
+        prompt.add_metric([name], r.get("prompt_tokens", 0))
+        for key, n in sorted(r.items()):
+            if key.startswith("cached_"):
+                hits.add_metric([name, key.removeprefix("cached_")], n)
+    yield from (pages, nbytes, quota, reqs, prompt, hits)
+
+
 class EngineCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: dict[str, Any] = {}
@@ -164,6 +193,8 @@ class EngineCollector(Collector):
         storage = s.get("storage") or {}
         if storage:
             yield from storage_families(storage)
+        if s.get("tenants"):
+            yield from tenant_families(s["tenants"], s.get("bytes_per_page", {}))
         yield GaugeMetricFamily(f"{PREFIX}_num_running_reqs", "Requests running", value=s["running"])
         yield GaugeMetricFamily(f"{PREFIX}_num_waiting_reqs", "Requests waiting", value=s["waiting"])
         yield GaugeMetricFamily(f"{PREFIX}_num_sessions", "Open sessions", value=s["sessions"])
