@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from serving import compat_fields
 from serving.grammar.spec import normalize_grammar_params
 
 
@@ -69,9 +70,19 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from an SGLang ``sampling_params`` dict; unknown keys are an error."""
-        d = dict(d or {})
+        """Build from an SGLang ``sampling_params`` dict; unknown keys are an error, and so are
+        SGLang's keys that HiCache does not implement unless neutral (serving.compat_fields).
+        ``sampling_seed`` is SGLang's name for ``seed``."""
         known = {f.name for f in fields(cls)} - {"extra"}
+        try:
+            d = compat_fields.drop_neutral(dict(d or {}), compat_fields.SAMPLING, known)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if "sampling_seed" in d:
+            if d.get("seed") is not None and d["sampling_seed"] is not None:
+                raise InvalidRequest("give seed or sampling_seed, not both")
+            alias = d.pop("sampling_seed")
+            d["seed"] = alias if alias is not None else d.get("seed")
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}")

@@ -1,19 +1,21 @@
 """Request bodies: OpenAI chat / completions and SGLang's native /generate.
 
 Every model forbids unknown fields and does not coerce types (``"10"`` is not a number).
-Fields OpenAI defines but HiCache does not implement are accepted only with their neutral
-value (``n=1``, ``logprobs=false``, no tools ...) and rejected otherwise, with a message
-that says so. The only fields accepted and ignored are those that cannot change the answer
-(README "Endpoints" lists them): ``user``, ``parallel_tool_calls``, ``ChatMessage.name``,
-``logprob_start_len`` (/generate) and ``capacity_of_str_len`` (/open_session).
+Fields that OpenAI's API reference or SGLang (0.5.x ``GenerateReqInput``, ``SamplingParams``,
+its OpenAI routes) define but HiCache does not implement are accepted at their neutral value
+and a 400 naming them otherwise: each model's ``neutral_fields`` table (serving.compat_fields).
+Fields accepted and ignored with any value are those that cannot change the answer
+(``user``, ``parallel_tool_calls``, ``ChatMessage.name``, labels, tracing, routing hints).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serving import compat_fields
 from serving.grammar.spec import response_format_params
 
 Strict = ConfigDict(extra="forbid", strict=True)
@@ -22,6 +24,12 @@ Stop = str | list[str] | None
 
 class StrictModel(BaseModel):
     model_config = Strict
+    neutral_fields: ClassVar[Mapping[str, tuple[Any, ...]]] = {}  # serving.compat_fields
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        return compat_fields.drop_neutral(data, cls.neutral_fields, cls.model_fields)
 
 
 class StreamOptions(StrictModel):
@@ -139,6 +147,7 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
+    neutral_fields = compat_fields.MESSAGE
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted and ignored (not passed to the chat template)
@@ -152,6 +161,7 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(OpenAISampling):
+    neutral_fields = compat_fields.CHAT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool | None = None
@@ -177,6 +187,7 @@ class ChatCompletionRequest(OpenAISampling):
 
 
 class CompletionRequest(OpenAISampling):
+    neutral_fields = compat_fields.COMPLETION
     prompt: Any
     echo: bool = False
     logprobs: int | None = None
@@ -225,6 +236,8 @@ def check_prompt(prompt: Any, name: str, kinds: str = "text+ids") -> list[str] |
 
 class GenerateRequest(BootstrapFields):
     """SGLang's native /generate."""
+
+    neutral_fields = compat_fields.GENERATE
 
     text: Any = None
     input_ids: Any = None
