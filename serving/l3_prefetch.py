@@ -16,20 +16,27 @@ Concurrency contract (the class owns it):
   count is then capped at what is free, so the allocation cannot fail. When other fetches
   hold the L2 it needs, the op waits (retried each step) while waiting and loading would
   still beat recomputing, instead of giving up at once.
-- ``op.loaded`` is written by the fetch thread after a batch has fully landed; the
-  scheduler reads it once when it finishes the op. :meth:`finish` never blocks: it commits
-  the pages that have landed into the tree, and pages of a batch still in flight are freed
-  by :meth:`poll` once the fetch thread is done with them.
+- ``op.loaded`` is written by the fetch thread after a batch has fully landed. The
+  scheduler commits landed pages into the tree as they arrive (:meth:`advance`, so the
+  read is *pipelined*): each commit moves the op's lock down to the new end, and -- when
+  L1 has that many free pages -- loads the committed chain on to L1 at once (an ordinary
+  tree ``load_back``, whose lock :meth:`poll` releases once the copy has landed), so the
+  L2 -> L1 copy of batch k overlaps the read of batch k+1, and the request finds its
+  prefix on L1 (its forward pass waiting per layer for the last copy, on the GPU).
+  :meth:`finish` never blocks: it commits what has landed since, and pages of a batch
+  still in flight are freed by :meth:`poll` once the fetch thread is done with them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hicache.hiradix import HiRadixTree
+from hicache.hiradix.match import PendingLoad
 from hicache.hiradix.node import TreeNode
 from hicache.keys import page_keys
 from hicache.tiers.host import HostKVPool
@@ -52,6 +59,8 @@ class PrefetchOp:
     future: Future | None = None  # the fetch
     read_s: float = 0.0  # time inside the store's reads so far (written by the fetch thread)
     room_wait_since: float = 0.0  # when it first found L2 full (0: never)
+    committed: int = 0  # leading host pages handed to the tree (scheduler thread)
+    new_pages: int = 0  # of those, pages the tree did not hold already
 
     @property
     def fetched(self) -> bool:
@@ -113,6 +122,9 @@ class Prefetcher:
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
         self._fetching = 0  # fetches started and not finished: they hold L2 pages
+        self.run_transfers: Callable[[], None] | None = None  # executes the tree's moves (ReqCache)
+        self._l1_loads: list[tuple[TreeNode, PendingLoad]] = []  # early L2 -> L1 loads to finish
+        self.pages_loaded_early = 0
 
     # -- scheduler side -----------------------------------------------------------------
     def advance(self, req: Req) -> None:
@@ -126,6 +138,8 @@ class Prefetcher:
             return
         if op.future is None and op.lookup.done():
             self._start_fetch(req, op)
+        elif op.future is not None:
+            self._commit(op, op.loaded)
 
     def _start_lookup(self, req: Req) -> None:
         ps = self.page_size
@@ -207,14 +221,8 @@ class Prefetcher:
         loaded = op.loaded  # pages below this have landed; the thread may still fill the rest
         if loaded:
             self.load_policy.observe_read(loaded * self.tier.codec.value_nbytes, op.read_s)
-        committed, rest = 0, op.host_pages[loaded:]
-        if loaded and not op.node.removed:
-            upto = (op.start_page + loaded) * self.page_size
-            dup = self.tree.insert_host(op.tokens[:upto], op.host_pages[:loaded], start_page=op.start_page)
-            committed = loaded - len(dup)
-            self.tree.host.free(list(dup))
-        elif loaded:
-            rest = op.host_pages
+        self._commit(op, loaded, to_l1=False)  # the request matches right after: it loads the rest
+        committed, rest = op.new_pages, op.host_pages[op.committed:]
         if rest:
             if op.future.done():
                 self.tree.host.free(rest)
@@ -225,8 +233,43 @@ class Prefetcher:
         self.pages_prefetched += committed
         return committed
 
+    def _commit(self, op: PrefetchOp, loaded: int, to_l1: bool = True) -> None:
+        """Hand host pages ``[op.committed, loaded)`` to the tree, move the op's lock to the
+        new end and (``to_l1``, room permitting) start loading the chain on to L1."""
+        if loaded <= op.committed or op.node.removed:
+            return
+        tree, ps = self.tree, self.page_size
+        upto = (op.start_page + loaded) * ps
+        dup = tree.insert_host(op.tokens[:upto], op.host_pages[op.committed:loaded],
+                               start_page=op.start_page + op.committed)
+        tree.host.free(list(dup))
+        op.new_pages += loaded - op.committed - len(dup)
+        fresh, op.committed = loaded - op.committed, loaded
+        node, matched = tree.lookup(op.tokens[:upto])
+        if matched == upto:
+            tree.lock(node)
+            tree.unlock(op.node)
+            op.node = node
+        if to_l1 and self.run_transfers is not None and tree.device.num_free >= fresh:
+            m = tree.match_prefix(op.tokens[:upto])
+            loaded_m = tree.load_back(m)  # no eviction: L1 has the room
+            self.run_transfers()  # backups the match asked for; binds the load's PendingLoad
+            if loaded_m is not m:
+                self._l1_loads.append((loaded_m.last_device_node, loaded_m.pending_loads[-1]))
+                self.pages_loaded_early += m.host_hit_tokens // ps
+
     def poll(self, wait: bool = False) -> None:
-        """Free host pages of cancelled fetches once their thread is done with them."""
+        """Release early L1 loads that have landed; free host pages of cancelled fetches once
+        their thread is done with them."""
+        loads = []
+        for end, pending in self._l1_loads:
+            if wait:
+                pending.wait()
+            if pending.done():
+                self.tree.finish_load(end)
+            else:
+                loads.append((end, pending))
+        self._l1_loads = loads
         keep = []
         for fut, pages in self._draining:
             if wait:
@@ -239,7 +282,7 @@ class Prefetcher:
 
     def in_flight_host_pages(self, reqs: list[Req]) -> int:
         """Host pages held by uncommitted prefetches (for integrity checks)."""
-        held = sum(len(r.prefetch.host_pages) for r in reqs if r.prefetch is not None)
+        held = sum(len(r.prefetch.host_pages) - r.prefetch.committed for r in reqs if r.prefetch is not None)
         return held + sum(len(p) for _, p in self._draining)
 
     def shutdown(self) -> None:

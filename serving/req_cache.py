@@ -35,6 +35,8 @@ class ReqCache:
         self.page_size = page_size
         self._run_transfers = run_transfers
         self.storage = storage
+        if storage is not None:
+            storage.attach_transfers(self.flush_transfers)
 
     # -- moving data -----------------------------------------------------------------
     def flush_transfers(self) -> None:
@@ -58,12 +60,18 @@ class ReqCache:
         return self.allocator.alloc(n)
 
     # -- request life cycle ----------------------------------------------------------
+    def _matchable(self, req: Req) -> list[int]:
+        """Leave at least one token to compute: its logits give the next token; a request asking
+        for prompt logprobs computes every position whose logits they need (serving.logprobs)."""
+        end = req.seq_len - 1
+        limit = req.logprob.cache_limit(self.page_size) if req.logprob is not None else None
+        return req.fill_ids[: end if limit is None else min(end, limit)]
+
     def peek_prefix_len(self, req: Req) -> int:
-        return self.tree.peek_prefix_len(req.fill_ids[: req.seq_len - 1])
+        return self.tree.peek_prefix_len(self._matchable(req))
 
     def match(self, req: Req) -> MatchResult:
-        # Leave at least one token to compute: its logits give the next token.
-        m = self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+        m = self.tree.match_prefix(self._matchable(req))
         self.flush_transfers()  # write-through backups of hit nodes run now, before anyone reads them
         return m
 
@@ -88,8 +96,9 @@ class ReqCache:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = req.kv_len
-            device = match.device_hit_tokens
-            storage = min(req.storage_hit_tokens, req.kv_len - device)
+            # pages from L3 end the prefix; the prefetch may already have loaded them on to L1
+            storage = min(req.storage_hit_tokens, req.kv_len)
+            device = min(match.device_hit_tokens, req.kv_len - storage)
             req.cached_by_tier = {"device": device, "host": req.kv_len - device - storage, "storage": storage}
 
     def poll_load(self, req: Req, wait: bool = False) -> bool:

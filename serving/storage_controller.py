@@ -5,7 +5,8 @@ The tree decides, this controller moves, on background threads; it composes two 
   on to L3 under its page keys; its L2 pages are pinned, never its L1 pages.
 - :class:`serving.l3_prefetch.Prefetcher`: a waiting request whose prompt continues past
   L1/L2 in L3 gets a lookup, then a fetch into host pages, committed into the tree as L2
-  copies when the request is scheduled (the prefetch policy says how long it may wait).
+  copies batch by batch as they land, and loaded on to L1 right away when L1 has free room
+  (the prefetch policy says how long the request may wait for it).
 
 Concurrency contract: every method here is called on the scheduler thread and never waits
 on the store (except :meth:`persist_all` and :meth:`shutdown`, which are for a shutdown);
@@ -13,6 +14,8 @@ each part's docstring says what its threads may touch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from hicache.hiradix import HiRadixTree, Transfer
 from hicache.hiradix.node import TreeNode
@@ -36,6 +39,11 @@ class StorageController:
         self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, policy, threshold_tokens,
                                      timeout_base_s, timeout_per_1k_tokens_s, load_policy)
         self.load_policy = self.prefetcher.load_policy
+
+    def attach_transfers(self, run: Callable[[], None]) -> None:
+        """``run()`` executes the tree's pending tier moves (the request cache's flush): the
+        prefetcher's early L2 -> L1 loads go through it."""
+        self.prefetcher.run_transfers = run
 
     # -- write-back -----------------------------------------------------------------------
     def on_transfers_done(self, transfers: list[Transfer]) -> None:
@@ -96,7 +104,9 @@ class StorageController:
         """The tier's counters, the controller's, and the load policy's estimates."""
         st = dict(self.tier.stats())
         st.update(pages_written=self.pages_written, pages_prefetched=self.pages_prefetched,
-                  prefetches_revoked=self.prefetches_revoked, write_pages_dropped=self.writeback.pages_dropped,
+                  prefetches_revoked=self.prefetches_revoked,
+                  pages_loaded_early=self.prefetcher.pages_loaded_early,
+                  write_pages_dropped=self.writeback.pages_dropped,
                   **self.load_policy.stats())
         return st
 

@@ -139,3 +139,27 @@ def test_queued_prefetches_wait_for_l2_room_instead_of_recomputing(tiny, tmp_pat
     assert all(h > 0 for h in storage_hits), storage_hits
     eng.check_integrity()
     eng.shutdown()
+
+
+def test_prefetch_commits_batch_by_batch_and_loads_on_to_l1_early(tiny, tmp_path):
+    """With one reader thread a fetch reads 8 pages a batch: each landed batch is committed
+    to the tree at once and, L1 having room, loaded on to L1 while the next batch is read.
+    The request then finds that part of its prefix on L1 but is still told it came from L3;
+    outputs stay those of HF's recompute and no lock or page is left over."""
+    path, ps, ref = tiny
+    db = tmp_path / "l3"
+    warm_store(path, db, ps, ref)
+    eng = make(path, db, "wait_complete", max_running_requests=1, hicache_storage_read_threads=1,
+               hicache_mem_layout="page_first")  # the direct read path: 8 pages per reader thread
+    assert eng.core.storage.tier.fetch_batch_pages(eng.core.host_pool) == 8 < min(len(p) for p in ps) // 4
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(outs) == ref
+    st = eng.core.storage_stats()
+    assert st["pages_loaded_early"] > 0, st
+    storage_hits = [o["meta_info"]["cached_tokens_details"]["storage"] for o in outs]
+    assert all(h > 0 for h in storage_hits), storage_hits
+    assert sum(storage_hits) == st["pages_prefetched"] * 4
+    eng.core.storage.poll(wait=True)
+    eng.check_integrity()
+    assert all(n.lock_ref == 0 for n in eng.core.tree.nodes())
+    eng.shutdown()

@@ -128,7 +128,8 @@ def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
                                                        "initial_map_mb": 1, "delay_s": 0.01},
                  hicache_storage_prefetch_policy=prefetch, hicache_storage_prefetch_threshold=8,
                  hicache_storage_load_policy="always_load",  # a tiny model recomputes faster: load anyway
-                 hicache_storage_prefetch_timeout_base=2.0, max_running_requests=8, chunked_prefill_size=96)
+                 hicache_storage_prefetch_timeout_base=2.0, max_running_requests=8, chunked_prefill_size=96,
+                 hicache_storage_read_threads=1)  # page_first: direct reads of 8 pages a batch, committed one by one
     core = eng.core
     wrong, answered, by_tier = [], 0, {"device": 0, "host": 0, "storage": 0}
     session = None
@@ -155,7 +156,8 @@ def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
         core.check_integrity()
     l3 = core.storage_stats()
     print(f"{device} {write}/{layout}/{prefetch}: {answered} answers, cached tokens by tier {by_tier}, "
-          f"L3 pages written {l3['pages_written']} read {l3['hits']} committed {l3['pages_prefetched']}")
+          f"L3 pages written {l3['pages_written']} read {l3['hits']} committed {l3['pages_prefetched']} "
+          f"loaded on to L1 early {l3['pages_loaded_early']}")
     assert not wrong, f"{len(wrong)} of {answered} answers differ from recompute: {wrong[:3]}"
     # the waves did exercise every tier (else this test proves nothing)
     assert by_tier["device"] > 0 and by_tier["host"] > 0, by_tier

@@ -179,8 +179,9 @@ class StorageTier:
 
     def fetch_batch_pages(self, pool: HostKVPool) -> int:
         """Pages worth asking for in one :meth:`batch_get` into ``pool``: on the direct path
-        enough to keep every reader thread busy for a while; staged, one staging buffer."""
-        return self.read_threads * 32 if self._direct(pool) else self.batch_pages
+        a few per reader thread (each batch is committed -- and its L1 copy started -- while
+        the next one is read); staged, one staging buffer."""
+        return self.read_threads * 8 if self._direct(pool) else self.batch_pages
 
     # ------------------------------------------------------------------ direct path
     def _direct(self, pool: HostKVPool) -> bool:
