@@ -25,13 +25,16 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from serving.server import messages as m
+from serving.server.cache_api import Retention
 from serving.server.context import get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
 from serving.server.req_handle import run_all
+from serving.server.tenants import CURRENT
 
 router = APIRouter()
 VERSION = "0.1.0"
@@ -117,15 +120,31 @@ async def open_session(request: Request) -> JSONResponse:
     )
     if body.session_id is not None and not body.session_id:
         raise APIError(400, "session_id must not be empty", param="session_id")
-    sid = await ctx.client.call(m.OpenSession, session_id=body.session_id)
+    retention = _retention(body.retention)
+    tenant = CURRENT.get()
+    sid = await ctx.client.call(m.OpenSession, session_id=body.session_id, retention=retention,
+                                tenant=None if tenant is None else tenant.name)
     return JSONResponse(sid)
+
+
+def _retention(hints: Any) -> dict[str, Any] | None:
+    """``/open_session``'s ``retention`` hints, validated (serving/server/cache_api.py's Retention)."""
+    if hints is None:
+        return None
+    try:
+        return Retention.model_validate(hints).model_dump(exclude_none=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in ("retention", *err["loc"]))
+        raise APIError(400, f"{where}: {err['msg']}", param="retention") from None
 
 
 @router.post("/close_session")
 async def close_session(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     body = await parse_body(request, CloseSessionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
-    await ctx.client.call(m.CloseSession, session_id=body.session_id)
+    tenant = CURRENT.get()
+    await ctx.client.call(m.CloseSession, session_id=body.session_id, tenant=None if tenant is None else tenant.name)
     return {"success": True}
 
 

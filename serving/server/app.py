@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.server import admin_api, errors, native_api, openai_api
+from serving.server import admin_api, cache_api, errors, native_api, openai_api
 from serving.server.context import ServerContext
 from serving.server.tenants import CURRENT, TenantTable
 
@@ -110,7 +110,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="HiCache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     errors.install(app)
-    for module in (openai_api, native_api, admin_api):
+    for module in (openai_api, native_api, admin_api, cache_api):
         app.include_router(module.router)
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)

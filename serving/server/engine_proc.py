@@ -26,11 +26,14 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from serving.disagg.protocol import Bootstrap
+from serving.kv_control import ControlError, KVControl
+from serving.logprobs import LogprobState
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
 from serving.server import messages as m
@@ -69,6 +72,7 @@ class EngineLoop:
         self.events: CacheEventLog | None = None
         if server.enable_cache_events:
             self.events = CacheEventLog(core.tree, engine_namespace(core), core.config.cache.page_size)
+        self.control = KVControl(core)  # the KV control API: lookups, pin leases, session retention
         if server.api_keys_file:  # the HTTP process validated it at start-up
             core.set_quotas(load_tenants(server.api_keys_file).quotas())
 
@@ -79,6 +83,7 @@ class EngineLoop:
             # Block on the pipe when idle; when the last step made no progress (work waiting
             # for pages, say), wait a moment instead of spinning.
             timeout = (STALL_WAIT_S if stalled else 0.0) if self.core.scheduler.has_work else SESSION_SWEEP_S
+            timeout = min(timeout, STALL_WAIT_S) if self.control.busy else timeout
             try:
                 if self.rx.poll(timeout):
                     while self.running and self.rx.poll(0):
@@ -94,6 +99,7 @@ class EngineLoop:
                 stalled = self.core.scheduler.stats.forward_passes == passes
             self._collect()
             self._sweep_sessions()
+            self._control_turn()
             self.flush()
             forward_passes = self.core.scheduler.stats.forward_passes
             self.heartbeat.beat(self.core.scheduler.has_work,
@@ -178,6 +184,7 @@ class EngineLoop:
                     cached_by_tier=dict(r.cached_by_tier),
                     l3_decision=r.l3_decision,
                     finish_reason=r.finish_reason,
+                    logprobs=r.logprob.take_new() if r.logprob is not None else None,
                 )
             )
             live.sent = n
@@ -199,7 +206,10 @@ class EngineLoop:
             if live.req.admitted:
                 self.core.ledger.record(live.req.tenant, len(live.req.input_ids), live.req.cached_by_tier)
         if live is not None and live.req.session_id is not None:
-            self.session_used[live.req.session_id] = time.monotonic()
+            sid = live.req.session_id
+            self.session_used[sid] = time.monotonic()
+            if sid in self.core.sessions and not any(lv.req.session_id == sid for lv in self.live.values()):
+                self.control.session_idle(sid)
 
     # -- messages --------------------------------------------------------------------------
     def handle(self, msg: m.Message) -> None:
@@ -219,6 +229,8 @@ class EngineLoop:
             self.out.append(m.Error(400, f"a request with rid {msg.rid!r} is already running", rid=msg.rid))
             return
         try:
+            if msg.session_id is not None:
+                self.control.check_session(msg.session_id, msg.tenant)
             req = self.core.make_request(
                 input_ids=msg.input_ids,
                 sampling_params=msg.sampling_params,
@@ -227,6 +239,7 @@ class EngineLoop:
                 cache_salt=msg.cache_salt,
                 tenant=msg.tenant,
             )
+            req.logprob = LogprobState.from_request(msg.logprobs, req.input_ids, self.core.runner.arch.vocab_size)
             if msg.bootstrap is not None:
                 req.pd = Bootstrap(**msg.bootstrap)
             self.core.add(req)
@@ -246,6 +259,7 @@ class EngineLoop:
         self.live[msg.rid] = _Live(req)
         if req.session_id is not None:
             self.session_used[req.session_id] = time.monotonic()
+            self.control.session_active(req.session_id)
 
     def _call(self, msg: m.Message) -> None:
         call_id = msg.call_id  # type: ignore[union-attr]
@@ -258,24 +272,39 @@ class EngineLoop:
             value = self._call_value(msg)
         except KeyError as e:
             self.out.append(m.Error(404, str(e.args[0]) if e.args else "not found", call_id=call_id))
+        except ControlError as e:
+            self.out.append(m.Error(e.status, str(e), call_id=call_id))
         except Exception as e:
             log.exception("call %s failed", type(msg).__name__)
             self.out.append(m.Error(500, f"{type(msg).__name__} failed: {e}", call_id=call_id))
         else:
-            self.out.append(m.Result(call_id, value))
+            if isinstance(value, Future):  # answered by _control_turn once it is done
+                self.control.defer(call_id, value)
+            else:
+                self.out.append(m.Result(call_id, value))
 
     def _call_value(self, msg: m.Message) -> Any:
         core = self.core
         if isinstance(msg, m.OpenSession):
+            if msg.session_id is not None:
+                self.control.open_session(msg.session_id, msg.tenant, msg.retention)
             sid = core.open_session(msg.session_id)
+            self.control.open_session(sid, msg.tenant, msg.retention)
             self.session_used[sid] = time.monotonic()
             return sid
         if isinstance(msg, m.CloseSession):
+            self.control.check_session(msg.session_id, msg.tenant)
             core.close_session(msg.session_id)
+            self.control.close_session(msg.session_id)
             self.session_used.pop(msg.session_id, None)
             return True
         if isinstance(msg, m.FlushCache):
-            return core.flush_cache()
+            flushed = core.flush_cache()
+            if flushed:
+                self.control.release_all()  # their pages left the tree
+            return flushed
+        if isinstance(msg, m.KVControlCall):
+            return self.control.call(msg.op, msg.args, msg.tenant)
         if isinstance(msg, m.CheckIntegrity):
             try:
                 core.check_integrity()
@@ -330,12 +359,21 @@ class EngineLoop:
         self._next_sweep = now + SESSION_SWEEP_S
         busy = {live.req.session_id for live in self.live.values()}
         for sid, used in list(self.session_used.items()):
-            if sid in busy or now - used < self.idle_timeout:
+            if sid in busy or now - used < self.control.idle_timeout(sid, self.idle_timeout):
                 continue
             self.session_used.pop(sid)
             if sid in self.core.sessions:
                 log.info("session %s idle for %.0f s: closed", sid, now - used)
                 self.core.close_session(sid)
+            self.control.close_session(sid)
+
+    def _control_turn(self) -> None:
+        """Leases that ended are released; deferred control answers (L3 lookups) are sent."""
+        if self.control.leases:
+            self.control.expire()
+        for call_id, value, err in self.control.poll():
+            self.out.append(m.Error(500, f"lookup failed: {err}", call_id=call_id) if err is not None
+                            else m.Result(call_id, value))
 
 
 def _pages(alloc: Any) -> dict[str, int]:

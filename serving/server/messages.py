@@ -36,6 +36,7 @@ class GenerateReq:
     sampling_params: dict[str, Any]
     session_id: str | None = None
     bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
+    logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.logprobs); None: off
     cache_salt: str | None = None  # the effective salt (tenant + the request's cache_salt; hicache.salt)
     tenant: str | None = None  # the API key's tenant (None: the default tenant)
 
@@ -50,12 +51,27 @@ class OpenSession:
     call_id: int
     session_id: str | None = None
     deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
+    tenant: str | None = None  # the session belongs to it (serving.kv_control)
+    retention: dict[str, Any] | None = None  # {"demote_on_idle": bool, "ttl_s": float}
 
 
 @dataclass
 class CloseSession:
     call_id: int
     session_id: str
+    deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
+    tenant: str | None = None
+
+
+@dataclass
+class KVControlCall:
+    """The KV control API (serving.kv_control): ``op`` is lookup | pin | unpin; ``args`` its
+    arguments (input_ids, cache_salt (effective), ttl_s, lease_id)."""
+
+    call_id: int
+    op: str
+    args: dict[str, Any]
+    tenant: str | None = None
     deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 
@@ -106,6 +122,7 @@ class TokenOut:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: dict[str, Any] | None = None  # SGLang's shape; None while running
     l3_decision: dict[str, Any] | None = None  # load vs recompute of its L3 pages (see cost_model.py)
+    logprobs: dict[str, Any] | None = None  # new since the last TokenOut (LogprobState.take_new)
 
 
 @dataclass
@@ -127,6 +144,7 @@ Message = (
     | AbortReq
     | OpenSession
     | CloseSession
+    | KVControlCall
     | FlushCache
     | CheckIntegrity
     | Stats
@@ -145,6 +163,7 @@ _TYPES: dict[str, type] = {
         AbortReq,
         OpenSession,
         CloseSession,
+        KVControlCall,
         FlushCache,
         CheckIntegrity,
         Stats,

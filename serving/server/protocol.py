@@ -277,6 +277,7 @@ class GenerateRequest(BootstrapFields):
 
 class OpenSessionRequest(StrictModel):
     session_id: str | None = None
+    retention: Any = None  # hints {demote_on_idle, ttl_s}; validated in admin_api (cache_api.Retention)
     capacity_of_str_len: int | None = None  # SGLang's clients send it; sessions here are unbounded
 
 

@@ -1,0 +1,236 @@
+"""The KV control API, engine side: lookups, pin leases, session retention and tenant-bound
+sessions (the HTTP routes are serving/server/cache_api.py).
+
+- **lookup**: how many leading tokens of a (salted) prompt are cached on L1, on L2 only, and
+  in L3 after them. L1/L2 come from a read-only tree walk; the L3 count needs the store, so it
+  runs on a worker thread and the answer is deferred (:meth:`KVControl.poll` hands it back).
+- **pin**: a lease that keeps a prefix's KV in L2 (and so in L3, where write-back puts it)
+  until it ends: the path's L1-only nodes are backed up to L2 now and its L2 pages pinned
+  (``tree.pin_host``: L2 eviction skips them, L1 eviction demotes instead of dropping). A
+  tenant's pinned pages are bounded by its L2 quota, or else by half of L2.
+- **session retention** (``/open_session`` hints): ``ttl_s`` closes the session after that
+  long idle; ``demote_on_idle`` backs the session's KV up to L2 and pins it there while the
+  session is idle (until its next request, or ``ttl_s``), instead of leaving it to be dropped.
+- Sessions belong to the tenant that opened them; another tenant gets "unknown session".
+
+Concurrency contract: engine loop thread only (it owns the tree), except the L3 existence
+check of a lookup, which runs on one worker thread and touches only the storage tier
+(thread-safe) and values computed before it was submitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from hicache import salt
+from hicache.keys import page_keys
+
+MAX_TTL_S = 24 * 3600.0
+MAX_LEASES = 4096
+
+
+class ControlError(Exception):
+    """A refused control call: ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    tenant: str | None
+    pages: list[int]  # pinned L2 pages
+    tokens: int
+    expires: float  # time.monotonic()
+    session_id: str | None = None
+
+
+class KVControl:
+    """See the module docstring."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.tree = core.tree
+        self.page_size = core.config.cache.page_size
+        self.leases: dict[str, Lease] = {}
+        self.session_owner: dict[str, str | None] = {}
+        self.retention: dict[str, dict[str, Any]] = {}  # session -> its /open_session hints
+        self.idle_lease: dict[str, str] = {}  # session -> lease held while it is idle
+        self._ids = itertools.count(1)
+        self._deferred: list[tuple[int, Future]] = []
+        self._l3 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-kv-lookup") \
+            if core.storage is not None else None
+
+    def call(self, op: str, args: dict[str, Any], tenant: str | None) -> Any:
+        """One control call from the HTTP process (a value, or a Future answered later)."""
+        ops = {
+            "lookup": lambda: self.lookup(args["input_ids"], args.get("cache_salt")),
+            "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"])),
+            "unpin": lambda: self.unpin(args["lease_id"], tenant),
+        }
+        if op not in ops:
+            raise ControlError(400, f"unknown KV control operation {op!r}")
+        return ops[op]()
+
+    # -- lookups ------------------------------------------------------------------------
+    def lookup(self, input_ids: list[int], cache_salt: str | None) -> dict[str, int] | Future:
+        tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps
+        device = host = 0
+        on_device = True
+        for node, _pos, m in self.tree._touched(tokens, n):
+            on_device = on_device and node.device_pages is not None
+            if on_device:
+                device += m
+            else:
+                host += m
+        out = {"L1": device, "L2": host, "L3": 0, "prompt_tokens": len(input_ids)}
+        storage = self.core.storage
+        if self._l3 is None or device + host >= n:
+            return out
+        namespace, tier = storage.writeback.namespace, storage.tier
+        start = (device + host) // ps
+
+        def check() -> dict[str, int]:
+            keys = page_keys(tokens[:n], ps, namespace)[start:]
+            return {**out, "L3": tier.batch_exists(keys) * ps}
+
+        return self._l3.submit(check)
+
+    def defer(self, call_id: int, future: Future) -> None:
+        self._deferred.append((call_id, future))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._deferred)
+
+    def poll(self) -> list[tuple[int, Any, Exception | None]]:
+        """Deferred answers that are ready: (call_id, value, error)."""
+        done, keep = [], []
+        for call_id, fut in self._deferred:
+            if fut.done():
+                err = fut.exception()
+                done.append((call_id, None if err else fut.result(), err))
+            else:
+                keep.append((call_id, fut))
+        self._deferred = keep
+        return done
+
+    # -- pins ---------------------------------------------------------------------------
+    def pin(self, input_ids: list[int], cache_salt: str | None, tenant: str | None, ttl_s: float,
+            session_id: str | None = None) -> dict[str, Any]:
+        if self.tree.host is None:
+            raise ControlError(400, "pinning keeps KV in L2: this server has no L2 tier (--hicache-ratio)")
+        if not 0 < ttl_s <= MAX_TTL_S:
+            raise ControlError(400, f"ttl_s must be in (0, {MAX_TTL_S:g}]")
+        if len(self.leases) >= MAX_LEASES:
+            raise ControlError(429, f"too many pin leases ({MAX_LEASES}); release some first")
+        tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
+        return self._pin_tokens(tokens, tenant, ttl_s, session_id)
+
+    def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float,
+                    session_id: str | None = None) -> dict[str, Any]:
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps
+        self.tree.backup_prefix(tokens[:n])
+        self.core.req_cache.flush_transfers()  # the backups run before anything reads those pages
+        pages: list[int] = []
+        for node, _pos, m in self.tree._touched(tokens, n):
+            if node.host_pages is None:
+                break  # no L2 room for its backup: the lease covers what is on L2
+            pages += node.host_pages[: m // ps]
+        if not pages:
+            raise ControlError(404, "nothing of this prompt is cached (send it once, or /cache/prefetch it)")
+        limit = self._pin_limit(tenant)
+        held = sum(len(x.pages) for x in self.leases.values() if x.tenant == tenant)
+        if held + len(pages) > limit:
+            raise ControlError(409, f"pinning {len(pages)} more pages would exceed the {limit}-page pin quota "
+                                    f"({held} pinned): release a lease or pin a shorter prefix")
+        self.tree.pin_host(pages)
+        lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages, len(pages) * ps,
+                      time.monotonic() + ttl_s, session_id)
+        self.leases[lease.lease_id] = lease
+        return {"lease_id": lease.lease_id, "pinned_tokens": lease.tokens, "ttl_s": ttl_s}
+
+    def _pin_limit(self, tenant: str | None) -> int:
+        quota = self.core.ledger.quotas.get(tenant, {}) if tenant is not None else {}
+        return int(quota.get("host", self.tree.host.num_pages // 2))
+
+    def unpin(self, lease_id: str, tenant: str | None) -> dict[str, Any]:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.tenant != tenant:  # another tenant's lease is "not found" too
+            raise ControlError(404, f"unknown or expired lease {lease_id!r}")
+        self._release(lease)
+        return {"released": lease_id, "pinned_tokens": lease.tokens}
+
+    def _release(self, lease: Lease) -> None:
+        del self.leases[lease.lease_id]
+        self.tree.unpin_host(lease.pages)
+        if lease.session_id is not None and self.idle_lease.get(lease.session_id) == lease.lease_id:
+            del self.idle_lease[lease.session_id]
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for lease in [x for x in self.leases.values() if x.expires <= now]:
+            self._release(lease)
+
+    def release_all(self) -> None:
+        for lease in list(self.leases.values()):
+            self._release(lease)
+
+    @property
+    def pinned_pages(self) -> int:
+        return sum(len(x.pages) for x in self.leases.values())
+
+    # -- sessions -----------------------------------------------------------------------
+    def open_session(self, sid: str, tenant: str | None, retention: dict[str, Any] | None) -> None:
+        owner = self.session_owner.get(sid, tenant)
+        if owner != tenant:
+            raise ControlError(409, f"session_id {sid!r} is taken")
+        self.session_owner[sid] = tenant
+        if retention:
+            self.retention[sid] = dict(retention)
+
+    def check_session(self, sid: str, tenant: str | None) -> None:
+        if sid in self.session_owner and self.session_owner[sid] != tenant:
+            raise KeyError(f"unknown session_id {sid!r}")
+
+    def idle_timeout(self, sid: str, default: float) -> float:
+        return float(self.retention.get(sid, {}).get("ttl_s", default))
+
+    def session_active(self, sid: str) -> None:
+        lease_id = self.idle_lease.pop(sid, None)
+        if lease_id in self.leases:
+            self._release(self.leases[lease_id])
+
+    def session_idle(self, sid: str) -> None:
+        """The session's last request finished: with ``demote_on_idle``, keep its KV on L2."""
+        hints = self.retention.get(sid)
+        if not hints or not hints.get("demote_on_idle") or sid in self.idle_lease or self.tree.host is None:
+            return
+        node = self.tree.sessions.node_of(sid) if sid in self.tree.sessions else None
+        if node is None or node.removed:
+            return
+        tokens = self.tree.path_tokens(node)
+        ttl = float(hints.get("ttl_s", MAX_TTL_S))
+        try:
+            lease = self._pin_tokens(tokens, self.session_owner.get(sid), ttl, session_id=sid)
+        except ControlError:
+            return  # nothing on L2, or over the pin quota: the KV is left to the usual eviction
+        self.idle_lease[sid] = lease["lease_id"]
+
+    def close_session(self, sid: str) -> None:
+        self.session_active(sid)
+        self.session_owner.pop(sid, None)
+        self.retention.pop(sid, None)
+
+    def shutdown(self) -> None:
+        if self._l3 is not None:
+            self._l3.shutdown(wait=True)
