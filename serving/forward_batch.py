@@ -50,6 +50,8 @@ class ForwardBatch:
     extend_lens_list: list[int]
     # decode only: fixed number of KV splits (CUDA graphs fix the grid); None picks per batch
     decode_splits: int | None = None
+    # prompt logprobs (serving.logprobs): rows of T whose logits the model also returns, after the B last ones
+    logit_rows: torch.Tensor | None = None
     # L2 -> L1 loads still landing in pages this batch reads (GPU only); see LayerWaits
     layer_waits: LayerWaits | None = None
 

@@ -27,10 +27,24 @@ class Sampler:
         rids: Sequence[str],
         histories: Sequence[tuple[Sequence[int], Sequence[int]]],  # (prompt ids, output ids) per row
     ) -> list[int]:
+        return self.choose(self.penalize(logits, params, histories), params, rids)
+
+    def penalize(
+        self,
+        logits: torch.Tensor,  # [B, vocab]
+        params: Sequence[SamplingParams],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]]],
+    ) -> torch.Tensor:
+        """The logits tokens are chosen from (float32, penalties applied; in place when they
+        already are float32): what serving.logprobs computes logprobs from."""
         logits = logits.float()
         for i, p in enumerate(params):
             if p.needs_penalties:
                 self._apply_penalties(logits[i], p, *histories[i])
+        return logits
+
+    def choose(self, logits: torch.Tensor, params: Sequence[SamplingParams], rids: Sequence[str]) -> list[int]:
+        """Next tokens from penalized logits (temperature, top-k/p, min-p, seeds applied here)."""
         out = torch.argmax(logits, dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:

@@ -15,6 +15,7 @@ import torch
 
 from serving.config import SchedulerConfig
 from serving.forward_batch import ForwardBatch
+from serving.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.req_cache import ReqCache
 from serving.request import Req
 from serving.sampler import Sampler
@@ -140,8 +141,10 @@ class Scheduler:
         return out
 
     def _step(self) -> list[Req]:
-        if self._overlap is not None and self.grammar is not None and self.grammar.active(self.running + self.waiting):
-            overlap, early = False, self._overlap.resolve()  # grammar masks need every token on the host
+        if self._overlap is not None and (
+                (self.grammar is not None and self.grammar.active(self.running + self.waiting))
+                or any(r.logprob is not None for r in self.running + self.waiting)):
+            overlap, early = False, self._overlap.resolve()  # grammar masks / logprobs need every token on the host
         else:
             overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
         self.cache.poll()
@@ -159,6 +162,9 @@ class Scheduler:
         seqs = [(r.model_ids(r.kv_len, r.kv_len + n), r.kv_len, r.pages) for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
         fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])
+        prompt_rows = plan_prompt_rows(batch_reqs)  # prompt logprobs: logits of more positions than the last
+        if prompt_rows:
+            fb.logit_rows = torch.tensor([row for _, rows, _ in prompt_rows for row in rows], device=self.device)
         if overlap:
             fb = self._overlap.prepare(fb)
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
@@ -166,6 +172,8 @@ class Scheduler:
             masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
         logits = self.forward(fb)  # [B, vocab]
         self.stats.forward_passes += 1
+        if prompt_rows:
+            logits = record_prompt_rows(prompt_rows, logits, len(batch_reqs))
         done_rows: list[int] = []
         for i, (r, n) in enumerate(batch_reqs):
             r.kv_len += n
@@ -178,9 +186,10 @@ class Scheduler:
             rows = logits[done_rows]
             if masks is not None:
                 masks.apply(rows)  # tokens the grammars disallow -> -inf (constrained rows only)
-            tokens = self.sampler.sample(
-                rows, [r.sampling for r in reqs], [r.rid for r in reqs],
-                [(r.input_ids, r.output_ids) for r in reqs])
+            params = [r.sampling for r in reqs]
+            rows = self.sampler.penalize(rows, params, [(r.input_ids, r.output_ids) for r in reqs])
+            tokens = self.sampler.choose(rows, params, [r.rid for r in reqs])
+            record_outputs(reqs, rows, tokens)  # logprobs of the requests that ask (none: no work)
             for r, tok in zip(reqs, tokens, strict=True):
                 self._append_token(r, tok)
                 if r.grammar is not None:  # tokens the grammar forces: appended now, prefilled next step

@@ -163,7 +163,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend) -> torch.Tensor:
-        """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits."""
+        """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits
+        (``[B + R, vocab]`` with R ``batch.logit_rows``)."""
         attn.init_forward(batch)
         if _fused_for(batch.positions) is not None:  # [L, D] tables, indexed inside the rope kernel
             cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
@@ -179,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
             )
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = batch.extend_start.to(torch.int64) + batch.extend_lens.to(torch.int64) - 1  # [B]
+        if batch.logit_rows is not None:  # prompt logprobs: these rows' logits too, after the B last ones
+            last = torch.cat([last, batch.logit_rows])
         h = self.model.norm(h[last])  # [B, hidden]
         return F.linear(h, self.lm_head_weight).float()
 

@@ -93,6 +93,7 @@ class ServerContext:
         prompt_param: str = "input_ids",
         bootstrap: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> m.GenerateReq:
         """Check what can be checked here (the engine checks the rest) and build the message.
         ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space."""
@@ -128,7 +129,7 @@ class ServerContext:
         return m.GenerateReq(
             rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id,
             bootstrap=bootstrap, cache_salt=effective_salt(tenant, cache_salt),
-            tenant=None if tenant is None else tenant.name,
+            tenant=None if tenant is None else tenant.name, logprobs=logprobs,
         )
 
 

@@ -16,7 +16,9 @@ from starlette.concurrency import run_in_threadpool
 
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
+from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
+from serving.server.logprob_format import LogprobOptions, sglang_meta
 from serving.server.protocol import GenerateRequest
 from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
 from serving.server.text import TextStream, final_text
@@ -24,8 +26,10 @@ from serving.server.text import TextStream, final_text
 router = APIRouter()
 
 
-def meta_info(st: ReqState) -> dict[str, Any]:
+def meta_info(st: ReqState, logprobs: tuple[LogprobOptions, Any, bool] | None = None) -> dict[str, Any]:
+    """SGLang's meta_info; with ``logprobs`` (options, tokenizer, return_text_in_logprobs) its logprobs."""
     return {
+        **(sglang_meta(st.logprobs, *logprobs) if logprobs is not None else {}),
         "id": st.rid,
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": len(st.output_ids),
@@ -41,9 +45,17 @@ async def generate(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await parse_body(request, GenerateRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     prompts = body.prompts
-    if body.batched and (body.stream or body.rid is not None):
-        raise APIError(400, "stream and rid need a single prompt, not a batch", param="stream")
     params = dict(body.sampling_params or {})
+    n = check_n(params.pop("n", None), "sampling_params.n")
+    if (body.batched or n > 1) and (body.stream or body.rid is not None):
+        raise APIError(400, "stream and rid need a single prompt and n=1, not a batch", param="stream")
+    opts = None
+    if body.return_logprob:
+        ids_lp = None if body.token_ids_logprob is None else tuple(body.token_ids_logprob)
+        opts = LogprobOptions(body.logprob_start_len, body.top_logprobs_num or 0, ids_lp)
+    score = scoring(params, opts is not None and opts.start_len not in (None, -1))
+    if score:
+        params["max_new_tokens"] = 1  # a prefill: the one token is dropped (serving.server.fanout)
     ids = [await run_in_threadpool(ctx.encode, p) if isinstance(p, str) else p for p in prompts]  # off the loop
     reqs = [
         ctx.make_request(
@@ -54,33 +66,44 @@ async def generate(request: Request) -> Any:
             param_name="max_new_tokens",
             bootstrap=body.bootstrap(i, len(ids)),
             cache_salt=body.cache_salt,
+            logprobs=opts.wire() if opts is not None else None,
         )
         for i, p in enumerate(ids)
     ]
+    if n > 1:  # one prefill per prompt, n decodes sharing it
+        await unless_disconnected(request, warm_prefix(ctx.client, reqs))
+        reqs = [c for r in reqs for c in choices(r, n)]
+    lp = (opts, ctx.tokenizer, body.return_text_in_logprobs) if opts is not None else None
     skip = params.get("skip_special_tokens", True)
     if not body.stream:
         states = await unless_disconnected(request, run_all(ctx.client, reqs))
+        states = [trim_scoring(st) for st in states] if score else states
         outs = [
             {
                 "text": final_text(ctx.tokenizer, st.output_ids, st.finish_reason, skip),
                 "output_ids": list(st.output_ids),
-                "meta_info": meta_info(st),
+                "meta_info": meta_info(st, lp),
             }
             for st in states
         ]
-        return outs if body.batched else outs[0]
+        return outs if body.batched or n > 1 else outs[0]
     [handle] = await submit_all(ctx.client, reqs)
     stop = params.get("stop") or ()
     return StreamingResponse(
-        sse_stream(_chunks(ctx, handle, [stop] if isinstance(stop, str) else stop, skip)),
+        sse_stream(_chunks(ctx, handle, [stop] if isinstance(stop, str) else stop, skip, lp, score)),
         media_type="text/event-stream",
     )
 
 
-async def _chunks(ctx: ServerContext, handle: ReqHandle, stop: list[str], skip: bool) -> AsyncIterator[Any]:
+async def _chunks(ctx: ServerContext, handle: ReqHandle, stop: list[str], skip: bool,
+                  lp: tuple[LogprobOptions, Any, bool] | None, score: bool) -> AsyncIterator[Any]:
     text = TextStream(ctx.tokenizer, stop, skip)
     try:
         async for st in handle.updates():
+            if score:
+                if not st.finished:
+                    continue
+                st = trim_scoring(st)
             text.update(st)
             cumulative = (
                 final_text(ctx.tokenizer, st.output_ids, st.finish_reason, skip) if st.finished else text.text
@@ -88,7 +111,7 @@ async def _chunks(ctx: ServerContext, handle: ReqHandle, stop: list[str], skip: 
             yield {
                 "text": cumulative,
                 "output_ids": list(st.output_ids),
-                "meta_info": meta_info(st),
+                "meta_info": meta_info(st, lp),
                 "index": 0,
             }
     finally:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serving import compat_fields
 from serving.grammar.spec import response_format_params
+from serving.logprobs import MAX_TOP_LOGPROBS
 
 Strict = ConfigDict(extra="forbid", strict=True)
 Stop = str | list[str] | None
@@ -172,8 +173,10 @@ class ChatCompletionRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _chat_unsupported(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs: not supported")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
         if self.tools:
             raise ValueError("tools: tool calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):
@@ -196,10 +199,8 @@ class CompletionRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo: not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs: not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.best_of not in (None, 1):
             raise ValueError("best_of: only best_of=1 is supported")
         if self.suffix:
@@ -247,16 +248,18 @@ class GenerateRequest(BootstrapFields):
     cache_salt: str | None = None  # vLLM's field: subdivides the caller's tenant's cache space (hicache.salt)
     rid: str | None = None
     return_logprob: bool = False
-    logprob_start_len: int | None = None
+    logprob_start_len: int | None = None  # prompt logprobs from this position (-1: none)
     top_logprobs_num: int | None = None
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
     lora_path: None = None
 
     @model_validator(mode="after")
     def _checks(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
-        if self.return_logprob or self.top_logprobs_num:
-            raise ValueError("return_logprob: not supported")
+        if self.top_logprobs_num is not None and not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}]")
         n = len(self.prompts)  # validates
         for i in range(n):
             self.bootstrap(i, n)

@@ -29,6 +29,8 @@ class ReqState:
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # logprobs so far (serving.logprobs): input, output (+ _top, _ids), each a list of [logprob, token_id]
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -44,6 +46,8 @@ class ReqState:
         self.cached_by_tier = out.cached_by_tier
         self.l3_decision = out.l3_decision
         self.finish_reason = out.finish_reason
+        for key, entries in (out.logprobs or {}).items():
+            self.logprobs.setdefault(key, []).extend(entries)
 
 
 class ReqHandle:

@@ -1,0 +1,97 @@
+"""Logprobs in each API's shape, from a request's ``ReqState.logprobs`` (serving.logprobs).
+
+- SGLang ``meta_info``: ``input_token_logprobs`` / ``output_token_logprobs`` as
+  ``[logprob, token_id, text | None]`` (the first prompt token's logprob is None), plus
+  ``*_top_logprobs`` (with ``top_logprobs_num``) and ``*_token_ids_logprobs`` (with
+  ``token_ids_logprob``), per position a list of such triples.
+- OpenAI chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
+- OpenAI completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; with
+  ``echo`` the prompt's tokens come first (the first one's logprob is None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from serving.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """What a request asks for, as its API spells it; ``wire()`` is GenerateReq.logprobs."""
+
+    start_len: int | None = None  # prompt logprobs from here (None / -1: none)
+    top: int = 0
+    token_ids: tuple[int, ...] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return {"start_len": self.start_len, "top": self.top, "token_ids": list(self.token_ids or ())}
+
+
+def token_text(tok: Tokenizer | None, token_id: int | None) -> str:
+    if tok is None or token_id is None:
+        return ""
+    return tok.decode([token_id], False)
+
+
+# -- SGLang -----------------------------------------------------------------------------------
+def sglang_meta(lp: dict[str, list[Any]], opts: LogprobOptions, tok: Tokenizer | None, with_text: bool
+                ) -> dict[str, Any]:
+    def triple(pair: list[Any]) -> list[Any]:
+        return [pair[0], pair[1], token_text(tok, pair[1]) if with_text else None]
+
+    def triples(rows: list[Any]) -> list[Any]:
+        return [None if row is None else [triple(p) for p in row] for row in rows]
+
+    out: dict[str, Any] = {
+        "input_token_logprobs": [triple(p) for p in lp.get("input", [])],
+        "output_token_logprobs": [triple(p) for p in lp.get("output", [])],
+    }
+    if opts.top:
+        out["input_top_logprobs"] = triples(lp.get("input_top", []))
+        out["output_top_logprobs"] = triples(lp.get("output_top", []))
+    if opts.token_ids is not None:
+        out["input_token_ids_logprobs"] = triples(lp.get("input_ids", []))
+        out["output_token_ids_logprobs"] = triples(lp.get("output_ids", []))
+    return out
+
+
+# -- OpenAI chat --------------------------------------------------------------------------------
+def _chat_entry(tok: Tokenizer | None, pair: list[Any]) -> dict[str, Any]:
+    text = token_text(tok, pair[1])
+    return {"token": text, "logprob": pair[0], "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(lp: dict[str, list[Any]], tok: Tokenizer | None, top: int, start: int = 0,
+                  end: int | None = None) -> dict[str, Any]:
+    """Output tokens ``start .. end`` as a chat choice's ``logprobs``."""
+    out = lp.get("output", [])[start:end]
+    tops = lp.get("output_top", [])[start:end] if top else [[] for _ in out]
+    return {"content": [{**_chat_entry(tok, p), "top_logprobs": [_chat_entry(tok, t) for t in row or []]}
+                        for p, row in zip(out, tops, strict=True)], "refusal": None}
+
+
+# -- OpenAI completions ---------------------------------------------------------------------------
+def completion_logprobs(lp: dict[str, list[Any]], tok: Tokenizer | None, top: int, echo: bool,
+                        start: int = 0, end: int | None = None, text_offset: int = 0) -> dict[str, Any]:
+    """Output tokens ``start .. end`` (and the prompt's first, with ``echo``) as a completion
+    choice's ``logprobs``; ``text_offset`` is where their text starts in the choice's text."""
+    pairs = lp.get("output", [])[start:end]
+    tops = lp.get("output_top", [])[start:end] if top else [None] * len(pairs)
+    if echo:
+        pairs = lp.get("input", []) + pairs
+        tops = (lp.get("input_top", []) if top else [None] * len(lp.get("input", []))) + tops
+    tokens, offsets, at = [], [], text_offset
+    for p in pairs:
+        t = token_text(tok, p[1])
+        tokens.append(t)
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [p[0] for p in pairs],
+        "top_logprobs": [None if row is None else {token_text(tok, t[1]): t[0] for t in row} for row in tops]
+        if top else None,
+        "text_offset": offsets,
+    }
