@@ -37,17 +37,22 @@ def choices(req: m.GenerateReq, n: int) -> list[m.GenerateReq]:
     """``n`` copies of a request, each with its own rid (and seed)."""
     if n == 1:
         return [req]
+    if req.bootstrap is not None:
+        from serving.server.errors import APIError
+
+        raise APIError(400, "n > 1 is not supported on a PD disaggregated request", param="n")
     seed = req.sampling_params.get("seed")
     return [dataclasses.replace(req, rid=f"{req.rid}-{i}", sampling_params={
         **req.sampling_params, **({"seed": seed + i} if isinstance(seed, int) else {})}) for i in range(n)]
 
 
-async def warm_prefix(client: EngineClient, reqs: list[m.GenerateReq]) -> None:
+async def warm_prefix(client: EngineClient, reqs: list[m.GenerateReq]) -> list[ReqState]:
     """Compute each prompt once (a greedy one-token request per prompt) so that their choices
-    share its KV through the tree. Its session, salt and tenant are the request's."""
+    share its KV through the tree; its session, salt and tenant are the request's. Returns the
+    warm-up states: their prompt and cached tokens are the prompts' usage."""
     warm = [dataclasses.replace(r, rid=uuid.uuid4().hex, sampling_params={"max_new_tokens": 1, "temperature": 0},
                                 logprobs=None, bootstrap=None) for r in reqs]
-    await run_all(client, warm)
+    return await run_all(client, warm)
 
 
 def scoring(params: dict[str, Any], prompt_logprobs: bool) -> bool:

@@ -1,4 +1,9 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions."""
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+``n > 1``: the prompt is computed once (serving.server.fanout) and each choice decodes from its
+KV; usage counts the prompt once. Logprobs: chat ``logprobs`` / ``top_logprobs``, completions
+``logprobs`` (+ ``echo``: the prompt's text and logprobs first), streamed per chunk too.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from serving.server import messages as m
 from serving.server.context import ServerContext, get_ctx
+from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
+from serving.server.logprob_format import LogprobOptions, chat_logprobs, completion_logprobs
 from serving.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from serving.server.req_handle import ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text
@@ -29,14 +37,17 @@ def finish_fields(st: ReqState) -> dict[str, Any]:
     }
 
 
-def usage(states: list[ReqState]) -> dict[str, Any]:
-    prompt = sum(s.prompt_tokens for s in states)
+def usage(states: list[ReqState], prompts: list[ReqState] | None = None) -> dict[str, Any]:
+    """Completion tokens of every choice; prompt (and cached) tokens of ``prompts``, one state per
+    prompt (default: every state's, for n = 1)."""
+    prompts = states if prompts is None else prompts
+    prompt = sum(s.prompt_tokens for s in prompts)
     completion = sum(len(s.output_ids) for s in states)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts)},
     }
 
 
@@ -66,68 +77,89 @@ def _stop(body: OpenAISampling) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
+async def _fan_out(request: Request, ctx: ServerContext, reqs: list[m.GenerateReq], n: int
+                   ) -> tuple[list[m.GenerateReq], list[ReqState] | None]:
+    """Each request as ``n`` choices sharing one prefill; the warm-up states (one per prompt) or None."""
+    if n == 1:
+        return reqs, None
+    warm = await unless_disconnected(request, warm_prefix(ctx.client, reqs))
+    return [c for r in reqs for c in choices(r, n)], warm
+
+
 # -- chat -----------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await parse_body(request, ChatCompletionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     model = ctx.check_model(body.model)
+    n = check_n(body.n)
     # the chat template and the tokenizer run off the event loop: a huge prompt delays only itself
     ids = await run_in_threadpool(ctx.chat_ids, [msg.as_template_dict() for msg in body.messages])
     max_tokens = body.requested_max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(ids))
+    top = body.top_logprobs or 0
+    opts = LogprobOptions(None, top) if body.logprobs else None
     req = ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, param_name=name,
-                           bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt)
+                           bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt,
+                           logprobs=opts.wire() if opts else None)
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
+    reqs, warm = await _fan_out(request, ctx, [req], n)
     if not body.stream:
-        [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
-        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, _skip_special(body))
+        states = await unless_disconnected(request, run_all(ctx.client, reqs))
         return {
             **head,
             "object": "chat.completion",
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "index": i,
+                    "message": {"role": "assistant",
+                                "content": final_text(ctx.tokenizer, st.output_ids, st.finish_reason,
+                                                      _skip_special(body))},
+                    "logprobs": chat_logprobs(st.logprobs, ctx.tokenizer, top) if opts else None,
                     **finish_fields(st),
                 }
+                for i, st in enumerate(states)
             ],
-            "usage": usage([st]),
+            "usage": usage(states, warm),
         }
-    [handle] = await submit_all(ctx.client, [req])
+    handles = await submit_all(ctx.client, reqs)
     return StreamingResponse(
-        sse_stream(_chat_chunks(ctx, body, handle, head)), media_type="text/event-stream"
+        sse_stream(_chat_chunks(ctx, body, handles, head, warm, opts)), media_type="text/event-stream"
     )
 
 
 async def _chat_chunks(
-    ctx: ServerContext, body: ChatCompletionRequest, handle: Any, head: dict[str, Any]
+    ctx: ServerContext, body: ChatCompletionRequest, handles: list[Any], head: dict[str, Any],
+    warm: list[ReqState] | None, opts: LogprobOptions | None,
 ) -> AsyncIterator[dict[str, Any]]:
-    text = TextStream(ctx.tokenizer, _stop(body), _skip_special(body))
+    texts = [TextStream(ctx.tokenizer, _stop(body), _skip_special(body)) for _ in handles]
+    sent_lp = [0] * len(handles)
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
-    def chunk(delta: dict[str, Any], st: ReqState, finish: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    def chunk(i: int, delta: dict[str, Any], st: ReqState, finish: dict[str, Any] | None = None) -> dict[str, Any]:
+        lp = None
+        if opts is not None and len(st.output_ids) > sent_lp[i]:
+            lp = chat_logprobs(st.logprobs, ctx.tokenizer, opts.top, sent_lp[i], len(st.output_ids))
+            sent_lp[i] = len(st.output_ids)
+        choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}
         c = {**head, "object": "chat.completion.chunk", "choices": [{**choice, **(finish or {})}]}
         if continuous:
-            c["usage"] = usage([st])
+            c["usage"] = usage([st], None if warm is None else warm)
         return c
 
-    try:
-        yield chunk({"role": "assistant", "content": ""}, handle.state)
-        async for st in handle.updates():
-            delta = text.update(st)
-            if delta:
-                yield chunk({"content": delta}, st)
-            if st.finished:
-                yield chunk({}, st, finish_fields(st))
-        if body.include_usage:
-            yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage([handle.state])}
-    finally:
-        handle.close()
+    for i, h in enumerate(handles):
+        yield chunk(i, {"role": "assistant", "content": ""}, h.state)
+    async for i, st in merged_updates(handles):
+        delta = texts[i].update(st)
+        if delta:
+            yield chunk(i, {"content": delta}, st)
+        if st.finished:
+            yield chunk(i, {}, st, finish_fields(st))
+    if body.include_usage:
+        yield {**head, "object": "chat.completion.chunk", "choices": [],
+               "usage": usage([h.state for h in handles], warm)}
 
 
 # -- completions ----------------------------------------------------------------------------
@@ -136,54 +168,75 @@ async def completions(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await parse_body(request, CompletionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     model = ctx.check_model(body.model)
+    n = check_n(body.n)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    reqs = []
+    opts = LogprobOptions(0 if body.echo else None, body.logprobs) if body.logprobs is not None else None
+    params = body.sampling_params(max_tokens)
+    score = scoring(params, opts is not None and body.echo)
+    if score:
+        params["max_new_tokens"] = 1  # a prefill: the one token is dropped (serving.server.fanout)
+    reqs, prompt_ids = [], []
     for i, prompt in enumerate(body.prompt):
         ids = await run_in_threadpool(ctx.encode, prompt) if isinstance(prompt, str) else prompt
+        prompt_ids.append(ids)
         reqs.append(
-            ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, prompt_param="prompt",
-                             bootstrap=body.bootstrap(i, len(body.prompt)), cache_salt=body.cache_salt)
+            ctx.make_request(ids, params, body.session_id, prompt_param="prompt",
+                             bootstrap=body.bootstrap(i, len(body.prompt)), cache_salt=body.cache_salt,
+                             logprobs=opts.wire() if opts else None)
         )
     head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": model}
+    reqs, warm = await _fan_out(request, ctx, reqs, n)
+    echoes = [_echo_text(ctx, body, p) for p in prompt_ids for _ in range(n)]
     if not body.stream:
         states = await unless_disconnected(request, run_all(ctx.client, reqs))
-        choices = [
-            {
-                "index": i,
-                "text": final_text(ctx.tokenizer, st.output_ids, st.finish_reason, _skip_special(body)),
-                "logprobs": None,
-                **finish_fields(st),
-            }
-            for i, st in enumerate(states)
-        ]
-        return {**head, "object": "text_completion", "choices": choices, "usage": usage(states)}
+        states = [trim_scoring(st) for st in states] if score else states
+        out = []
+        for i, st in enumerate(states):
+            text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, _skip_special(body))
+            lp = completion_logprobs(st.logprobs, ctx.tokenizer, opts.top, body.echo) if opts else None
+            out.append({"index": i, "text": echoes[i] + text, "logprobs": lp, **finish_fields(st)})
+        return {**head, "object": "text_completion", "choices": out, "usage": usage(states, warm)}
     handles = await submit_all(ctx.client, reqs)
     return StreamingResponse(
-        sse_stream(_completion_chunks(ctx, body, handles, head)), media_type="text/event-stream"
+        sse_stream(_completion_chunks(ctx, body, handles, head, warm, opts, echoes, score)),
+        media_type="text/event-stream",
     )
 
 
+def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt: str | list[int]) -> str:
+    if not body.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else final_text(ctx.tokenizer, prompt, None, _skip_special(body))
+
+
 async def _completion_chunks(
-    ctx: ServerContext, body: CompletionRequest, handles: list[Any], head: dict[str, Any]
+    ctx: ServerContext, body: CompletionRequest, handles: list[Any], head: dict[str, Any],
+    warm: list[ReqState] | None, opts: LogprobOptions | None, echoes: list[str], score: bool,
 ) -> AsyncIterator[dict[str, Any]]:
     texts = [TextStream(ctx.tokenizer, _stop(body), _skip_special(body)) for _ in handles]
     done = [False] * len(handles)
+    sent_lp = [0] * len(handles)
+    first = [True] * len(handles)
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
     async for i, st in merged_updates(handles):
-        if done[i]:
+        if done[i] or (score and not st.finished):
             continue
+        st = trim_scoring(st) if score else st
         delta = texts[i].update(st)
-        if not delta and not st.finished:
+        if not delta and not st.finished and not first[i]:
             continue
+        echo = body.echo and first[i]
+        lp = None
+        if opts is not None:
+            lp = completion_logprobs(st.logprobs, ctx.tokenizer, opts.top, echo, sent_lp[i], len(st.output_ids))
+            sent_lp[i] = len(st.output_ids)
         done[i] = st.finished
         fin = finish_fields(st) if st.finished else {"finish_reason": None}
-        c = {
-            **head,
-            "object": "text_completion",
-            "choices": [{"index": i, "text": delta, "logprobs": None, **fin}],
-        }
+        text = (echoes[i] if echo else "") + delta
+        first[i] = False
+        c = {**head, "object": "text_completion", "choices": [{"index": i, "text": text, "logprobs": lp, **fin}]}
         if continuous:
-            c["usage"] = usage([st])
+            c["usage"] = usage([st], warm)
         yield c
     if body.include_usage:
-        yield {**head, "object": "text_completion", "choices": [], "usage": usage([h.state for h in handles])}
+        yield {**head, "object": "text_completion", "choices": [], "usage": usage([h.state for h in handles], warm)}

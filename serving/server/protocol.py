@@ -101,8 +101,6 @@ class OpenAISampling(SGLangExtras):
 
     @model_validator(mode="after")
     def _unsupported(self) -> OpenAISampling:
-        if self.n not in (None, 1):
-            raise ValueError("n: only n=1 is supported")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         if self.stream_options is not None and not self.stream:
