@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.server import admin_api, cache_api, errors, native_api, openai_api
+from serving.server import admin_api, anthropic_api, cache_api, errors, native_api, ollama_api, openai_api
 from serving.server.context import ServerContext
 from serving.server.tenants import CURRENT, TenantTable
 
@@ -36,9 +36,10 @@ def bearer_token(header: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` (any case of "Bearer") names ``api_key`` (the
-    default tenant) or a tenant's key (``--api-keys-file``: the request then runs as that
-    tenant, see serving/server/tenants.py); /health stays open. Constant-time comparisons."""
+    """401 unless ``Authorization: Bearer <key>`` (any case of "Bearer"; or Anthropic's
+    ``x-api-key: <key>``) names ``api_key`` (the default tenant) or a tenant's key
+    (``--api-keys-file``: the request then runs as that tenant, see serving/server/tenants.py);
+    /health stays open. Constant-time comparisons."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, tenants: TenantTable | None = None) -> None:
         self.app = app
@@ -48,7 +49,8 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        token = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        headers = dict(scope["headers"])
+        token = bearer_token(headers.get(b"authorization", b"")) or headers.get(b"x-api-key", b"").strip() or None
         if token is not None:
             default = self.expected is not None and hmac.compare_digest(token, self.expected)
             tenant = self.tenants.find(token) if self.tenants is not None else None
@@ -110,7 +112,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="HiCache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     errors.install(app)
-    for module in (openai_api, native_api, admin_api, cache_api):
+    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api):
         app.include_router(module.router)
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)

@@ -1,0 +1,186 @@
+"""Anthropic's Messages API: POST /v1/messages (+ /v1/messages/count_tokens).
+
+The same engine path as chat completions: ``system`` and ``messages`` go through the chat
+template; ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` map onto
+SGLang sampling params; HiCache's ``session_id`` is accepted as on the other routes. Usage
+follows Anthropic: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens``
+those served from the cache (their sum is the prompt). Streaming sends Anthropic's events
+(``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
+``content_block_stop``, ``message_delta``, ``message_stop``). Errors have Anthropic's shape
+``{"type": "error", "error": {"type", "message"}}``, mid-stream as an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import wraps
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field, model_validator
+from starlette.concurrency import run_in_threadpool
+
+from serving.compat_fields import ANY
+from serving.server.context import ServerContext, get_ctx
+from serving.server.errors import APIError
+from serving.server.http_io import parse_body, unless_disconnected
+from serving.server.protocol import StrictModel
+from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
+from serving.server.text import TextStream, final_text
+
+router = APIRouter()
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                504: "timeout_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_errors(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @wraps(fn)
+    async def wrapper(request: Request) -> Any:
+        try:
+            return await fn(request)
+        except APIError as e:
+            return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+
+    return wrapper
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a caching hint: HiCache caches every prefix anyway
+    citations: list[Any] | None = None
+
+
+Content = str | list[TextBlock]
+
+
+class Message(StrictModel):
+    role: Literal["user", "assistant"]
+    content: Content
+
+
+def _text(content: Content | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+class MessagesRequest(StrictModel):
+    neutral_fields = {"tools": ((), []), "tool_choice": ({"type": "none"}, {"type": "auto"}),
+                      "thinking": ({"type": "disabled"},), "service_tier": ("auto", "standard_only"),
+                      "container": (), "mcp_servers": ((), []), "output_config": ({},), "speed": ("standard",),
+                      "cache_control": ANY, "diagnostics": ANY, "inference_geo": ANY, "user_profile_id": ANY,
+                      "workspace_id": ANY}
+
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)]
+    system: Content | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None  # user_id: accepted, cannot change the answer
+    session_id: str | None = None  # HiCache's session (as on the other routes)
+
+    @model_validator(mode="after")
+    def _checks(self) -> MessagesRequest:
+        if self.stop_sequences is not None and not all(self.stop_sequences):
+            raise ValueError("stop_sequences: must be non-empty strings")
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        system = _text(self.system)
+        msgs = [{"role": "system", "content": system}] if system else []
+        return msgs + [{"role": m.role, "content": _text(m.content)} for m in self.messages]
+
+    def sampling_params(self) -> dict[str, Any]:
+        p = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+             "top_k": self.top_k, "stop": self.stop_sequences}
+        return {k: v for k, v in p.items() if v is not None}
+
+
+class CountTokensRequest(StrictModel):
+    neutral_fields = {"tools": ((), []), "tool_choice": (), "thinking": ({"type": "disabled"},)}
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: Content | None = None
+
+    template_messages = MessagesRequest.template_messages
+
+
+def stop_fields(st: ReqState) -> dict[str, Any]:
+    reason = st.finish_reason or {}
+    if reason.get("type") == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": reason["matched"]}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def usage(st: ReqState) -> dict[str, Any]:
+    return {"input_tokens": st.prompt_tokens - st.cached_tokens, "output_tokens": len(st.output_ids),
+            "cache_read_input_tokens": st.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+@router.post("/v1/messages/count_tokens")
+@anthropic_errors
+async def count_tokens(request: Request) -> Any:
+    ctx = get_ctx(request)
+    body = await parse_body(request, CountTokensRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    ctx.check_model(body.model)
+    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
+    return {"input_tokens": len(ids)}
+
+
+@router.post("/v1/messages")
+@anthropic_errors
+async def messages(request: Request) -> Any:
+    ctx = get_ctx(request)
+    body = await parse_body(request, MessagesRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    model = ctx.check_model(body.model)
+    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
+    req = ctx.make_request(ids, body.sampling_params(), body.session_id)
+    head = {"id": f"msg_{req.rid}", "type": "message", "role": "assistant", "model": model}
+    if not body.stream:
+        [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
+        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason)
+        return {**head, "content": [{"type": "text", "text": text}], **stop_fields(st), "usage": usage(st)}
+    [handle] = await submit_all(ctx.client, [req])
+    return StreamingResponse(_events(ctx, body, handle, head), media_type="text/event-stream")
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _events(ctx: ServerContext, body: MessagesRequest, handle: ReqHandle, head: dict[str, Any]
+                  ) -> AsyncIterator[str]:
+    text = TextStream(ctx.tokenizer, body.stop_sequences or [])
+    try:
+        st = handle.state
+        yield _event("message_start", {"message": {**head, "content": [], "stop_reason": None,
+                                                   "stop_sequence": None, "usage": usage(st)}})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield _event("ping", {})
+        async for st in handle.updates():
+            delta = text.update(st)
+            if delta:
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+        yield _event("content_block_stop", {"index": 0})
+        yield _event("message_delta", {"delta": stop_fields(st), "usage": usage(st)})
+        yield _event("message_stop", {})
+    except APIError as e:
+        yield _event("error", {"error": error_body(e.status, e.message)["error"]})
+    finally:
+        handle.close()

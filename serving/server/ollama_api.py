@@ -1,0 +1,235 @@
+"""The Ollama API: POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/version.
+
+Requests map onto the same engine path as the other routes (chat template, sampling params,
+HiCache's ``session_id``). ``options`` take Ollama's names (``num_predict``, ``repeat_penalty``,
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``, ...); runtime options that
+cannot change the answer (``num_ctx``, ``num_thread``, ``num_gpu``, ...) are accepted and ignored,
+sampling options HiCache does not implement only at their neutral value. ``format`` is ``"json"``
+or a JSON schema (structured output). As Ollama does, ``stream`` defaults to true: NDJSON lines,
+the last one with ``done: true`` and the counts; ``prompt_eval_count`` counts the prompt tokens
+computed, so a prompt served from the cache shows a small one (as Ollama's own cache does).
+A model name may carry Ollama's ``:latest`` tag. Errors are ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timezone
+from functools import wraps
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+from starlette.concurrency import run_in_threadpool
+
+from serving import compat_fields
+from serving.grammar.spec import response_format_params
+from serving.server.context import ServerContext, get_ctx
+from serving.server.errors import APIError
+from serving.server.http_io import parse_body, unless_disconnected
+from serving.server.protocol import StrictModel
+from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
+from serving.server.text import TextStream, final_text
+
+router = APIRouter()
+OLLAMA_VERSION = "0.6.3"  # the API version these routes follow (the ollama client's)
+ANY = compat_fields.ANY
+
+
+def ollama_errors(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @wraps(fn)
+    async def wrapper(request: Request) -> Any:
+        try:
+            return await fn(request)
+        except APIError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+
+    return wrapper
+
+
+class Options(StrictModel):
+    neutral_fields = {
+        **{k: ANY for k in ("numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv",
+                            "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
+                            "penalize_newline", "mirostat_tau", "mirostat_eta", "repeat_last_n")},
+        "logits_all": (False,), "tfs_z": (1,), "typical_p": (1,), "mirostat": (0,),
+    }
+    seed: int | None = None
+    num_predict: int | None = None  # -1: until the context is full (-2 too)
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    temperature: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] | None = None
+
+    def sampling_params(self, default_max: int) -> dict[str, Any]:
+        n = self.num_predict
+        p = {"max_new_tokens": default_max if n is None or n < 0 else n, "seed": self.seed, "top_k": self.top_k,
+             "top_p": self.top_p, "min_p": self.min_p, "temperature": self.temperature,
+             "repetition_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
+             "frequency_penalty": self.frequency_penalty, "stop": self.stop}
+        return {k: v for k, v in p.items() if v is not None}
+
+
+class OllamaMessage(StrictModel):
+    neutral_fields = {"images": ((), []), "tool_calls": ((), []), "thinking": ("",), "tool_name": ()}
+    role: Literal["system", "user", "assistant"]
+    content: str = ""
+
+
+class _Base(StrictModel):
+    model: str
+    stream: bool = True
+    options: Options | None = None
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    keep_alive: Any = None  # how long Ollama keeps a model loaded: nothing to unload here
+    session_id: str | None = None  # HiCache's session (as on the other routes)
+
+    def grammar(self) -> dict[str, Any]:
+        if not self.format:
+            return {}
+        if self.format == "json":
+            return response_format_params({"type": "json_object"})
+        return response_format_params({"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}})
+
+
+class ChatRequest(_Base):
+    neutral_fields = {"tools": ((), []), "think": (False,), "logprobs": (False,), "top_logprobs": (0,)}
+    messages: Annotated[list[OllamaMessage], Field(min_length=1)]
+
+
+class GenerateRequest(_Base):
+    neutral_fields = {"images": ((), []), "think": (False,), "logprobs": (False,), "top_logprobs": (0,),
+                      "context": ((), []), "suffix": ("",), "template": ("",), "width": (), "height": (),
+                      "steps": ()}
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+
+
+class ShowRequest(StrictModel):
+    neutral_fields = {"verbose": ANY}
+    model: str | None = None
+    name: str | None = None  # the older spelling
+
+
+def _model(ctx: ServerContext, name: str) -> str:
+    ctx.check_model(name.removesuffix(":latest"))
+    return name
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _final(st: ReqState, t0: float) -> dict[str, Any]:
+    total = int((time.monotonic() - t0) * 1e9)
+    first = st.first_token_time or time.monotonic()
+    prompt_ns = int(max(first - st.created, 0) * 1e9)
+    reason = (st.finish_reason or {}).get("type")
+    return {"done": True, "done_reason": "length" if reason == "length" else "stop", "total_duration": total,
+            "load_duration": 0, "prompt_eval_count": st.prompt_tokens - st.cached_tokens,
+            "prompt_eval_duration": prompt_ns, "eval_count": len(st.output_ids),
+            "eval_duration": max(total - prompt_ns, 0)}
+
+
+async def _run(request: Request, ctx: ServerContext, body: _Base, ids: list[int], key: str,
+               wrap: Callable[[str], Any]) -> Any:
+    opts = body.options or Options()
+    params = {**opts.sampling_params(ctx.default_max_tokens(len(ids))), **body.grammar()}
+    req = ctx.make_request(ids, params, body.session_id, param_name="num_predict")
+    t0 = time.monotonic()
+    if not body.stream:
+        [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
+        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason)
+        return {"model": body.model, "created_at": _now(), key: wrap(text), **_final(st, t0)}
+    [handle] = await submit_all(ctx.client, [req])
+    return StreamingResponse(_lines(ctx, body, handle, key, wrap, opts.stop or [], t0),
+                             media_type="application/x-ndjson")
+
+
+async def _lines(ctx: ServerContext, body: _Base, handle: ReqHandle, key: str, wrap: Callable[[str], Any],
+                 stop: list[str], t0: float) -> AsyncIterator[str]:
+    text = TextStream(ctx.tokenizer, stop)
+    try:
+        async for st in handle.updates():
+            delta = text.update(st)
+            if delta:
+                yield json.dumps({"model": body.model, "created_at": _now(), key: wrap(delta), "done": False}) + "\n"
+            if st.finished:
+                yield json.dumps({"model": body.model, "created_at": _now(), key: wrap(""), **_final(st, t0)}) + "\n"
+    except APIError as e:
+        yield json.dumps({"error": e.message}) + "\n"
+    finally:
+        handle.close()
+
+
+@router.post("/api/chat")
+@ollama_errors
+async def chat(request: Request) -> Any:
+    ctx = get_ctx(request)
+    body = await parse_body(request, ChatRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    _model(ctx, body.model)
+    ids = await run_in_threadpool(ctx.chat_ids, [{"role": x.role, "content": x.content} for x in body.messages])
+    return await _run(request, ctx, body, ids, "message", lambda t: {"role": "assistant", "content": t})
+
+
+@router.post("/api/generate")
+@ollama_errors
+async def generate(request: Request) -> Any:
+    ctx = get_ctx(request)
+    body = await parse_body(request, GenerateRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    _model(ctx, body.model)
+    if not body.prompt:  # Ollama: an empty prompt only loads the model
+        return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+    if body.raw:
+        ids = await run_in_threadpool(ctx.encode, body.prompt)
+    else:
+        msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
+            {"role": "user", "content": body.prompt}]
+        ids = await run_in_threadpool(ctx.chat_ids, msgs)
+    return await _run(request, ctx, body, ids, "response", lambda t: t)
+
+
+def _details(ctx: ServerContext) -> dict[str, Any]:
+    arch = str(ctx.info.get("architecture", "llama"))
+    return {"parent_model": "", "format": "safetensors", "family": arch, "families": [arch],
+            "parameter_size": "", "quantization_level": str(ctx.info.get("dtype", ""))}
+
+
+@router.get("/api/tags")
+@ollama_errors
+async def tags(request: Request) -> Any:
+    ctx = get_ctx(request)
+    name = ctx.model_name
+    return {"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
+                        "details": _details(ctx)}]}
+
+
+@router.post("/api/show")
+@ollama_errors
+async def show(request: Request) -> Any:
+    ctx = get_ctx(request)
+    body = await parse_body(request, ShowRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    name = body.model or body.name
+    if not name:
+        raise APIError(400, "model is required")
+    _model(ctx, name)
+    template = getattr(ctx.tokenizer, "chat_template", None) or ""
+    return {"modelfile": "", "parameters": "", "template": template if isinstance(template, str) else "",
+            "details": _details(ctx), "capabilities": ["completion"], "modified_at": _now(),
+            "model_info": {"general.architecture": _details(ctx)["family"],
+                           "general.context_length": ctx.context_len}}
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_VERSION}
+
+
