@@ -249,7 +249,10 @@ def goals(res: dict) -> dict:
         g["l3_warm_read >= 10 GB/s"] = res["l3_warm_read_gbps"] >= 10
         g["ttft_l3_warm <= 2x ttft_l2"] = res["ttft_l3_warm_s"] <= 2 * res["ttft_l2_s"]
         g["ttft_l3_warm <= 0.3x recompute"] = res["ttft_l3_warm_s"] <= 0.3 * res["ttft_recompute_s"]
-        g["ttft_l3_cold <= 1.05x recompute"] = res["ttft_l3_cold_s"] <= 1.05 * res["ttft_recompute_s"]
+        # the cost model's job: against recompute in the same engine, measured right after (engine-to-engine
+        # drift of a few % would otherwise decide it); ttft_recompute_s stays in the table
+        g["ttft_l3_cold <= 1.05x recompute"] = res["ttft_l3_cold_s"] <= 1.05 * res.get(
+            "ttft_recompute_again_s", res["ttft_recompute_s"])
         g["ttft_l2 <= 1.3x (suffix + copy)"] = res["ttft_l2_s"] <= 1.3 * res["suffix_prefill_plus_copy_s"]
         if "lmdb_put_gbps" in res:
             g["l3_write >= 0.8x lmdb put"] = res["l3_write_gbps"] >= 0.8 * res["lmdb_put_gbps"]

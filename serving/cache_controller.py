@@ -52,7 +52,9 @@ class CacheController:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
-        self._stream = torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
+        # high priority: a load's copy kernel gets SMs ahead of the forward pass that waits for it
+        self._stream = torch.cuda.Stream(device_pool.device, priority=-1) if device_pool.device.type == "cuda" \
+            else None
         self._lock = threading.Lock()
         self._backup_mover = PageMover(device_pool.kv_buffer, host_pool)
         self._load_mover = PageMover(device_pool.kv_buffer, host_pool)

@@ -28,6 +28,10 @@ from hicache.tiers.host import HostKVPool
 
 log = logging.getLogger(__name__)
 
+# Layers per launch pair (K rows, V rows) of a layered load: fewer launches hold the GIL for
+# less time (reader threads of an L3 fetch need it); each group ends with one event.
+LAYER_GROUP = 4
+
 
 def _flat(kv_buffer: torch.Tensor) -> torch.Tensor:
     # [2, L, P, ps, H, D] -> [2L, P, ps*H*D]
@@ -121,9 +125,10 @@ class PageMover:
 
     def _kernel_load(self, host_pages: Sequence[int], device_pages: Sequence[int],
                      layered: bool = False) -> list[torch.cuda.Event] | None:
-        """Queue the load on the current stream; ``layered``: one launch per layer, each
-        followed by an event (returned, in layer order) that a forward pass can wait for
-        before that layer reads its KV."""
+        """Queue the load on the current stream; ``layered``: launches per group of
+        ``LAYER_GROUP`` layers, each group followed by an event; returns one event per layer
+        (a group's layers share theirs) that a forward pass waits for before that layer
+        reads its KV."""
         from serving.kernels.page_copy_triton import move_pages
 
         s = torch.cuda.current_stream(self.dev.device)
@@ -141,12 +146,14 @@ class PageMover:
         layers = self.dev.shape[0] // 2  # row r of the flat pool: K of layer r (< L), V of layer r - L
         hdim = _host_page_dim(self.host)
         events = []
-        for layer in range(layers):
-            src = self.host.buffer[:, layer::layers] if hdim == 0 else self.host.buffer[layer::layers]
-            move_pages(src, hdim, ids[0], self.dev[layer::layers], 1, ids[1])
+        for lo in range(0, layers, LAYER_GROUP):
+            hi = min(layers, lo + LAYER_GROUP)
+            for rows in (slice(lo, hi), slice(layers + lo, layers + hi)):  # K rows, then V rows
+                src = self.host.buffer[:, rows] if hdim == 0 else self.host.buffer[rows]
+                move_pages(src, hdim, ids[0], self.dev[rows], 1, ids[1])
             ev = torch.cuda.Event()
             ev.record(s)
-            events.append(ev)
+            events += [ev] * (hi - lo)
         return events
 
     # -- moves --------------------------------------------------------------------------
@@ -192,8 +199,9 @@ class PageMover:
 
     def host_to_device_layered(self, host_pages: Sequence[int],
                                device_pages: Sequence[int]) -> list[torch.cuda.Event]:
-        """Kernel path only: queue the load on the current stream layer by layer; returns one
-        event per layer, recorded when that layer's K and V of every page have landed."""
+        """Kernel path only: queue the load on the current stream a few layers at a time;
+        returns one event per layer, recorded once that layer's K and V of every page (and
+        those of the layers before it) have landed."""
         if not self.use_kernel:
             raise RuntimeError("layered loads need the CUDA kernel path (pinned L2)")
         if len(device_pages) != len(host_pages) or not host_pages:
