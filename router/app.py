@@ -6,13 +6,15 @@ Proxied with routing: POST /v1/chat/completions, /v1/completions, /generate. Ses
 /health_generate. Broadcast: /flush_cache. Router-own: /health (200 while any worker is
 available), /get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``),
 /list_workers. Every answer that came from a worker names it in ``x-hicache-worker``.
+The KV control API (/cache/lookup, /cache/prefetch, /cache/pin) goes to the worker that holds
+the prefix (router/kv_routes.py). With ``api_keys_file``, tenant keys are accepted and routing
+keys on each request's tenant + cache_salt scope (router/tenancy.py).
 With ``pd_disaggregation``, router/pd.py forwards and router/pd_app.py has the admin routes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -25,9 +27,11 @@ from fastapi.responses import JSONResponse, Response
 
 from router.cache_view import CacheView
 from router.config import RouterConfig, check_url
+from router.keypool import KeyPool
+from router.kv_routes import add_kv_routes
 from router.policies import RouteRequest, make_policy
 from router.proxy import Forwarder, error
-from router.routing_key import KeyMaker, load_tokenizer
+from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_prefix, session_key
 from router.workers import WorkerPool
 
 log = logging.getLogger("hicache.router")
@@ -45,10 +49,13 @@ class RouterState:
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=5.0)
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
         self.view = (
-            CacheView(self.client, self.worker_headers, cfg.events_poll_interval_s)
+            CacheView(self.client, self.worker_headers, cfg.events_poll_interval_s, cfg.l2_weight,
+                      cfg.shared_l3_weight, cfg.max_worker_pages)
             if cfg.cache_view == "events"
             else None
         )
+        self.tenancy = Tenancy(cfg.api_key, cfg.api_keys_file)
+        self.leases: BoundedMap = BoundedMap(cfg.max_leases)  # pin lease id -> worker url
         self.policy = make_policy(cfg, self.view)
         self.pool = WorkerPool(cfg, self.client, self.worker_headers)
         self.pool.on_reset.append(self.policy.forget)
@@ -57,7 +64,7 @@ class RouterState:
             self.pool.on_reset.append(self.view.forget)
         self.forwarder = self.make_forwarder()
         self.pool.on_reset.append(self.forwarder.sessions.forget_worker)
-        self.keys = KeyMaker()
+        self.keys = KeyPool(None, 0)
         self._maint: asyncio.Task[None] | None = None
 
     def make_forwarder(self) -> Forwarder:
@@ -68,7 +75,8 @@ class RouterState:
         for url in self.cfg.worker_urls:
             self.pool.add(url)
         await self.pool.check_health()
-        self.keys = KeyMaker(load_tokenizer(self.cfg.tokenizer_path or await self._worker_tokenizer_path()))
+        self.keys = KeyPool(self.cfg.tokenizer_path or await self._worker_tokenizer_path(), self.cfg.tokenizer_workers)
+        await self.keys.warm()
         log.info("routing on %s", "token ids" if self.keys.tok is not None else "text")
         self.pool.start()
         if self.view is not None:
@@ -76,6 +84,7 @@ class RouterState:
         self._maint = asyncio.create_task(self._maintain())
 
     async def stop(self) -> None:
+        self.keys.shutdown()
         await self.pool.stop()
         if self.view is not None:
             await self.view.stop()
@@ -90,6 +99,28 @@ class RouterState:
             await asyncio.sleep(self.cfg.eviction_interval_s)
             self.policy.maintain()
 
+    async def route(self, path: str, body: dict[str, Any], request: Request) -> RouteRequest:
+        """The request's routing key, ids and session, in its tenant + cache_salt scope."""
+        route = await self.keys.for_body(path, body)
+        scope = scope_of(getattr(request.state, "tenant", None), body)
+        if scope is None:
+            return route
+        return RouteRequest(scope_prefix(scope) + route.key, salted_ids(route.token_ids, scope),
+                            session_key(scope, route.session_id))
+
+    def headers(self, request: Request) -> dict[str, str]:
+        """Headers for a worker: a tenant's key is passed on as it came (the worker needs it)."""
+        h = self.forwarder.headers_for(request.headers)
+        if getattr(request.state, "tenant", None) is not None:
+            h["authorization"] = request.headers["authorization"]
+        return h
+
+    def fleet_stats(self) -> dict[str, Any]:
+        owner = self.forwarder.sessions.owner
+        return {"sessions": len(owner), "sessions_evicted": owner.evicted, "leases": len(self.leases),
+                "leases_evicted": self.leases.evicted, "keyed_off_loop": self.keys.offloaded,
+                **(self.view.stats() if self.view is not None else {})}
+
     async def _worker_tokenizer_path(self) -> str | None:
         for w in self.pool.available():
             try:
@@ -99,13 +130,6 @@ class RouterState:
             except (httpx.HTTPError, ValueError):
                 continue
         return None
-
-
-def _auth_ok(request: Request, expected: bytes) -> bool:
-    """``Authorization: Bearer <key>``; the scheme in any case (RFC 7235), the key compared in
-    constant time."""
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
@@ -125,13 +149,17 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="HiCache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
 
-    if cfg.api_key:
-        expected = cfg.api_key.encode()
+    if state.tenancy.enforced:
 
         @app.middleware("http")
         async def check_key(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/health" and not _auth_ok(request, expected):
-                return error(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+            """``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235): the router's key or a
+            tenant's, compared in constant time (router/tenancy.py)."""
+            if request.url.path != "/health":
+                ok, tenant = state.tenancy.authenticate(request.headers.get("authorization", ""))
+                if not ok:
+                    return error(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+                request.state.tenant = tenant
             return await call_next(request)
 
     async def generation(request: Request) -> Response:
@@ -143,9 +171,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object")
         path = request.url.path
-        route = state.keys.for_body(path, body)
-        headers = state.forwarder.headers_for(request.headers)
-        return await state.forwarder.forward(path, raw, headers, route, body.get("stream") is True)
+        route = await state.route(path, body, request)
+        return await state.forwarder.forward(path, raw, state.headers(request), route, body.get("stream") is True)
 
     for path in GENERATION_PATHS:
         app.add_api_route(path, generation, methods=["POST"])
@@ -181,12 +208,11 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         avail = state.pool.available()
         if not avail:
             return error(503, "no worker is available")
-        w = state.policy.select(RouteRequest("", None, sid), avail)
-        resp = await state.forwarder.call(
-            w, "POST", "/open_session", raw or None, state.forwarder.headers_for(request.headers)
-        )
+        scope = scope_of(getattr(request.state, "tenant", None), {})
+        w = state.policy.select(RouteRequest("", None, session_key(scope, sid)), avail)
+        resp = await state.forwarder.call(w, "POST", "/open_session", raw or None, state.headers(request))
         if resp.status_code == 200:
-            state.forwarder.sessions.owner[json.loads(resp.body)] = w.url
+            state.forwarder.sessions.owner[session_key(scope, json.loads(resp.body))] = w.url
         return resp
 
     @app.post("/close_session")
@@ -196,13 +222,12 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             sid = json.loads(raw).get("session_id")
         except (ValueError, AttributeError):
             return error(400, "the body must be a JSON object with session_id")
-        url = state.forwarder.sessions.owner.pop(sid, None) if isinstance(sid, str) else None
+        scope = scope_of(getattr(request.state, "tenant", None), {})
+        url = state.forwarder.sessions.owner.pop(session_key(scope, sid), None) if isinstance(sid, str) else None
         w = state.pool.workers.get(url) if url else None
         if w is None:
             return error(404, f"unknown session {sid!r}")
-        return await state.forwarder.call(
-            w, "POST", "/close_session", raw, state.forwarder.headers_for(request.headers)
-        )
+        return await state.forwarder.call(w, "POST", "/close_session", raw, state.headers(request))
 
     @app.post("/flush_cache")  # state-changing: POST only (a GET is a 405), like the workers
     async def flush_cache(request: Request) -> Response:
@@ -251,7 +276,10 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             "workers": [w.view() for w in state.pool.workers.values()],
             "sessions": len(state.forwarder.sessions.owner),
             "policy_stats": state.policy.stats(),
+            "fleet": state.fleet_stats(),
         }
+
+    add_kv_routes(app, state)
 
     if cfg.pd_disaggregation:
         from router.pd_app import add_pd_routes

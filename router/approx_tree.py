@@ -120,6 +120,28 @@ class ApproxTree:
             pos += len(child.key)
             node = child
 
+    def retract(self, key: str, tenant: str, keep: int) -> int:
+        """Take back an :meth:`insert` of ``key`` for ``tenant`` that held only ``keep`` characters
+        of it before (its attempt failed): ``tenant`` leaves the nodes of ``key``'s path that
+        start at or past ``keep``, deepest first, while it is on none of their other children (a
+        tenant on a node stays on every node above it). Returns the characters taken back."""
+        path, node, pos, n = [], self.root, 0, len(key)
+        while pos < n:
+            child = node.children.get(key[pos])
+            if child is None or not key.startswith(child.key, pos):
+                break
+            path.append((pos, child))
+            pos += len(child.key)
+            node = child
+        dropped = 0
+        for start, nd in reversed(path):
+            if start < keep or tenant not in nd.tenants or any(tenant in c.tenants for c in nd.children.values()):
+                break
+            dropped += self._drop(nd, tenant)
+        if dropped:
+            self.sizes[tenant] = self.sizes.get(tenant, 0) - dropped
+        return dropped
+
     @staticmethod
     def _split(node: _Node, at: int) -> _Node:
         parent = node.parent

@@ -9,14 +9,20 @@ A request's page keys are :func:`hicache.keys.page_keys` of the ids the worker w
 router tokenizes like the worker), under the namespace the worker announces; since the pages a
 worker holds form a prefix-closed set, the prefix it holds is found by binary search.
 
-Scoring prefers L1 over L2 (``TIER_WEIGHT``): a worker that would have to load the prefix back
-from L2, or fetch it from a shared L3 (which every worker can reach equally, so it does not
-tell workers apart), loses against one that holds it on L1.
+Scoring prefers L1 over L2 (``l2_weight``): a worker that would have to load the prefix back
+from L2 loses against one that holds it on L1. With a shared L3 (Mooncake Store), a page some
+worker holds on L2 has been written there, so every worker can fetch it: ``shared_l3_weight``
+credits each worker with the longest such prefix beyond what it holds itself (a partial hit
+everywhere; 0 turns it off).
+
+Memory is bounded: each worker keeps at most ``max_pages`` page keys; past it the oldest are
+dropped (``dropped`` counts them), which can only make the view underestimate a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +35,7 @@ from hicache.keys import page_keys
 log = logging.getLogger("hicache.router")
 L1, L2 = 1, 2
 TIER_BITS = {"L1": L1, "L2": L2}
-TIER_WEIGHT = {L1: 1.0, L2: 0.6}  # a page on L2 only counts this much
+TIER_WEIGHT = {L1: 1.0, L2: 0.6}  # defaults: a page on L2 only counts this much
 
 
 @dataclass
@@ -39,6 +45,8 @@ class WorkerCache:
     namespace: str = ""
     page_size: int = 0
     pages: dict[str, int] = field(default_factory=dict)
+    max_pages: int = 2_000_000
+    dropped: int = 0
 
     def apply(self, op: str, tier: str | None, keys: list[str]) -> None:
         if op == "clear":
@@ -49,6 +57,11 @@ class WorkerCache:
         if op == "add":
             for k in keys:
                 pages[k] = pages.get(k, 0) | bit
+            over = len(pages) - self.max_pages
+            if over > 0:
+                for k in list(itertools.islice(pages, over)):
+                    del pages[k]
+                self.dropped += over
         elif op == "remove":
             for k in keys:
                 left = pages.get(k, 0) & ~bit
@@ -74,10 +87,15 @@ class WorkerCache:
 
 
 class CacheView:
-    def __init__(self, client: httpx.AsyncClient, headers: dict[str, str], interval_s: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, headers: dict[str, str], interval_s: float,
+                 l2_weight: float = TIER_WEIGHT[L2], shared_l3_weight: float = 0.0,
+                 max_pages: int = 2_000_000) -> None:
         self.client = client
         self.headers = headers
         self.interval_s = interval_s
+        self.l2_weight = l2_weight
+        self.shared_l3_weight = shared_l3_weight
+        self.max_pages = max_pages
         self.caches: dict[str, WorkerCache] = {}
         self.urls: Callable[[], list[str]] = lambda: list(self.caches)
         self._task: asyncio.Task[None] | None = None
@@ -87,10 +105,12 @@ class CacheView:
 
     # -- scoring -----------------------------------------------------------------------------
     def scores(self, token_ids: list[int], urls: Mapping[str, Any]) -> dict[str, float]:
-        """Tokens of ``token_ids`` each worker holds, L2 pages weighted down."""
+        """Tokens of ``token_ids`` each worker holds, L2 pages weighted down, plus the shared-L3
+        credit (``shared_l3_weight``) for the longest prefix any worker holds beyond its own."""
         keys_by_ns: dict[tuple[str, int], list[str]] = {}
-        out: dict[str, float] = {}
-        for url in urls:
+        held: dict[str, tuple[int, int, int]] = {}
+        shared = 0
+        for url in urls if not self.shared_l3_weight else self.caches:
             c = self.caches.get(url)
             if c is None or not c.page_size or not c.pages:
                 continue
@@ -99,8 +119,21 @@ class CacheView:
             if keys is None:
                 keys = keys_by_ns[ns] = page_keys(token_ids, c.page_size, c.namespace)
             anywhere, on_l1 = c.held(keys)
-            out[url] = (on_l1 * TIER_WEIGHT[L1] + (anywhere - on_l1) * TIER_WEIGHT[L2]) * c.page_size
+            held[url] = (anywhere, on_l1, c.page_size)
+            shared = max(shared, anywhere * c.page_size)
+        out: dict[str, float] = {}
+        for url in urls:
+            anywhere, on_l1, ps = held.get(url, (0, 0, 1))
+            score = (on_l1 + (anywhere - on_l1) * self.l2_weight) * ps
+            if self.shared_l3_weight:
+                score += max(0, shared - anywhere * ps) * self.shared_l3_weight
+            if score > 0:
+                out[url] = score
         return out
+
+    def stats(self) -> dict[str, int]:
+        return {"pages": sum(len(c.pages) for c in self.caches.values()),
+                "pages_dropped": sum(c.dropped for c in self.caches.values())}
 
     def best(self, token_ids: list[int], urls: Mapping[str, Any], threshold: float) -> str | None:
         """The worker holding the most of the prompt, if that is at least ``threshold`` of it."""
@@ -125,7 +158,9 @@ class CacheView:
             await asyncio.sleep(self.interval_s)
 
     async def poll(self, url: str) -> None:
-        c = self.caches.setdefault(url, WorkerCache())
+        c = self.caches.get(url)
+        if c is None:
+            c = self.caches[url] = WorkerCache(max_pages=self.max_pages)
         for _ in range(64):  # bounded catch-up per round
             try:
                 r = await self.client.get(

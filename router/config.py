@@ -56,7 +56,19 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     api_key: str | None = None  # enforced at the router; also sent to workers (unless worker_api_key)
     worker_api_key: str | None = None
+    # the workers' tenants (serving's --api-keys-file): tenant keys are accepted and passed on, and
+    # routing keys on each request's tenant + cache_salt scope (router/tenancy.py)
+    api_keys_file: str | None = None
     log_level: str = "info"
+    # fleet scale (bounded memory; each cap counts what it dropped in /list_workers)
+    max_sessions: int = 100_000  # session affinity entries (LRU)
+    max_leases: int = 100_000  # pin lease -> worker entries (LRU)
+    max_worker_pages: int = 2_000_000  # cache_view events: page keys kept per worker (LRU)
+    tokenizer_workers: int = 2  # processes for chat templating + tokenization (0: on the event loop)
+    l2_weight: float = 0.6  # cache_view events: a page on a worker's L2 counts this much of an L1 page
+    # a page some worker holds on L2 is written to the shared L3 (Mooncake Store): every worker gets this
+    # much credit for it (0: no shared L3, or do not count it)
+    shared_l3_weight: float = 0.0
     # prefill-decode disaggregation (router/pd.py): prefill workers as (url, bootstrap port or None:
     # ask the worker), decode workers as urls; `policy` picks the prefill, the least loaded decodes
     pd_disaggregation: bool = False
@@ -78,7 +90,10 @@ class RouterConfig:
             raise ValueError("cache_threshold must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        for name in ("max_tree_size", "max_concurrent_requests", "circuit_failure_threshold"):
+        if self.tokenizer_workers < 0 or not 0 <= self.shared_l3_weight <= self.l2_weight <= 1:
+            raise ValueError("tokenizer_workers must be >= 0 and 0 <= shared_l3_weight <= l2_weight <= 1")
+        for name in ("max_tree_size", "max_concurrent_requests", "circuit_failure_threshold", "max_sessions",
+                     "max_leases", "max_worker_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_retries < 0 or self.max_queued_requests < 0:

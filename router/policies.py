@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from router.approx_tree import ApproxTree
@@ -25,6 +25,9 @@ class RouteRequest:
     key: str  # routing key: token ids as characters, or the request's text (router/approx_tree.py)
     token_ids: list[int] | None = None  # exact ids when the router tokenized like the worker
     session_id: str | None = None
+    # worker url -> characters of ``key`` the routing tree credited it with before this request
+    # was sent there (so a failed attempt can be taken back: Policy.on_failed)
+    held_before: dict[str, int] = field(default_factory=dict)
 
 
 class Policy:
@@ -39,6 +42,9 @@ class Policy:
 
     def on_sent(self, req: RouteRequest, worker: Worker) -> None:
         """The request was sent to ``worker`` (remember it)."""
+
+    def on_failed(self, req: RouteRequest, worker: Worker) -> None:
+        """The attempt on ``worker`` failed: it holds nothing new (forget what ``on_sent`` noted)."""
 
     def forget(self, url: str) -> None:
         """The worker was removed or lost its cache."""
@@ -109,6 +115,7 @@ class CacheAware(Policy):
         super().__init__(cfg, view)
         self.tree = ApproxTree()
         self.decisions: dict[str, int] = {"balance": 0, "exact": 0, "prefix": 0, "smallest": 0}
+        self.retracted = 0  # characters taken back from the tree after failed attempts
 
     def select(self, req: RouteRequest, workers: Sequence[Worker]) -> Worker:
         if len(workers) == 1:
@@ -136,7 +143,13 @@ class CacheAware(Policy):
 
     def on_sent(self, req: RouteRequest, worker: Worker) -> None:
         if req.key:
+            req.held_before[worker.url] = self.tree.match(req.key, (worker.url,))[0]
             self.tree.insert(req.key, worker.url)
+
+    def on_failed(self, req: RouteRequest, worker: Worker) -> None:
+        keep = req.held_before.pop(worker.url, None)
+        if req.key and keep is not None:
+            self.retracted += self.tree.retract(req.key, worker.url, keep)
 
     def forget(self, url: str) -> None:
         self.tree.remove_tenant(url)
@@ -146,4 +159,4 @@ class CacheAware(Policy):
             self.tree.evict(tenant, self.cfg.max_tree_size)
 
     def stats(self) -> dict[str, object]:
-        return {"decisions": dict(self.decisions), "tree_sizes": dict(self.tree.sizes)}
+        return {"decisions": dict(self.decisions), "tree_sizes": dict(self.tree.sizes), "retracted": self.retracted}

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.config import RouterConfig
 from router.policies import Policy, RouteRequest
+from router.tenancy import BoundedMap
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger("hicache.router")
@@ -64,10 +65,11 @@ class Admission:
 
 
 class Sessions:
-    """session_id -> worker url (affinity while that worker is available)."""
+    """session_id (scoped by tenant, router/tenancy.py) -> worker url (affinity while that worker
+    is available); the ``cap`` most recently used are kept (``owner.evicted`` counts the rest)."""
 
-    def __init__(self) -> None:
-        self.owner: dict[str, str] = {}
+    def __init__(self, cap: int = 100_000) -> None:
+        self.owner: BoundedMap = BoundedMap(cap)
 
     def forget_worker(self, url: str) -> None:
         for sid in [s for s, u in self.owner.items() if u == url]:
@@ -88,7 +90,7 @@ class Forwarder:
         self.policy = policy
         self.client = client
         self.worker_headers = worker_headers  # {"authorization": ...} when the router has a worker key
-        self.sessions = Sessions()
+        self.sessions = Sessions(cfg.max_sessions)
         self.admission = Admission(cfg)
 
     # -- choosing ------------------------------------------------------------------------------
@@ -155,18 +157,20 @@ class Forwarder:
             if moved and route.session_id is not None:
                 await self._reopen_session(w, route.session_id, headers)
             self.pool.begin(w)
-            self.policy.on_sent(route, w)
+            self.policy.on_sent(route, w)  # at once, so concurrent requests of this prefix follow it
             try:
                 up = await self.client.send(
                     self.client.build_request("POST", w.url + path, content=body, headers=headers), stream=True
                 )
             except httpx.HTTPError as e:
                 log.warning("attempt %d on %s failed: %r", attempt + 1, w.url, e)
+                self.policy.on_failed(route, w)  # no KV was left there: the routing tree forgets it
                 self.pool.end(w, ok=False)
                 last = error(502, f"worker {w.url} failed: {type(e).__name__}")
                 continue
             if up.status_code in RETRY_STATUS:
                 content = await self._read(up)
+                self.policy.on_failed(route, w)
                 self.pool.end(w, ok=up.status_code == 429)
                 last = self._response(up, content or b"", w)
                 log.info("attempt %d on %s answered %d", attempt + 1, w.url, up.status_code)
@@ -180,10 +184,13 @@ class Forwarder:
                 )
             content = await self._read(up)
             if content is None:  # died while answering
+                self.policy.on_failed(route, w)
                 self.pool.end(w, ok=False)
                 last = error(502, f"worker {w.url} failed while answering")
                 continue
             self.pool.end(w, ok=True)
+            if up.status_code != 200:  # refused (bad input): it computed nothing
+                self.policy.on_failed(route, w)
             return self._response(up, content, w)
         return last
 
