@@ -8,6 +8,9 @@
 2. Proxy overhead: sequential one-token /generate requests to one real tiny worker, direct and
    through a router (in process, on its own thread); the difference of the medians is what
    the router adds per request. ``--no-servers`` skips it.
+3. Fleet scale (bench/router_fleet.py): 64 workers x 1M announced pages, 10k sessions, the
+   router's memory under its caps and the decision p99 (goal: <= 1 ms); cached share with and
+   without shared-L3 credit. ``--no-fleet`` skips it.
 
 ``python -m bench.router [--json PATH] [--workers 16] [--tree-tokens 1000000]``
 """
@@ -25,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import parser, print_table, write_json  # noqa: E402
+from bench.router_fleet import add_args, fleet_bench, share_bench  # noqa: E402
 from hicache.keys import page_keys  # noqa: E402
 from router.approx_tree import token_key  # noqa: E402
 from router.cache_view import L1, CacheView, WorkerCache  # noqa: E402
@@ -151,6 +155,7 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=3000)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--no-servers", action="store_true")
+    add_args(p)
     args = p.parse_args()
     out: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
     rows = decision_bench(args)
@@ -163,6 +168,16 @@ def main() -> None:
             ["path (1-token /generate, tiny model)", "p50 ms", "p99 ms", "mean ms"], [list(r.values()) for r in prow]
         )
         out["proxy"] = prow
+    if not args.no_fleet:
+        fleet = fleet_bench(args)
+        print()
+        print_table(["fleet scale", "value"], [[k, v] for k, v in fleet.items()])
+        out["fleet"] = fleet
+        share = share_bench(args)
+        print()
+        print_table(["routing", "local share", "shared L3 share", "cached share", "busiest / mean", "decisions"],
+                    [list(r.values()) for r in share])
+        out["cached_share"] = share
     write_json(args.json, out)
 
 

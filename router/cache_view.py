@@ -11,9 +11,10 @@ worker holds form a prefix-closed set, the prefix it holds is found by binary se
 
 Scoring prefers L1 over L2 (``l2_weight``): a worker that would have to load the prefix back
 from L2 loses against one that holds it on L1. With a shared L3 (Mooncake Store), a page some
-worker holds on L2 has been written there, so every worker can fetch it: ``shared_l3_weight``
-credits each worker with the longest such prefix beyond what it holds itself (a partial hit
-everywhere; 0 turns it off).
+worker announced on L2 has been written there, so every worker can fetch it: the view remembers
+those page keys (an LRU set of ``max_l3_pages``, since the store keeps pages after the workers
+evict them) and ``shared_l3_weight`` credits each worker with the prefix found there beyond what
+it holds itself (a partial hit everywhere; 0 turns it off).
 
 Memory is bounded: each worker keeps at most ``max_pages`` page keys; past it the oldest are
 dropped (``dropped`` counts them), which can only make the view underestimate a worker.
@@ -31,6 +32,7 @@ from typing import Any
 import httpx
 
 from hicache.keys import page_keys
+from router.tenancy import BoundedMap
 
 log = logging.getLogger("hicache.router")
 L1, L2 = 1, 2
@@ -47,6 +49,7 @@ class WorkerCache:
     pages: dict[str, int] = field(default_factory=dict)
     max_pages: int = 2_000_000
     dropped: int = 0
+    l3: dict[str, int] | None = None  # the view's shared-L3 set: L2 pages are added to it
 
     def apply(self, op: str, tier: str | None, keys: list[str]) -> None:
         if op == "clear":
@@ -57,6 +60,9 @@ class WorkerCache:
         if op == "add":
             for k in keys:
                 pages[k] = pages.get(k, 0) | bit
+            if bit == L2 and self.l3 is not None:
+                for k in keys:
+                    self.l3[k] = 1
             over = len(pages) - self.max_pages
             if over > 0:
                 for k in list(itertools.islice(pages, over)):
@@ -71,31 +77,39 @@ class WorkerCache:
                     pages.pop(k, None)
 
     def held(self, keys: list[str]) -> tuple[int, int]:
-        """``(pages of the prefix held anywhere, of those on L1)`` (both prefix-closed)."""
+        """``(pages of the prefix held anywhere, of those on L1)`` (both prefix-closed; a set that
+        dropped pages past ``max_pages`` may not be: the answer is then an estimate)."""
         pages = self.pages
-        lo, hi = 0, len(keys)  # keys[:lo] are held
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in pages:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = prefix_in(keys, pages)
         on_l1 = 0
-        while on_l1 < lo and pages[keys[on_l1]] & L1:
+        while on_l1 < lo and pages.get(keys[on_l1], 0) & L1:  # a capped set may have lost a page
             on_l1 += 1
         return lo, on_l1
+
+
+def prefix_in(keys: list[str], pages: Mapping[str, int]) -> int:
+    """How many leading ``keys`` are in ``pages`` (binary search: the set is prefix-closed)."""
+    lo, hi = 0, len(keys)  # keys[:lo] are held
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in pages:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class CacheView:
     def __init__(self, client: httpx.AsyncClient, headers: dict[str, str], interval_s: float,
                  l2_weight: float = TIER_WEIGHT[L2], shared_l3_weight: float = 0.0,
-                 max_pages: int = 2_000_000) -> None:
+                 max_pages: int = 2_000_000, max_l3_pages: int = 4_000_000) -> None:
         self.client = client
         self.headers = headers
         self.interval_s = interval_s
         self.l2_weight = l2_weight
         self.shared_l3_weight = shared_l3_weight
         self.max_pages = max_pages
+        self.l3: BoundedMap = BoundedMap(max_l3_pages)  # page keys written to the shared L3 (if any)
         self.caches: dict[str, WorkerCache] = {}
         self.urls: Callable[[], list[str]] = lambda: list(self.caches)
         self._task: asyncio.Task[None] | None = None
@@ -110,17 +124,18 @@ class CacheView:
         keys_by_ns: dict[tuple[str, int], list[str]] = {}
         held: dict[str, tuple[int, int, int]] = {}
         shared = 0
-        for url in urls if not self.shared_l3_weight else self.caches:
+        for url in urls:
             c = self.caches.get(url)
-            if c is None or not c.page_size or not c.pages:
+            if c is None or not c.page_size:
                 continue
             ns = (c.namespace, c.page_size)
             keys = keys_by_ns.get(ns)
             if keys is None:
                 keys = keys_by_ns[ns] = page_keys(token_ids, c.page_size, c.namespace)
-            anywhere, on_l1 = c.held(keys)
+                if self.shared_l3_weight and self.l3:
+                    shared = max(shared, prefix_in(keys, self.l3) * c.page_size)
+            anywhere, on_l1 = c.held(keys) if c.pages else (0, 0)
             held[url] = (anywhere, on_l1, c.page_size)
-            shared = max(shared, anywhere * c.page_size)
         out: dict[str, float] = {}
         for url in urls:
             anywhere, on_l1, ps = held.get(url, (0, 0, 1))
@@ -133,7 +148,8 @@ class CacheView:
 
     def stats(self) -> dict[str, int]:
         return {"pages": sum(len(c.pages) for c in self.caches.values()),
-                "pages_dropped": sum(c.dropped for c in self.caches.values())}
+                "pages_dropped": sum(c.dropped for c in self.caches.values()),
+                "l3_pages": len(self.l3), "l3_pages_dropped": self.l3.evicted}
 
     def best(self, token_ids: list[int], urls: Mapping[str, Any], threshold: float) -> str | None:
         """The worker holding the most of the prompt, if that is at least ``threshold`` of it."""
@@ -160,7 +176,7 @@ class CacheView:
     async def poll(self, url: str) -> None:
         c = self.caches.get(url)
         if c is None:
-            c = self.caches[url] = WorkerCache(max_pages=self.max_pages)
+            c = self.caches[url] = WorkerCache(max_pages=self.max_pages, l3=self.l3 if self.shared_l3_weight else None)
         for _ in range(64):  # bounded catch-up per round
             try:
                 r = await self.client.get(

@@ -74,12 +74,15 @@ def test_exact_view_caps_pages_and_credits_shared_l3():
     view.caches["a"] = WorkerCache(epoch="e", namespace=ns, page_size=ps, max_pages=6)
     view.caches["a"].apply("add", "L2", keys[:8])
     assert len(view.caches["a"].pages) == 6 and view.caches["a"].dropped == 2
-    view.caches["a"] = WorkerCache(epoch="e", namespace=ns, page_size=ps)
+    view.caches["a"] = WorkerCache(epoch="e", namespace=ns, page_size=ps, l3=view.l3)
+    view.caches["b"] = WorkerCache(epoch="e", namespace=ns, page_size=ps, l3=view.l3)
     view.caches["a"].apply("add", "L1", keys[:2])
     view.caches["a"].apply("add", "L2", keys[:6])
     urls = {"a": None, "b": None}
     s = view.scores(ids, urls)
     assert s["a"] == (2 + 4 * 0.5) * ps and s["b"] == 6 * ps * 0.25
+    view.caches["a"].apply("remove", "L2", keys[:6])  # a evicts it from L2: the shared L3 keeps it
+    assert view.scores(ids, urls)["b"] == 6 * ps * 0.25 and len(view.l3) == 6
     view.shared_l3_weight = 0.0
     assert "b" not in view.scores(ids, urls)
 
