@@ -108,16 +108,29 @@ class LogprobState:
         for pair, top, ids in _entries(logits, targets, self.top, self.token_ids):
             self._add_input(pair, top, ids)
 
-    def record_output(self, logits: torch.Tensor, token: int) -> None:
-        [(pair, top, ids)] = _entries(logits[None], [token], self.top, self.token_ids)
+    def _add_output(self, pair: Pair, top: list[Pair] | None, ids: list[Pair] | None) -> None:
         self.output.append(pair)
         if self.top:
             self.output_top.append(top)
         if self.token_ids:
             self.output_ids.append(ids)
 
-    def take_new(self) -> dict[str, Any] | None:
+    def record_output(self, logits: torch.Tensor, token: int, output_ids: list[int]) -> None:
+        """``token`` sampled from ``logits``, to follow ``output_ids`` (the outputs so far)."""
+        self.pad_forced(output_ids)
+        [(pair, top, ids)] = _entries(logits[None], [token], self.top, self.token_ids)
+        self._add_output(pair, top, ids)
+
+    def pad_forced(self, output_ids: list[int]) -> None:
+        """Tokens a grammar forced (jump-forward) were not sampled: under the grammar's mask they
+        had probability 1, so logprob 0 (and every other token -inf)."""
+        for tok in output_ids[len(self.output):]:
+            self._add_output([0.0, tok], [[0.0, tok]] if self.top else None,
+                             [[0.0 if t == tok else NEG_INF, t] for t in self.token_ids] if self.token_ids else None)
+
+    def take_new(self, output_ids: list[int]) -> dict[str, Any] | None:
         """What was computed since the last call (TokenOut.logprobs); None when nothing."""
+        self.pad_forced(output_ids)
         new: dict[str, Any] = {}
         if len(self.input) > self.sent_input and self.prompt_done:  # the prompt's, all at once
             new["input"] = self.input[self.sent_input:]
@@ -181,4 +194,4 @@ def record_outputs(reqs: list[Any], logits: torch.Tensor, tokens: list[int]) -> 
     """Each sampled token's logprob, from the logits it was chosen from (penalized, masked)."""
     for i, r in enumerate(reqs):
         if r.logprob is not None:
-            r.logprob.record_output(logits[i], tokens[i])
+            r.logprob.record_output(logits[i], tokens[i], r.output_ids)

@@ -116,3 +116,24 @@ def test_openai_fields_at_defaults(client: OpenAI) -> None:
     with pytest.raises(Exception) as e:
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, store=True)
     assert "store" in str(e.value) and "400" in str(e.value)
+
+
+def test_generate_n_and_logprobs_with_a_grammar(server) -> None:
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 3},
+            "return_logprob": True}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert len(outs) == 3 and len({tuple(o["output_ids"]) for o in outs}) == 1  # greedy: 3 equal choices
+    assert all(len(o["meta_info"]["output_token_logprobs"]) == 4 for o in outs)
+    # a grammar forces most tokens (jump-forward): they get logprob 0, one entry per output id
+    body = {"text": "Answer:", "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                   "regex": "The answer is (yes|no)\\."},
+            "return_logprob": True, "top_logprobs_num": 2}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert out["text"].startswith(("The answer is yes.", "The answer is no."))  # (+ the tiny model's eos text)
+    assert [t for _, t, _ in lps] == out["output_ids"] and len(out["meta_info"]["output_top_logprobs"]) == len(lps)
+    assert any(lp == 0.0 for lp, _, _ in lps) and all(lp <= 0 for lp, _, _ in lps)

@@ -184,7 +184,7 @@ class EngineLoop:
                     cached_by_tier=dict(r.cached_by_tier),
                     l3_decision=r.l3_decision,
                     finish_reason=r.finish_reason,
-                    logprobs=r.logprob.take_new() if r.logprob is not None else None,
+                    logprobs=r.logprob.take_new(r.output_ids) if r.logprob is not None else None,
                 )
             )
             live.sent = n
