@@ -124,6 +124,7 @@ class CudaGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return (
             batch.is_decode
+            and batch.logit_rows is None  # prompt logprobs need more rows than a graph returns
             and 0 < batch.batch_size <= self.max_bs
             and batch.page_size == self.page_size
             and batch.page_table.shape[1] <= self.max_pages
