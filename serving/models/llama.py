@@ -2,11 +2,15 @@
 
 Parameter names follow HF (``model.layers.N.self_attn...``) except that q/k/v and gate/up
 are fused into ``qkv_proj`` and ``gate_up_proj``; ``load_weights`` maps HF names onto them.
+Under tensor parallelism (``tp``, serving.parallel) every rank holds its shard: QKV and
+gate/up column-split, o_proj and down_proj row-split (one all-reduce per block half),
+embedding and LM head vocab-split (serving.parallel.shard says which rows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +22,9 @@ from serving.kernels.attention import AttentionBackend
 from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope
+from serving.parallel.group import TPGroup
+from serving.parallel.layers import RowParallelLinear, VocabParallelEmbedding, parallel_logits
+from serving.parallel.shard import ShardPlan, narrow
 
 _FUSED = None  # serving.kernels.triton_fused, imported on first CUDA use (CPU never imports Triton here)
 
@@ -54,15 +61,15 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention with fused qkv projection; KV goes through the paged pool."""
 
-    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = plan.num_heads  # this rank's heads
+        self.num_kv_heads = plan.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size, self.kv_size = plan.q_size, plan.kv_size
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, o_bias, tp)
 
     def forward(
         self,
@@ -93,11 +100,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = plan.intermediate  # this rank's columns
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -111,21 +118,22 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qkv_bias, o_bias)
+        self.self_attn = Attention(cfg, qkv_bias, o_bias, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, plan, tp)
 
 
 class Backbone(nn.Module):
     """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(plan, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, qkv_bias, o_bias, plan, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -143,12 +151,14 @@ _STACKED = {
 class LlamaForCausalLM(nn.Module):
     """Causal LM returning float32 logits of each sequence's last new token."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg, *self.attention_biases(cfg))
+        self.tp = tp or TPGroup()
+        self.plan = ShardPlan.for_model(cfg, self.tp.rank, self.tp.size)
+        self.model = Backbone(cfg, *self.attention_biases(cfg), self.plan, self.tp)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.plan.vocab_per_rank, bias=False)
         )
         self.rotary = RotaryEmbedding(cfg)
 
@@ -183,10 +193,11 @@ class LlamaForCausalLM(nn.Module):
         if batch.logit_rows is not None:  # prompt logprobs: these rows' logits too, after the B last ones
             last = torch.cat([last, batch.logit_rows])
         h = self.model.norm(h[last])  # [B, hidden]
-        return F.linear(h, self.lm_head_weight).float()
+        return parallel_logits(h, self.lm_head_weight, self.plan, self.tp)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; return the parameter names set.
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy HF-named tensors (or lazy safetensors slices) into the (fused) parameters,
+        this rank's shard only; return the parameter names set.
 
         Unknown names (rotary ``inv_freq``, a tied ``lm_head.weight``) are skipped.
         """
@@ -201,19 +212,25 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 continue
+            parts = name.split(".")
+            hf_piece = parts[-2] if len(parts) >= 2 else ""
+            src = narrow(tensor, self.plan.source_range(hf_piece, parts[-1]))
             with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
+                if shard is not None:
+                    param.narrow(0, *self._shard_range(target, shard)).copy_(src)
+                elif src.shape[0] < param.shape[0] and hf_piece in ("embed_tokens", "lm_head"):
+                    param[src.shape[0]:].zero_()  # vocab padding of the last rank
+                    param[: src.shape[0]].copy_(src)
                 else:
-                    param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+                    param.copy_(src)
             loaded.add(target)
         return loaded
 
     def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        """(start, length) of a shard's output rows in a fused weight or bias."""
-        cfg = self.config
+        """(start, length) of a shard's output rows in a fused weight or bias (this rank's sizes)."""
+        plan = self.plan
         if ".qkv_proj." in fused_name:
-            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+            sizes = [plan.q_size, plan.kv_size, plan.kv_size]
         else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+            sizes = [plan.intermediate, plan.intermediate]
         return sum(sizes[:shard]), sizes[shard]

@@ -13,19 +13,21 @@ from torch import nn
 import serving.models  # noqa: F401 - registers the model classes
 from serving.models.config import ModelArchConfig
 from serving.models.registry import get_model_class
+from serving.parallel.group import TPGroup
 
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
 
-def _iter_safetensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(model_path: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) pairs: the model reads only its tensor-parallel shard of each."""
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path}")
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, st.get_tensor(name)
+                yield name, st.get_slice(name)
 
 
 def _load_real(model: nn.Module, model_path: Path) -> None:
@@ -60,13 +62,15 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     overrides: Mapping[str, Any] | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[nn.Module, ModelArchConfig]:
     """Load ``model_path`` (an HF folder with config.json) into an eval-mode model.
 
     ``overrides`` replace config.json keys (e.g. ``{"num_hidden_layers": 2}``) before parsing.
     ``load_format="dummy"`` needs only config.json: parameters are allocated directly on
     ``device`` (built on the meta device first, so nothing big is made on the CPU) and
-    filled with seeded random values. Returns ``(model, config)``.
+    filled with seeded random values. ``tp``: build and load only this tensor-parallel
+    rank's shard (serving.parallel). Returns ``(model, config)``.
     """
     fill = LOAD_FORMATS.get(load_format)
     if fill is None:
@@ -75,7 +79,7 @@ def load_model(
     cfg = ModelArchConfig.from_pretrained(path, overrides)
     cls = get_model_class(cfg.architectures)
     with torch.device("meta"):
-        model = cls(cfg).to(dtype)
+        model = cls(cfg, tp).to(dtype) if tp is not None else cls(cfg).to(dtype)
     model = model.to_empty(device=torch.device(device))
     fill(model, path)
     model.eval().requires_grad_(False)

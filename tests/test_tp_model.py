@@ -1,0 +1,53 @@
+"""Tensor-parallel model math on CPU (gloo): TP=N greedy tokens equal TP=1's, fp32."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.models.config import ModelArchConfig
+from serving.parallel.shard import ShardPlan, TPShapeError
+from tests.model_utils import smollm2_path, tiny_model
+from tests.tp_utils import greedy, greedy_tp
+
+PROMPTS = [list(range(3, 40)), [7, 8, 9], [100, 5, 6, 200, 9, 1, 2, 3, 4, 11, 12], [42] * 13]
+
+
+@pytest.mark.parametrize(("arch", "kv_heads", "size"), [
+    ("llama", 2, 2),  # GQA, kv heads split
+    ("qwen2", 2, 2),  # GQA + q/k/v bias
+    ("llama", 1, 2),  # fewer kv heads than ranks: replicated
+    ("qwen2", 2, 4),  # replicated, two ranks per kv head
+])
+def test_tiny_tp_matches_single_rank(tmp_path, arch, kv_heads, size) -> None:
+    path = tiny_model(tmp_path / "m", arch=arch, num_key_value_heads=kv_heads, vocab_size=501)  # 501: padded vocab
+    ref = greedy(str(path), PROMPTS, 12)
+    outs = greedy_tp(path, PROMPTS, 12, size, tmp_path)
+    for rank, out in enumerate(outs):
+        assert out == ref, f"rank {rank}"
+    assert len({tuple(o) for o in ref}) > 1  # the prompts give different continuations
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_single_rank(tmp_path) -> None:
+    """SmolLM2-135M has 9 heads and 3 kv heads: TP=3 (TP=2 does not divide it)."""
+    path = smollm2_path()
+    ref = greedy(str(path), PROMPTS[:2], 8)
+    outs = greedy_tp(path, PROMPTS[:2], 8, 3, tmp_path)
+    assert outs[0] == ref
+
+
+def test_shape_checks_name_the_problem() -> None:
+    cfg = ModelArchConfig.from_pretrained(smollm2_path())
+    with pytest.raises(TPShapeError, match="does not divide the model's 9 attention heads"):
+        ShardPlan.for_model(cfg, 0, 2)
+    plan = ShardPlan.for_model(cfg, 2, 3)
+    assert (plan.num_heads, plan.num_kv_heads, plan.kv_head_start, plan.intermediate) == (3, 1, 2, 512)
+
+
+def test_replicated_kv_head_is_the_one_its_q_heads_use() -> None:
+    """8 q heads, 2 kv heads, 4 ranks: rank r's q heads are 2r, 2r+1; they use kv head (2r) // 4."""
+    cfg = ModelArchConfig.from_dict({"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64,
+                                     "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 10})
+    for r in range(4):
+        plan = ShardPlan.for_model(cfg, r, 4)
+        assert plan.num_kv_heads == 1 and plan.kv_head_start == (2 * r) // 4
