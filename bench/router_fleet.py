@@ -16,6 +16,7 @@ ignores the shared L3 (``shared_l3_weight: 0``) and routing that credits it.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from typing import Any
@@ -75,6 +76,7 @@ def fleet_bench(args: Any) -> dict[str, Any]:
     for s in range(args.fleet_sessions):
         sessions[session_key(scopes[s % len(scopes)], f"session-{s}")] = workers[s % n].url
     build_s, rss = time.perf_counter() - t0, _rss_mb()
+    gc.freeze()  # as the router's upkeep does (router/app.py): long-lived structures leave the GC's scans
     by_url = {w.url: w for w in workers}
     times = []
     for q in range(args.queries):

@@ -15,6 +15,7 @@ With ``pd_disaggregation``, router/pd.py forwards and router/pd_app.py has the a
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -98,6 +99,9 @@ class RouterState:
         while True:
             await asyncio.sleep(self.cfg.eviction_interval_s)
             self.policy.maintain()
+            # what survived is long-lived (trees, page sets, sessions): keep it out of the cyclic GC's
+            # full scans, which would otherwise stall a routing decision for milliseconds at fleet scale
+            gc.freeze()
 
     async def route(self, path: str, body: dict[str, Any], request: Request) -> RouteRequest:
         """The request's routing key, ids and session, in its tenant + cache_salt scope."""

@@ -89,7 +89,9 @@ class WorkerCache:
 
 def prefix_in(keys: list[str], pages: Mapping[str, int]) -> int:
     """How many leading ``keys`` are in ``pages`` (binary search: the set is prefix-closed)."""
-    lo, hi = 0, len(keys)  # keys[:lo] are held
+    if not keys or keys[0] not in pages:  # most workers do not hold a given prompt at all
+        return 0
+    lo, hi = 1, len(keys)  # keys[:lo] are held
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if keys[mid - 1] in pages:
