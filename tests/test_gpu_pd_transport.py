@@ -28,12 +28,8 @@ def _receiver(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
     conn.recv()
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["p2p-kernel", "gather-copy-scatter"])
-def test_cuda_ipc_scattered_write_is_exact(kernel, monkeypatch) -> None:
-    from serving.disagg import transport_cuda_ipc
+def test_cuda_ipc_scattered_write_is_exact() -> None:
     from serving.disagg.transport import TransferError, TransportConfig, make_transport
-
-    monkeypatch.setattr(transport_cuda_ipc, "P2P_KERNEL", kernel)
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -49,7 +45,6 @@ def test_cuda_ipc_scattered_write_is_exact(kernel, monkeypatch) -> None:
         perm = torch.randperm(n).tolist()
         t.write(peer, [src.data_ptr() + i * CHUNK for i in range(n)], [dbase + perm[i] * CHUNK for i in range(n)],
                 [CHUNK] * n)
-        assert t._kernel_ok is kernel  # the peer-to-peer kernel ran (or was switched off)
         a.send("written")
         got = torch.frombuffer(bytearray(a.recv()), dtype=torch.uint8).view(n, CHUNK)
         want = torch.empty_like(got)

@@ -4,11 +4,8 @@ For PD between GPUs of one machine where neither Mooncake's nor NIXL's GPU build
 available. The receiver exports the storage of its registered KV tensor with PyTorch's CUDA
 IPC (``_share_cuda_``: an IPC handle of the allocation, the storage's offset in it, the
 producer's ref counter); the sender maps it once per peer (``_new_shared_cuda``) and writes
-every (coalesced) chunk with one kernel on its own GPU that stores straight into the mapped
-peer memory (``serving.kernels.row_copy_triton``: peer-to-peer over NVLink / PCIe, nothing
-runs on the peer GPU), then synchronises its stream, so the bytes are in the peer's memory
-when :meth:`write` returns. Where that kernel cannot run (no Triton, no peer access) it falls
-back to gather, one peer copy, scatter. Like Mooncake and NIXL it is
+each (coalesced) chunk with a peer copy on its own stream, then synchronises that stream, so
+the bytes are in the peer's memory when :meth:`write` returns. Like Mooncake and NIXL it is
 one-sided: the decode server's scheduler takes no part in the copy.
 
 Concurrency: ``write`` is thread-safe (a lock per peer mapping; a stream per thread). Both
@@ -19,7 +16,6 @@ processes must see both GPUs (no ``CUDA_VISIBLE_DEVICES`` split; pick the GPU wi
 from __future__ import annotations
 
 import base64
-import logging
 import os
 import threading
 from typing import Any
@@ -28,9 +24,6 @@ import numpy as np
 import torch
 
 from serving.disagg.transport import KVTransport, TransferError, TransportConfig
-
-log = logging.getLogger("hicache.pd")
-P2P_KERNEL = True  # module switch (tests force the fallback path)
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -69,7 +62,6 @@ class CudaIpcTransport(KVTransport):
         self._peers: dict[str, tuple[int, torch.Tensor]] = {}  # handle -> (peer's data_ptr, our view of it)
         self._lock = threading.Lock()
         self._tls = threading.local()
-        self._kernel_ok = P2P_KERNEL
 
     def register_tensor(self, t: torch.Tensor) -> None:
         if t.device.type != "cuda":
@@ -116,19 +108,7 @@ class CudaIpcTransport(KVTransport):
                     raise TransferError(f"cuda_ipc: cannot map the memory of {self.describe(peer)} ({e}): is the "
                                         "process gone, or its GPU not visible here?") from None
                 self._peers[key] = (remote, _bytes_view(storage))
-                self._enable_peer_access(storage.device)
             return self._peers[key]
-
-    def _enable_peer_access(self, peer_dev: torch.device) -> None:
-        """A kernel on our GPU may store into the peer GPU's memory only with peer access on;
-        PyTorch turns it on (both ways) for the first copy between the two devices."""
-        if peer_dev.index == self.device:
-            return
-        a = torch.zeros(1, device=f"cuda:{self.device}")
-        b = torch.zeros(1, device=peer_dev)
-        b.copy_(a)
-        a.copy_(b)
-        torch.cuda.synchronize(peer_dev)
 
     def _write(self, peer: dict[str, Any], src: list[int], dst: list[int], lengths: list[int]) -> None:
         """Three kernels whatever the chunk count: gather the source chunks (rows of ``unit``
@@ -153,13 +133,6 @@ class CudaIpcTransport(KVTransport):
         stream = getattr(self._tls, "stream", None)
         if stream is None:
             stream = self._tls.stream = torch.cuda.Stream(self.device)
-        if self._kernel_ok and unit % 8 == 0:
-            try:
-                self._write_kernel(stream, sview, dview, unit, src_rows, dst_rows)
-                return
-            except Exception as e:  # noqa: BLE001 - no Triton / no peer access here: the copy path still works
-                self._kernel_ok = False
-                log.warning("cuda_ipc: the peer-to-peer kernel failed (%s); using gather + copy + scatter", e)
         # No wait on the compute stream: the caller hands over KV that is complete (a prefill server
         # parks a request only after reading its sampled token, computed after its KV). Waiting here
         # would put every transfer behind the forward pass in flight.
@@ -176,20 +149,6 @@ class CudaIpcTransport(KVTransport):
             torch.cuda.synchronize(dv.device)  # the scatter ran on the peer GPU's stream
         except Exception as e:
             raise TransferError(f"cuda_ipc: write to {self.describe(peer)} failed: {e}") from e
-
-    def _write_kernel(self, stream: torch.cuda.Stream, sview: torch.Tensor, dview: torch.Tensor, unit: int,
-                      src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        """One launch on our GPU storing straight into the peer's memory (rows of ``unit`` bytes
-        as int64 words). Same stream discipline as the fallback: no wait on the compute stream."""
-        from serving.kernels.row_copy_triton import copy_rows
-
-        words = unit // 8
-        sv = sview[: sview.numel() // unit * unit].view(torch.int64).view(-1, words)
-        dv = dview[: dview.numel() // unit * unit].view(torch.int64).view(-1, words)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            rows = torch.stack((src_rows, dst_rows)).to(f"cuda:{self.device}", non_blocking=False)
-            copy_rows(sv, dv, rows[0], rows[1])
-        stream.synchronize()
 
     def _close(self) -> None:
         with self._lock:
