@@ -90,10 +90,12 @@ class WriteBack:
                                self.max_queued_pages, len(pages))
             return
         tokens = self.tree.path_tokens(node)
-        ledger = self.tree.ledger
-        if ledger is not None and not ledger.may_store(tokens, len(pages)):
-            self.pages_over_quota += len(pages)
-            return
+        room = None if self.tree.ledger is None else self.tree.ledger.storage_room(tokens)
+        if room is not None and room < len(pages):  # its tenant's L3 quota (soft: writes in flight not counted)
+            self.pages_over_quota += len(pages) - room
+            pages = pages[:room]
+            if not pages:
+                return
         first = len(tokens) // self.page_size - npages + done
         self.tree.pin_host(pages)
         self._queued_pages += len(pages)

@@ -126,3 +126,25 @@ def test_bad_salt_is_invalid(tiny):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_l3_quota_caps_a_tenants_writes(tiny, tmp_path):
+    """A tenant at its L3 quota gets no more pages written; another tenant is not affected."""
+    path, ps, _ = tiny
+    eng = make(path, tmp_path / "l3")
+    eng.core.set_quotas({"alice": {"storage": 3}})
+    try:
+        for tenant, p in (("alice", ps[0]), ("alice", ps[1]), ("bob", ps[0])):
+            for _ in range(2):  # the second hits the first: backed up to L2, then written to L3
+                req = eng.core.make_request(input_ids=p, sampling_params=GREEDY, cache_salt=tenant, tenant=tenant)
+                eng.core.add(req)
+                while not req.finished:
+                    eng.core.step()
+        eng.core.storage.poll(wait=True)
+        led = eng.core.ledger
+        assert 0 < led.pages("alice", "storage") <= 3, led.snapshot()
+        assert led.pages("bob", "storage") > 3
+        assert eng.core.storage.writeback.pages_over_quota > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -10,7 +10,7 @@ by :meth:`add_stored`; L3 evicts on its own, so that count is pages written, not
 Quotas are soft (as LMCache's): nothing is refused; when the tree evicts, nodes of tenants
 over their quota on that tier go first (:meth:`eviction_key`), then the usual policy order,
 so a tenant flooding the cache evicts its own pages before anyone else's. An L3 write-back
-skips tenants over their L3 quota (:meth:`may_store`).
+writes no more of a tenant's pages than its L3 quota has room for (:meth:`storage_room`).
 
 Not thread-safe: the scheduler thread owns it, like the tree. Bounded: salts with no page left
 are forgotten once more than ``max_salts`` are registered.
@@ -124,12 +124,12 @@ class TenantLedger:
         q = self.quotas.get(tenant, {}).get(tier) if tenant is not None else None
         return q is not None and self.pages(tenant, tier) > q
 
-    def may_store(self, tokens: list[int], pages: int) -> bool:
-        """Whether writing ``pages`` more pages of ``tokens`` keeps its tenant within its L3 quota."""
+    def storage_room(self, tokens: list[int]) -> int | None:
+        """How many more pages of ``tokens``' tenant may be written to L3 (None: no L3 quota)."""
         tags = salt.salt_of(tokens)
         tenant = None if tags is None else self.owner.get(tags)
         q = self.quotas.get(tenant, {}).get("storage") if tenant is not None else None
-        return q is None or self.pages(tenant, "storage") + pages <= q
+        return None if q is None else max(0, q - self.pages(tenant, "storage"))
 
     def eviction_key(self, tier: str, base: Callable[[TreeNode], tuple]) -> Callable[[TreeNode], tuple]:
         """``base`` (the eviction policy's key), with nodes of tenants over quota on ``tier`` first."""
