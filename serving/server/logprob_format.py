@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,29 @@ def token_text(tok: Tokenizer | None, token_id: int | None) -> str:
     if tok is None or token_id is None:
         return ""
     return tok.decode([token_id], False)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable stand-in character -> byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def token_bytes(tok: Tokenizer | None, token_id: int) -> list[int]:
+    """The token's raw bytes (OpenAI's ``bytes``): exact for byte-level BPE vocabularies, where a
+    token may hold part of a UTF-8 character; else the UTF-8 of its text."""
+    piece = tok.hf.convert_ids_to_tokens(token_id) if tok is not None else None
+    dec = _byte_decoder()
+    if isinstance(piece, str) and piece and all(c in dec for c in piece):
+        return [dec[c] for c in piece]
+    return list(token_text(tok, token_id).encode("utf-8"))
 
 
 # -- SGLang -----------------------------------------------------------------------------------
@@ -60,7 +84,7 @@ def sglang_meta(lp: dict[str, list[Any]], opts: LogprobOptions, tok: Tokenizer |
 # -- OpenAI chat --------------------------------------------------------------------------------
 def _chat_entry(tok: Tokenizer | None, pair: list[Any]) -> dict[str, Any]:
     text = token_text(tok, pair[1])
-    return {"token": text, "logprob": pair[0], "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": pair[0], "bytes": token_bytes(tok, pair[1])}
 
 
 def chat_logprobs(lp: dict[str, list[Any]], tok: Tokenizer | None, top: int, start: int = 0,
