@@ -77,3 +77,26 @@ def test_ledger_snapshot_bounds_labels():
     assert len(snap) == 258 and "_other" in snap and "default" in snap
     with pytest.raises(ValueError):
         TenantLedger(16, {"a": {"L1": 1}})
+
+
+def test_tenant_metrics_follow_prometheus_rules():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.server.metrics import ServerMetrics
+
+    led = TenantLedger(16, {"alice": {"device": 8}})
+    led.record("alice", 100, {"device": 64, "host": 0, "storage": 0})
+    led.record(None, 10, {"device": 0})
+    snap = {"prompt_tokens": 110, "cached_tokens": 64, "cached_by_tier": {"device": 64}, "generated_tokens": 1,
+            "retractions": 0, "forward_passes": 1, "running": 0, "waiting": 0, "sessions": 0,
+            "pages": {"device": {"total": 64, "used": 4}}, "storage": {}, "tenants": led.snapshot(),
+            "bytes_per_page": {"device": 1024}}
+    fams = {f.name: f for f in text_string_to_metric_families(ServerMetrics().render(snap).decode())}
+    for name, kind in (("hicache_tenant_pages", "gauge"), ("hicache_tenant_bytes", "gauge"),
+                       ("hicache_tenant_quota_pages", "gauge"), ("hicache_tenant_requests", "counter"),
+                       ("hicache_tenant_prompt_tokens", "counter"), ("hicache_tenant_cache_hit_tokens", "counter")):
+        assert fams[name].type == kind, name
+    hits = {(s.labels["tenant"], s.labels["tier"]): s.value for s in fams["hicache_tenant_cache_hit_tokens"].samples
+            if s.name.endswith("_total")}
+    assert hits[("alice", "device")] == 64 and {s.labels["tenant"] for s in fams["hicache_tenant_requests"].samples} \
+        == {"alice", "default"}
