@@ -89,6 +89,8 @@ def test_pin_keeps_the_prefix_on_l2_through_a_flood(server):
     kept, gone = lookup(server, ALICE, pinned), lookup(server, ALICE, loose)
     assert kept["L1"] + kept["L2"] == 64, kept
     assert gone["L1"] + gone["L2"] == 0, gone  # the control: the flood evicted what was not pinned
+    early = lookup(server, CAROL, prompt(1000, 100))  # carol's first prompt: written to L3, then evicted
+    assert early == {"L1": 0, "L2": 0, "L3": 96}, early
     assert gen(server, ALICE, pinned)["meta_info"]["cached_tokens"] == 64
     # another tenant cannot release it (nor learn it exists)
     assert httpx.delete(f"{server.url}/cache/pin/{lease['lease_id']}", headers={"Authorization": f"Bearer {BOB}"},
