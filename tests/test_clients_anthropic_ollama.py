@@ -107,3 +107,36 @@ def test_ollama_chat_generate_tags_show(server) -> None:
     r = httpx.post(server.url + "/api/chat", headers=server.headers, json={"model": "tiny", "messages": []})
     assert r.status_code == 400 and set(r.json()) == {"error"} and "messages" in r.json()["error"]
     assert server.check_integrity()["running"] == 0
+
+
+BAD = [
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, 400, "content"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400, "role"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"name": "f"}]}, 400, "tools"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                      "temperature": 3}, 400, "temperature"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}],
+                      "stream": True}, 400, "max_tokens"),
+    ("/v1/messages", [1, 2], 400, "object"),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "format": {"type": 5}}, 400,
+     "json_schema"),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                   "options": {"temperature": "hot"}}, 400, "temperature"),
+    ("/api/generate", {"model": "tiny", "prompt": "x", "images": ["aGk="]}, 400, "images"),
+    ("/api/generate", {"model": "tiny", "prompt": "x", "options": {"num_predict": 10**6}}, 400, "num_predict"),
+    ("/api/show", {}, 400, "model"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "word"), BAD)
+def test_bad_input_has_each_apis_error_shape(server, path: str, body, status: int, word: str) -> None:
+    r = httpx.post(server.url + path, headers=server.headers, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()
+    if path.startswith("/api/"):
+        assert set(err) == {"error"} and word in err["error"]
+    else:
+        assert err["type"] == "error" and word in err["error"]["message"], err

@@ -96,7 +96,11 @@ class _Base(StrictModel):
             return {}
         if self.format == "json":
             return response_format_params({"type": "json_object"})
-        return response_format_params({"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}})
+        try:
+            return response_format_params({"type": "json_schema",
+                                           "json_schema": {"name": "format", "schema": self.format}})
+        except ValueError as e:
+            raise APIError(400, f"format: {e}", param="format") from None
 
 
 class ChatRequest(_Base):
@@ -221,7 +225,7 @@ async def show(request: Request) -> Any:
     if not name:
         raise APIError(400, "model is required")
     _model(ctx, name)
-    template = getattr(ctx.tokenizer, "chat_template", None) or ""
+    template = getattr(getattr(ctx.tokenizer, "hf", None), "chat_template", None) or ""
     return {"modelfile": "", "parameters": "", "template": template if isinstance(template, str) else "",
             "details": _details(ctx), "capabilities": ["completion"], "modified_at": _now(),
             "model_info": {"general.architecture": _details(ctx)["family"],
