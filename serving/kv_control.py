@@ -185,6 +185,19 @@ class KVControl:
         for lease in list(self.leases.values()):
             self._release(lease)
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every lease's pages are pinned in the tree (at least once
+        per lease holding them) and every idle-session lease exists."""
+        held: dict[int, int] = {}
+        for lease in self.leases.values():
+            for p in lease.pages:
+                held[p] = held.get(p, 0) + 1
+        pins = self.tree._host_pins
+        bad = [p for p, k in held.items() if pins.get(p, 0) < k]
+        assert not bad, f"KV control: leased L2 pages not pinned in the tree: {bad[:8]}"
+        stray = [s for s, lid in self.idle_lease.items() if lid not in self.leases]
+        assert not stray, f"KV control: idle sessions whose lease is gone: {stray[:8]}"
+
     @property
     def pinned_pages(self) -> int:
         return sum(len(x.pages) for x in self.leases.values())

@@ -86,6 +86,7 @@ def test_pin_keeps_the_prefix_on_l2_through_a_flood(server):
     lease = r.json()
     assert lease["pinned_tokens"] == 64
     flood(server)
+    assert server.check_integrity()["ok"]  # the tree's pins and the leases agree
     kept, gone = lookup(server, ALICE, pinned), lookup(server, ALICE, loose)
     assert kept["L1"] + kept["L2"] == 64, kept
     assert gone["L1"] + gone["L2"] == 0, gone  # the control: the flood evicted what was not pinned

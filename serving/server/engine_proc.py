@@ -308,6 +308,7 @@ class EngineLoop:
         if isinstance(msg, m.CheckIntegrity):
             try:
                 core.check_integrity()
+                self.control.check_integrity()
             except AssertionError as e:
                 return {"ok": False, "error": str(e) or traceback.format_exc(), **self.stats()}
             return {"ok": True, **self.stats()}
