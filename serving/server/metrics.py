@@ -10,7 +10,7 @@ engine's L3 stats (``EngineCore.storage_stats()``) map key by key (``STORAGE_MET
 
 - ``hicache_storage_events_total{event}``: every L3 count: pages ``hits``, ``misses``,
   ``corrupt``, ``stored``, ``store_failed``, ``pages_written``, ``pages_prefetched``,
-  ``write_pages_dropped``, prefetches ``prefetches_revoked``, and the backend's own counts
+  ``write_pages_dropped``, ``pages_loaded_early``, prefetches ``prefetches_revoked``, and the backend's own counts
   as ``backend_<name>`` (``backend_errors``, ``backend_evicted``, ``backend_timeouts`` ...);
 - ``hicache_storage_read_bytes_total`` / ``_written_bytes_total``, ``hicache_storage_read_seconds_total``
   / ``_write_seconds_total`` (time inside reads and writes);
@@ -67,6 +67,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "pages_written": _event("pages the write-back wrote to L3"),
     "pages_prefetched": _event("pages prefetched from L3 into L2"),
     "prefetches_revoked": _event("prefetches revoked"),
+    "pages_loaded_early": _event("prefetched pages loaded on to L1 as their batch landed (pipelined)"),
     "write_pages_dropped": _event("pages whose write-back was dropped (queue full)"),
     # the load-or-recompute policy (serving.cost_model)
     "cost_l3_read_gbps": StorageMetric("gauge", "cost_model_l3_read_bytes_per_second",
