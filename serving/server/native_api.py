@@ -53,7 +53,9 @@ async def generate(request: Request) -> Any:
     if body.return_logprob:
         ids_lp = None if body.token_ids_logprob is None else tuple(body.token_ids_logprob)
         opts = LogprobOptions(body.logprob_start_len, body.top_logprobs_num or 0, ids_lp)
-    score = scoring(params, opts is not None and opts.start_len not in (None, -1))
+    # max_new_tokens 0 is a prefill (as in SGLang): the prompt's KV goes into the tree, e.g. a
+    # shared prefix before its branches (serving.lang's fork); it also scores a prompt with logprobs
+    score = params.get("max_new_tokens") == 0 or scoring(params, opts is not None and opts.start_len not in (None, -1))
     if score:
         params["max_new_tokens"] = 1  # a prefill: the one token is dropped (serving.server.fanout)
     ids = [await run_in_threadpool(ctx.encode, p) if isinstance(p, str) else p for p in prompts]  # off the loop

@@ -1,0 +1,58 @@
+"""How ``select`` picks a choice from its token logprobs (SGLang's ``choices_method`` names).
+
+Each method gets, per choice, the logprobs of the choice's tokens after the program's text
+(``cond``) and, when it asks for them, after no context (``uncond``: the choice alone, whose
+first token has no logprob and counts 0), and returns one score per choice; the highest wins
+(the first on ties).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChoiceLogprobs:
+    tokens: list[int]
+    cond: list[float]  # logprob of each of the choice's tokens after the program's text
+    uncond: list[float] | None = None  # the same tokens without context (first: 0)
+
+
+@dataclass(frozen=True)
+class ChoicesMethod:
+    name: str
+    score: Callable[[ChoiceLogprobs], float]
+    needs_unconditional: bool = False
+
+    def pick(self, lps: list[ChoiceLogprobs]) -> tuple[int, list[float]]:
+        scores = [self.score(c) for c in lps]
+        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        return best, scores
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("-inf")
+
+
+def _uncond_normalized(c: ChoiceLogprobs) -> float:
+    assert c.uncond is not None
+    return _mean([a - b for a, b in zip(c.cond, c.uncond, strict=True)])
+
+
+token_length_normalized = ChoicesMethod("token_length_normalized", lambda c: _mean(c.cond))
+unconditional_likelihood_normalized = ChoicesMethod(
+    "unconditional_likelihood_normalized", _uncond_normalized, needs_unconditional=True)
+sum_logprob = ChoicesMethod("sum_logprob", lambda c: sum(c.cond))
+
+METHODS = {m.name: m for m in (token_length_normalized, unconditional_likelihood_normalized, sum_logprob)}
+
+
+def resolve(method: ChoicesMethod | str | None) -> ChoicesMethod:
+    if method is None:
+        return token_length_normalized
+    if isinstance(method, ChoicesMethod):
+        return method
+    if method in METHODS:
+        return METHODS[method]
+    raise ValueError(f"unknown choices_method {method!r}; one of {', '.join(METHODS)}")
