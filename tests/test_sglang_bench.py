@@ -1,4 +1,4 @@
-"""SGLang's own benchmark client against a real server: ``python -m sglang.bench_serving``
+"""SGLang's own benchmark client against a real server as `make serve` runs it: ``python -m sglang.bench_serving``
 with ``--backend sglang`` (native /generate, which sends every GenerateReqInput field it knows
 at its default) and ``--backend sglang-oai-chat`` must complete every request.
 
@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.model_utils import smollm2_path
 from tests.server_utils import ROOT, running_server
 
 STUBS = Path(__file__).resolve().parent / "stubs"
@@ -36,14 +38,20 @@ def _sglang_importable() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model: Path):
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """What `make serve` runs: configs/l3.yaml and SmolLM2 (with an L3 directory of its own)."""
     why = _sglang_importable()
     if why is not None:
         pytest.skip(f"sglang.bench_serving cannot be imported ({why}); install it with "
                     "`pip install --no-deps sglang` and the test extras")
-    with running_server(["--model-path", str(tiny_chat_model), "--served-model-name", "tiny",
-                         "--page-size", "4", "--max-total-tokens", "8192"]) as s:
-        yield s, tiny_chat_model
+    cfg = yaml.safe_load((ROOT / "configs" / "l3.yaml").read_text())
+    tmp = tmp_path_factory.mktemp("bench-l3")
+    cfg["cache"]["hicache_storage_backend_extra_config"]["path"] = str(tmp / "l3")
+    (tmp / "l3.yaml").write_text(yaml.safe_dump(cfg))
+    model = smollm2_path()
+    with running_server(["--config", str(tmp / "l3.yaml"), "--model-path", str(model),
+                         "--served-model-name", "tiny", "--max-total-tokens", "8192"]) as s:
+        yield s, model
 
 
 @pytest.mark.slow
