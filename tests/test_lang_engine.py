@@ -1,0 +1,66 @@
+"""The frontend language in process (EngineBackend over the offline Engine), on the tiny chat
+model: the tutorial programs' cached tokens and constraints, forks batched by the driver
+thread, the engine's integrity after every program; a bad regex names the call."""
+
+from __future__ import annotations
+
+import pytest
+
+import serving.lang as sgl
+from tests import lang_checks as checks
+
+
+@pytest.fixture(scope="module")
+def backend(lang_model):
+    be = sgl.EngineBackend(model_path=str(lang_model), dtype="float32", page_size=4, max_total_tokens=8192,
+                           hicache_ratio=0.0)
+    yield be
+    be.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def integrity(backend):
+    yield
+    backend.check_integrity()
+
+
+def test_basic_qa_and_multi_turn(backend) -> None:
+    checks.check_basic_qa(backend, smart=False)
+    checks.check_multi_turn(backend, smart=False)
+
+
+def test_select(backend) -> None:
+    checks.check_select(backend, smart=False)
+
+
+def test_fork_join(backend) -> None:
+    checks.check_fork(backend, smart=False)
+
+
+def test_regex_and_json_schema(backend) -> None:
+    checks.check_regex_and_json(backend, smart=False)
+
+
+def test_run_batch(backend, capsys) -> None:
+    checks.check_run_batch(backend, capsys, smart=False)
+
+
+def test_stream(backend) -> None:
+    checks.check_stream(backend, smart=False)
+
+
+def test_bad_regex_names_the_call(backend) -> None:
+    @sgl.function
+    def bad(s):
+        s += "Q: a number?\nA: " + sgl.gen("num", regex="([0-9", max_tokens=4)
+
+    with pytest.raises(sgl.LangError, match=r"gen\('num'\) in program 'bad'") as e:
+        bad.run(backend=backend)
+    assert e.value.status == 400
+
+
+def test_select_needs_choices(backend) -> None:
+    with pytest.raises(ValueError, match="non-empty list of choices"):
+        sgl.select("x", [])
+    with pytest.raises(ValueError, match="unknown choices_method"):
+        sgl.select("x", ["a"], choices_method="nope")
