@@ -137,3 +137,17 @@ def test_generate_n_and_logprobs_with_a_grammar(server) -> None:
     assert out["text"].startswith(("The answer is yes.", "The answer is no."))  # (+ the tiny model's eos text)
     assert [t for _, t, _ in lps] == out["output_ids"] and len(out["meta_info"]["output_top_logprobs"]) == len(lps)
     assert any(lp == 0.0 for lp, _, _ in lps) and all(lp <= 0 for lp, _, _ in lps)
+
+
+def test_generate_streams_a_batch_with_n(server) -> None:
+    import json
+
+    body = {"text": ["Once upon a time", "In a galaxy"], "stream": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    last = {c["index"]: c for c in chunks}
+    assert sorted(last) == [0, 1, 2, 3] and all(len(c["output_ids"]) == 3 for c in last.values())
+    plain = httpx.post(server.url + "/generate", timeout=60, json={**body, "stream": False}).json()
+    assert [o["text"] for o in plain] == [last[i]["text"] for i in range(4)]

@@ -125,7 +125,7 @@ CASES: list[tuple[str, Any, int, str]] = [
     (G, gen(sampling_params={"max_new_tokens": 2, "seed": 2**70}), 400, "seed"),
     (G, gen(sampling_params=[1, 2]), 400, "sampling_params"),
     (G, gen(session_id="nope"), 404, "session"),
-    (G, gen(text=["a", "b"], stream=True), 400, "single prompt"),
+    (G, gen(text=["a", "b"], rid="r1"), 400, "single prompt"),
     (G, gen(return_logprob=True, top_logprobs_num=99), 400, "top_logprobs_num"),
     (G, gen(return_logprob=True, logprob_start_len=50), 400, "logprob_start_len"),
     (G, gen(return_hidden_states=True), 400, "return_hidden_states"),

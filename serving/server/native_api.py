@@ -20,7 +20,7 @@ from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
 from serving.server.logprob_format import LogprobOptions, sglang_meta
 from serving.server.protocol import GenerateRequest
-from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
+from serving.server.req_handle import ReqHandle, ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text
 
 router = APIRouter()
@@ -47,8 +47,8 @@ async def generate(request: Request) -> Any:
     prompts = body.prompts
     params = dict(body.sampling_params or {})
     n = check_n(params.pop("n", None), "sampling_params.n")
-    if (body.batched or n > 1) and (body.stream or body.rid is not None):
-        raise APIError(400, "stream and rid need a single prompt and n=1, not a batch", param="stream")
+    if (body.batched or n > 1) and body.rid is not None:
+        raise APIError(400, "rid needs a single prompt and n=1, not a batch", param="rid")
     opts = None
     if body.return_logprob:
         ids_lp = None if body.token_ids_logprob is None else tuple(body.token_ids_logprob)
@@ -89,32 +89,25 @@ async def generate(request: Request) -> Any:
             for st in states
         ]
         return outs if body.batched or n > 1 else outs[0]
-    [handle] = await submit_all(ctx.client, reqs)
+    handles = await submit_all(ctx.client, reqs)
     stop = params.get("stop") or ()
     return StreamingResponse(
-        sse_stream(_chunks(ctx, handle, [stop] if isinstance(stop, str) else stop, skip, lp, score)),
+        sse_stream(_chunks(ctx, handles, [stop] if isinstance(stop, str) else stop, skip, lp, score)),
         media_type="text/event-stream",
     )
 
 
-async def _chunks(ctx: ServerContext, handle: ReqHandle, stop: list[str], skip: bool,
+async def _chunks(ctx: ServerContext, handles: list[ReqHandle], stop: list[str], skip: bool,
                   lp: tuple[LogprobOptions, Any, bool] | None, score: bool) -> AsyncIterator[Any]:
-    text = TextStream(ctx.tokenizer, stop, skip)
-    try:
-        async for st in handle.updates():
-            if score:
-                if not st.finished:
-                    continue
-                st = trim_scoring(st)
-            text.update(st)
-            cumulative = (
-                final_text(ctx.tokenizer, st.output_ids, st.finish_reason, skip) if st.finished else text.text
-            )
-            yield {
-                "text": cumulative,
-                "output_ids": list(st.output_ids),
-                "meta_info": meta_info(st, lp),
-                "index": 0,
-            }
-    finally:
-        handle.close()
+    """Cumulative chunks; a batch or n > 1 interleaves its requests, each chunk with its ``index``
+    (prompt i's choice j is index i * n + j), as SGLang streams them."""
+    texts = [TextStream(ctx.tokenizer, stop, skip) for _ in handles]
+    async for i, st in merged_updates(handles):
+        text = texts[i]
+        if score:
+            if not st.finished:
+                continue
+            st = trim_scoring(st)
+        text.update(st)
+        cumulative = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, skip) if st.finished else text.text
+        yield {"text": cumulative, "output_ids": list(st.output_ids), "meta_info": meta_info(st, lp), "index": i}
