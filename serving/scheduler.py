@@ -63,6 +63,7 @@ class Scheduler:
         self._step_prefill = 0
         self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
         self.pd = None  # serving.disagg.role.PDRole of a prefill / decode server (None: colocated)
+        self._pd_emitted = False  # the last step returned PD first tokens without a forward pass
         if not config.disable_overlap_schedule and self.device.type == "cuda":
             from serving.overlap import OverlapScheduler
 
@@ -149,7 +150,15 @@ class Scheduler:
             overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
         self.cache.poll()
         if self.pd is not None:
+            before = len(self._finished_outside_step)
             self.pd.step()
+            if len(self._finished_outside_step) > before and not self._pd_emitted:
+                # first tokens that arrived with their KV go out now, not after this step's forward
+                # pass; never twice in a row, so a stream of arrivals cannot starve the decode batch
+                self._pd_emitted = True
+                updated, self._finished_outside_step = self._finished_outside_step, []
+                return early + updated + (self._overlap.resolve() if overlap else [])
+            self._pd_emitted = False
         self._poll_grammars()
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
