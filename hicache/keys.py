@@ -99,3 +99,18 @@ def _parse_key(key: str) -> bytes:
     if len(raw) * 2 != KEY_HEX_LEN:
         raise ValueError(f"not a page key: {key!r}")
     return raw
+
+
+def tp_shard_key(key: str, kv_head_start: int, num_kv_heads: int) -> str:
+    """The L3 key of one tensor-parallel rank's part of a page whose rank-0 key is ``key``.
+
+    A rank's part is its kv heads ``[kv_head_start, kv_head_start + num_kv_heads)``; the part
+    holding head 0 (rank 0's, and any rank replicating head 0) is stored under ``key`` itself,
+    every other part under ``H(key, "kv<start>+<n>")``. Ranks that replicate the same heads
+    write the same value under the same key; a page is in L3 only when every part is.
+    """
+    if kv_head_start == 0:
+        return key
+    h = hashlib.blake2b(_parse_key(key), digest_size=16, person=b"hicache-tp")
+    h.update(f"kv{kv_head_start}+{num_kv_heads}".encode())
+    return h.hexdigest()

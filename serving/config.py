@@ -24,6 +24,8 @@ class ModelConfig:
     random_seed: int = 0
     disable_cuda_graph: bool = False  # CUDA: decode batches replay captured graphs unless set
     cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
+    tp_size: int = 1  # tensor parallelism (--tp-size / --tensor-parallel-size): one process per rank
+    dist_timeout: float = 300.0  # seconds a collective or a rank's reply may take before the engine stops
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -34,6 +36,10 @@ class ModelConfig:
             raise ValueError("context_length must be positive")
         if self.cuda_graph_max_bs <= 0:
             raise ValueError("cuda_graph_max_bs must be positive")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be at least 1")
+        if not self.dist_timeout > 0:
+            raise ValueError("dist_timeout must be positive")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from serving.config import EngineConfig
 from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
 from serving.model_runner import ModelRunner
+from serving.parallel.leader import TPLeader
 from serving.req_cache import ReqCache
 from serving.request import Req
 from serving.sampling_params import InvalidRequest, SamplingParams
@@ -36,7 +37,11 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.scheduler, config.cache.page_size)
+        # tensor parallelism: this process is rank 0 (scheduler, tree); the other ranks follow it
+        self.tp = TPLeader(config) if config.model.tp_size > 1 else None
+        model_cfg = self.tp.config.model if self.tp else config.model
+        self.runner = ModelRunner(model_cfg, config.scheduler, config.cache.page_size,
+                                  self.tp.group if self.tp else None)
         tok_path = config.model.tokenizer_path or config.model.model_path
         self.tokenizer = Tokenizer(tok_path) if has_tokenizer(tok_path) else None
         pool = self.runner.pool
@@ -49,17 +54,23 @@ class EngineCore:
             self.controller = CacheController(pool, self.host_pool)
             log.info("L2 host pool: %d pages, %s (%.2f GiB)", n, cache.hicache_mem_layout,
                      self.host_pool.nbytes() / 2**30)
+        if self.tp is not None:
+            self.tp.setup(self.host_pool.num_pages if self.host_pool else 0)
         self.tree = HiRadixTree.from_config(
             cache, pool.allocator, self.host_pool.allocator if self.host_pool else None)
         self.ledger = TenantLedger(cache.page_size)  # per-tenant pages; quotas: set_quotas
         self.tree.set_ledger(self.ledger)
         self.storage = self._make_storage() if cache.storage_enabled else None
-        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size,
-                                  self.controller.execute if self.controller else None, self.storage)
+        execute = self.controller.execute if self.controller else None
+        forward = self.runner.forward
+        if self.tp is not None:
+            execute = execute and self.tp.wrap_execute(execute)
+            forward = self.tp.wrap_forward(forward)
+        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, execute, self.storage)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.scheduler = Scheduler(
-            config.scheduler, self.req_cache, self.runner.forward, StopChecker(self.eos_ids, decode),
+            config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
             self.runner.context_len, self.runner.device)
         self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
                                            self.eos_ids)
@@ -73,6 +84,8 @@ class EngineCore:
         backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
         layout = self.runner.pool.layout
         tier = StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads)
+        if self.tp is not None:  # every rank reads and writes its part of each page
+            tier = self.tp.wrap_tier(tier)
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
         namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size)
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
@@ -180,3 +193,5 @@ class EngineCore:
         if self.controller is not None:
             self.controller.shutdown()
         self.grammar.shutdown()
+        if self.tp is not None:
+            self.tp.shutdown()

@@ -54,6 +54,9 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None
     # L2 -> L1 loads still landing in pages this batch reads (GPU only); see LayerWaits
     layer_waits: LayerWaits | None = None
+    # the host buffers ``build`` made (int64 part, int32 part, T, B, width): what tensor parallelism
+    # sends the other ranks (serving.parallel), without reading anything back from the device
+    host: tuple | None = None
 
     @property
     def batch_size(self) -> int:
@@ -109,6 +112,14 @@ class ForwardBatch:
         # pageable copy would wait for the forward pass already running on the GPU.
         i64 = torch.tensor(input_ids + positions + locs, dtype=torch.int64)
         i32 = torch.tensor(prefix_lens + extend_lens + seq_lens + starts + table, dtype=torch.int32)
+        return ForwardBatch.from_host(i64, i32, t, b, width, page_size, prefix_lens, extend_lens, dev)
+
+    @staticmethod
+    def from_host(i64: torch.Tensor, i32: torch.Tensor, t: int, b: int, width: int, page_size: int,
+                  prefix_lens: list[int], extend_lens: list[int], device: torch.device | str) -> ForwardBatch:
+        """The batch of ``build``'s two host buffers (also how another TP rank rebuilds it)."""
+        dev = torch.device(device)
+        host = (i64, i32, t, b, width)
         if dev.type == "cuda":
             i64 = i64.pin_memory().to(dev, non_blocking=True)
             i32 = i32.pin_memory().to(dev, non_blocking=True)
@@ -126,4 +137,5 @@ class ForwardBatch:
             page_size=page_size,
             prefix_lens_list=prefix_lens,
             extend_lens_list=extend_lens,
+            host=host,
         )

@@ -12,6 +12,7 @@ from serving.cuda_graph import CudaGraphRunner, capture_sizes
 from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import get_attention_backend
 from serving.models.loader import load_model
+from serving.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +33,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model: ModelConfig, sched: SchedulerConfig, page_size: int) -> None:
+    """One rank's model shard, L1 pool and attention backend. Under tensor parallelism (``tp``)
+    every rank builds one; the L1 page count is the smallest any rank can hold, so page ids mean
+    the same pages on every rank."""
+
+    def __init__(self, model: ModelConfig, sched: SchedulerConfig, page_size: int,
+                 tp: TPGroup | None = None) -> None:
+        self.tp = tp or TPGroup()
         self.device = resolve_device(model.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # streams, graphs and Triton launches follow the current device
         self.dtype = resolve_dtype(model.dtype, self.device)
         torch.manual_seed(model.random_seed)
         self.model, self.arch = load_model(
-            model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format)
+            model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format, tp=tp)
         self.model.eval()
         backend = model.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn = get_attention_backend(backend)
         self.context_len = model.context_length or self.arch.max_position_embeddings
-        layout = KVLayout(self.arch.num_hidden_layers, self.arch.num_key_value_heads, self.arch.head_dim, self.dtype)
+        self.kv_heads = self.model.plan.num_kv_heads  # this rank's (all of them without TP)
+        layout = KVLayout(self.arch.num_hidden_layers, self.kv_heads, self.arch.head_dim, self.dtype)
         num_pages = self._num_pages(layout, sched, page_size)
+        if self.tp.is_parallel:
+            n = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            num_pages = int(n.item())
         self.pool = DeviceKVPool(layout, num_pages, page_size, self.device)
         log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
         self.graphs = None
@@ -57,7 +69,7 @@ class ModelRunner:
     def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
         runner = CudaGraphRunner(
-            self._forward_eager, sizes, self.context_len, self.pool.page_size, self.arch.num_key_value_heads,
+            self._forward_eager, sizes, self.context_len, self.pool.page_size, self.kv_heads,
             self.device, capture=capture)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables: keep them even if regrown

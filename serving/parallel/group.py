@@ -54,6 +54,12 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)

@@ -1,0 +1,128 @@
+"""A tensor-parallel rank other than 0: runs what rank 0 sends, on its own shard and pools.
+
+It owns no scheduler and no tree: rank 0 decides, this process moves bytes and computes.
+Its main thread runs the command pipe in order (forward passes, L1 <-> L2 copies); a second
+thread answers L3 reads and writes, each only after the command it follows has run. It exits
+when rank 0's pipe closes (rank 0 gone) and non-zero when a command fails (rank 0's monitor
+then stops the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from serving.config import EngineConfig
+from serving.parallel import messages as msg
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Move:  # CacheController.execute reads these fields of a hicache Transfer
+    kind: str
+    src_pages: list[int]
+    dst_pages: list[int]
+    pending: None = None
+
+
+class _Progress:
+    """The last command sequence number the main thread finished (the storage thread waits on it)."""
+
+    def __init__(self, done: int) -> None:
+        self.done = done
+        self.cond = threading.Condition()
+
+    def advance(self) -> None:
+        with self.cond:
+            self.done += 1
+            self.cond.notify_all()
+
+    def wait(self, seq: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.done >= seq, timeout)
+
+
+def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection,
+                  rpc: Connection) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    try:
+        _run(config, rank, size, init, cmds, rpc)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection, rpc: Connection) -> None:
+    from hicache.tiers.host import make_host_pool
+    from serving.cache_controller import CacheController
+    from serving.forward_batch import ForwardBatch
+    from serving.model_runner import ModelRunner
+    from serving.parallel.group import destroy_tp_group, init_tp_group
+    from serving.parallel.leader import cpu_threads_per_rank, make_rank_tier
+
+    device = torch.device(config.model.device)
+    if device.type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(cpu_threads_per_rank(size))
+    tp = init_tp_group(rank, size, init, device, config.model.dist_timeout)
+    runner = ModelRunner(config.model, config.scheduler, config.cache.page_size, tp)
+    setup = cmds.recv()
+    assert isinstance(setup, msg.Setup)
+    cache = config.cache
+    host_pool = make_host_pool(cache.hicache_mem_layout, runner.pool.layout, setup.host_pages, cache.page_size) \
+        if setup.host_pages else None
+    controller = CacheController(runner.pool, host_pool) if host_pool is not None else None
+    tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
+    progress = _Progress(1)  # Setup was command 1
+    if tier is not None:
+        threading.Thread(target=_serve_storage, args=(rpc, tier, host_pool, progress, config.model.dist_timeout),
+                         name="tp-storage", daemon=True).start()
+    try:
+        while True:
+            try:
+                cmd = cmds.recv()
+            except EOFError:  # rank 0 is gone
+                return
+            if isinstance(cmd, msg.Stop):
+                return
+            if isinstance(cmd, msg.Forward):
+                fb = ForwardBatch.from_host(torch.from_numpy(cmd.i64), torch.from_numpy(cmd.i32), cmd.t, cmd.b,
+                                            cmd.width, cmd.page_size, cmd.prefix_lens, cmd.extend_lens, device)
+                if cmd.ids_from_rank0:
+                    tp.broadcast(fb.input_ids)
+                if cmd.logit_rows is not None:
+                    fb.logit_rows = torch.tensor(cmd.logit_rows, dtype=torch.int64, device=device)
+                runner.forward(fb)  # the logits are rank 0's to sample from
+            elif isinstance(cmd, msg.Moves):
+                last = controller.execute([_Move(*m) for m in cmd.moves])
+                if last is not None:
+                    last.result()  # in order with the next command (a forward may read these pages)
+            progress.advance()
+    finally:
+        if controller is not None:
+            controller.shutdown()
+        if tier is not None:
+            tier.close()
+        destroy_tp_group(tp)
+
+
+def _serve_storage(rpc: Connection, tier, host_pool, progress: _Progress, timeout: float) -> None:  # noqa: ANN001
+    while True:
+        try:
+            req = rpc.recv()
+        except (EOFError, OSError):
+            return
+        if not progress.wait(req.after, timeout):
+            rpc.send(0)  # never read a page whose backup has not run: a miss / a failed write
+            continue
+        if isinstance(req, msg.L3Get):
+            rpc.send(tier.batch_get(req.keys, host_pool, req.pages))
+        else:
+            rpc.send(tier.batch_set(req.keys, host_pool, req.pages))

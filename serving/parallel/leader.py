@@ -1,0 +1,221 @@
+"""Rank 0 of a tensor-parallel engine: starts the other ranks and tells them what to do.
+
+"The tree decides, controllers move": rank 0 owns the scheduler and the HiRadixTree (metadata
+only). Each forward pass and each batch of tier moves the tree emits is sent, in order, down
+every follower's command pipe before rank 0 runs its own part, so page ids, locks and the tree
+are identical on every rank by construction (one tree). L3 reads and writes (rank 0's
+background threads) are mirrored by :class:`TPStorageTier`: every rank moves its own part of
+the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as read, written
+or present only when every rank's part is.
+
+Faults: a monitor thread watches the followers; one that exits takes the engine down with a
+message naming it (``os._exit``: a scheduler blocked in a collective is never left hanging),
+and every collective has ``--dist-timeout``.
+
+Concurrency contract: ``forward`` and ``execute`` are called on the scheduler thread only (their
+commands keep its order); ``TPStorageTier`` calls come from any thread and are serialised per
+engine by one lock (rank 0's own part runs while the followers run theirs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+
+from serving.config import EngineConfig
+from serving.parallel import messages as msg
+from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
+from serving.parallel.shard import ShardPlan
+
+log = logging.getLogger(__name__)
+EXIT_RANK_DIED = 3
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """``config`` for ``rank``: on CUDA rank r uses the r-th GPU after the configured one."""
+    from serving.model_runner import resolve_device
+
+    dev = resolve_device(config.model.device)
+    name = f"cuda:{(dev.index or 0) + rank}" if dev.type == "cuda" else dev.type
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=name))
+
+
+def make_rank_tier(config: EngineConfig, layout: Any) -> Any:
+    """This rank's StorageTier on the configured backend (every rank opens its own client)."""
+    from hicache.tiers.storage import StorageTier, make_storage
+
+    cache = config.cache
+    backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
+    return StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads)
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """Intra-op threads of one CPU rank: the ranks share the machine's cores."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+class TPLeader:
+    def __init__(self, config: EngineConfig) -> None:
+        from serving.model_runner import resolve_device
+        from serving.parallel.follower import follower_main
+
+        self.size = config.model.tp_size
+        self.config = rank_config(config, 0)
+        device = resolve_device(self.config.model.device)
+        if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + self.size:
+            raise ValueError(f"--tp-size {self.size} needs {self.size} GPUs from {device}; "
+                             f"this host has {torch.cuda.device_count()}")
+        from serving.models.config import ModelArchConfig
+
+        arch = ModelArchConfig.from_pretrained(config.model.model_path)
+        self.plans = [ShardPlan.for_model(arch, r, self.size) for r in range(self.size)]  # checks the heads
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(self.size))
+        self._dir = tempfile.mkdtemp(prefix="hicache-tp-")
+        init = f"file://{self._dir}/init"
+        ctx = mp.get_context("spawn")
+        self._cmds, self._rpcs, self.procs = [], [], []
+        for r in range(1, self.size):
+            rx, tx = ctx.Pipe(duplex=False)
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=follower_main, name=f"hicache-tp{r}", daemon=True,
+                            args=(rank_config(config, r), r, self.size, init, rx, theirs))
+            p.start()
+            rx.close()
+            theirs.close()
+            self._cmds.append(tx)
+            self._rpcs.append(mine)
+            self.procs.append(p)
+        self._stopping = False
+        threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
+        self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
+        self.seq = 0  # commands sent
+        self._rpc_lock = threading.Lock()
+
+    # -- what the scheduler thread calls -----------------------------------------------------
+    def _send(self, cmd: Any) -> None:
+        for c in self._cmds:
+            c.send(cmd)
+        self.seq += 1
+
+    def setup(self, host_pages: int) -> None:
+        self._send(msg.Setup(host_pages))
+
+    def wrap_forward(self, forward: Callable) -> Callable:
+        def tp_forward(batch: Any) -> torch.Tensor:
+            i64, i32, t, b, width = batch.host
+            rows = None if batch.logit_rows is None else batch.logit_rows.tolist()
+            # overlap scheduling (CUDA): ids of the previous step's tokens are still placeholders on the
+            # host; rank 0 has filled them in on the GPU and broadcasts them (GPU to GPU, no host sync)
+            placeholders = bool((i64[:t] < 0).any())
+            self._send(msg.Forward(i64.numpy(), i32.numpy(), t, b, width, batch.page_size,
+                                   batch.prefix_lens_list, batch.extend_lens_list, rows, placeholders))
+            if placeholders:
+                self.group.broadcast(batch.input_ids)
+            return forward(batch)
+
+        return tp_forward
+
+    def wrap_execute(self, execute: Callable) -> Callable:
+        def tp_execute(transfers: list) -> Any:
+            if transfers:
+                self._send(msg.Moves([(t.kind, list(t.src_pages), list(t.dst_pages)) for t in transfers]))
+            return execute(transfers)
+
+        return tp_execute
+
+    # -- L3 --------------------------------------------------------------------------------
+    def wrap_tier(self, tier: Any) -> TPStorageTier:
+        return TPStorageTier(tier, self)
+
+    def rank_keys(self, keys: Sequence[str], rank: int) -> list[str]:
+        from hicache.keys import tp_shard_key
+
+        plan = self.plans[rank]
+        return [tp_shard_key(k, plan.kv_head_start, plan.num_kv_heads) for k in keys]
+
+    def mirrored(self, make: Callable[[int], Any], local: Callable[[], int]) -> int:
+        """Send ``make(rank)`` to every follower, run ``local()``, return the smallest count."""
+        with self._rpc_lock:
+            for r, c in enumerate(self._rpcs, start=1):
+                c.send(make(r))
+            done = local()
+            for r, c in enumerate(self._rpcs, start=1):
+                if not c.poll(self.config.model.dist_timeout):
+                    self._die(f"tensor-parallel rank {r} did not answer an L3 request in "
+                              f"{self.config.model.dist_timeout:.0f} s")
+                done = min(done, int(c.recv()))
+        return done
+
+    # -- faults and shutdown ---------------------------------------------------------------
+    def _monitor(self) -> None:
+        sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.procs, start=1)}
+        ready = wait(list(sentinels))
+        if self._stopping:
+            return
+        r, p = sentinels[ready[0]]
+        p.join(1)
+        self._die(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+
+    def _die(self, why: str) -> None:
+        log.error("%s: the engine stops (every rank is needed for every forward pass)", why)
+        print(f"hicache engine: {why}; stopping", file=sys.stderr, flush=True)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        os._exit(EXIT_RANK_DIED)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for c in self._cmds:
+            try:
+                c.send(msg.Stop())
+            except OSError:
+                pass
+        destroy_tp_group(self.group)
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TPStorageTier:
+    """Rank 0's StorageTier, mirrored on every rank (see the module docstring); everything
+    else (codec, stats, close, ...) is rank 0's tier."""
+
+    def __init__(self, tier: Any, leader: TPLeader) -> None:
+        self._tier, self._leader = tier, leader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tier, name)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Leading pages whose every part is in the store (rank 0 asks the shared store)."""
+        n = self._tier.batch_exists(keys)
+        for r in range(1, self._leader.size):
+            if n == 0:
+                break
+            n = min(n, self._tier.batch_exists(self._leader.rank_keys(keys[:n], r)))
+        return n
+
+    def batch_get(self, keys: Sequence[str], host_pool: Any, host_pages: Sequence[int]) -> int:
+        ld, pages = self._leader, list(host_pages)
+        return ld.mirrored(lambda r: msg.L3Get(ld.seq, ld.rank_keys(keys, r), pages),
+                           lambda: self._tier.batch_get(keys, host_pool, host_pages))
+
+    def batch_set(self, keys: Sequence[str], host_pool: Any, host_pages: Sequence[int]) -> int:
+        ld, pages = self._leader, list(host_pages)
+        return ld.mirrored(lambda r: msg.L3Set(ld.seq, ld.rank_keys(keys, r), pages),
+                           lambda: self._tier.batch_set(keys, host_pool, host_pages))
