@@ -110,7 +110,7 @@ class RouterState:
         if scope is None:
             return route
         return RouteRequest(scope_prefix(scope) + route.key, salted_ids(route.token_ids, scope),
-                            session_key(scope, route.session_id))
+                            session_key(scope, route.session_id), worker_session_id=route.session_id)
 
     def headers(self, request: Request) -> dict[str, str]:
         """Headers for a worker: a tenant's key is passed on as it came (the worker needs it)."""

@@ -148,13 +148,13 @@ class PDForwarder(Forwarder):
                 last = error(503, str(e))
                 continue
             for w in moved:
-                await self._reopen_session(w, route.session_id, headers)  # type: ignore[arg-type]
+                await self._reopen_session(w, route.wire_session_id, headers)  # type: ignore[arg-type]
             host = urlsplit(p.url).hostname or ""
             raw = json.dumps(with_bootstrap(path, payload, host, self.bootstrap_port(p))).encode()
             self.pool.begin(p)
             self.decode.begin(d)
             self.policy.on_sent(route, p)
-            resp, failed = await self._pair(p, d, path, raw, headers, stream)
+            resp, failed = await self._pair(p, d, path, raw, headers, stream, route)
             if failed is None:
                 return resp
             (tried_p if failed is p else tried_d).add(failed.url)
@@ -163,7 +163,8 @@ class PDForwarder(Forwarder):
         return last
 
     async def _pair(
-        self, p: Worker, d: Worker, path: str, raw: bytes, headers: dict[str, str], stream: bool
+        self, p: Worker, d: Worker, path: str, raw: bytes, headers: dict[str, str], stream: bool,
+        route: RouteRequest,
     ) -> tuple[Response, Worker | None]:
         """One attempt: the answer, and the worker to avoid on a retry (None: no retry)."""
         pt = asyncio.create_task(self._prefill(p, path, raw, headers))
@@ -178,6 +179,7 @@ class PDForwarder(Forwarder):
             await self._abandon(dt, d)
             raise
         if bad is not None:  # the prefill failed before the decode answered
+            self.policy.on_failed(route, p)  # it left no KV there: the routing tree forgets the attempt
             await self._abandon(dt, d)
             return bad, p if bad.status_code in RETRY_STATUS else None
         try:

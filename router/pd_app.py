@@ -32,6 +32,7 @@ from router.config import check_url
 from router.pd import PDForwarder
 from router.policies import RouteRequest
 from router.proxy import error
+from router.tenancy import scope_of, session_key
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger("hicache.router")
@@ -197,13 +198,14 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object")
         sid = body.setdefault("session_id", uuid.uuid4().hex)  # one id for both sides
-        ws = pair(sid if isinstance(sid, str) else None)
+        key = session_key(scope_of(getattr(request.state, "tenant", None), {}), sid if isinstance(sid, str) else None)
+        ws = pair(key)
         if isinstance(ws, Response):
             return ws
-        raw, headers = json.dumps(body).encode(), fwd.headers_for(request.headers)
+        raw, headers = json.dumps(body).encode(), state.headers(request)  # a tenant's key goes on as it came
         answers = await asyncio.gather(*(fwd.call(w, "POST", "/open_session", raw, headers) for w in ws))
         if all(a.status_code == 200 for a in answers):
-            fwd.sessions.owner[sid], fwd.decode_sessions.owner[sid] = ws[0].url, ws[1].url
+            fwd.sessions.owner[key], fwd.decode_sessions.owner[key] = ws[0].url, ws[1].url
             return answers[1]
         close = json.dumps({"session_id": sid}).encode()  # undo the side that opened it
         for w, a in zip(ws, answers, strict=True):
@@ -217,11 +219,12 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
         sid = (await _args(request)).get("session_id")
         if not isinstance(sid, str):
             return error(400, "the body must be a JSON object with session_id")
+        key = session_key(scope_of(getattr(request.state, "tenant", None), {}), sid)  # another tenant's: unknown
         owners = ((fwd.sessions, state.pool), (fwd.decode_sessions, state.decode))
-        ws = [pool.workers[url] for sessions, pool in owners if (url := sessions.owner.pop(sid, None)) in pool.workers]
+        ws = [pool.workers[url] for sessions, pool in owners if (url := sessions.owner.pop(key, None)) in pool.workers]
         if not ws:
             return error(404, f"unknown session {sid!r}")
-        headers = fwd.headers_for(request.headers)
+        headers = state.headers(request)
         return _first_error(list(await asyncio.gather(*(fwd.call(w, "POST", "/close_session", raw, headers)
                                                         for w in ws))))
 

@@ -24,10 +24,16 @@ if TYPE_CHECKING:
 class RouteRequest:
     key: str  # routing key: token ids as characters, or the request's text (router/approx_tree.py)
     token_ids: list[int] | None = None  # exact ids when the router tokenized like the worker
-    session_id: str | None = None
+    session_id: str | None = None  # affinity key: the worker's id, scoped by tenant (router/tenancy.py)
+    worker_session_id: str | None = None  # the id the worker knows, when session_id is scoped
     # worker url -> characters of ``key`` the routing tree credited it with before this request
     # was sent there (so a failed attempt can be taken back: Policy.on_failed)
     held_before: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def wire_session_id(self) -> str | None:
+        """The session id to send a worker (re-opening the session on a new one)."""
+        return self.worker_session_id if self.worker_session_id is not None else self.session_id
 
 
 class Policy:

@@ -155,7 +155,7 @@ class Forwarder:
                 continue
             tried.add(w.url)
             if moved and route.session_id is not None:
-                await self._reopen_session(w, route.session_id, headers)
+                await self._reopen_session(w, route.wire_session_id, headers)
             self.pool.begin(w)
             self.policy.on_sent(route, w)  # at once, so concurrent requests of this prefix follow it
             try:

@@ -33,6 +33,7 @@ class FakeWorker:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of every POST
+        self.auth: list[str | None] = []  # the Authorization header of every POST
         self.behavior = "ok"
         self.load = 0
         self.disconnected = threading.Event()
@@ -44,6 +45,7 @@ class FakeWorker:
 
     def reset(self) -> None:
         self.received.clear()
+        self.auth.clear()
         self.behavior, self.load = "ok", 0
         self.disconnected.clear()
 
@@ -101,6 +103,7 @@ class FakeWorker:
                 self.disconnected.set()
                 return Response(status_code=499)
             self.received.append((request.url.path, body))
+            self.auth.append(request.headers.get("authorization"))
             behavior = self._next_behavior()
             if behavior.startswith("error:"):
                 status = int(behavior.split(":")[1])
@@ -137,6 +140,7 @@ class FakeWorker:
             raw = await request.body()
             body = json.loads(raw) if raw else {}
             self.received.append((request.url.path, body))
+            self.auth.append(request.headers.get("authorization"))
             if request.url.path == "/open_session":
                 return JSONResponse(body.get("session_id") or f"{self.name}-session")
             return JSONResponse({"success": True})

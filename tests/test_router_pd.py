@@ -263,3 +263,35 @@ def test_cli_pd_router(fleet: dict[str, FakeWorker]) -> None:
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_pd_tenants_scope_sessions_pass_keys_on_and_take_back_refused_attempts(
+        fleet: dict[str, FakeWorker], tmp_path) -> None:
+    """With an api-keys file: a tenant's key reaches both workers as it came; sessions are the
+    tenant's (another tenant cannot close them); a request the prefill side refused leaves
+    nothing in the routing tree."""
+    for w in fleet.values():
+        w.reset()
+    (tmp_path / "keys.yaml").write_text("keys:\n  sk-alice-0001: alice\n  sk-bob-00001: bob\n")
+    cfg = RouterConfig(
+        pd_disaggregation=True, prefill_urls=((fleet["p0"].url, None), (fleet["p1"].url, P1_PORT)),
+        decode_urls=(fleet["d0"].url, fleet["d1"].url), api_key="admin-key-0001",
+        api_keys_file=str(tmp_path / "keys.yaml"), health_check_interval_s=0.2, retry_backoff_s=0.01)
+    alice, bob = {"Authorization": "Bearer sk-alice-0001"}, {"Authorization": "Bearer sk-bob-00001"}
+    with RouterThread(cfg) as r, httpx.Client(base_url=r.url, timeout=30) as c:
+        assert c.post("/open_session", json={"session_id": "s1"}, headers=alice).json() == "s1"
+        resp = c.post("/generate", json={"text": "hello " * 8, "session_id": "s1"}, headers=alice)
+        p, d, _ = check_pair(fleet, resp)
+        assert p.auth[-1] == d.auth[-1] == "Bearer sk-alice-0001"
+        assert c.post("/close_session", json={"session_id": "s1"}, headers=bob).status_code == 404
+        assert c.post("/close_session", json={"session_id": "s1"}, headers=alice).status_code == 200
+        admin = {"Authorization": "Bearer admin-key-0001"}
+        before = c.get("/list_workers", headers=admin).json()["policy_stats"]
+        for name in ("p0", "p1"):
+            fleet[name].behavior = "error:400"
+        for name in ("d0", "d1"):
+            fleet[name].behavior = "hang"  # the prefill's answer comes first
+        assert c.post("/generate", json={"text": "refused " * 20}, headers=alice).status_code == 400
+        after = c.get("/list_workers", headers=admin).json()["policy_stats"]
+        held = lambda st: {url: n for url, n in st["tree_sizes"].items() if n}  # noqa: E731
+        assert held(after) == held(before) and after["retracted"] > before["retracted"], after
