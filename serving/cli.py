@@ -38,6 +38,9 @@ def _flag_type(tp: Any) -> Any:
     return None
 
 
+FLAG_ALIASES = {"tp_size": ("--tensor-parallel-size",), "dp_size": ("--data-parallel-size",)}  # SGLang/vLLM
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]]:
     """Add ``--config`` and one flag per config field; returns ``dest -> (section, field)``."""
     parser.add_argument(
@@ -54,10 +57,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]
             if name in dests:
                 raise RuntimeError(f"config field {name!r} is in both {dests[name][0]} and {section}")
             flag = "--" + name.replace("_", "-")
+            flags = (flag, *FLAG_ALIASES.get(name, ()))
             help_ = f"default: {defaults[name]!r}"
             if kind is bool:
                 group.add_argument(
-                    flag,
+                    *flags,
                     dest=name,
                     action=argparse.BooleanOptionalAction,
                     default=argparse.SUPPRESS,
@@ -65,7 +69,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]
                 )
             else:
                 group.add_argument(
-                    flag,
+                    *flags,
                     dest=name,
                     type=kind,
                     default=argparse.SUPPRESS,
@@ -126,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hicache serve: {e}", file=sys.stderr)
         return 2
+    if cfg.server.dp_size > 1:  # N replicas behind the router, started from this same command line
+        from serving.parallel.dp import run_dp
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return run_dp(cfg, argv[argv.index("serve") + 1:])
     from serving.server.launch import run_server
 
     return run_server(cfg)

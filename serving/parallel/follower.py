@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ class _Progress:
 def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection,
                   rpc: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    # a signal to the process group is rank 0's to handle: it persists the cache (every rank's part)
+    # and then stops us; we exit on our own when its pipe closes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _run(config, rank, size, init, cmds, rpc)
     except Exception:

@@ -56,6 +56,9 @@ class ServerConfig:
     # fails with 504 when the engine has not answered within this many seconds
     engine_call_timeout_s: float = 60.0
     max_json_depth: int = 128  # request bodies nested deeper (arrays / objects) get HTTP 400
+    # data parallelism (SGLang's --dp-size): this many engine replicas behind the built-in cache-aware
+    # router, in one command (serving/parallel/dp.py); they share the configured L3
+    dp_size: int = 1
     # Prefill-decode disaggregation (SGLang's flags; README "PD disaggregation"). null: colocated
     disaggregation_mode: str = "null"  # null | prefill | decode
     disaggregation_transfer_backend: str = "mooncake"  # mooncake | nixl | cuda_ipc (GPUs of one host)
@@ -67,6 +70,8 @@ class ServerConfig:
     disaggregation_bootstrap_timeout_s: float = 60.0  # a room whose other half has not shown up fails
 
     def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_request_bytes <= 0:

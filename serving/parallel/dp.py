@@ -1,0 +1,105 @@
+"""``hicache serve --dp-size N``: N engine replicas behind the built-in cache-aware router, in
+one command (as SGLang users run ``--dp-size``).
+
+Each replica is a whole ``hicache serve`` (its own HTTP process and engine, ``--tp-size`` ranks
+each) started from the same command line on a free local port; on CUDA replica ``i`` starts at
+GPU ``i * tp_size``. They share the configured L3 (the same LMDB directory or Mooncake
+store), so a prefix one replica wrote is an L3 hit on the others. The router
+(``router/``) listens on ``--host``/``--port``, routes by cached prefix over HTTP, and is what
+clients talk to. A replica that fails to start stops the others; SIGTERM stops the router, then
+the replicas (each persists its cache to L3 first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+log = logging.getLogger("hicache.dp")
+START_TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa: ANN001 - AppConfig
+    """The replica's command line: the user's flags, then ours (argparse: the last one wins)."""
+    from serving.model_runner import resolve_device
+
+    extra = ["--dp-size", "1", "--host", "127.0.0.1", "--port", str(port)]
+    dev = resolve_device(cfg.model.device)
+    if dev.type == "cuda":
+        extra += ["--device", f"cuda:{(dev.index or 0) + i * cfg.model.tp_size}"]
+    return [sys.executable, "-m", "serving.cli", "serve", *argv, *extra]
+
+
+def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], headers: dict[str, str]) -> str | None:
+    """None once every replica answers /health with 200; else why not."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(range(len(urls)))
+    while pending:
+        for i in list(pending):
+            if procs[i].poll() is not None:
+                return f"data-parallel replica {i} exited with code {procs[i].returncode} while starting"
+            try:
+                if httpx.get(urls[i] + "/health", headers=headers, timeout=2).status_code == 200:
+                    pending.discard(i)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            return f"data-parallel replicas {sorted(pending)} not ready after {START_TIMEOUT_S:.0f} s"
+        time.sleep(0.25)
+    return None
+
+
+def _stop(procs: list[subprocess.Popen], timeout: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config.AppConfig
+    from router.cli import serve
+    from router.config import RouterConfig
+
+    logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    n = cfg.server.dp_size
+    ports = [_free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen(replica_args(argv, cfg, i, port), env=env) for i, port in enumerate(ports)]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM while replicas start: stop them
+    try:
+        key = cfg.server.api_key or os.environ.get("HICACHE_API_KEY")
+        why = _wait_healthy(procs, urls, {"Authorization": f"Bearer {key}"} if key else {})
+        if why is not None:
+            print(f"hicache serve: {why}; stopping", file=sys.stderr, flush=True)
+            return 1
+        log.info("data parallelism: %d replicas at %s behind the router on %s:%d", n, " ".join(urls),
+                 cfg.server.host, cfg.server.port)
+        rcfg = RouterConfig(host=cfg.server.host, port=cfg.server.port, worker_urls=tuple(urls),
+                            api_key=key, log_level=cfg.server.log_level)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own handler
+        return serve(rcfg)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop(procs, cfg.server.shutdown_timeout_s + 10)
