@@ -38,9 +38,9 @@ def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa:
     from serving.model_runner import resolve_device
 
     extra = ["--dp-size", "1", "--host", "127.0.0.1", "--port", str(port)]
-    dev = resolve_device(cfg.model.device)
+    dev = resolve_device(cfg.engine.model.device)
     if dev.type == "cuda":
-        extra += ["--device", f"cuda:{(dev.index or 0) + i * cfg.model.tp_size}"]
+        extra += ["--device", f"cuda:{(dev.index or 0) + i * cfg.engine.model.tp_size}"]
     return [sys.executable, "-m", "serving.cli", "serve", *argv, *extra]
 
 
