@@ -74,6 +74,8 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     from serving.parallel.leader import cpu_threads_per_rank, make_rank_tier
 
     device = torch.device(config.model.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if device.type == "cpu":  # the ranks share the cores
         torch.set_num_threads(cpu_threads_per_rank(size))
     tp = init_tp_group(rank, size, init, device, config.model.dist_timeout)

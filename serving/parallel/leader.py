@@ -82,6 +82,8 @@ class TPLeader:
         self.plans = [ShardPlan.for_model(arch, r, self.size) for r in range(self.size)]  # checks the heads
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.size))
+        else:
+            torch.cuda.set_device(device)
         self._dir = tempfile.mkdtemp(prefix="hicache-tp-")
         init = f"file://{self._dir}/init"
         ctx = mp.get_context("spawn")
