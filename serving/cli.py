@@ -130,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hicache serve: {e}", file=sys.stderr)
         return 2
+    if cfg.engine.model.tp_size > 1 and cfg.server.disaggregation_mode != "null":
+        print("hicache serve: PD disaggregation with --tp-size > 1 is not supported", file=sys.stderr)
+        return 2
     if cfg.server.dp_size > 1:  # N replicas behind the router, started from this same command line
         from serving.parallel.dp import run_dp
 
