@@ -35,6 +35,7 @@ from serving.lang.backends import EngineBackend, OpenAI, RuntimeEndpoint
 from serving.lang.chat_template import ChatTemplate
 from serving.lang.choices import (
     ChoicesMethod,
+    greedy_token_selection,
     sum_logprob,
     token_length_normalized,
     unconditional_likelihood_normalized,
@@ -46,7 +47,7 @@ from serving.lang.state import ProgramState, ProgramStateGroup
 __all__ = [
     "BackendError", "ChatTemplate", "ChoicesMethod", "EngineBackend", "LangError", "OpenAI", "ProgramState",
     "ProgramStateGroup", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin", "assistant_end",
-    "function", "gen", "gen_int", "gen_string", "get_default_backend", "select", "set_default_backend",
-    "sum_logprob", "system", "system_begin", "system_end", "token_length_normalized",
+    "function", "gen", "gen_int", "gen_string", "get_default_backend", "greedy_token_selection", "select",
+    "set_default_backend", "sum_logprob", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
 ]
