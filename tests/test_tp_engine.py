@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from hicache.keys import page_keys, tp_shard_key
+from hicache.tiers.lmdb_store import LMDBStore
 from serving.engine import Engine
 from tests.model_utils import tiny_model
 from tests.test_engine import GREEDY, ids_of, prompts
@@ -80,13 +82,26 @@ def test_tp2_restart_from_l3_token_identical(tiny, tmp_path):
     db = tmp_path / "l3"
     eng = l3_engine(path, db, tp_size=2)
     assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == want
+    namespace = eng.core.storage.writeback.namespace
     eng.shutdown()  # persists every page (every rank's part) to L3
+    # rank 1's parts of the first prompt's pages go bad (corrupt: they exist, but fail the check on
+    # read) and of the second prompt's go missing; rank 0's parts are intact. Those pages are not
+    # in L3 any more: both prompts are recomputed, never served half-loaded
+    store = LMDBStore.from_config({"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1})
+    bad, gone = ([tp_shard_key(k, 1, 1) for k in page_keys(p, PS, namespace)] for p in ps[:2])
+    assert all(store.exists(k) for k in page_keys(ps[0], PS, namespace) + bad + gone)
+    for k in bad:
+        value = bytearray(store.get(k))
+        value[0] ^= 0xFF
+        assert store.set(k, bytes(value))
+    assert sum(store.delete(k) for k in gone) == len(gone)
+    store.close()
     eng = l3_engine(path, db, tp_size=2, max_running_requests=1)  # a restart: L1 and L2 empty
     try:
         outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
         assert ids_of(outs) == want
         hits = [o["meta_info"]["cached_tokens_details"]["storage"] for o in outs]
-        assert all(h > 0 for h in hits), hits
+        assert hits[:2] == [0, 0] and all(h > 0 for h in hits[2:]), hits
         eng.check_integrity()
     finally:
         eng.shutdown()
