@@ -168,15 +168,20 @@ def main(argv: list[str] | None = None) -> dict:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(shape, f)
         for tp in sizes:
-            try:
-                engine_section(res, args, d, shape, tp)  # the engine's memory goes when that frame does
-            except Exception:  # noqa: BLE001 - reported; the other sizes still run
-                import traceback
+            for graphs in ((True, False) if not args.disable_cuda_graph else (False,)):
+                args.disable_cuda_graph = not graphs
+                try:
+                    engine_section(res, args, d, shape, tp)  # the engine's memory goes when that frame does
+                    break
+                except Exception:  # noqa: BLE001 - reported; the other sizes still run
+                    import traceback
 
-                errors.append(traceback.format_exc())
-                log(f"TP={tp} FAILED:\n{errors[-1]}")
-            gc.collect()
-            torch.cuda.empty_cache()
+                    errors.append(f"TP={tp} (cuda graphs {'on' if graphs else 'off'}): {traceback.format_exc()}")
+                    log(f"TP={tp} FAILED{'; again without CUDA graphs' if graphs else ''}:\n{errors[-1]}")
+                finally:
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            args.disable_cuda_graph = False
             write_json(args.json, {**res, "partial": True})
     if "tp1" in res and "tp2" in res:
         res["tp2_vs_tp1_decode_bs1"] = res["tp2"]["decode_bs1_tok_s"] / res["tp1"]["decode_bs1_tok_s"]
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         res["tp2_vs_tp1_prefill"] = res["tp2"]["prefill_tok_s"] / res["tp1"]["prefill_tok_s"]
         res["goal_tp2_bs1_decode_1_6x"] = res["tp2_vs_tp1_decode_bs1"] >= 1.6
     if errors:
-        res["errors"] = [e.splitlines()[-1] for e in errors]
+        res["errors"] = [e.splitlines()[0] + " " + e.splitlines()[-1] for e in errors]
     rows = [["HBM copy (read+write)", "", f"{res['hbm_copy_gbps']:.0f} GB/s"]]
     for name, v in res.get("allreduce", {}).items():
         rows.append([f"all-reduce {name} ({v['bytes']} B)", "", f"{v['us']:.1f} us, {v['bus_gbps']:.1f} GB/s bus"])
