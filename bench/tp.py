@@ -164,11 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.cuda.empty_cache()
     if max(sizes) > 1:
         allreduce(res, shape["hidden_size"], max(sizes))
+    user_no_graphs = args.disable_cuda_graph
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(shape, f)
         for tp in sizes:
-            for graphs in ((True, False) if not args.disable_cuda_graph else (False,)):
+            for graphs in ((True, False) if not user_no_graphs else (False,)):
                 args.disable_cuda_graph = not graphs
                 try:
                     engine_section(res, args, d, shape, tp)  # the engine's memory goes when that frame does
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                 finally:
                     gc.collect()
                     torch.cuda.empty_cache()
-            args.disable_cuda_graph = False
+            args.disable_cuda_graph = user_no_graphs
             write_json(args.json, {**res, "partial": True})
     if "tp1" in res and "tp2" in res:
         res["tp2_vs_tp1_decode_bs1"] = res["tp2"]["decode_bs1_tok_s"] / res["tp1"]["decode_bs1_tok_s"]
