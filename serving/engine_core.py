@@ -39,6 +39,14 @@ class EngineCore:
         self.config = config
         # tensor parallelism: this process is rank 0 (scheduler, tree); the other ranks follow it
         self.tp = TPLeader(config) if config.model.tp_size > 1 else None
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp is not None:  # the other ranks and the process group go with this engine
+                self.tp.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         model_cfg = self.tp.config.model if self.tp else config.model
         self.runner = ModelRunner(model_cfg, config.scheduler, config.cache.page_size,
                                   self.tp.group if self.tp else None)

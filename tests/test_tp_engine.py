@@ -114,3 +114,28 @@ def test_tp2_restart_from_l3_token_identical(tiny, tmp_path):
         assert sum(o["meta_info"]["cached_tokens_details"]["storage"] for o in outs) == 0
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_l2_hits_token_identical():
+    """SmolLM2-135M (9 heads, 3 kv heads: TP=3, one kv head per rank), L2 hits and preemption."""
+    from tests.model_utils import smollm2_path
+
+    path = smollm2_path()
+    ps = prompts(3, 49152, seed=11, lo=20, hi=30)
+    others = prompts(4, 49152, seed=12, lo=20, hi=30)
+    greedy = {**GREEDY, "max_new_tokens": 6}
+    ref = Engine(model_path=str(path), page_size=PS, max_total_tokens=4096)
+    want = ids_of(ref.generate(input_ids=ps, sampling_params=greedy))
+    ref.shutdown()
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=96, hicache_ratio=4.0,
+                 write_through_threshold=1, max_running_requests=2, tp_size=3)
+    try:
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=greedy)) == want
+        eng.generate(input_ids=others, sampling_params=greedy)
+        again = eng.generate(input_ids=ps, sampling_params=greedy)
+        assert ids_of(again) == want
+        assert sum(o["meta_info"]["cached_tokens_details"]["host"] for o in again) > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
