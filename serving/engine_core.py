@@ -185,6 +185,8 @@ class EngineCore:
         self.runner.pool.allocator.check_integrity()
         if self.host_pool is not None:
             self.host_pool.allocator.check_integrity()
+        if self.tp is not None:  # the other ranks ran every command and hold the same pools
+            self.tp.check_integrity(self.runner.pool.num_pages, self.host_pool.num_pages if self.host_pool else 0)
 
     def shutdown(self, persist: bool = True) -> None:
         """Stop background work. With L3 and ``persist``, every cached page is written to

@@ -139,3 +139,21 @@ def test_smollm2_tp3_l2_hits_token_identical():
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_integrity_check_covers_the_other_ranks(tiny):
+    """check_integrity fails when a follower has not run every command (here: one rank 0 claims to
+    have sent, so the follower's count is one short), and passes again once they agree."""
+    path, ps, _ = tiny
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=160, hicache_ratio=2.0, tp_size=2,
+                 dist_timeout=2.0)
+    try:
+        eng.generate(input_ids=ps[:2], sampling_params=GREEDY)
+        eng.check_integrity()
+        eng.core.tp.seq += 1
+        with pytest.raises(AssertionError, match="tensor-parallel rank 1: ran"):
+            eng.check_integrity()
+        eng.core.tp.seq -= 1
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -88,9 +88,8 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     controller = CacheController(runner.pool, host_pool) if host_pool is not None else None
     tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
     progress = _Progress(1)  # Setup was command 1
-    if tier is not None:
-        threading.Thread(target=_serve_storage, args=(rpc, tier, host_pool, progress, config.model.dist_timeout),
-                         name="tp-storage", daemon=True).start()
+    threading.Thread(target=_serve_requests, args=(rpc, runner.pool, tier, host_pool, progress,
+                                                   config.model.dist_timeout), name="tp-requests", daemon=True).start()
     try:
         while True:
             try:
@@ -120,16 +119,20 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
         destroy_tp_group(tp)
 
 
-def _serve_storage(rpc: Connection, tier, host_pool, progress: _Progress, timeout: float) -> None:  # noqa: ANN001
+def _serve_requests(rpc: Connection, pool, tier, host_pool, progress: _Progress,  # noqa: ANN001
+                    timeout: float) -> None:
+    """Rank 0's requests that are not commands: L3 reads and writes, integrity checks."""
     while True:
         try:
             req = rpc.recv()
         except (EOFError, OSError):
             return
-        if not progress.wait(req.after, timeout):
+        ran = progress.wait(req.after, timeout)
+        if isinstance(req, msg.Check):
+            rpc.send((progress.done, pool.num_pages, host_pool.num_pages if host_pool is not None else 0))
+        elif not ran or tier is None:
             rpc.send(0)  # never read a page whose backup has not run: a miss / a failed write
-            continue
-        if isinstance(req, msg.L3Get):
+        elif isinstance(req, msg.L3Get):
             rpc.send(tier.batch_get(req.keys, host_pool, req.pages))
         else:
             rpc.send(tier.batch_set(req.keys, host_pool, req.pages))

@@ -160,6 +160,20 @@ class TPLeader:
                 done = min(done, int(c.recv()))
         return done
 
+    def check_integrity(self, device_pages: int, host_pages: int) -> None:
+        """Every follower has run every command sent so far and has the same pools; AssertionError else."""
+        with self._rpc_lock:
+            for c in self._rpcs:
+                c.send(msg.Check(self.seq))
+            for r, c in enumerate(self._rpcs, start=1):
+                if not c.poll(self.config.model.dist_timeout):
+                    self._die(f"tensor-parallel rank {r} did not answer an integrity check")
+                done, dev, host = c.recv()
+                if (done, dev, host) != (self.seq, device_pages, host_pages):
+                    raise AssertionError(
+                        f"tensor-parallel rank {r}: ran {done} of {self.seq} commands, {dev} L1 / {host} L2 pages "
+                        f"(rank 0: {device_pages} / {host_pages})")
+
     # -- faults and shutdown ---------------------------------------------------------------
     def _monitor(self) -> None:
         sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.procs, start=1)}

@@ -62,8 +62,8 @@ class L3Set:
 
 
 @dataclass(frozen=True)
-class Failed:
-    """A follower's reply when its side of a command failed (rank 0 stops the engine)."""
+class Check:
+    """check_integrity: the follower answers, once it has run command ``after``, with
+    ``(commands run, L1 pages, L2 pages)``."""
 
-    rank: int
-    error: str
+    after: int
