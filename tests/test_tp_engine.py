@@ -157,3 +157,24 @@ def test_integrity_check_covers_the_other_ranks(tiny):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_tp2_overlap_schedule_token_identical(tiny):
+    """Overlap scheduling (on by default on CUDA; switched on here on CPU): a batch's ids hold
+    placeholders for tokens still being sampled; rank 0 fills them in and broadcasts them."""
+    from serving.overlap import OverlapScheduler
+
+    path, ps, others = tiny
+    batch = ps + others
+    ref = Engine(model_path=str(path), page_size=PS, max_total_tokens=4096)
+    want = ids_of(ref.generate(input_ids=batch, sampling_params=GREEDY))
+    ref.shutdown()
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=4096, tp_size=2)
+    try:
+        sched = eng.core.scheduler
+        sched._overlap = OverlapScheduler(sched)
+        assert ids_of(eng.generate(input_ids=batch, sampling_params=GREEDY)) == want
+        assert sched._overlap.overlapped_steps > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
