@@ -14,7 +14,7 @@ from tests.test_engine import GREEDY, ids_of, prompts
 PS = 4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def tiny(request, tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp(f"tp-{request.param}"), arch=request.param, num_key_value_heads=2)
     ps = prompts(4, 512, seed=3, lo=40, hi=60)
