@@ -1,5 +1,5 @@
 """The language's OpenAI backend against this project's own OpenAI-compatible routes (a real
-server, the ``openai`` SDK): chat programs give the same greedy answers as RuntimeEndpoint,
+server with an API key, the ``openai`` SDK): chat programs give the same greedy answers as RuntimeEndpoint,
 ``select`` scores through /v1/completions echo logprobs equal the native API's, and what the
 backend cannot do is a clear error naming the call."""
 
@@ -14,21 +14,32 @@ from tests.server_utils import running_server
 ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]
 
 
+KEY = "sk-lang-test-0001"
+
+
 @pytest.fixture(scope="module")
 def server(lang_model):
-    with running_server(["--model-path", str(lang_model), *ARGS]) as s:
+    with running_server(["--model-path", str(lang_model), *ARGS], api_key=KEY) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def native(server):
-    be = sgl.RuntimeEndpoint(server.url)
+    be = sgl.RuntimeEndpoint(server.url, api_key=KEY)
     yield be
     be.shutdown()
 
 
 def oai(native, **kw) -> sgl.OpenAI:
-    return sgl.OpenAI(native.model_info["served_model_name"], base_url=native.base_url + "/v1", **kw)
+    return sgl.OpenAI(native.model_info["served_model_name"], base_url=native.base_url + "/v1", api_key=KEY, **kw)
+
+
+def test_api_key(server, native) -> None:
+    with pytest.raises(sgl.BackendError, match="the server answered 401"):
+        sgl.RuntimeEndpoint(server.url)
+    with pytest.raises(sgl.LangError, match=r"gen\('answer'\) in program 'basic_qa': the server answered 401"):
+        p.basic_qa.run(question="hi", backend=sgl.OpenAI(native.model_info["served_model_name"],
+                                                         base_url=server.url + "/v1", api_key="wrong"))
 
 
 def test_chat_program_matches_native(native) -> None:

@@ -29,6 +29,12 @@ _STOP = object()
 
 
 class StreamExecutor:
+    """One program state's interpreter. Concurrency contract: ``submit``, ``get_var``, ``sync``,
+    ``end`` and the readers may be called from any thread; only the worker thread runs
+    expressions, calls the backend (outside ``cond``) and writes ``text``, ``messages``,
+    ``variables``, ``meta_info`` and ``error`` (under ``cond``, which readers take too); a
+    variable's event is set once its call has finished or failed."""
+
     def __init__(self, backend: Any, defaults: dict[str, Any], program: str = "", stream: bool = False,
                  use_session: bool = True) -> None:
         self.backend = backend

@@ -38,6 +38,11 @@ class _Job:
 
 
 class EngineBackend(Backend):
+    """Concurrency contract: only the driver thread touches ``engine.core`` (requests, steps,
+    sessions, flushes, integrity checks); callers on any thread hand it jobs through ``_inbox``
+    and block on each job's future; a streaming job's callback runs on the driver thread and
+    only puts text into its reader's queue."""
+
     def __init__(self, engine: Any = None, chat_template: Any = None, **engine_kwargs: Any) -> None:
         from serving.engine import Engine
 
