@@ -144,3 +144,26 @@ def test_default_backend_and_direct_call(backend) -> None:
                                                  temperature=0)["answer"]
     finally:
         sgl.set_default_backend(None)
+
+
+@pytest.mark.parametrize("kw, field", [({"max_tokens": -1}, "max_new_tokens"), ({"temperature": -1.0}, "temperature"),
+                                       ({"top_p": 0.0}, "top_p"), ({"json_schema": "{not json"}, "")])
+def test_bad_gen_arguments_are_400s(server, backend, kw, field) -> None:
+    @sgl.function
+    def bad(s):
+        s += "Hello" + sgl.gen("x", **kw)
+
+    with pytest.raises(sgl.LangError, match=rf"gen\('x'\) in program 'bad': the server answered 400: .*{field}") as e:
+        bad.run(backend=backend)
+    assert e.value.status == 400
+    server.check_integrity()  # nothing leaked
+
+
+def test_fork_needs_a_positive_count(backend) -> None:
+    @sgl.function
+    def bad(s):
+        s += "Hello"
+        s.fork(0)
+
+    with pytest.raises(ValueError, match="fork"):
+        bad.run(backend=backend)
