@@ -105,27 +105,30 @@ class OpenAI(Backend):
         if self.is_chat_model and not self.template_known:
             raise BackendError("select on a chat model needs prompt logprobs over the templated text: pass "
                                "OpenAI(..., chat_template=<Jinja string or model folder>) or use RuntimeEndpoint")
+        scored = self._echo([ex.text + c for c in choices], len(ex.text))
+        alone = self._echo(list(choices), 0) if unconditional else [None] * len(choices)
         out = []
-        for c in choices:
-            toks, lps = self._echo(ex.text + c, len(ex.text))
+        for (toks, lps), u in zip(scored, alone, strict=True):
             uncond = None
-            if unconditional:
-                _, u = self._echo(c, 0)
-                u = [0.0 if x is None else x for x in u][-len(lps):] if lps else []
-                uncond = [0.0] * (len(lps) - len(u)) + u
+            if u is not None:
+                tail = [0.0 if x is None else x for x in u[1]][-len(lps):] if lps else []
+                uncond = [0.0] * (len(lps) - len(tail)) + tail
             out.append(ChoiceLogprobs(toks, [0.0 if x is None else x for x in lps], uncond))
         return out
 
-    def _echo(self, prompt: str, start: int) -> tuple[list[Any], list[Any]]:
-        r = self._call(self.client.completions.create, model=self.model_name, prompt=prompt, max_tokens=0,
+    def _echo(self, prompts: list[str], start: int) -> list[tuple[list[Any], list[Any]]]:
+        """Each prompt's tokens that end past ``start`` and their logprobs (one batched request)."""
+        r = self._call(self.client.completions.create, model=self.model_name, prompt=prompts, max_tokens=0,
                        echo=True, logprobs=1, temperature=0)
-        lp = r.choices[0].logprobs
-        if lp is None or not lp.token_logprobs or lp.text_offset is None:
-            raise BackendError("the server gives no prompt logprobs (completions with echo and logprobs)")
-        ends = [*lp.text_offset[1:], len(prompt) + 1]  # a token that crosses ``start`` (merged) is the choice's
-        keep = [i for i, end in enumerate(ends) if end > start]
-        return [lp.tokens[i] for i in keep], [lp.token_logprobs[i] for i in keep]
-
+        out: list[tuple[list[Any], list[Any]]] = [([], [])] * len(prompts)
+        for choice in r.choices:
+            lp = choice.logprobs
+            if lp is None or not lp.token_logprobs or lp.text_offset is None:
+                raise BackendError("the server gives no prompt logprobs (completions with echo and logprobs)")
+            ends = [*lp.text_offset[1:], len(prompts[choice.index]) + 1]  # a token crossing ``start`` counts
+            keep = [i for i, end in enumerate(ends) if end > start]
+            out[choice.index] = ([lp.tokens[i] for i in keep], [lp.token_logprobs[i] for i in keep])
+        return out
 
 def _meta(r: Any) -> dict[str, Any]:
     u = getattr(r, "usage", None)
