@@ -21,6 +21,7 @@ import torch
 
 from serving.config import EngineConfig
 from serving.parallel import messages as msg
+from serving.parallel.rpc import serve_rpc
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,10 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     controller = CacheController(runner.pool, host_pool) if host_pool is not None else None
     tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
     progress = _Progress(1)  # Setup was command 1
+    workers = 2 + cache.hicache_storage_read_threads  # rank 0's reader threads, its writer, a check
     threading.Thread(target=_serve_requests, args=(rpc, runner.pool, tier, host_pool, progress,
-                                                   config.model.dist_timeout), name="tp-requests", daemon=True).start()
+                                                   config.model.dist_timeout, workers),
+                     name="tp-requests", daemon=True).start()
     try:
         while True:
             try:
@@ -120,19 +123,17 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
 
 
 def _serve_requests(rpc: Connection, pool, tier, host_pool, progress: _Progress,  # noqa: ANN001
-                    timeout: float) -> None:
+                    timeout: float, workers: int) -> None:
     """Rank 0's requests that are not commands: L3 reads and writes, integrity checks."""
-    while True:
-        try:
-            req = rpc.recv()
-        except (EOFError, OSError):
-            return
+
+    def handle(req: msg.L3Get | msg.L3Set | msg.Check) -> object:
         ran = progress.wait(req.after, timeout)
         if isinstance(req, msg.Check):
-            rpc.send((progress.done, pool.num_pages, host_pool.num_pages if host_pool is not None else 0))
-        elif not ran or tier is None:
-            rpc.send(0)  # never read a page whose backup has not run: a miss / a failed write
-        elif isinstance(req, msg.L3Get):
-            rpc.send(tier.batch_get(req.keys, host_pool, req.pages))
-        else:
-            rpc.send(tier.batch_set(req.keys, host_pool, req.pages))
+            return progress.done, pool.num_pages, host_pool.num_pages if host_pool is not None else 0
+        if not ran or tier is None:
+            return 0  # never read a page whose backup has not run: a miss / a failed write
+        if isinstance(req, msg.L3Get):
+            return tier.batch_get(req.keys, host_pool, req.pages)
+        return tier.batch_set(req.keys, host_pool, req.pages)
+
+    serve_rpc(rpc, handle, workers)

@@ -14,7 +14,7 @@ and every collective has ``--dist-timeout``.
 
 Concurrency contract: ``forward`` and ``execute`` are called on the scheduler thread only (their
 commands keep its order); ``TPStorageTier`` calls come from any thread and are serialised per
-engine by one lock (rank 0's own part runs while the followers run theirs).
+engine only per follower pipe (serving/parallel/rpc.py: requests run concurrently on every rank).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from serving.config import EngineConfig
 from serving.parallel import messages as msg
 from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
+from serving.parallel.rpc import RpcClient
 from serving.parallel.shard import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -97,13 +99,12 @@ class TPLeader:
             rx.close()
             theirs.close()
             self._cmds.append(tx)
-            self._rpcs.append(mine)
+            self._rpcs.append(RpcClient(mine, r))
             self.procs.append(p)
         self._stopping = False
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
         self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
         self.seq = 0  # commands sent
-        self._rpc_lock = threading.Lock()
 
     # -- what the scheduler thread calls -----------------------------------------------------
     def _send(self, cmd: Any) -> None:
@@ -147,32 +148,31 @@ class TPLeader:
         plan = self.plans[rank]
         return [tp_shard_key(k, plan.kv_head_start, plan.num_kv_heads) for k in keys]
 
+    def _answers(self, futures: list, what: str) -> list:
+        # a follower first waits up to dist_timeout for the commands a request follows, then answers
+        limit = 2 * self.config.model.dist_timeout + 10
+        out = []
+        for r, fut in enumerate(futures, start=1):
+            try:
+                out.append(fut.result(limit))
+            except FutureTimeout:
+                self._die(f"tensor-parallel rank {r} did not answer {what} in {limit:.0f} s")
+        return out
+
     def mirrored(self, make: Callable[[int], Any], local: Callable[[], int]) -> int:
         """Send ``make(rank)`` to every follower, run ``local()``, return the smallest count."""
-        with self._rpc_lock:
-            for r, c in enumerate(self._rpcs, start=1):
-                c.send(make(r))
-            done = local()
-            for r, c in enumerate(self._rpcs, start=1):
-                if not c.poll(self.config.model.dist_timeout):
-                    self._die(f"tensor-parallel rank {r} did not answer an L3 request in "
-                              f"{self.config.model.dist_timeout:.0f} s")
-                done = min(done, int(c.recv()))
-        return done
+        futures = [c.call(make(r)) for r, c in enumerate(self._rpcs, start=1)]
+        done = local()
+        return min([done, *(int(n) for n in self._answers(futures, "an L3 request"))])
 
     def check_integrity(self, device_pages: int, host_pages: int) -> None:
         """Every follower has run every command sent so far and has the same pools; AssertionError else."""
-        with self._rpc_lock:
-            for c in self._rpcs:
-                c.send(msg.Check(self.seq))
-            for r, c in enumerate(self._rpcs, start=1):
-                if not c.poll(self.config.model.dist_timeout):
-                    self._die(f"tensor-parallel rank {r} did not answer an integrity check")
-                done, dev, host = c.recv()
-                if (done, dev, host) != (self.seq, device_pages, host_pages):
-                    raise AssertionError(
-                        f"tensor-parallel rank {r}: ran {done} of {self.seq} commands, {dev} L1 / {host} L2 pages "
-                        f"(rank 0: {device_pages} / {host_pages})")
+        answers = self._answers([c.call(msg.Check(self.seq)) for c in self._rpcs], "an integrity check")
+        for r, (done, dev, host) in enumerate(answers, start=1):
+            if (done, dev, host) != (self.seq, device_pages, host_pages):
+                raise AssertionError(
+                    f"tensor-parallel rank {r}: ran {done} of {self.seq} commands, {dev} L1 / {host} L2 pages "
+                    f"(rank 0: {device_pages} / {host_pages})")
 
     # -- faults and shutdown ---------------------------------------------------------------
     def _monitor(self) -> None:
