@@ -51,3 +51,16 @@ def test_replicated_kv_head_is_the_one_its_q_heads_use() -> None:
     for r in range(4):
         plan = ShardPlan.for_model(cfg, r, 4)
         assert plan.num_kv_heads == 1 and plan.kv_head_start == (2 * r) // 4
+
+
+def test_tp_shard_keys() -> None:
+    """The part holding kv head 0 keeps rank 0's key; other kv-head ranges get their own keys."""
+    from hicache.keys import page_keys, tp_shard_key
+
+    (k,) = page_keys(list(range(4)), 4, "m|L2.H1.D16.float32|tp0")
+    assert tp_shard_key(k, 0, 1) == k
+    others = {tp_shard_key(k, s, n) for s, n in ((1, 1), (2, 1), (2, 2), (4, 2))}
+    assert len(others) == 4 and k not in others
+    assert tp_shard_key(k, 1, 1) == tp_shard_key(k, 1, 1)
+    with pytest.raises(ValueError):
+        tp_shard_key("not-a-key", 1, 1)

@@ -82,6 +82,16 @@ def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config
 
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     n = cfg.server.dp_size
+    if cfg.engine.model.tp_size > 1:  # the replicas would each fail on it: say so once, before starting them
+        from serving.models.config import ModelArchConfig
+        from serving.parallel.shard import ShardPlan, TPShapeError
+
+        try:
+            ShardPlan.for_model(ModelArchConfig.from_pretrained(cfg.engine.model.model_path), 0,
+                                cfg.engine.model.tp_size)
+        except TPShapeError as e:
+            print(f"hicache serve: {e}", file=sys.stderr)
+            return 2
     ports = [_free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
