@@ -64,3 +64,28 @@ def test_select_needs_choices(backend) -> None:
         sgl.select("x", [])
     with pytest.raises(ValueError, match="unknown choices_method"):
         sgl.select("x", ["a"], choices_method="nope")
+
+
+def test_run_batch_computes_the_shared_prefix_once(backend) -> None:
+    """All 16 programs' first calls reach the engine while it is busy (a job holds the driver):
+    still only the first of the group computes the few-shot header (serving.lang.batch)."""
+    import threading
+    import time
+
+    from tests import lang_programs as p
+
+    backend.flush_cache()
+    release = threading.Event()
+    busy = threading.Thread(target=backend._submit, args=(lambda core: release.wait(30),))
+    busy.start()
+    out: list = []
+    runner = threading.Thread(target=lambda: out.append(p.text_qa.run_batch(
+        [{"question": c} for c in p.COUNTRIES], backend=backend, temperature=0)))
+    runner.start()
+    time.sleep(1.0)  # every program has sent its first call or waits at the gate
+    release.set()
+    runner.join(120)
+    busy.join()
+    metas = [s.get_meta_info("answer") for s in out[0]]
+    header = metas[0]["prompt_tokens"] - 10
+    assert all(m["cached_tokens"] >= checks.full_pages(header) for m in metas), [m["cached_tokens"] for m in metas]

@@ -54,3 +54,25 @@ def test_expressions() -> None:
         sgl.gen("x", regex="a", json_schema="{}")
     with pytest.raises(TypeError, match="cannot append a list"):
         ir.to_expr([1])
+
+
+def test_prefix_gate() -> None:
+    import threading
+
+    from serving.lang.batch import PrefixGate
+
+    gate = PrefixGate(min_chars=8)
+    lead_a = gate.enter("shared header A: question 1")
+    assert lead_a is not None
+    lead_b = gate.enter("another header: question 1")  # another group: leads at once, does not wait
+    assert lead_b is not None
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(gate.enter("shared header A: question 2")))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # same group: waits for A's prefill
+    gate.release(lead_a)
+    waiter.join(5)
+    assert got == [None]  # then goes, without leading
+    assert gate.enter("shared header A: question 3") is None  # later ones pass straight through
+    gate.release(lead_b)

@@ -36,13 +36,14 @@ class StreamExecutor:
     variable's event is set once its call has finished or failed."""
 
     def __init__(self, backend: Any, defaults: dict[str, Any], program: str = "", stream: bool = False,
-                 use_session: bool = True) -> None:
+                 use_session: bool = True, gate: Any = None) -> None:
         self.backend = backend
         self.template = backend.chat_template
         self.defaults = {**ir.DEFAULT_SAMPLING, **defaults}
         self.program = program
         self.stream = stream
         self.use_session = use_session
+        self.gate = gate  # run_batch's serving.lang.batch.PrefixGate (None: not in a batch)
         self.text = ""
         self.messages: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
@@ -52,7 +53,6 @@ class StreamExecutor:
         self.calls = 0
         self.session_id: str | None = None
         self.error: LangError | None = None
-        self.first_call = threading.Event()  # set once the first backend call has finished (run_batch)
         self.cond = threading.Condition()
         self._events: dict[str, threading.Event] = {}
         self._streaming: set[str] = set()
@@ -170,7 +170,6 @@ class StreamExecutor:
             self.error = LangError(expr.label(), self.program, message, status)
             for ev in self._events.values():
                 ev.set()
-        self.first_call.set()
 
     def _append(self, s: str) -> None:
         with self.cond:
@@ -203,6 +202,13 @@ class StreamExecutor:
 
     def _before_call(self) -> None:
         self.calls += 1
+        if self.gate is not None and self.calls == 1:
+            lead = self.gate.enter(self.text)
+            try:
+                if lead is not None:  # the first of its group: its text goes into the tree first
+                    self.backend.cache_prefix(self)
+            finally:
+                self.gate.release(lead)
         if self.use_session and self.session_id is None and self.calls > SESSION_AFTER_CALLS:
             self.session_id = self.backend.open_session()
 
@@ -227,7 +233,6 @@ class StreamExecutor:
         else:
             value, meta = self.backend.generate(self, params, e)
             self._append(value)
-        self.first_call.set()
         if e.name is not None:
             out: Any = value
             if e.dtype is not None and e.dtype is not str:
@@ -242,7 +247,6 @@ class StreamExecutor:
         self._before_call()
         lps = self.backend.choice_logprobs(self, e.choices, method.needs_unconditional)
         best, scores = method.pick(lps)
-        self.first_call.set()
         self._append(e.choices[best])
         meta = {"choices": list(e.choices), "scores": scores, "choices_method": method.name,
                 "input_token_logprobs": [c.cond for c in lps],

@@ -6,11 +6,10 @@ state's calls (unless ``stream=True``) and raises the first failure as a
 :class:`serving.lang.errors.LangError` naming the call. Sampling keywords given to ``run``
 (``max_new_tokens``, ``temperature``, ...) are the defaults of its ``gen`` calls.
 
-``run_batch`` orders the batch so that shared prefixes are computed once: the first program
-runs alone until its first call has finished -- the prompt's prefix that every program of the
-batch shares (a few-shot header, a system prompt) is then in the radix tree -- and the rest
-start together on ``num_threads`` threads, so their calls batch in the server and each finds
-the prefix cached. It returns the states in input order; a program whose call failed has its
+``run_batch`` runs the programs on ``num_threads`` threads and orders their first calls so
+that shared prefixes are computed once (serving.lang.batch: the first program of each group of
+programs sharing a prefix prefills it, the others of the group wait for that prefill only, then
+all send together and batch in the server). It returns the states in input order; a program whose call failed has its
 error in ``state.error()`` and raises it on access (a program body that raised, e.g. by reading
 a failed variable, makes ``run_batch`` raise it).
 """
@@ -22,6 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from serving.lang.batch import PrefixGate
 from serving.lang.interpreter import StreamExecutor
 from serving.lang.state import ProgramState
 
@@ -46,11 +46,11 @@ class SglFunction:
         self.arg_names = params[1:]
 
     def _start(self, args: tuple, kwargs: dict[str, Any], backend: Any, stream: bool, sampling: dict[str, Any],
-               use_session: bool = True) -> ProgramState:
+               use_session: bool = True, gate: PrefixGate | None = None) -> ProgramState:
         backend = backend or get_default_backend()
         if backend is None:
             raise RuntimeError("no backend: call sgl.set_default_backend(sgl.RuntimeEndpoint(url)) or pass backend=")
-        ex = StreamExecutor(backend, _sampling(sampling), self.name, stream, use_session)
+        ex = StreamExecutor(backend, _sampling(sampling), self.name, stream, use_session, gate)
         state = ProgramState(ex)
         try:
             ret = self.func(state, *args, **kwargs)
@@ -89,9 +89,11 @@ class SglFunction:
         bar = _progress(len(batch_kwargs)) if progress_bar else None
         states: list[ProgramState | None] = [None] * len(batch_kwargs)
 
+        gate = PrefixGate()
+
         def one(i: int) -> None:
             try:
-                states[i] = self._start((), batch_kwargs[i], backend, False, sampling)
+                states[i] = self._start((), batch_kwargs[i], backend, False, sampling, gate=gate)
                 states[i].stream_executor.end()
             finally:
                 if bar is not None:
@@ -99,15 +101,7 @@ class SglFunction:
 
         try:
             with cf.ThreadPoolExecutor(max(1, threads)) as pool:
-                first = pool.submit(one, 0)
-                while states[0] is None and not first.done():  # the pilot's state exists once it started
-                    cf.wait([first], timeout=0.01)
-                if states[0] is not None:
-                    ex = states[0].stream_executor
-                    while not (ex.first_call.wait(0.05) or ex.done() or first.done()):
-                        pass
-                rest = [pool.submit(one, i) for i in range(1, len(batch_kwargs))]
-                for f in [first, *rest]:
+                for f in [pool.submit(one, i) for i in range(len(batch_kwargs))]:
                     f.result()
         finally:
             if bar is not None:
