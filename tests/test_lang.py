@@ -167,3 +167,22 @@ def test_fork_needs_a_positive_count(backend) -> None:
 
     with pytest.raises(ValueError, match="fork"):
         bad.run(backend=backend)
+
+
+def test_long_program_runs_in_a_session_closed_at_its_end(backend) -> None:
+    def open_sessions() -> int:
+        return backend.get_server_info()["internal_states"][0]["sessions"]
+
+    seen: list[int] = []
+
+    @sgl.function
+    def chat(s):
+        s += sgl.user("Hello") + sgl.assistant(sgl.gen("a", max_tokens=4))
+        s += sgl.user("Again") + sgl.assistant(sgl.gen("b", max_tokens=4))
+        s["b"]  # noqa: B018 - wait for the second call
+        seen.append(open_sessions())
+
+    before = open_sessions()
+    state = chat.run(backend=backend, temperature=0)
+    assert seen == [before + 1] and open_sessions() == before
+    assert state.get_meta_info("b")["cached_tokens"] >= checks.full_pages(state.get_meta_info("a")["prompt_tokens"])
