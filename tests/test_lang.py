@@ -132,6 +132,8 @@ def test_server_down_names_the_call(server) -> None:
     be.client.base_url = be.base_url = dead
     with pytest.raises(sgl.LangError, match=r"gen\('answer'\) in program 'basic_qa': cannot reach the server"):
         p.basic_qa.run(question="hi", backend=be)
+    with pytest.raises(sgl.LangError, match=r"fork\(4\) in program 'tip_suggestion': cannot reach the server"):
+        p.tip_suggestion.run(backend=be)
     with pytest.raises(sgl.BackendError, match="cannot reach the server"):
         sgl.RuntimeEndpoint(dead)
 

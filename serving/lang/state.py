@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from serving.lang.errors import BackendError, LangError
 from serving.lang.interpreter import StreamExecutor
 
 
@@ -73,7 +74,17 @@ class ProgramState:
         ex = self.stream_executor
         ex.sync()
         if size > 1:
-            ex.backend.cache_prefix(ex)
+            lead = None
+            try:
+                if ex.gate is not None and ex.calls == 0:  # a batch program's first call (serving.lang.batch)
+                    ex.calls = 1
+                    lead = ex.gate.enter(ex.text)
+                ex.backend.cache_prefix(ex)
+            except BackendError as e:
+                raise LangError(f"fork({size})", ex.program, str(e), e.status) from None
+            finally:
+                if ex.gate is not None:
+                    ex.gate.release(lead)
         forks = [ProgramState(ex.fork_copy(ex.stream)) for _ in range(size)]
         ex.children += [f.stream_executor for f in forks]
         return ProgramStateGroup(forks, self)
