@@ -46,13 +46,15 @@ def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("read_mb_s", "loads"), [(8.0, False), (0.0, True)])
+@pytest.mark.parametrize(("read_mb_s", "loads"), [(2.0, False), (0.0, True)])
 def test_engine_loads_only_when_faster(tmp_path, slow_lmdb, read_mb_s, loads):  # noqa: F811
     """Two prompts are in L3 (written by an earlier engine). A new engine first serves three
     uncached prompts (it learns the prefill rate), then the first stored prompt (it loads: the
-    store's speed is not known yet), then the second: with the store throttled to 8 MB/s
-    (SmolLM2 has 46 KB of KV per token: ~1.5 s for 256 tokens, against a fraction of that to
-    recompute) it recomputes, decided before even looking the pages up; unthrottled it loads.
+    store's speed is not known yet), then the second: with the store throttled to 2 MB/s
+    (SmolLM2 has 46 KB of KV per token: ~6 s for 256 tokens, against a fraction of a second to
+    recompute even on a busy 2-core machine; at 8 MB/s a loaded CI machine's prefill rate made
+    loading look faster) it recomputes, decided before even looking the pages up; unthrottled
+    it loads.
     Answers equal the cold ones either way."""
     model = str(smollm2_path())
     db = tmp_path / "l3"
