@@ -31,7 +31,7 @@ from router.config import RouterConfig, check_url
 from router.keypool import KeyPool
 from router.kv_routes import add_kv_routes
 from router.policies import RouteRequest, make_policy
-from router.proxy import Forwarder, error
+from router.proxy import Forwarder, error, json_object
 from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_prefix, session_key
 from router.workers import WorkerPool
 
@@ -168,12 +168,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     async def generation(request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return error(400, "the body is not valid JSON")
+        body = json_object(raw)
         if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
+            return body
         path = request.url.path
         route = await state.route(path, body, request)
         return await state.forwarder.forward(path, raw, state.headers(request), route, body.get("stream") is True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from router.proxy import error
+from router.proxy import error, json_object
 
 if TYPE_CHECKING:
     from router.app import RouterState
@@ -33,12 +33,9 @@ def _keying(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def add_kv_routes(app: FastAPI, state: RouterState) -> None:
     async def routed(request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return error(400, "the body is not valid JSON")
+        body = json_object(raw)
         if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
+            return body
         path, keying = _keying(body)
         route = await state.route(path, {**keying, "cache_salt": body.get("cache_salt")}, request)
         try:

@@ -14,6 +14,7 @@ its slot until it ends); up to ``max_queued_requests`` more wait for a slot; bey
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -36,6 +37,17 @@ WORKER_HEADER = "x-hicache-worker"
 def error(status: int, message: str) -> JSONResponse:
     kind = "rate_limit_error" if status == 429 else "service_unavailable" if status >= 500 else "invalid_request_error"
     return JSONResponse({"object": "error", "message": message, "type": kind, "code": status}, status_code=status)
+
+
+def json_object(raw: bytes) -> dict[str, Any] | JSONResponse:
+    """A request body as a JSON object, or the 400 that names what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return error(400, "the body is not valid JSON")
+    if not isinstance(body, dict):
+        return error(400, "the body must be a JSON object")
+    return body
 
 
 class Busy(Exception):
