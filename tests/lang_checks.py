@@ -95,6 +95,7 @@ def check_stream(backend, smart: bool) -> None:
     state = p.basic_qa.run(question="Name three colours.", backend=backend, temperature=0, stream=True)
     pieces = list(state.text_iter(var_name="answer"))
     assert len(pieces) > 1 and "".join(pieces) == state["answer"]
+    assert list(state.text_iter(var_name="answer")) == pieces  # a reader that comes after the end sees each delta
     full = p.basic_qa.run(question="Name three colours.", backend=backend, temperature=0, stream=True)
     text = "".join(full.text_iter())
     assert text == full.text() and full["answer"] == state["answer"]

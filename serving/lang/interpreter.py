@@ -55,7 +55,7 @@ class StreamExecutor:
         self.error: LangError | None = None
         self.cond = threading.Condition()
         self._events: dict[str, threading.Event] = {}
-        self._streaming: set[str] = set()
+        self._pieces: dict[str, list[str]] = {}  # a streamed variable's deltas, as the backend sent them
         self._queue: queue.Queue[Any] = queue.Queue()
         self._closed = False
         self.children: list[StreamExecutor] = []  # forks: ended with this state
@@ -109,30 +109,36 @@ class StreamExecutor:
         return self._queue.unfinished_tasks == 0
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """New text as it is produced (``var_name``: of that variable only) until the state is done."""
+        """New text as it is produced until the state is done. With ``var_name``: that variable's
+        deltas one by one as the backend streamed them (a reader that comes late still sees each
+        one); without: the state's text, whatever was added since the last piece."""
         pos = 0
         while True:
             with self.cond:
                 while True:
-                    cur, finished = self._stream_view(var_name)
-                    if len(cur) > pos or finished:
+                    new, finished = self._stream_view(var_name, pos)
+                    if new or finished:
                         break
                     self.cond.wait(0.5)
-            if len(cur) > pos:
-                yield cur[pos:]
-                pos = len(cur)
+            yield from new
+            pos += sum(map(len, new)) if var_name is None else len(new)
             if finished:
                 if self.error is not None:
                     raise self.error
                 return
 
-    def _stream_view(self, var_name: str | None) -> tuple[str, bool]:
+    def _stream_view(self, var_name: str | None, pos: int) -> tuple[list[str], bool]:
+        """(the pieces after ``pos``, finished), under ``cond``."""
         if var_name is None:
-            return self.text, self.done() or self.error is not None
+            finished = self.done() or self.error is not None
+            return ([self.text[pos:]] if len(self.text) > pos else []), finished
         ev = self._events.get(var_name)
-        value = self.variables.get(var_name, "")
         finished = (ev.is_set() if ev is not None else self.done()) or self.error is not None
-        return (value if isinstance(value, str) else str(value)), finished
+        pieces = self._pieces.get(var_name)
+        if pieces is None:  # not streamed (a select, or a gen that has not started): its value once done
+            value = self.variables.get(var_name, "") if finished else ""
+            pieces = [value if isinstance(value, str) else str(value)] if value != "" else []
+        return pieces[pos:], finished
 
     def fork_copy(self, stream: bool) -> StreamExecutor:
         child = StreamExecutor(self.backend, self.defaults, self.program, stream, use_session=False)
@@ -221,11 +227,13 @@ class StreamExecutor:
         if self.stream:
             meta: dict[str, Any] = {}
             if e.name is not None:
-                self._streaming.add(e.name)
+                with self.cond:
+                    self._pieces[e.name] = []
             for delta, m in self.backend.generate_stream(self, params, e):
                 with self.cond:
                     self.text += delta
-                    if e.name is not None:
+                    if e.name is not None and delta:
+                        self._pieces[e.name].append(delta)
                         self.variables[e.name] = self.text[start:]
                     self.cond.notify_all()
                 meta = m or meta
