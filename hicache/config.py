@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+KV_ENCODINGS = ("raw", "fp8", "int8")  # hicache.tiers.kv_codec.ENCODINGS (kept torch-free here)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -37,6 +39,11 @@ class CacheConfig:
     hicache_storage_read_threads: int = 8  # reader threads of a direct (page_first + LMDB) read
     hicache_storage_write_queue_pages: int = 16384  # write-backs beyond this many queued pages are dropped
     hicache_storage_write_rate_mb_s: float = 0.0  # write-back bandwidth cap (0: none)
+    # How pages sit in L2 / L3 (hicache.tiers.kv_codec): raw (L1's bytes) | fp8 | int8 (one byte per
+    # element + a power-of-two scale per token and kv head). A lossy encoding also applies its round
+    # trip when KV is stored into L1, so every tier gives back the same values (see the README).
+    hicache_l2_encoding: str = "raw"
+    hicache_l3_encoding: str = "raw"
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -53,9 +60,30 @@ class CacheConfig:
             raise ValueError("hicache_storage_read_threads and hicache_storage_write_queue_pages must be >= 1")
         if self.hicache_storage_write_rate_mb_s < 0:
             raise ValueError("hicache_storage_write_rate_mb_s must be >= 0")
+        for name in ("hicache_l2_encoding", "hicache_l3_encoding"):
+            if getattr(self, name) not in KV_ENCODINGS:
+                raise ValueError(f"{name} must be one of {', '.join(KV_ENCODINGS)}, got {getattr(self, name)!r}")
+        lossy = {e for e in (self.hicache_l2_encoding, self.hicache_l3_encoding) if e != "raw"}
+        if len(lossy) > 1:
+            raise ValueError(f"hicache_l2_encoding {self.hicache_l2_encoding!r} and hicache_l3_encoding "
+                             f"{self.hicache_l3_encoding!r} are two different lossy encodings; a page could not "
+                             "come back from both exactly: use one of them (or raw) for both")
         if self.hicache_storage_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
             raise ValueError("hicache_storage_prefetch_policy must be best_effort, wait_complete or timeout, "
                              f"got {self.hicache_storage_prefetch_policy!r}")
+
+    @property
+    def kv_round_trip(self) -> str:
+        """The lossy encoding L1's stored KV goes through (``raw``: none)."""
+        lossy = [e for e in (self.hicache_l2_encoding, self.hicache_l3_encoding) if e != "raw"]
+        return lossy[0] if lossy else "raw"
+
+    @property
+    def kv_namespace_suffix(self) -> str:
+        """Appended to the L3 namespace: keys of a mode with a lossy encoding live apart, so values
+        of another mode are never even looked at (raw / raw keeps the namespace it always had)."""
+        rt, l3 = self.kv_round_trip, self.hicache_l3_encoding
+        return "" if rt == l3 == "raw" else f"|kv:{rt}:{l3}"
 
     @property
     def storage_enabled(self) -> bool:

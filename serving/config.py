@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from hicache.config import CacheConfig
 
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")  # serving.model_runner.KV_CACHE_DTYPES
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -26,6 +28,7 @@ class ModelConfig:
     cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
     tp_size: int = 1  # tensor parallelism (--tp-size / --tensor-parallel-size): one process per rank
     dist_timeout: float = 300.0  # seconds a collective or a rank's reply may take before the engine stops
+    kv_cache_dtype: str = "auto"  # L1's KV dtype (vLLM/SGLang flag): auto (the model's) | bf16 | fp8_e4m3
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -40,6 +43,8 @@ class ModelConfig:
             raise ValueError("tp_size must be at least 1")
         if not self.dist_timeout > 0:
             raise ValueError("dist_timeout must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,9 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.kv_cache_dtype.startswith("fp8") and self.cache.kv_round_trip != "raw":
+            raise ValueError(f"hicache_l2/l3_encoding {self.cache.kv_round_trip!r} needs a 16- or 32-bit L1; with "
+                             f"kv_cache_dtype {self.model.kv_cache_dtype} the lower tiers keep L1's fp8 bytes as "
+                             "they are (raw)")

@@ -16,6 +16,7 @@ from hicache.hiradix import HiRadixTree
 from hicache.hiradix.quota import TenantLedger
 from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
+from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache_controller import CacheController
 from serving.config import EngineConfig
@@ -49,7 +50,7 @@ class EngineCore:
     def _build(self, config: EngineConfig) -> None:
         model_cfg = self.tp.config.model if self.tp else config.model
         self.runner = ModelRunner(model_cfg, config.scheduler, config.cache.page_size,
-                                  self.tp.group if self.tp else None)
+                                  self.tp.group if self.tp else None, config.cache.kv_round_trip)
         tok_path = config.model.tokenizer_path or config.model.model_path
         self.tokenizer = Tokenizer(tok_path) if has_tokenizer(tok_path) else None
         pool = self.runner.pool
@@ -57,10 +58,12 @@ class EngineCore:
         self.host_pool: HostKVPool | None = None
         self.controller: CacheController | None = None
         if cache.host_enabled:
-            n = host_num_pages(pool.num_pages, pool.bytes_per_page, cache.effective_hicache_ratio, cache.hicache_size)
-            self.host_pool = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size)
+            enc = get_encoding(cache.hicache_l2_encoding)
+            n = host_num_pages(pool.num_pages, pool.bytes_per_page, cache.effective_hicache_ratio, cache.hicache_size,
+                               enc.page_nbytes(pool.layout, cache.page_size))
+            self.host_pool = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size, enc.name)
             self.controller = CacheController(pool, self.host_pool)
-            log.info("L2 host pool: %d pages, %s (%.2f GiB)", n, cache.hicache_mem_layout,
+            log.info("L2 host pool: %d pages, %s, %s (%.2f GiB)", n, cache.hicache_mem_layout, enc.name,
                      self.host_pool.nbytes() / 2**30)
         if self.tp is not None:
             self.tp.setup(self.host_pool.num_pages if self.host_pool else 0)
@@ -91,11 +94,12 @@ class EngineCore:
         cache, model = self.config.cache, self.config.model
         backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
         layout = self.runner.pool.layout
-        tier = StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads)
+        tier = StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads,
+                           encoding=cache.hicache_l3_encoding)
         if self.tp is not None:  # every rank reads and writes its part of each page
             tier = self.tp.wrap_tier(tier)
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
-        namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size)
+        namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size) + cache.kv_namespace_suffix
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(
@@ -184,7 +188,7 @@ class EngineCore:
         self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use)
         self.runner.pool.allocator.check_integrity()
         if self.host_pool is not None:
-            self.host_pool.allocator.check_integrity()
+            self.host_pool.check_integrity()  # its allocator, and its encoded pages' scales
         if self.tp is not None:  # the other ranks ran every command and hold the same pools
             self.tp.check_integrity(self.runner.pool.num_pages, self.host_pool.num_pages if self.host_pool else 0)
 

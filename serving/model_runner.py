@@ -7,6 +7,7 @@ import logging
 import torch
 
 from hicache.tiers.device import DeviceKVPool, KVLayout
+from hicache.tiers.kv_codec import round_trip_encoding
 from serving.config import ModelConfig, SchedulerConfig
 from serving.cuda_graph import CudaGraphRunner, capture_sizes
 from serving.forward_batch import ForwardBatch
@@ -17,6 +18,8 @@ from serving.parallel.group import TPGroup
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn}  # --kv-cache-dtype (auto: the model's dtype)
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
@@ -24,6 +27,16 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """L1's KV dtype. The Triton kernels read K/V in the model's dtype only: another KV dtype
+    (fp8 above all) is refused there at start-up rather than read wrong."""
+    kv = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+    if kv != model_dtype and attention_backend != "torch":
+        raise ValueError(f"--kv-cache-dtype {name} ({kv}) with a {model_dtype} model needs the torch attention "
+                         f"backend (--attention-backend torch); the {attention_backend} kernels do not upcast it")
+    return kv
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -38,7 +51,9 @@ class ModelRunner:
     the same pages on every rank."""
 
     def __init__(self, model: ModelConfig, sched: SchedulerConfig, page_size: int,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, kv_round_trip: str = "raw") -> None:
+        """``kv_round_trip``: the lossy lower-tier encoding (hicache.tiers.kv_codec) whose round
+        trip K and V take before they are stored in L1; ``raw``: none."""
         self.tp = tp or TPGroup()
         self.device = resolve_device(model.device)
         if self.device.type == "cuda" and self.device.index is not None:
@@ -52,9 +67,12 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn = get_attention_backend(backend)
+        self.kv_dtype = resolve_kv_dtype(model.kv_cache_dtype, self.dtype, backend)
         self.context_len = model.context_length or self.arch.max_position_embeddings
         self.kv_heads = self.model.plan.num_kv_heads  # this rank's (all of them without TP)
-        layout = KVLayout(self.arch.num_hidden_layers, self.kv_heads, self.arch.head_dim, self.dtype)
+        layout = KVLayout(self.arch.num_hidden_layers, self.kv_heads, self.arch.head_dim, self.kv_dtype)
+        enc = round_trip_encoding(self.kv_dtype, kv_round_trip, "raw")
+        self.attn.kv_round_trip = enc.round_trip if enc.lossy else None
         num_pages = self._num_pages(layout, sched, page_size)
         if self.tp.is_parallel:
             n = torch.tensor([num_pages], dtype=torch.int64, device=self.device)

@@ -9,6 +9,7 @@ import torch
 
 from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.device import KVLayout
+from hicache.tiers.kv_codec import get_encoding, storage_dtype
 
 
 class HostKVPool(ABC):
@@ -24,9 +25,13 @@ class HostKVPool(ABC):
       only changes how bytes sit in host memory.
     - Not thread-safe for overlapping page ids: the cache controller never copies into a
       page that another copy is reading (the tree hands out disjoint pages).
+    - ``encoding``: how pages sit in ``buffer``; ``raw`` pools hold L1's values in
+      :func:`~hicache.tiers.kv_codec.storage_dtype` (uint8 bytes for an fp8 L1), an
+      :class:`EncodedHostPool` holds encoded pages (``read_pages`` decodes, ``write_pages`` encodes).
     """
 
     layout_name: str
+    encoding = "raw"
 
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, pin_memory: bool | None = None) -> None:
         self.layout = layout
@@ -34,7 +39,7 @@ class HostKVPool(ABC):
         self.page_size = page_size
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.allocator = PageAllocator(num_pages)
-        self.buffer = torch.zeros(self._shape(), dtype=layout.dtype, pin_memory=self.pin)
+        self.buffer = torch.zeros(self._shape(), dtype=self._buffer_dtype(), pin_memory=self.pin)
         # CUDA event of the last GPU-side write into ``buffer`` (a backup kernel writing pinned
         # memory directly); host-side accessors wait for it first. The scheduler thread sets
         # it, any thread (the L3 writer, the loader) waits for it: ``_pending_lock`` makes the
@@ -56,9 +61,12 @@ class HostKVPool(ABC):
             if self.pending_write is ev:
                 self.pending_write = None
 
+    def _buffer_dtype(self) -> torch.dtype:
+        return storage_dtype(self.layout.dtype)
+
     @property
     def bytes_per_page(self) -> int:
-        return self.layout.bytes_per_token() * self.page_size
+        return get_encoding(self.encoding).page_nbytes(self.layout, self.page_size)
 
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
@@ -72,6 +80,13 @@ class HostKVPool(ABC):
     def row_elems(self) -> int:
         """Elements in one layer's K (or V) of one page: ``page_size * kv_heads * head_dim``."""
         return self.page_size * self.layout.num_kv_heads * self.layout.head_dim
+
+    def check_integrity(self) -> None:
+        """The allocator's invariants, and the buffer holds ``num_pages`` pages of this encoding."""
+        self.allocator.check_integrity()
+        assert self.buffer.shape == self._shape() and self.buffer.dtype == self._buffer_dtype(), \
+            f"host buffer {tuple(self.buffer.shape)} {self.buffer.dtype} is not {self._shape()} {self._buffer_dtype()}"
+        assert self.buffer.numel() * self.buffer.element_size() == self.num_pages * self.bytes_per_page
 
     @abstractmethod
     def _shape(self) -> tuple[int, ...]: ...
@@ -122,7 +137,7 @@ class PageFirstHostPool(HostKVPool):
         need = n * self.rows * self.row_elems
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < need:
-            buf = self._local.buf = torch.empty(need, dtype=self.layout.dtype)
+            buf = self._local.buf = torch.empty(need, dtype=self.buffer.dtype)
         return buf[:need].view(n, self.rows, self.row_elems)
 
     def _shape(self) -> tuple[int, ...]:
@@ -141,22 +156,73 @@ class PageFirstHostPool(HostKVPool):
         self.buffer.index_copy_(0, ids, staged)
 
 
+class EncodedHostPool(HostKVPool):
+    """``[pages, page_nbytes]`` uint8: each page encoded (``fp8`` / ``int8``, see
+    :mod:`hicache.tiers.kv_codec`) and contiguous -- exactly its L3 payload in that encoding,
+    whatever ``hicache_mem_layout`` says (``layout_name`` keeps the configured name; the storage
+    tier's direct path needs ``page_first``). Moves go through ``read_pages`` / ``write_pages``
+    (decode / encode on the calling thread), never the GPU page-move kernel."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, encoding: str,
+                 layout_name: str = "page_first", pin_memory: bool | None = None) -> None:
+        self.encoding = get_encoding(encoding).name
+        self.layout_name = layout_name
+        super().__init__(layout, num_pages, page_size, pin_memory)
+
+    def _buffer_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def _shape(self) -> tuple[int, ...]:
+        return (self.num_pages, self.bytes_per_page)
+
+    def check_integrity(self) -> None:
+        """Also: every allocated page's scale exponents are ones the encoder can write (an
+        encoder bug or a stray write into the scales would show here)."""
+        super().check_integrity()
+        used = [p for p in range(self.num_pages) if self.allocator.is_allocated(p)]
+        if not used:
+            return
+        enc = get_encoding(self.encoding)
+        split = 2 * self.layout.num_layers * self.page_size * self.layout.num_kv_heads * self.layout.head_dim
+        exps = self.buffer[torch.tensor(used), split:].view(torch.int8)
+        lo = int(exps.min())  # an int8 is <= 127 anyway
+        assert lo >= enc.emin(self.layout.dtype), \
+            f"an L2 {enc.name} page holds scale exponent {lo}, below the floor {enc.emin(self.layout.dtype)}"
+
+    def read_pages(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.wait_pending_writes()
+        kv = get_encoding(self.encoding).decode_pages(self.buffer.index_select(0, ids), self.layout, self.page_size)
+        return kv.contiguous() if out is None else out.copy_(kv)
+
+    def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
+        self.wait_pending_writes()
+        self.buffer.index_copy_(0, ids, get_encoding(self.encoding).encode_pages(kv, self.layout, self.page_size))
+
+
 HOST_LAYOUTS: dict[str, type[HostKVPool]] = {
     LayerFirstHostPool.layout_name: LayerFirstHostPool,
     PageFirstHostPool.layout_name: PageFirstHostPool,
 }
 
 
-def host_num_pages(device_pages: int, bytes_per_page: int, ratio: float, size_gb: float) -> int:
-    """L2 size in pages: ``hicache_size`` GiB when given, else ``hicache_ratio`` x L1."""
+def host_num_pages(device_pages: int, device_bytes_per_page: int, ratio: float, size_gb: float,
+                   host_bytes_per_page: int | None = None) -> int:
+    """L2 size in pages, sized in bytes: ``hicache_size`` GiB when given, else ``hicache_ratio``
+    x L1's bytes; a compact L2 encoding (fewer ``host_bytes_per_page``) holds more pages."""
+    host_bytes = host_bytes_per_page or device_bytes_per_page
     if size_gb > 0:
-        return max(1, int(size_gb * 2**30) // bytes_per_page)
-    return max(1, int(device_pages * ratio))
+        return max(1, int(size_gb * 2**30) // host_bytes)
+    if host_bytes == device_bytes_per_page:
+        return max(1, int(device_pages * ratio))
+    return max(1, int(device_pages * ratio * device_bytes_per_page) // host_bytes)
 
 
-def make_host_pool(name: str, layout: KVLayout, num_pages: int, page_size: int) -> HostKVPool:
+def make_host_pool(name: str, layout: KVLayout, num_pages: int, page_size: int,
+                   encoding: str = "raw") -> HostKVPool:
     try:
         cls = HOST_LAYOUTS[name]
     except KeyError:
         raise ValueError(f"unknown hicache_mem_layout {name!r}; choose from {sorted(HOST_LAYOUTS)}") from None
+    if get_encoding(encoding).lossy:
+        return EncodedHostPool(layout, num_pages, page_size, encoding, name)
     return cls(layout, num_pages, page_size)

@@ -7,7 +7,12 @@ Value format (version 2), one value per page, independent of the host pool's lay
     the page's K and V of every layer in device    magic "HCKV" | version u16 | dtype u16 |
     order: [2 * layers, page_size, kv_heads,       rows u32 (2*layers) | page_size u32 |
     head_dim], in the dtype -- exactly one page    kv_heads u32 | head_dim u32 | payload_nbytes u64 |
-    of a ``page_first`` host pool                  xxh3_64 u64 | key digest 16 bytes | zero padding
+    of a ``page_first`` host pool (or the page     xxh3_64 u64 | key digest 16 bytes | encoding u16 |
+    encoded by ``hicache.tiers.kv_codec``)         zero padding
+
+``encoding`` is the lower-tier encoding of the payload (0 raw, 1 fp8, 2 int8; it took two
+bytes of what was zero padding, so raw values keep the bytes they had before encodings existed);
+a value of another encoding than the tier's fails the check: a miss, never garbage.
 
 The payload comes first so that a read lands in its ``page_first`` L2 page with one copy and
 no staging (the trailer goes to a side buffer). A value is served only if every trailer field
@@ -28,11 +33,12 @@ import torch
 import xxhash
 
 from hicache.tiers.device import KVLayout
+from hicache.tiers.kv_codec import get_encoding
 
 FORMAT_VERSION = 2
 MAGIC = b"HCKV"
 TRAILER_SIZE = 64
-_TRAILER = struct.Struct("<4sHHIIIIQQ16s8x")  # 56 bytes of fields, zero-padded to TRAILER_SIZE
+_TRAILER = struct.Struct("<4sHHIIIIQQ16sH6x")  # 58 bytes of fields, zero-padded to TRAILER_SIZE
 _DTYPE_CODES = {
     torch.float32: 1,
     torch.float16: 2,
@@ -56,14 +62,16 @@ def checksum(payload) -> int:
 
 
 class PageCodec:
-    """Trailer encoding / verification for pages of one :class:`KVLayout` and page size."""
+    """Trailer encoding / verification for pages of one :class:`KVLayout`, page size and
+    lower-tier encoding (``raw`` | ``fp8`` | ``int8``)."""
 
-    def __init__(self, layout: KVLayout, page_size: int) -> None:
+    def __init__(self, layout: KVLayout, page_size: int, encoding: str = "raw") -> None:
         if layout.dtype not in _DTYPE_CODES:
             raise ValueError(f"no storage format for dtype {layout.dtype}")
         self.layout = layout
         self.page_size = page_size
-        self.page_nbytes = layout.bytes_per_token() * page_size
+        self.encoding = get_encoding(encoding)
+        self.page_nbytes = self.encoding.page_nbytes(layout, page_size)
         self.value_nbytes = self.page_nbytes + TRAILER_SIZE
         self._fields = (
             MAGIC,
@@ -78,7 +86,7 @@ class PageCodec:
 
     def pack_trailer_into(self, buf, offset: int, key: str, payload) -> None:
         """Write the trailer of ``payload`` (a buffer of ``page_nbytes``) at ``buf[offset:]``."""
-        _TRAILER.pack_into(buf, offset, *self._fields, checksum(payload), _key_digest(key))
+        _TRAILER.pack_into(buf, offset, *self._fields, checksum(payload), _key_digest(key), self.encoding.code)
 
     def encode(self, key: str, payload: bytes) -> bytes:
         """A whole value (payload + trailer) as bytes; for tests and tools."""
@@ -94,7 +102,7 @@ class PageCodec:
         if len(payload) != self.page_nbytes or len(trailer) != TRAILER_SIZE:
             return False
         fields = _TRAILER.unpack_from(trailer, 0)
-        if fields[:8] != self._fields or fields[9] != _key_digest(key):
+        if fields[:8] != self._fields or fields[9] != _key_digest(key) or fields[10] != self.encoding.code:
             return False
         return checksum(payload) == fields[8]
 

@@ -64,9 +64,11 @@ class StorageTier:
         max_batch_pages: int = 64,
         staging_bytes: int = 64 << 20,
         read_threads: int = 8,
+        encoding: str = "raw",
     ) -> None:
         self.backend = backend
-        self.codec = PageCodec(layout, page_size)
+        self.codec = PageCodec(layout, page_size, encoding)  # values in this encoding (kv_codec)
+        self.encoding = self.codec.encoding
         self.layout = layout
         self.page_size = page_size
         # Slots are 64-byte aligned so that payloads view cleanly as the KV dtype.
@@ -154,14 +156,17 @@ class StorageTier:
         """Lay out ``pages`` as values (payload + trailer) in ``buf``, one slot each."""
         n, nb, slot = len(keys), self.codec.page_nbytes, self.slot
         rows = buf.array[: n * slot].reshape(n, slot)
-        if pool.layout_name == "page_first":
+        if pool.layout_name == "page_first" and pool.encoding == self.encoding.name:
             view = self._pool_view(pool)
             for i, p in enumerate(pages):
                 np.copyto(rows[i, :nb], view[p])
         else:
-            kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X]
-            dst = buf.tensor[: n * slot].view(n, slot)[:, :nb].view(self.layout.dtype)
-            dst.view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
+            kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X], decoded
+            dst = buf.tensor[: n * slot].view(n, slot)[:, :nb]
+            if self.encoding.lossy or pool.encoding != self.encoding.name:  # transcode into this tier's encoding
+                dst.copy_(self.encoding.encode_pages(kv, self.layout, self.page_size))
+            else:
+                dst.view(kv.dtype).view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
         for i in range(n):
             self.codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb])
 
@@ -185,7 +190,9 @@ class StorageTier:
 
     # ------------------------------------------------------------------ direct path
     def _direct(self, pool: HostKVPool) -> bool:
-        return pool.layout_name == "page_first" and getattr(self.backend, "direct_reads", False)
+        """A page's L2 bytes are its L3 payload: same layout order and same encoding."""
+        return pool.layout_name == "page_first" and pool.encoding == self.encoding.name and \
+            getattr(self.backend, "direct_reads", False)
 
     def _pool_view(self, pool: HostKVPool) -> np.ndarray:
         view = self._views.get(id(pool))
@@ -247,10 +254,10 @@ class StorageTier:
                     self._corrupt(ck[i])
                     break
                 ok += 1
-            if ok:
-                kv = buf.tensor[: ok * slot].view(ok, slot)[:, :nb].view(self.layout.dtype)
-                ids = torch.tensor(pages[lo : lo + ok], dtype=torch.long)
-                pool.write_pages(ids, kv.view(ok, 2 * self.layout.num_layers, -1).transpose(0, 1))
+            if ok:  # decoded (raw: a view of the staged bytes), then the pool encodes in its own encoding
+                kv = self.encoding.decode_pages(buf.tensor[: ok * slot].view(ok, slot)[:, :nb], self.layout,
+                                                self.page_size)
+                pool.write_pages(torch.tensor(pages[lo : lo + ok], dtype=torch.long), kv)
             done += ok
             if ok < n:
                 break

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +26,10 @@ class AttentionBackend(ABC):
     ``[num_pages, page_size, kv_heads, head_dim]`` buffers from ``DeviceKVPool``."""
 
     name: str = ""
+    # Set by the model runner in a mode with a lossy lower-tier encoding: the encoding's round
+    # trip (hicache.tiers.kv_codec), applied to K and V before they are stored, so that L1 holds
+    # exactly what L2 / L3 give back. None: store as is.
+    kv_round_trip: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Called once per forward pass before the first layer: build per-batch metadata

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import AttentionBackend
 
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
 
 @dataclass
 class _TorchMeta:
@@ -65,6 +67,11 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
     ) -> None:
         kh, d = k_cache.shape[-2:]
+        if self.kv_round_trip is not None:  # a lossy lower tier: L1 keeps what it would give back
+            k, v = self.kv_round_trip(k), self.kv_round_trip(v)
+        fmax = FP8_MAX.get(k_cache.dtype)
+        if fmax is not None:  # --kv-cache-dtype fp8_e4m3: scale 1.0 (vLLM's default), saturating
+            k, v = k.clamp(-fmax, fmax), v.clamp(-fmax, fmax)
         k_cache.view(-1, kh, d)[loc] = k.to(k_cache.dtype)  # [num_pages * page_size, kv_heads, head_dim]
         v_cache.view(-1, kh, d)[loc] = v.to(v_cache.dtype)
 

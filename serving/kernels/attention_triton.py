@@ -41,6 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
     ) -> None:
         _check_device(k_cache)
+        if self.kv_round_trip is not None:  # torch ops before the store kernel (untested on a GPU so far)
+            k, v = self.kv_round_trip(k), self.kv_round_trip(v)
         store_kv(k_cache, v_cache, loc, k, v)
 
     def forward(

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from hicache.tiers.host import HostKVPool
+from hicache.tiers.kv_codec import storage_dtype
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,11 @@ class PageMover:
     scheduler thread)."""
 
     def __init__(self, kv_buffer: torch.Tensor, host: HostKVPool, use_kernel: bool | None = None) -> None:
-        self.dev = _flat(kv_buffer)  # [2L, P, X]
+        self.dev = _flat(kv_buffer.view(storage_dtype(kv_buffer.dtype)))  # [2L, P, X]; an fp8 L1 moves as bytes
         self.host = host
         self._bufs: dict[str, torch.Tensor] = {}
         dev = self.dev.device
-        can = dev.type == "cuda" and host.buffer.is_pinned()
+        can = dev.type == "cuda" and host.buffer.is_pinned() and host.encoding == "raw"  # encoded: read/write_pages
         self.use_kernel = can if use_kernel is None else (use_kernel and can)
         if self.use_kernel:
             self._main = torch.cuda.current_stream(dev)  # the model's stream (built on the scheduler thread)

@@ -80,12 +80,12 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     if device.type == "cpu":  # the ranks share the cores
         torch.set_num_threads(cpu_threads_per_rank(size))
     tp = init_tp_group(rank, size, init, device, config.model.dist_timeout)
-    runner = ModelRunner(config.model, config.scheduler, config.cache.page_size, tp)
+    runner = ModelRunner(config.model, config.scheduler, config.cache.page_size, tp, config.cache.kv_round_trip)
     setup = cmds.recv()
     assert isinstance(setup, msg.Setup)
     cache = config.cache
-    host_pool = make_host_pool(cache.hicache_mem_layout, runner.pool.layout, setup.host_pages, cache.page_size) \
-        if setup.host_pages else None
+    host_pool = make_host_pool(cache.hicache_mem_layout, runner.pool.layout, setup.host_pages, cache.page_size,
+                               cache.hicache_l2_encoding) if setup.host_pages else None
     controller = CacheController(runner.pool, host_pool) if host_pool is not None else None
     tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
     progress = _Progress(1)  # Setup was command 1

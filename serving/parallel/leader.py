@@ -59,7 +59,8 @@ def make_rank_tier(config: EngineConfig, layout: Any) -> Any:
 
     cache = config.cache
     backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
-    return StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads)
+    return StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads,
+                       encoding=cache.hicache_l3_encoding)
 
 
 def cpu_threads_per_rank(size: int) -> int:

@@ -37,7 +37,8 @@ def engine_namespace(core: Any) -> str:
         return str(storage.namespace)
     cache, model = core.config.cache, core.config.model
     model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
-    return namespace_for(model_id, core.runner.pool.layout, 0, cache.cache_salt, cache.page_size)
+    return namespace_for(model_id, core.runner.pool.layout, 0, cache.cache_salt, cache.page_size) + \
+        cache.kv_namespace_suffix
 
 
 class CacheEventLog:

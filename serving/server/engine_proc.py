@@ -347,7 +347,7 @@ class EngineLoop:
         pool = self.core.runner.pool
         out = {"device": int(pool.bytes_per_page)}
         if getattr(self.core, "host_pool", None) is not None:
-            out["host"] = int(pool.bytes_per_page)
+            out["host"] = int(self.core.host_pool.bytes_per_page)  # its encoding's
         if getattr(self.core, "storage", None) is not None:
             out["storage"] = int(self.core.storage.tier.codec.value_nbytes)
         return out
