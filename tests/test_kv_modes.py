@@ -113,3 +113,28 @@ def test_l3_written_in_one_encoding_is_a_miss_in_another(tiny, tmp_path):
     assert stats["hits"] == 0 and stats["corrupt"] == 0  # its keys live in another namespace
     eng.check_integrity()
     eng.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_encodes_each_ranks_shard_and_matches_tp1(tiny, tmp_path):
+    """Scales are per (token, kv head), so each rank encoding its own heads gives TP=1's values:
+    TP=2 answers equal TP=1's in the same mode, from L2 and from L3 after a restart."""
+    path, ps, others, ref = tiny
+    mode = MODES["l2_int8_l3_int8"]
+    one = make(path, tmp_path / "tp1", mode)
+    want = ids_of(one.generate(input_ids=ps, sampling_params=GREEDY))
+    one.shutdown()
+    eng = make(path, tmp_path / "tp2", mode, tp_size=2)
+    assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == want
+    eng.generate(input_ids=others, sampling_params=GREEDY)
+    back = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(back) == want and tier_hits(back, "host") > 0
+    eng.check_integrity()
+    eng.shutdown()
+    eng = make(path, tmp_path / "tp2", mode, tp_size=2)
+    try:
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        assert ids_of(outs) == want and tier_hits(outs, "storage") > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
