@@ -161,3 +161,12 @@ def test_flags_are_validated_with_clear_messages():
     assert CacheConfig(hicache_l3_encoding="int8").kv_round_trip == "int8"
     assert CacheConfig().kv_namespace_suffix == ""
     assert CacheConfig(hicache_l2_encoding="fp8").kv_namespace_suffix == "|kv:fp8:raw"
+
+
+def test_server_config_names_the_cross_section_conflict():
+    from serving.server.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="needs a 16- or 32-bit L1"):
+        load_config(None, {"model": {"kv_cache_dtype": "fp8_e4m3"}, "cache": {"hicache_l2_encoding": "int8"}})
+    cfg = load_config(None, {"model": {"kv_cache_dtype": "fp8_e4m3"}, "cache": {"hicache_l3_encoding": "raw"}})
+    assert cfg.engine.model.kv_cache_dtype == "fp8_e4m3"

@@ -162,7 +162,10 @@ def build_config(sections: dict[str, Any], source: str = "config") -> AppConfig:
             built[name] = cls(**values)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{source}: {name}: {e}") from None
-    engine = EngineConfig(model=built["model"], cache=built["cache"], scheduler=built["scheduler"])
+    try:  # checks across sections (e.g. an fp8 kv_cache_dtype with a lossy hicache encoding)
+        engine = EngineConfig(model=built["model"], cache=built["cache"], scheduler=built["scheduler"])
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     return AppConfig(engine=engine, server=built["server"])
 
 
