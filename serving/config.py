@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from hicache.config import CacheConfig
 
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")  # serving.model_runner.KV_CACHE_DTYPES
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # "none" + serving.models.quant.quant_methods()
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ModelConfig:
     tp_size: int = 1  # tensor parallelism (--tp-size / --tensor-parallel-size): one process per rank
     dist_timeout: float = 300.0  # seconds a collective or a rank's reply may take before the engine stops
     kv_cache_dtype: str = "auto"  # L1's KV dtype (vLLM/SGLang flag): auto (the model's) | bf16 | fp8_e4m3
+    quantization: str = "none"  # weights (vLLM/SGLang flag): none | int8 | int4 (CPU) | fp8 (CUDA sm89+)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -45,6 +47,8 @@ class ModelConfig:
             raise ValueError("dist_timeout must be positive")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

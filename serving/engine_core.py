@@ -100,6 +100,8 @@ class EngineCore:
             tier = self.tp.wrap_tier(tier)
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
         namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size) + cache.kv_namespace_suffix
+        if model.quantization != "none":  # KV of quantized weights is another model's KV: keys apart
+            namespace += f"|q:{model.quantization}"
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(

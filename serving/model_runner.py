@@ -61,7 +61,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(model.dtype, self.device)
         torch.manual_seed(model.random_seed)
         self.model, self.arch = load_model(
-            model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format, tp=tp)
+            model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format, tp=tp,
+            quantization=model.quantization)
         self.model.eval()
         backend = model.attention_backend
         if backend == "auto":

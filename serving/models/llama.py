@@ -161,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.plan.vocab_per_rank, bias=False)
         )
         self.rotary = RotaryEmbedding(cfg)
+        self.logits_matmul = None  # a quantized LM head's matmul (serving.models.quant); None: float
 
     @classmethod
     def attention_biases(cls, cfg: ModelArchConfig) -> tuple[bool, bool]:
@@ -193,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.logit_rows is not None:  # prompt logprobs: these rows' logits too, after the B last ones
             last = torch.cat([last, batch.logit_rows])
         h = self.model.norm(h[last])  # [B, hidden]
-        return parallel_logits(h, self.lm_head_weight, self.plan, self.tp)
+        return parallel_logits(h, self.lm_head_weight, self.plan, self.tp, self.logits_matmul)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy HF-named tensors (or lazy safetensors slices) into the (fused) parameters,

@@ -12,6 +12,7 @@ from torch import nn
 
 import serving.models  # noqa: F401 - registers the model classes
 from serving.models.config import ModelArchConfig
+from serving.models.quant import quantize_model
 from serving.models.registry import get_model_class
 from serving.parallel.group import TPGroup
 
@@ -63,6 +64,7 @@ def load_model(
     load_format: str = "auto",
     overrides: Mapping[str, Any] | None = None,
     tp: TPGroup | None = None,
+    quantization: str = "none",
 ) -> tuple[nn.Module, ModelArchConfig]:
     """Load ``model_path`` (an HF folder with config.json) into an eval-mode model.
 
@@ -70,7 +72,8 @@ def load_model(
     ``load_format="dummy"`` needs only config.json: parameters are allocated directly on
     ``device`` (built on the meta device first, so nothing big is made on the CPU) and
     filled with seeded random values. ``tp``: build and load only this tensor-parallel
-    rank's shard (serving.parallel). Returns ``(model, config)``.
+    rank's shard (serving.parallel). ``quantization``: a serving.models.quant method applied to the
+    loaded (sharded) weights; QuantizationError names what cannot run. Returns ``(model, config)``.
     """
     fill = LOAD_FORMATS.get(load_format)
     if fill is None:
@@ -83,4 +86,5 @@ def load_model(
     model = model.to_empty(device=torch.device(device))
     fill(model, path)
     model.eval().requires_grad_(False)
+    quantize_model(model, quantization, device)
     return model, cfg

@@ -5,6 +5,8 @@ communication). Each is the plain single-GPU layer when the group has one rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,10 +51,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-def parallel_logits(h: torch.Tensor, weight: torch.Tensor, plan: ShardPlan, tp: TPGroup) -> torch.Tensor:
+def parallel_logits(h: torch.Tensor, weight: torch.Tensor, plan: ShardPlan, tp: TPGroup,
+                    matmul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``[B, vocab]`` float32 logits from this rank's vocab rows of the LM head: each rank
-    computes its slice, an all-gather concatenates them (padding rows cut off)."""
-    local = F.linear(h, weight).float()
+    computes its slice, an all-gather concatenates them (padding rows cut off). ``matmul``
+    (a quantized head, serving.models.quant) replaces ``h @ weight^T`` when given."""
+    local = (F.linear(h, weight) if matmul is None else matmul(h)).float()
     if not tp.is_parallel:
         return local
     return tp.all_gather_last(local)[:, : plan.vocab]

@@ -1,0 +1,89 @@
+"""Swap a loaded model's projections for quantized ones (after loading, after TP sharding).
+
+Every ``nn.Linear`` (qkv_proj, gate_up_proj, and an untied lm_head) becomes a :class:`QuantLinear`,
+every ``RowParallelLinear`` (o_proj, down_proj) a :class:`QuantRowParallelLinear` holding this
+rank's shard; the LM head's matmul is quantized too (``model.logits_matmul``) while the embedding
+lookup keeps the float table (SmolLM2 ties the two). Under tensor parallelism each rank quantizes
+the shard it loaded, so scales are per shard: with per-output-channel (and per-group) scales that
+is the same as quantizing the full weight and then splitting it, except row-split layers' channel
+scales, which are taken over the rank's input columns only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serving.models.quant.base import QuantMethod, get_quant_method
+from serving.parallel.group import TPGroup
+from serving.parallel.layers import RowParallelLinear
+
+
+class QuantLinear(nn.Module):
+    """``y = method.matmul(x) + bias`` over quantized weight tensors (kept as plain attributes:
+    some are opaque prepacked tensors that ``state_dict`` / ``.to()`` cannot handle)."""
+
+    def __init__(self, method: QuantMethod, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.method = method
+        self.out_features, self.in_features = weight.shape
+        self.q = method.quantize(weight.detach())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.method.matmul(x.reshape(-1, self.in_features), self.q)
+        return y.reshape(*lead, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.method.name}"
+
+
+class QuantRowParallelLinear(nn.Module):
+    """RowParallelLinear over a quantized shard: ``all_reduce(x_local @ W_local^T) + b``."""
+
+    def __init__(self, method: QuantMethod, row: RowParallelLinear) -> None:
+        super().__init__()
+        self.tp: TPGroup = row.tp
+        self.linear = QuantLinear(method, row.weight, None)
+        self.bias = row.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear.matmul(x)
+        if self.tp.is_parallel:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def _check(method: QuantMethod, model: nn.Module, device: torch.device) -> None:
+    """Every refusal before anything is changed: the device, then each weight's shape."""
+    method.check_device(device)
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head"):
+            method.check_shape(name, *mod.weight.shape)
+    method.check_shape("lm_head", *model.lm_head_weight.shape)
+
+
+def quantize_model(model: nn.Module, quantization: str, device: torch.device | str) -> nn.Module:
+    """Quantize ``model``'s projections and LM head in place with ``quantization`` (a registered
+    method name; ``none`` leaves it as it is). Raises QuantizationError naming what cannot run."""
+    if quantization == "none":
+        return model
+    method = get_quant_method(quantization)
+    _check(method, model, torch.device(device))
+    with torch.no_grad():
+        model.logits_matmul = QuantLinear(method, model.lm_head_weight, None).matmul
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if child_name == "lm_head":
+                    continue  # used through logits_matmul
+                if isinstance(child, RowParallelLinear):
+                    setattr(parent, child_name, QuantRowParallelLinear(method, child))
+                elif isinstance(child, nn.Linear):
+                    setattr(parent, child_name, QuantLinear(method, child.weight, child.bias))
+    model.quantization = quantization
+    return model

@@ -1,0 +1,58 @@
+"""``--quantization int8`` (CPU): W8A8, symmetric int8 weights with one scale per output channel,
+activations quantized per token at run time, integer matmul with int32 accumulation.
+
+Integer accumulation is exact, so a row's result is the same whatever else is in its batch
+(batch-invariant by construction, which keeps cache hits token-identical with recompute).
+
+Kernel: oneDNN's ``qlinear_pointwise`` (u8 x s8 -> f32, VNNI on AVX-512 machines) with a prepacked
+weight; ``torch._int_mm`` when oneDNN is unavailable. bench/cpu_decode.py measured the choices
+(README "Quantized weights").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serving.models.quant.base import QuantMethod, per_token_scale, register_quant
+
+QMAX = 127.0
+_U8_ZERO = 128  # oneDNN takes unsigned activations: code + 128
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes ``[out, in]``, float32 scales ``[out]``), symmetric, round to nearest."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / QMAX
+    codes = torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return codes, scale
+
+
+def _onednn_ok() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@register_quant
+class Int8W8A8(QuantMethod):
+    name = "int8"
+    devices = ("cpu",)
+    description = "int8 weights (per channel) x int8 activations (per token), int32 accumulation"
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale = quantize_int8_per_channel(weight)
+        out = {"scale": scale, "zeros": torch.zeros(codes.shape[0], dtype=torch.long)}
+        if _onednn_ok():
+            out["packed"] = torch.ops.onednn.qlinear_prepack(codes, None)
+        else:
+            out["codes_t"] = codes.t().contiguous()  # [in, out] for torch._int_mm
+        return out
+
+    def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
+        xs = per_token_scale(x, QMAX)  # [M, 1]
+        xq = torch.round(x.float() / xs)
+        if "packed" in q:
+            y = torch.ops.onednn.qlinear_pointwise(
+                (xq + _U8_ZERO).to(torch.uint8), 1.0, _U8_ZERO, q["packed"], q["scale"], q["zeros"],
+                None, 1.0, 0, torch.float32, "none", [], "")
+        else:
+            y = torch._int_mm(xq.to(torch.int8), q["codes_t"]).float() * q["scale"]
+        return (y * xs).to(x.dtype)
