@@ -1,9 +1,10 @@
 """Swap a loaded model's projections for quantized ones (after loading, after TP sharding).
 
-Every ``nn.Linear`` (qkv_proj, gate_up_proj, and an untied lm_head) becomes a :class:`QuantLinear`,
+Every ``nn.Linear`` (qkv_proj, gate_up_proj; not an untied lm_head) becomes a :class:`QuantLinear`,
 every ``RowParallelLinear`` (o_proj, down_proj) a :class:`QuantRowParallelLinear` holding this
-rank's shard; the LM head's matmul is quantized too (``model.logits_matmul``) while the embedding
-lookup keeps the float table (SmolLM2 ties the two). Under tensor parallelism each rank quantizes
+rank's shard; the LM head's matmul is quantized too (``model.logits_matmul``, with the method's
+``head_method`` when it names one) while the embedding lookup keeps the float table (SmolLM2 ties
+the two). Under tensor parallelism each rank quantizes
 the shard it loaded, so scales are per shard: with per-output-channel (and per-group) scales that
 is the same as quantizing the full weight and then splitting it, except row-split layers' channel
 scales, which are taken over the rank's input columns only.
@@ -65,7 +66,13 @@ def _check(method: QuantMethod, model: nn.Module, device: torch.device) -> None:
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head"):
             method.check_shape(name, *mod.weight.shape)
-    method.check_shape("lm_head", *model.lm_head_weight.shape)
+    head = _head(method)
+    head.check_device(device)
+    head.check_shape("lm_head", *model.lm_head_weight.shape)
+
+
+def _head(method: QuantMethod) -> QuantMethod:
+    return method if method.head_method is None else get_quant_method(method.head_method)
 
 
 def quantize_model(model: nn.Module, quantization: str, device: torch.device | str) -> nn.Module:
@@ -76,7 +83,7 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device | s
     method = get_quant_method(quantization)
     _check(method, model, torch.device(device))
     with torch.no_grad():
-        model.logits_matmul = QuantLinear(method, model.lm_head_weight, None).matmul
+        model.logits_matmul = QuantLinear(_head(method), model.lm_head_weight, None).matmul
         for parent in list(model.modules()):
             for child_name, child in list(parent.named_children()):
                 if child_name == "lm_head":

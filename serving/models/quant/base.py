@@ -27,6 +27,7 @@ class QuantMethod:
     name: str = ""
     devices: tuple[str, ...] = ()  # torch device types it runs on
     description: str = ""
+    head_method: str | None = None  # another registered method for the LM head (None: this one)
 
     def check_device(self, device: torch.device) -> None:
         """Raise QuantizationError unless this method runs on ``device``."""

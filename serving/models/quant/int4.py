@@ -5,6 +5,11 @@ Kernel: ``aten._weight_int4pack_mm_for_cpu`` on weights packed by
 ``aten._convert_weight_to_int4pack_for_cpu``; it dequantizes ``w = (q - 8) * scale + zero`` per
 group inside the kernel and computes each output row from its input row only.
 It needs the output size to be a multiple of 16 and the input size a multiple of GROUP.
+
+The LM head goes through int8 (``head_method``), as llama.cpp's Q4 files keep the embedding /
+output table in Q8_0: 4-bit logits cost far more accuracy than 4-bit projections. On the default
+model the groups coincide with the GGUF's own Q4_1 blocks (32 input channels, min/max), so the
+codes this recovers from the converted fp32 weights are exactly the file's (README).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Int4WeightOnly(QuantMethod):
     name = "int4"
     devices = ("cpu",)
     description = f"int4 weights (groups of {GROUP}, scale + zero point), float activations"
+    head_method = "int8"
 
     def check_shape(self, name: str, out_features: int, in_features: int) -> None:
         if out_features % N_MULTIPLE or in_features % GROUP:
