@@ -194,6 +194,11 @@ class EncodedHostPool(HostKVPool):
         kv = get_encoding(self.encoding).decode_pages(self.buffer.index_select(0, ids), self.layout, self.page_size)
         return kv.contiguous() if out is None else out.copy_(kv)
 
+    def page_bytes(self, page: int) -> bytes:
+        """The page's encoded bytes: its L3 payload in this encoding."""
+        self.wait_pending_writes()
+        return self.buffer[page].numpy().tobytes()
+
     def write_pages(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
         self.wait_pending_writes()
         self.buffer.index_copy_(0, ids, get_encoding(self.encoding).encode_pages(kv, self.layout, self.page_size))
