@@ -34,14 +34,16 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: list[list[list[int]]]) -> dict:
+def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: list[list[list[int]]],
+              inspect=None) -> dict:  # noqa: ANN001 - inspect(core, last_prompts) -> dict, before shutdown
     from serving.engine import Engine
 
     if extra.get("hicache_storage_backend") == "lmdb":
         import tempfile
 
         path = tempfile.mkdtemp(prefix="hicache-bench-l3-")
-        extra = {**extra, "hicache_storage_backend_extra_config": {"path": path, "capacity_gb": 8.0}}
+        l3 = {"path": path, "capacity_gb": 8.0, **extra.get("hicache_storage_backend_extra_config", {})}
+        extra = {**extra, "hicache_storage_backend_extra_config": l3}
     eng = Engine(model_path=args.model_path, max_total_tokens=args.l1_tokens, page_size=args.page_size,
                  device=args.device, **extra)
     core = eng.core
@@ -80,14 +82,27 @@ def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: 
     if core.storage is not None:
         core.storage.poll(wait=True)
     core.check_integrity()
+    more = inspect(core, [r.input_ids for r in reqs]) if inspect is not None else {}
     eng.shutdown()
-    return {
+    return {**more,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
         "hit_tokens_device": hits["device"], "hit_tokens_host": hits["host"], "hit_tokens_storage": hits["storage"],
         "returning_prompt_tokens": prompt_tokens,
         "hit_rate": sum(hits.values()) / max(1, prompt_tokens),
         "output_tok_s": out_tokens / elapsed, "elapsed_s": elapsed,
     }
+
+
+def make_workload(args) -> tuple[list[int], list[list[list[int]]]]:  # noqa: ANN001
+    """A shared system prompt and each user's turns (random token ids, seed 0)."""
+    from serving.models.config import ModelArchConfig
+
+    vocab = ModelArchConfig.from_pretrained(args.model_path).vocab_size
+    rng = random.Random(0)
+    system = [rng.randrange(100, vocab - 100) for _ in range(args.system_tokens)]
+    turns = [[[rng.randrange(100, vocab - 100) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+             for _ in range(args.users)]
+    return system, turns
 
 
 def plot(results: dict[str, dict], path: str) -> None:
@@ -126,14 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="auto")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {list(SETUPS)}")
     p.add_argument("--png", metavar="PATH", help="also write a plot")
+    p.add_argument("--kv-encodings", metavar="LIST",
+                   help="compare L2/L3 encodings (e.g. raw,fp8,int8) in the same L2/L3 bytes instead of tier setups "
+                        "(bench/multiturn_kv.py: pages and conversations held, hit rate, TTFT, top-1 agreement)")
+    p.add_argument("--l2-mb", type=float, default=16.0, help="with --kv-encodings: L2 bytes (MiB)")
+    p.add_argument("--l3-mb", type=float, default=48.0, help="with --kv-encodings: L3 (LMDB) capacity (MiB)")
     args = p.parse_args(argv)
-    from serving.models.config import ModelArchConfig
+    if args.kv_encodings:
+        from bench.multiturn_kv import compare_encodings
 
-    vocab = ModelArchConfig.from_pretrained(args.model_path).vocab_size
-    rng = random.Random(0)
-    system = [rng.randrange(100, vocab - 100) for _ in range(args.system_tokens)]
-    turns = [[[rng.randrange(100, vocab - 100) for _ in range(args.user_tokens)] for _ in range(args.turns)]
-             for _ in range(args.users)]
+        return compare_encodings(args, make_workload(args))
+    system, turns = make_workload(args)
     working_set = args.users * (args.system_tokens + args.turns * (args.user_tokens + args.output_tokens))
     print(f"KV working set {working_set} tokens = {working_set / args.l1_tokens:.1f}x L1 ({args.l1_tokens})")
     results = {name: run_setup(name, SETUPS[name], args, system, turns) for name in args.setups.split(",")}
