@@ -10,7 +10,9 @@
    logits are compared; decode tok/s at batch 1 and 64 with CUDA graphs and overlap
    scheduling, each switched off for A/B; HF ``generate`` at the same batch sizes;
    prefill throughput; the bs-1 roofline = HBM bandwidth / weight bytes read per token;
-4. multi-turn TTFT through ``Engine`` with a small L1, L2 on (hicache_ratio) vs L1 only.
+4. multi-turn TTFT through ``Engine`` with a small L1, L2 on (hicache_ratio) vs L1 only;
+5. fp8 weights (``--quantization fp8``) on the 8B shape: decode bs 1 / 64 against bf16 in the same
+   run and against fp8's own roofline, logits agreement with bf16 (bench/gpu_fp8.py).
 
 Decode tok/s = ``bs * (M - 1) / (t(M new tokens) - t(1 new token))`` for the same prompts, so
 prefill and warm-up cancel; the same formula for HF ``generate``. Copies and page moves are
@@ -18,7 +20,8 @@ timed queued back to back between two CUDA events (sustained rate, as asynchrono
 in serving); ``*_single_gbps`` times one call at a time, the host's preparation included.
 The roofline counts every weight read per decode step (all but the embedding table).
 
-Sections 1-2 live in bench/gpu_sections.py, sections 3-4 in bench/gpu_model.py; this file runs them.
+Sections 1-2 live in bench/gpu_sections.py, sections 3-4 in bench/gpu_model.py, 5 in bench/gpu_fp8.py;
+this file runs them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import parser, print_table, write_json  # noqa: E402
+from bench.gpu_fp8 import fp8_section  # noqa: E402
 from bench.gpu_model import LLAMA_8B, model_section, multiturn  # noqa: E402
 from bench.gpu_sections import ceilings, log, page_moves  # noqa: E402
 
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: moves,model,multiturn")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: moves,model,multiturn,fp8")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--conversations", type=int, default=8)
@@ -86,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.empty_cache()
         if "multiturn" not in skip:
             section(multiturn, res, args, d)
+        gc.collect()
+        torch.cuda.empty_cache()
+        if "fp8" not in skip:
+            section(fp8_section, res, checks, args, d)
     res["checks"] = checks
     if errors:
         res["errors"] = [e.splitlines()[-1] for e in errors]
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "decode_bs64_vs_hf" in res:
             rows.append(["decode bs 64 vs HF generate", "x", res["decode_bs64_vs_hf"]])
         rows.append(["prefill (16 x 2048 tokens)", "tok/s", res["prefill_tok_s"]])
+    rows += res.pop("_fp8_rows", [])
     if "multiturn" in res:
         rows.append(["multi-turn TTFT, L2 on", "ms", res["multiturn_ttft_l2_ms"]])
         rows.append(["multi-turn TTFT, L1 only", "ms", res["multiturn_ttft_l1_only_ms"]])

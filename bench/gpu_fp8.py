@@ -1,0 +1,103 @@
+"""Section 5 of bench/gpu.py: fp8 weights (``--quantization fp8``) on the Llama-3.1-8B shape.
+
+The same dummy weights (seeded) are built twice, bf16 and fp8 (quantized at load, per output
+channel; activations per token, ``torch._scaled_mm``), one engine at a time:
+- logits agreement with bf16 on 4 prompts of 200 tokens (last-token logits: relative error and
+  argmax agreement; with random weights the logits are nearly flat, so argmax agreement is a
+  harsh test here and the relative error is the figure to read);
+- decode tok/s at bs 1 and 64 (CUDA graphs + overlap, as the bf16 rows of section 3), and bs 1
+  against fp8's own roofline: HBM copy bandwidth / bytes read per decode step (fp8 codes and
+  scales of every projection and the LM head, the bf16 norms).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from bench.gpu_model import LLAMA_8B, engine_decode, rand_prompts
+from bench.gpu_sections import log
+
+
+def _engine(model_dir: str, quantization: str):
+    from serving.engine import Engine
+
+    return Engine(model_path=model_dir, load_format="dummy", dtype="bfloat16", max_total_tokens=65536,
+                  max_running_requests=64, chunked_prefill_size=8192, cuda_graph_max_bs=64,
+                  quantization=quantization)
+
+
+def _last_logits(eng, prompts: list[list[int]]) -> torch.Tensor:
+    from serving.forward_batch import ForwardBatch
+
+    runner = eng.core.runner
+    eng.flush_cache()
+    per = -(-len(prompts[0]) // 16)
+    pages = runner.pool.allocator.alloc(len(prompts) * per)
+    fb = ForwardBatch.build([(ids, 0, pages[per * i: per * (i + 1)]) for i, ids in enumerate(prompts)], 16, "cuda")
+    out = runner.forward(fb).float().clone()
+    runner.pool.allocator.free(pages)
+    return out
+
+
+def _weight_bytes(model) -> int:
+    """Bytes one decode step reads: quantized tensors of every QuantLinear (and the LM head's),
+    the remaining parameters except the embedding table."""
+    from serving.models.quant import QuantLinear
+
+    seen: set[int] = set()
+    total = 0
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)] + [model.logits_matmul.__self__]
+    for lin in linears:
+        for t in lin.q.values():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    for name, p in model.named_parameters():
+        if name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            total += p.numel() * p.element_size()
+    return total
+
+
+def fp8_section(res: dict, checks: dict, args, model_dir: str) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        log("fp8 section skipped: needs compute capability 8.9+")
+        return
+    vocab = LLAMA_8B["vocab_size"]
+    cmp = rand_prompts(4, 200, vocab, 4)
+    p1 = rand_prompts(1, args.prompt_len, vocab, 1)
+    p64 = rand_prompts(64, args.prompt_len, vocab, 2)
+    rows = []
+    log("fp8: bf16 reference engine")
+    eng = _engine(model_dir, "none")
+    ref = _last_logits(eng, cmp)
+    if "decode_bs1_tok_s" not in res:  # section 3 skipped: bf16 decode in this run
+        res["decode_bs1_tok_s"], _ = engine_decode(eng, p1, args.new_tokens)
+        res["decode_bs64_tok_s"], _ = engine_decode(eng, p64, args.new_tokens)
+    eng.shutdown()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    log("fp8: the fp8 engine (same dummy weights, quantized at load)")
+    eng = _engine(model_dir, "fp8")
+    ours = _last_logits(eng, cmp)
+    checks["fp8_vs_bf16_logits_rel_err"] = float((ours - ref).norm() / ref.norm())
+    checks["fp8_vs_bf16_argmax_agree"] = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    wb = _weight_bytes(eng.core.runner.model)
+    res["fp8_weight_bytes_read_per_step"] = wb
+    res["fp8_roofline_bs1_tok_s"] = res["hbm_copy_gbps"] * 1e9 / wb
+    for bs, prompts in ((1, p1), (64, p64)):
+        res[f"fp8_decode_bs{bs}_tok_s"], _ = engine_decode(eng, prompts, args.new_tokens)
+        res[f"fp8_decode_bs{bs}_vs_bf16"] = res[f"fp8_decode_bs{bs}_tok_s"] / res[f"decode_bs{bs}_tok_s"]
+        rows.append([f"fp8 decode bs {bs}", "tok/s", res[f"fp8_decode_bs{bs}_tok_s"]])
+        rows.append([f"fp8 decode bs {bs} vs bf16", "x", res[f"fp8_decode_bs{bs}_vs_bf16"]])
+    res["fp8_decode_bs1_vs_roofline"] = res["fp8_decode_bs1_tok_s"] / res["fp8_roofline_bs1_tok_s"]
+    rows.insert(0, ["fp8 roofline bs 1 (HBM / fp8 weight bytes)", "tok/s", res["fp8_roofline_bs1_tok_s"]])
+    rows.append(["fp8 decode bs 1 vs its roofline", "%", 100 * res["fp8_decode_bs1_vs_roofline"]])
+    rows.append(["fp8 vs bf16 last-token logits rel err", "", checks["fp8_vs_bf16_logits_rel_err"]])
+    log(f"fp8: {res['fp8_decode_bs1_tok_s']:.0f} tok/s bs 1 ({100 * res['fp8_decode_bs1_vs_roofline']:.0f} % of "
+        f"{res['fp8_roofline_bs1_tok_s']:.0f}), {res['fp8_decode_bs64_tok_s']:.0f} tok/s bs 64; logits rel err "
+        f"{checks['fp8_vs_bf16_logits_rel_err']:.3f}, argmax agree {checks['fp8_vs_bf16_argmax_agree']:.2f}")
+    res["_fp8_rows"] = rows
+    eng.shutdown()
