@@ -138,3 +138,27 @@ def test_tp2_encodes_each_ranks_shard_and_matches_tp1(tiny, tmp_path):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run by the GPU machine's suite)")
+@pytest.mark.parametrize("mode", ["l2_int8_l3_int8", "l2_fp8"])
+def test_cuda_triton_round_trip_is_exact_too(tiny, tmp_path, mode):
+    """On CUDA (Triton kernels, CUDA graphs, overlap) the round trip runs before the store kernel;
+    fp32 so that the cold run is a fair reference. Not run on the CPU machine it was written on."""
+    path, ps, others, ref = tiny
+    check_mode(path, ps, others, ref, tmp_path / "l3", {**MODES[mode], "dtype": "float32"}, "page_first")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_cuda_fp8_kv_needs_the_torch_backend(tiny, tmp_path):
+    path, ps, _, _ = tiny
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        Engine(model_path=str(path), kv_cache_dtype="fp8_e4m3")
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=512, kv_cache_dtype="fp8_e4m3",
+                 attention_backend="torch", hicache_ratio=2.0)
+    try:
+        first = ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY))
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == first
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
