@@ -1,11 +1,13 @@
 """The router's FastAPI app: the workers' routes, proxied, plus worker administration.
 
-Proxied with routing: POST /v1/chat/completions, /v1/completions, /generate. Sessions:
-/open_session (a worker chosen by the policy; the returned id sticks to it), /close_session
-(to the session's worker). Forwarded to any available worker: /v1/models, /get_model_info,
-/health_generate. Broadcast: /flush_cache. Router-own: /health (200 while any worker is
-available), /get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``),
-/list_workers. Every answer that came from a worker names it in ``x-hicache-worker``.
+Proxied with routing: POST /v1/chat/completions, /v1/completions, /generate, Anthropic's
+/v1/messages and Ollama's /api/chat and /api/generate (streamed unless ``"stream": false``,
+Ollama's default). Sessions: /open_session (a worker chosen by the policy; the returned id
+sticks to it), /close_session (to the session's worker). Forwarded to any available worker:
+/v1/models, /get_model_info, /health_generate, /v1/messages/count_tokens, /api/tags, /api/show,
+/api/version. Broadcast: /flush_cache. Router-own: /health (200 while any worker is available),
+/get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``), /list_workers.
+Every answer that came from a worker names it in ``x-hicache-worker``.
 The KV control API (/cache/lookup, /cache/prefetch, /cache/pin) goes to the worker that holds
 the prefix (router/kv_routes.py). With ``api_keys_file``, tenant keys are accepted and routing
 keys on each request's tenant + cache_salt scope (router/tenancy.py).
@@ -36,7 +38,13 @@ from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_pref
 from router.workers import WorkerPool
 
 log = logging.getLogger("hicache.router")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/api/chat",
+                    "/api/generate")
+PD_GENERATION_PATHS = GENERATION_PATHS[:3]  # the prefill/decode pair speaks OpenAI and SGLang only
+STREAM_BY_DEFAULT = ("/api/chat", "/api/generate")  # Ollama streams unless told not to
+ANY_WORKER_ROUTES = {"/v1/models": ["GET"], "/get_model_info": ["GET"], "/health_generate": ["GET", "POST"],
+                     "/v1/messages/count_tokens": ["POST"], "/api/tags": ["GET"], "/api/show": ["POST"],
+                     "/api/version": ["GET"]}
 
 
 class RouterState:
@@ -116,7 +124,11 @@ class RouterState:
         """Headers for a worker: a tenant's key is passed on as it came (the worker needs it)."""
         h = self.forwarder.headers_for(request.headers)
         if getattr(request.state, "tenant", None) is not None:
-            h["authorization"] = request.headers["authorization"]
+            if "authorization" in request.headers:
+                h["authorization"] = request.headers["authorization"]
+            else:  # Anthropic's clients send the key as x-api-key
+                h.pop("authorization", None)
+                h["x-api-key"] = request.headers["x-api-key"]
         return h
 
     def fleet_stats(self) -> dict[str, Any]:
@@ -157,10 +169,12 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
         @app.middleware("http")
         async def check_key(request: Request, call_next: Any) -> Response:
-            """``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235): the router's key or a
-            tenant's, compared in constant time (router/tenancy.py)."""
+            """``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235) or Anthropic's
+            ``x-api-key: <key>``: the router's key or a tenant's, compared in constant time
+            (router/tenancy.py)."""
             if request.url.path != "/health":
-                ok, tenant = state.tenancy.authenticate(request.headers.get("authorization", ""))
+                ok, tenant = state.tenancy.authenticate(request.headers.get("authorization", ""),
+                                                        request.headers.get("x-api-key", ""))
                 if not ok:
                     return error(401, "missing or invalid API key (send Authorization: Bearer <key>)")
                 request.state.tenant = tenant
@@ -173,9 +187,10 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             return body
         path = request.url.path
         route = await state.route(path, body, request)
-        return await state.forwarder.forward(path, raw, state.headers(request), route, body.get("stream") is True)
+        stream = body.get("stream", path in STREAM_BY_DEFAULT) is True
+        return await state.forwarder.forward(path, raw, state.headers(request), route, stream)
 
-    for path in GENERATION_PATHS:
+    for path in PD_GENERATION_PATHS if cfg.pd_disaggregation else GENERATION_PATHS:
         app.add_api_route(path, generation, methods=["POST"])
 
     async def to_any(request: Request) -> Response:
@@ -188,8 +203,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             w, request.method, request.url.path, body, state.forwarder.headers_for(request.headers)
         )
 
-    for path in ("/v1/models", "/get_model_info", "/health_generate"):
-        app.add_api_route(path, to_any, methods=["GET", "POST"] if path == "/health_generate" else ["GET"])
+    for path, methods in ANY_WORKER_ROUTES.items():
+        app.add_api_route(path, to_any, methods=methods)
 
     @app.get("/health")
     async def health() -> Response:

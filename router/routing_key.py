@@ -52,13 +52,13 @@ class KeyMaker:
         return RouteRequest(text_key(text) if text else "", None, sid)
 
     def _prompt(self, path: str, body: dict[str, Any]) -> tuple[list[int] | None, str]:
-        if path == "/v1/chat/completions":
-            messages = body.get("messages") or []
+        messages = CHAT_PATHS[path](body) if path in CHAT_PATHS else None
+        if messages is not None:
             if self.tok is not None and getattr(self.tok, "chat_template", None):
                 text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                 return self.encode(text), text
             return None, "".join(f"<{m.get('role')}>{_content(m.get('content'))}" for m in messages)
-        if path == "/v1/completions":
+        if path in ("/v1/completions", "/api/generate"):
             prompt = body.get("prompt")
         else:  # /generate
             prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
@@ -74,9 +74,28 @@ class KeyMaker:
         return list(self.tok.encode(text, add_special_tokens=False))
 
 
+def _system_first(system: Any, messages: Any) -> list[dict[str, Any]]:
+    """The messages the worker prefills: an Anthropic / Ollama ``system`` field goes first."""
+    msgs = [{"role": m.get("role"), "content": _content(m.get("content"))}
+            for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)]
+    text = _content(system)
+    return ([{"role": "system", "content": text}] if text else []) + msgs
+
+
+# chat routes: the body's messages as the worker's chat template sees them
+CHAT_PATHS = {
+    "/v1/chat/completions": lambda b: b.get("messages") or [],
+    "/v1/messages": lambda b: _system_first(b.get("system"), b.get("messages")),  # Anthropic
+    "/api/chat": lambda b: _system_first(None, b.get("messages")),  # Ollama
+    # Ollama's /api/generate goes through the chat template unless it is raw
+    "/api/generate": lambda b: None if b.get("raw") else _system_first(b.get("system"), [
+        {"role": "user", "content": b.get("prompt")}]),
+}
+
+
 def _content(c: Any) -> str:
     if isinstance(c, str):
         return c
-    if isinstance(c, list):  # OpenAI content parts
+    if isinstance(c, list):  # OpenAI content parts, Anthropic text blocks
         return "".join(p.get("text", "") for p in c if isinstance(p, dict))
     return ""

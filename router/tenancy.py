@@ -37,11 +37,15 @@ class Tenancy:
     def enforced(self) -> bool:
         return self.expected is not None or self.table is not None
 
-    def authenticate(self, authorization: str) -> tuple[bool, Tenant | None]:
-        """(allowed, tenant): the Bearer token is the router's key (default tenant) or a tenant's."""
-        scheme, _, token = authorization.strip().partition(" ")
-        raw = token.strip().encode()
-        if scheme.lower() != "bearer" or not raw:
+    def authenticate(self, authorization: str, x_api_key: str = "") -> tuple[bool, Tenant | None]:
+        """(allowed, tenant): the Bearer token (or, without an Authorization header, Anthropic's
+        ``x-api-key``) is the router's key (default tenant) or a tenant's."""
+        if authorization.strip():
+            scheme, _, token = authorization.strip().partition(" ")
+            raw = token.strip().encode() if scheme.lower() == "bearer" else b""
+        else:
+            raw = x_api_key.strip().encode()
+        if not raw:
             return False, None
         default = self.expected is not None and hmac.compare_digest(raw, self.expected)
         tenant = self.table.find(raw) if self.table is not None else None

@@ -5,6 +5,7 @@ router with tenants, the KV control API forwarded to the worker that holds the p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -159,3 +160,41 @@ def test_router_with_tenants(fleet):
     for w in workers:
         assert w.check_integrity()["ok"]
     assert salt.SALTED_TOKENS == 4
+
+
+@pytest.mark.slow
+def test_router_forwards_anthropic_and_ollama(fleet):
+    """Anthropic's /v1/messages (key in x-api-key) and Ollama's /api/* through the router: routed on
+    the prompt the worker will prefill, so a repeated conversation returns to the worker that holds it."""
+    import anthropic
+    import ollama
+
+    _, r = fleet
+    system, msgs = "You answer briefly.", [{"role": "user", "content": "Name three colours, then three fruits."}]
+    client = anthropic.Anthropic(base_url=r.url, api_key="sk-alice-0001", max_retries=0)
+    first = client.messages.with_raw_response.create(model="tiny", system=system, messages=msgs, max_tokens=4,
+                                                     extra_body={"temperature": 0})
+    again = client.messages.with_raw_response.create(model="tiny", system=system, messages=msgs, max_tokens=4,
+                                                     extra_body={"temperature": 0})
+    home = first.headers["x-hicache-worker"]
+    assert again.headers["x-hicache-worker"] == home
+    a1, a2 = first.parse(), again.parse()
+    assert a2.content[0].text == a1.content[0].text and a2.usage.cache_read_input_tokens >= 16, a2.usage
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=r.url, api_key="sk-nobody-001", max_retries=0).messages.create(
+            model="tiny", messages=msgs, max_tokens=4)
+    # Ollama streams by default: NDJSON through the router; alice's scope: the same worker again
+    body = {"model": "tiny", "messages": [{"role": "system", "content": system}, *msgs],
+            "options": {"temperature": 0, "num_predict": 4}}
+    with httpx.stream("POST", r.url + "/api/chat", json=body, timeout=60,
+                      headers={"Authorization": "Bearer sk-alice-0001"}) as resp:
+        assert resp.headers["x-hicache-worker"] == home
+        parts = [json.loads(line) for line in resp.iter_lines() if line.strip()]
+    assert len(parts) > 1 and parts[-1]["done"] and not any(p["done"] for p in parts[:-1])
+    assert "".join(p["message"]["content"] for p in parts) == a1.content[0].text
+    assert parts[-1]["prompt_eval_count"] < 16  # computed: less than a page; the rest came from the cache
+    oc = ollama.Client(host=r.url, headers={"Authorization": "Bearer sk-alice-0001"})
+    g = oc.generate(model="tiny", prompt=msgs[0]["content"], system=system, stream=False,
+                    options={"temperature": 0, "num_predict": 4})
+    assert g.response == a1.content[0].text and g.prompt_eval_count < 16
+    assert [m.model for m in oc.list().models] == ["tiny"] and oc.show("tiny").modelinfo
