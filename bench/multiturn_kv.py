@@ -10,7 +10,8 @@ same L2 bytes (``hicache_size``) and the same LMDB capacity, and reports:
 - hit rate and TTFT of returning turns, as ``bench/multiturn.py`` measures them;
 - agreement with raw (teacher-forced, no cache involved): top-1 agreement of the next-token
   argmax over a fixed English text and over every user's first prompt (identical in every
-  mode), and the perplexity of the fixed text.
+  mode), and the perplexity of the fixed text; the same for L1 in bf16 and in fp8_e4m3
+  (``--kv-cache-dtype``, lower tiers raw).
 
 Each mode's conversations include its own greedy answers; answers have a fixed length
 (``ignore_eos``), so every mode's KV working set has the same size.
@@ -69,13 +70,13 @@ def _held(core, prompts: list[list[int]]) -> dict[str, Any]:  # noqa: ANN001 - a
     }
 
 
-def _teacher_forced(args, encoding: str, texts: list[list[int]]) -> list[dict[str, Any]]:  # noqa: ANN001
+def _teacher_forced(args, mode: dict[str, Any], texts: list[list[int]]) -> list[dict[str, Any]]:  # noqa: ANN001
     """Per text: the top-1 token at every position and the mean log-likelihood (prompt logprobs)."""
     from serving.engine import Engine
     from serving.logprobs import LogprobState
 
-    eng = Engine(model_path=args.model_path, page_size=args.page_size, device=args.device,
-                 hicache_l2_encoding=encoding)  # L1 only; the mode's round trip on every stored K/V
+    # L1 only; a lossy encoding's round trip on every stored K/V, or L1 in another KV dtype
+    eng = Engine(model_path=args.model_path, page_size=args.page_size, device=args.device, **mode)
     core, out = eng.core, []
     try:
         for ids in texts:
@@ -90,6 +91,15 @@ def _teacher_forced(args, encoding: str, texts: list[list[int]]) -> list[dict[st
     finally:
         eng.shutdown()
     return out
+
+
+def _agreement(mine: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
+    """Top-1 agreement with ``base`` on the fixed text (first entry) and the prompts; perplexity."""
+    same = [sum(a == b for a, b in zip(x["top1"], y["top1"], strict=True)) for x, y in zip(mine, base, strict=True)]
+    n = [len(x["top1"]) for x in base]
+    ppl = math.exp(-mine[0]["mean_logprob"])
+    return {"top1_agreement_fixed_text": same[0] / n[0], "top1_agreement_first_prompts": sum(same[1:]) / sum(n[1:]),
+            "ppl_fixed_text": ppl, "ppl_delta_fixed_text": ppl / math.exp(-base[0]["mean_logprob"]) - 1}
 
 
 def compare_encodings(args, workload) -> dict:  # noqa: ANN001
@@ -108,17 +118,12 @@ def compare_encodings(args, workload) -> dict:  # noqa: ANN001
 
     fixed = Tokenizer(args.model_path).encode(FIXED_TEXT)
     texts = [fixed] + [system + t[0] for t in turns]
-    forced = {enc: _teacher_forced(args, enc, texts) for enc in encodings}
+    forced = {enc: _teacher_forced(args, {"hicache_l2_encoding": enc}, texts) for enc in encodings}
     base = forced.get("raw") or forced[encodings[0]]
     for enc in encodings:
-        same = [sum(a == b for a, b in zip(x["top1"], y["top1"], strict=True)) for x, y in zip(forced[enc], base,
-                                                                                                 strict=True)]
-        n = [len(x["top1"]) for x in base]
-        r = results[enc]
-        r["top1_agreement_fixed_text"] = same[0] / n[0]
-        r["top1_agreement_first_prompts"] = sum(same[1:]) / sum(n[1:])
-        r["ppl_fixed_text"] = math.exp(-forced[enc][0]["mean_logprob"])
-        r["ppl_delta_fixed_text"] = r["ppl_fixed_text"] / math.exp(-base[0]["mean_logprob"]) - 1
+        results[enc].update(_agreement(forced[enc], base))
+    l1_modes = {f"L1 {d}": _agreement(_teacher_forced(args, {"kv_cache_dtype": d}, texts), base)
+                for d in ("bf16", "fp8_e4m3")}
     raw = results.get("raw")
     for r in results.values():
         r["conversations_held_vs_raw"] = r["conversations_held"] / raw["conversations_held"] \
@@ -130,7 +135,11 @@ def compare_encodings(args, workload) -> dict:  # noqa: ANN001
                   r["conversations_held_l3"], r["conversations_held_vs_raw"], r["hit_rate"], r["ttft_p50_s"],
                   r["ttft_p90_s"], r["top1_agreement_fixed_text"], r["top1_agreement_first_prompts"],
                   r["ppl_fixed_text"]] for e, r in results.items()])
-    data = {"l2_mb": args.l2_mb, "l3_mb": args.l3_mb, "l1_tokens": args.l1_tokens, "users": args.users,
+    print_table(["L1 KV dtype (L2/L3 raw)", "top1 text", "top1 prompts", "ppl", "ppl delta"],
+                [[m, r["top1_agreement_fixed_text"], r["top1_agreement_first_prompts"], r["ppl_fixed_text"],
+                  r["ppl_delta_fixed_text"]] for m, r in l1_modes.items()])
+    data = {"l1_kv_dtypes_vs_raw": l1_modes,
+            "l2_mb": args.l2_mb, "l3_mb": args.l3_mb, "l1_tokens": args.l1_tokens, "users": args.users,
             "turns": args.turns, "model": args.model_path, "fixed_text_tokens": len(fixed), "encodings": results}
     write_json(args.json, data)
     return data
