@@ -9,7 +9,7 @@ import torch
 from serving.config import QUANTIZATIONS, ModelConfig
 from serving.engine import Engine
 from serving.models.loader import load_model
-from serving.models.quant import QuantizationError, QuantLinear, get_quant_method, quant_methods
+from serving.models.quant import QuantizationError, QuantLinear, get_quant_method, int8, quant_methods
 from tests.model_utils import tiny_model
 from tests.test_engine import GREEDY, ids_of, prompts
 from tests.test_kv_modes import check_mode, make, tier_hits
@@ -32,12 +32,15 @@ def test_config_names_the_registry_and_refuses_others():
         ModelConfig(quantization="int3")
 
 
-@pytest.mark.parametrize("name", CPU_METHODS)
-def test_quant_linear_is_close_and_batch_invariant(name):
+@pytest.mark.parametrize("name", [*CPU_METHODS, "int8-int_mm"])
+def test_quant_linear_is_close_and_batch_invariant(name, monkeypatch):
+    if name == "int8-int_mm":  # the fallback without oneDNN
+        monkeypatch.setattr(int8, "_onednn_ok", lambda: False)
+        name = "int8"
     torch.manual_seed(0)
     w, b = torch.randn(256, 512) * 0.05, torch.randn(256)
     lin = QuantLinear(get_quant_method(name), w, b)
-    x = torch.randn(9, 512)
+    x = torch.randn(9, 512) + torch.linspace(-1, 3, 512)  # skewed rows: the zero points matter
     y, ref = lin(x), x @ w.t() + b
     err = ((y - ref).norm() / ref.norm()).item()
     assert err < REL_ERR[name], err
@@ -92,3 +95,20 @@ def test_l3_of_another_weight_mode_is_a_miss(tiny, tmp_path):
     assert tier_hits(outs, "storage") == 0 and eng.core.storage.tier.stats()["hits"] == 0
     eng.check_integrity()
     eng.shutdown()
+
+
+@pytest.mark.slow
+def test_int4_tp2_quantizes_each_shard_and_matches_tp1(tiny):
+    """int4's groups are 32 input channels and every shard boundary of the tiny model is a multiple
+    of 32, so each rank quantizing its own shard gives TP=1's int4 weights: the same tokens."""
+    path, ps, _, _ = tiny
+    want = None
+    for tp in (1, 2):
+        eng = Engine(model_path=str(path), page_size=4, max_total_tokens=256, quantization="int4", tp_size=tp)
+        try:
+            got = ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY))
+            eng.check_integrity()
+        finally:
+            eng.shutdown()
+        want = want or got
+        assert got == want

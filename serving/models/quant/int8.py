@@ -1,5 +1,11 @@
 """``--quantization int8`` (CPU): W8A8, symmetric int8 weights with one scale per output channel,
-activations quantized per token at run time, integer matmul with int32 accumulation.
+activations quantized per token at run time (asymmetric: each token's [min, max] onto 0..255, a
+scale and a zero point per token), integer matmul with int32 accumulation.
+
+The kernel subtracts one fixed zero point (128); a token's own zero point ``z`` is put right
+after: ``sum_k (x_k - z) w_k = sum_k (x_k - 128) w_k - (z - 128) sum_k w_k`` with the weight's
+row sums kept from load time. On SmolLM2 asymmetric activations cut the perplexity increase from
+6.8 % (symmetric, per token) to 4.5 % (bench/cpu_decode.py).
 
 Integer accumulation is exact, so a row's result is the same whatever else is in its batch
 (batch-invariant by construction, which keeps cache hits token-identical with recompute).
@@ -13,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from serving.models.quant.base import QuantMethod, per_token_scale, register_quant
+from serving.models.quant.base import QuantMethod, register_quant
 
 QMAX = 127.0
-_U8_ZERO = 128  # oneDNN takes unsigned activations: code + 128
+_U8_ZERO = 128  # the kernel's fixed activation zero point
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +45,8 @@ class Int8W8A8(QuantMethod):
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         codes, scale = quantize_int8_per_channel(weight)
-        out = {"scale": scale, "zeros": torch.zeros(codes.shape[0], dtype=torch.long)}
+        out = {"scale": scale, "zeros": torch.zeros(codes.shape[0], dtype=torch.long),
+               "row_sum": codes.float().sum(dim=1) * scale}  # [out]: sum_k w_k (dequantized)
         if _onednn_ok():
             out["packed"] = torch.ops.onednn.qlinear_prepack(codes, None)
         else:
@@ -47,12 +54,16 @@ class Int8W8A8(QuantMethod):
         return out
 
     def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
-        xs = per_token_scale(x, QMAX)  # [M, 1]
-        xq = torch.round(x.float() / xs)
+        xf = x.float()
+        lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
+        xs = ((hi - lo) / 255).clamp(min=1e-12)  # [M, 1] per-token scale
+        zero = torch.round(-lo / xs)  # [M, 1]: x ~= (code - zero) * xs, code in 0..255
+        xq = (torch.round(xf / xs) + zero).clamp(0, 255)
         if "packed" in q:
             y = torch.ops.onednn.qlinear_pointwise(
-                (xq + _U8_ZERO).to(torch.uint8), 1.0, _U8_ZERO, q["packed"], q["scale"], q["zeros"],
+                xq.to(torch.uint8), 1.0, _U8_ZERO, q["packed"], q["scale"], q["zeros"],
                 None, 1.0, 0, torch.float32, "none", [], "")
         else:
-            y = torch._int_mm(xq.to(torch.int8), q["codes_t"]).float() * q["scale"]
+            y = torch._int_mm((xq - _U8_ZERO).to(torch.int8), q["codes_t"]).float() * q["scale"]
+        y = y - (zero - _U8_ZERO) * q["row_sum"]
         return (y * xs).to(x.dtype)
