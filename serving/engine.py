@@ -9,11 +9,38 @@ from typing import Any
 from hicache.config import CacheConfig
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine_core import EngineCore
+from serving.logprobs import LogprobState
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
+from serving.server.logprob_format import LogprobOptions, sglang_meta
 
 IDLE_WAIT_S = 0.0005  # a step that ran nothing sleeps this long (a spinning loop starves the I/O threads)
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def _per_prompt(value: Any, n: int, name: str, is_list: Any) -> list[Any]:
+    if is_list(value):
+        if len(value) != n:
+            raise InvalidRequest(f"{name}: the list must have one value per prompt ({n})")
+        return list(value)
+    return [value] * n
+
+
+def _logprob_options(n: int, ret: Any, start: Any, top: Any, ids: Any) -> list[LogprobOptions | None]:
+    """One LogprobOptions per prompt (None: that prompt asked for none), as sgl.Engine takes them."""
+    rets = _per_prompt(ret, n, "return_logprob", lambda v: isinstance(v, list))
+    starts = _per_prompt(start, n, "logprob_start_len", lambda v: isinstance(v, list))
+    tops = _per_prompt(top, n, "top_logprobs_num", lambda v: isinstance(v, list))
+    idss = _per_prompt(ids, n, "token_ids_logprob", lambda v: isinstance(v, list) and v and isinstance(v[0], list))
+    out: list[LogprobOptions | None] = []
+    for r, s, t, i in zip(rets, starts, tops, idss, strict=True):
+        if not r:
+            out.append(None)
+            continue
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise InvalidRequest("top_logprobs_num must be a non-negative integer")
+        out.append(LogprobOptions(start_len=s, top=t or 0, token_ids=tuple(i) if i is not None else None))
+    return out
 
 
 def config_from_kwargs(**kwargs: Any) -> EngineConfig:
@@ -69,9 +96,15 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """``cache_salt`` (vLLM's name): requests with the same salt share cached prefixes,
-        requests with different salts (or none) share nothing (hicache.salt)."""
+        requests with different salts (or none) share nothing (hicache.salt). The logprob
+        arguments are ``sgl.Engine.generate``'s (a value, or a list with one per prompt); the
+        answers carry them in ``meta_info`` as /generate does (serving/server/logprob_format.py)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
@@ -86,6 +119,10 @@ class Engine:
             self.core.open_session(session_id)
         reqs = [self.core.make_request(**it, sampling_params=p, session_id=session_id, cache_salt=cache_salt)
                 for it, p in zip(items, params, strict=True)]
+        lp_opts = _logprob_options(len(reqs), return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)
+        for r, opts in zip(reqs, lp_opts, strict=True):
+            if opts is not None:
+                r.logprob = LogprobState.from_request(opts.wire(), r.input_ids, self.core.runner.arch.vocab_size)
         for r in reqs:
             self.core.add(r)
         while not all(r.finished for r in reqs):
@@ -94,6 +131,10 @@ class Engine:
             if self.core.scheduler.stats.forward_passes == before:
                 time.sleep(IDLE_WAIT_S)  # waiting for a copy or the store: leave them the GIL
         outs = [output_dict(self.core, r) for r in reqs]
+        for out, r, opts in zip(outs, reqs, lp_opts, strict=True):
+            if opts is not None:
+                lp = r.logprob.take_new(r.output_ids) or {}
+                out["meta_info"].update(sglang_meta(lp, opts, self.core.tokenizer, with_text=True))
         return outs[0] if single else outs
 
     def open_session(self, session_id: str | None = None) -> str:

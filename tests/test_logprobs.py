@@ -120,3 +120,26 @@ def test_logprobs_scoring_stream_and_bad_input(server, hf) -> None:
         r = httpx.post(server.url + "/generate", json={"input_ids": ids, "return_logprob": True, **bad}, timeout=30)
         assert r.status_code == 400 and word in r.text, r.text
     assert server.check_integrity()["running"] == 0
+
+
+@pytest.mark.slow
+def test_offline_engine_logprobs_match_hf(hf) -> None:
+    """``Engine.generate`` takes sgl.Engine's logprob arguments and answers in /generate's shape,
+    also for a prompt whose prefix is cached (and per prompt in a batch)."""
+    from serving.engine import Engine
+
+    eng = Engine(model_path=str(smollm2_path()), dtype="float32", page_size=4, max_total_tokens=2048,
+                 hicache_ratio=0)
+    try:
+        ids = hf[1].encode(PROMPT)
+        first = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, "temperature": 0},
+                             return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+        check_against_hf(hf, ids, first, start=0, top=3)
+        outs = eng.generate(input_ids=[ids, ids[:20]], sampling_params={"max_new_tokens": 4, "temperature": 0},
+                            return_logprob=[True, False], logprob_start_len=5)
+        assert outs[0]["meta_info"]["cached_tokens"] > 0
+        check_against_hf(hf, ids, outs[0], start=5)
+        assert "output_token_logprobs" not in outs[1]["meta_info"]
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
