@@ -55,15 +55,15 @@ class Int8W8A8(QuantMethod):
 
     def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
         xf = x.float()
-        lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
-        xs = ((hi - lo) / 255).clamp(min=1e-12)  # [M, 1] per-token scale
-        zero = torch.round(-lo / xs)  # [M, 1]: x ~= (code - zero) * xs, code in 0..255
-        xq = (torch.round(xf / xs) + zero).clamp(0, 255)
+        lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+        xs = (hi - lo).clamp_(min=1e-12).div_(255)  # [M, 1] per-token scale
+        zero = torch.round(lo.div(xs)).neg_()  # [M, 1]: x ~= (code - zero) * xs, code in 0..255
+        xq = torch.addcmul(zero, xf, xs.reciprocal()).round_().clamp_(0, 255)
         if "packed" in q:
             y = torch.ops.onednn.qlinear_pointwise(
                 xq.to(torch.uint8), 1.0, _U8_ZERO, q["packed"], q["scale"], q["zeros"],
                 None, 1.0, 0, torch.float32, "none", [], "")
         else:
-            y = torch._int_mm((xq - _U8_ZERO).to(torch.int8), q["codes_t"]).float() * q["scale"]
-        y = y - (zero - _U8_ZERO) * q["row_sum"]
-        return (y * xs).to(x.dtype)
+            y = torch._int_mm(xq.sub_(_U8_ZERO).to(torch.int8), q["codes_t"]).float().mul_(q["scale"])
+        y = torch.addcmul(y, zero.sub_(_U8_ZERO), q["row_sum"], value=-1).mul_(xs)
+        return y.to(x.dtype)
