@@ -31,8 +31,11 @@ $(VENV)/.installed: pyproject.toml
 serve: setup
 	$(VENV)/bin/hicache serve --config $(CONFIG) --quantization $(QUANTIZATION)
 
+# Two at a time (pytest-xdist, a file per worker), then the timing-sensitive modules alone
+# (the `serial` marker, tests/conftest.py). Exit 5 = that phase selected no test.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 lint: setup
 	$(VENV)/bin/ruff check hicache serving router bench tests

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -441,11 +440,8 @@ def test_policy_registry_errors():
 
 
 def test_bench_smoke(tmp_path: Path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        import tree_ops
-    finally:
-        sys.path.pop(0)
+    from bench import tree_ops  # not through sys.path: bench/router.py would shadow the router package
+
     out = tmp_path / "tree.json"
     tree_ops.main(["--users", "4", "--turns", "3", "--l1-tokens", "2000", "--json", str(out)])
     data = json.loads(out.read_text())
