@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,37 @@ ROOT = Path(__file__).resolve().parent.parent
 READY = "The server is fired up and ready to roll!"
 
 
+# Ports for the servers tests start come from below the kernel's ephemeral range (32768-60999
+# by default), so an outgoing connection can never take one between its choice and the server's
+# bind (seconds later, after the model loads); each xdist worker has its own block, and a
+# process starts at a random place in it, so two processes rarely try the same port.
+PORT_BLOCK = 2000
+PORT_BASE = 20000
+
+
+def _worker_index() -> int:
+    w = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(w[2:]) if w[2:].isdigit() else 0
+
+
+_port_lock = threading.Lock()
+_next_port = [random.randrange(PORT_BLOCK)]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing listens on now, outside the ephemeral range."""
+    base = PORT_BASE + (_worker_index() % 6) * PORT_BLOCK
+    with _port_lock:
+        for _ in range(PORT_BLOCK):
+            port = base + _next_port[0] % PORT_BLOCK
+            _next_port[0] += 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError(f"no free port in {base}-{base + PORT_BLOCK - 1}")
 
 
 class ServerProcess:
