@@ -157,9 +157,12 @@ def start_all(*servers: ServerProcess) -> None:
         t.start()
     for t in threads:
         t.join()
-    for s in servers:
-        if not s.ready.is_set():
-            raise RuntimeError("a server did not start:\n" + s.log()[-3000:])
+    failed = [s for s in servers if not s.ready.is_set()]
+    if failed:  # the ones that did start go too: the caller's cleanup never saw them
+        for s in servers:
+            if s.proc is not None:
+                kill_tree(s.proc)
+        raise RuntimeError("a server did not start:\n" + failed[0].log()[-3000:])
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
