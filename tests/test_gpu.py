@@ -284,6 +284,15 @@ def test_fused_kernels_match_torch_path(dtype):
     gu = torch.randn(37, 2 * 14336, device="cuda", generator=g).to(dtype)
     ref = torch.nn.functional.silu(gu[:, :14336]) * gu[:, 14336:]
     assert rel_err(tf.silu_mul(gu, 14336).float(), ref.float()) < tol
+    delta = torch.randn(37, 4096, device="cuda", generator=g).to(dtype)
+    normed, h_sum = norm.add_forward(delta, x)
+    tf.ENABLED = False
+    try:
+        normed_ref, h_ref = norm.add_forward(delta, x)
+    finally:
+        tf.ENABLED = True
+    assert torch.equal(h_sum, h_ref)
+    assert rel_err(normed.float(), normed_ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 def test_fused_model_logits_match_unfused(tiny):
@@ -306,3 +315,38 @@ def test_fused_model_logits_match_unfused(tiny):
         finally:
             tf.ENABLED = True
     assert rel_err(out[True], out[False]) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an fp8 GPU")
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 14336), (64, 576)])
+def test_fp8_activation_quant_kernel_equals_torch(shape):
+    from serving.kernels.fp8_quant import quantize_rows_fp8
+    from serving.models.quant.fp8 import quantize_rows_torch
+
+    torch.manual_seed(0)
+    for _ in range(20):  # the division must round as torch's does (Triton's default "/" is approximate)
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 5
+        x[0, :3] = torch.tensor([1000.0, -0.0, 1e-6])
+        (qa, sa), (qb, sb) = quantize_rows_fp8(x), quantize_rows_torch(x)
+        assert torch.equal(sa, sb)
+        assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an fp8 GPU")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (1008, 14336), (576, 1536), (49152, 576)])
+def test_fp8_gemv_matches_scaled_mm(n, k):
+    from serving.kernels.fp8_gemm import fp8_gemv
+    from serving.kernels.fp8_quant import quantize_rows_fp8
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn)
+    scale = torch.rand(1, n, device="cuda") + 0.5
+    for config in (None, (4, 256, 4, 1, False), (8, 2048, 8, 3, False), (16, 512, 4, 3, True), (2, 0, 8, 1, False)):
+        ours = fp8_gemv(x, w, scale, torch.float32, config)
+        xq, xs = quantize_rows_fp8(x)
+        ref = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale, out_dtype=torch.float32)
+        assert rel_err(ours, ref) < 1e-3, config
+        exact = (xq.double() @ w.double().t()) * xs.double() * scale.double()  # same codes, float64 sums
+        assert rel_err(ours, exact) < 1e-5, config

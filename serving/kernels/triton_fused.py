@@ -7,6 +7,7 @@ step. These kernels do each step in one launch, with the same arithmetic as the 
 in ``serving/models`` (float32 inside, the same casts), so outputs agree to rounding:
 
 - ``rmsnorm``: HF's LlamaRMSNorm (normalize in float32, cast back, times the weight);
+- ``add_rmsnorm``: the residual add before it too (``h = residual + x``, then the norm of h);
 - ``rope_qk``: rotary embedding of q and k straight out of the fused qkv projection, reading
   the cos/sin tables at each token's position (float32, ``rotate_half`` convention);
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up projection.
@@ -56,6 +57,41 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             num_warps=max(1, min(16, block // 512)),
         )  # fmt: skip
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, h_ptr, stride_x, stride_r, stride_o, stride_h, eps,
+                        N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0)
+    h = (r.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)  # torch's r + x, rounded
+    tl.store(h_ptr + row * stride_h + offs, h, mask=ok)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, 0) / N
+    y = (hf * tl.rsqrt(var + eps)).to(h.dtype)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    tl.store(o_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(o_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x`` and ``rmsnorm(h)`` in one launch: (normed, h), both ``[T, N]``."""
+    n = x.shape[-1]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    h = torch.empty(residual.shape, dtype=torch.promote_types(residual.dtype, x.dtype), device=x.device)
+    out = torch.empty(h.shape, dtype=torch.promote_types(weight.dtype, h.dtype), device=x.device)
+    if h.shape[0]:
+        block = triton.next_power_of_2(n)
+        _add_rmsnorm_kernel[(h.shape[0],)](
+            x, residual, weight, out, h, x.stride(0), residual.stride(0), out.stride(0), h.stride(0), eps,
+            N=n, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+        )  # fmt: skip
+    return out, h
 
 
 @triton.jit

@@ -57,6 +57,14 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``norm(residual + x)``, ``residual + x``): the residual add and this norm, one launch on CUDA."""
+        fused = _fused_for(x)
+        if fused is not None:
+            return fused.add_rmsnorm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
+
 
 class Attention(nn.Module):
     """GQA self-attention with fused qkv projection; KV goes through the paged pool."""
@@ -181,15 +189,20 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
         else:
             cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)  # [T, 1, D]
-        h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        h = self.model.embed_tokens(batch.input_ids)  # [T, hidden], the residual stream
         waits = batch.layer_waits
+        delta = None  # the last block half's output, not yet added to h (added with the next norm)
         for i, layer in enumerate(self.model.layers):
             if waits is not None:
                 waits.before_layer(i)  # this layer's KV loaded back from L2 has landed (GPU-side wait)
-            h = h + layer.self_attn(
-                layer.input_layernorm(h), cos, sin, batch, kv.k_buffers[i], kv.v_buffers[i], attn
-            )
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if delta is None:
+                x = layer.input_layernorm(h)
+            else:
+                x, h = layer.input_layernorm.add_forward(delta, h)
+            delta = layer.self_attn(x, cos, sin, batch, kv.k_buffers[i], kv.v_buffers[i], attn)
+            x, h = layer.post_attention_layernorm.add_forward(delta, h)
+            delta = layer.mlp(x)
+        h = h + delta
         last = batch.extend_start.to(torch.int64) + batch.extend_lens.to(torch.int64) - 1  # [B]
         if batch.logit_rows is not None:  # prompt logprobs: these rows' logits too, after the B last ones
             last = torch.cat([last, batch.logit_rows])

@@ -15,6 +15,8 @@ from serving.models.quant.base import QuantizationError, QuantMethod, per_token_
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MULTIPLE = 16
+GEMV_KERNEL = True  # one token (decode at batch 1): serving.kernels.fp8_gemm; more: _scaled_mm
+FUSED_QUANT = True  # activations quantized by serving.kernels.fp8_quant (one launch); False: torch ops
 
 
 def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,6 +24,12 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     w = weight.float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, ``[M, 1]`` float32 scales) per token, in torch ops (the fused kernel's reference)."""
+    xs = per_token_scale(x, FP8_MAX)
+    return (x.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8), xs
 
 
 @register_quant
@@ -48,8 +56,16 @@ class Fp8W8A8(QuantMethod):
         return {"codes": codes, "scale": scale.reshape(1, -1).contiguous()}
 
     def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
-        xs = per_token_scale(x, FP8_MAX)  # [M, 1] float32
-        xq = (x.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if GEMV_KERNEL and x.shape[0] == 1:
+            from serving.kernels.fp8_gemm import fp8_gemv
+
+            return fp8_gemv(x, q["codes"], q["scale"], out_dtype).to(x.dtype)
+        if FUSED_QUANT:
+            from serving.kernels.fp8_quant import quantize_rows_fp8
+
+            xq, xs = quantize_rows_fp8(x)
+        else:
+            xq, xs = quantize_rows_torch(x)
         y = torch._scaled_mm(xq, q["codes"].t(), scale_a=xs, scale_b=q["scale"], out_dtype=out_dtype)
         return y.to(x.dtype)
