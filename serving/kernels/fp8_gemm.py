@@ -11,6 +11,8 @@ quantization kernel of their own first. Here each program owns ``BLOCK_N`` outpu
 3. ``sum * x_scale * w_scale[n]`` in the output dtype -- what ``_scaled_mm`` computes with
    row-wise scales, up to the order of the float32 sums.
 
+On the 8B shape this reads fp8 weights at 2.4-4.3 TB/s against cuBLASLt's 1.0-2.5 (bench/gpu.py).
+
 So it is the same W8A8 model as the ``_scaled_mm`` path that serves larger batches, not a
 different approximation. ``config_for`` picks the tile sizes (bench/gpu_fp8.py sweeps them).
 """
@@ -66,11 +68,20 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, N, K, QMAX: tl.constexpr, EPS:
     tl.store(y_ptr + offs_n, (dot * xs * ws).to(y_ptr.dtype.element_ty), mask=ok_n)
 
 
-# (block_n, block_k, num_warps, stages, dot) per weight shape (N, K); block_k 0: all of K in one
-# tile (one shot). bench/gpu_fp8.py's sweep on an H200 chose them; other shapes: DEFAULT_CONFIG.
+# (block_n, block_k, num_warps, stages, dot); block_k 0: all of K in one tile (one shot).
 Config = tuple[int, int, int, int, bool]
-DEFAULT_CONFIG: Config = (16, 1024, 8, 1, False)
-CONFIGS: dict[tuple[int, int], Config] = {}
+CONFIGS: dict[tuple[int, int], Config] = {}  # per weight shape (N, K); bench/gpu_fp8.py's sweep fills it
+
+
+def config_for(n: int, k: int) -> Config:
+    """The sweep's choice for this shape, else what it chose on the 8B shape (bench/results/
+    gpu-fp8-2026-12-01.json): one shot up to K = 8192, 16 x 1024 tiles beyond, tensor cores for an
+    LM-head-sized N."""
+    if (n, k) in CONFIGS:
+        return CONFIGS[(n, k)]
+    if n >= 65536:
+        return (64, 256, 4, 3, True)
+    return (8, 0, 4, 1, False) if k <= 8192 else (16, 1024, 8, 1, False)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
@@ -83,7 +94,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype:
     if x.stride(0) != 1:
         x = x.contiguous()
     y = torch.empty((1, n), dtype=out_dtype, device=x.device)
-    block_n, block_k, warps, stages, dot = config or CONFIGS.get((n, k), DEFAULT_CONFIG)
+    block_n, block_k, warps, stages, dot = config or config_for(n, k)
     one_shot = block_k == 0
     if one_shot:
         block_k = triton.next_power_of_2(k)
