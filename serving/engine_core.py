@@ -23,6 +23,7 @@ from serving.config import EngineConfig
 from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
 from serving.model_runner import ModelRunner
+from serving.models.quant.base import get_quant_method
 from serving.parallel.leader import TPLeader
 from serving.req_cache import ReqCache
 from serving.request import Req
@@ -101,7 +102,7 @@ class EngineCore:
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
         namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size) + cache.kv_namespace_suffix
         if model.quantization != "none":  # KV of quantized weights is another model's KV: keys apart
-            namespace += f"|q:{model.quantization}"
+            namespace += f"|q:{get_quant_method(model.quantization).kv_tag or model.quantization}"
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(

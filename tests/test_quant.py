@@ -8,6 +8,7 @@ import torch
 
 from serving.config import QUANTIZATIONS, ModelConfig
 from serving.engine import Engine
+from serving.kernels import cpu_int8
 from serving.models.loader import load_model
 from serving.models.quant import QuantizationError, QuantLinear, get_quant_method, int8, quant_methods
 from tests.model_utils import tiny_model
@@ -32,10 +33,10 @@ def test_config_names_the_registry_and_refuses_others():
         ModelConfig(quantization="int3")
 
 
-@pytest.mark.parametrize("name", [*CPU_METHODS, "int8-int_mm"])
+@pytest.mark.parametrize("name", [*CPU_METHODS, "int8-torch-ops"])
 def test_quant_linear_is_close_and_batch_invariant(name, monkeypatch):
-    if name == "int8-int_mm":  # the fallback without oneDNN
-        monkeypatch.setattr(int8, "_onednn_ok", lambda: False)
+    if name == "int8-torch-ops":  # the reference used without AVX-512 VNNI or a compiler
+        monkeypatch.setattr(int8, "int8_linear", cpu_int8.int8_linear_ref)
         name = "int8"
     torch.manual_seed(0)
     w, b = torch.randn(256, 512) * 0.05, torch.randn(256)

@@ -28,6 +28,7 @@ class QuantMethod:
     devices: tuple[str, ...] = ()  # torch device types it runs on
     description: str = ""
     head_method: str | None = None  # another registered method for the LM head (None: this one)
+    kv_tag: str = ""  # the L3 namespace's tag for KV computed under this method ("": its name)
 
     def check_device(self, device: torch.device) -> None:
         """Raise QuantizationError unless this method runs on ``device``."""

@@ -1,0 +1,85 @@
+"""The int8 W8A8 linear of ``--quantization int8`` on CPU: one call per projection.
+
+``int8_linear(x, w, wsum, ws)``: ``x [M, K]`` float32, ``w [N, K]`` int8 codes, ``wsum [N]`` int64
+(each row's code sum), ``ws [N]`` float32 scales -> ``[M, N]`` float32. Each activation row is
+quantized on its own (asymmetric, codes 0..255: ``xs = max(hi - lo, 1e-12) / 255``,
+``zero = -round(lo / xs)``, ``q = clamp(round(x / xs) + zero, 0, 255)`` with ``/ xs`` as a product
+with ``1 / xs``), the product accumulates in int32 (exact), and
+``y = float(acc - zero * wsum) * xs * ws``.
+
+Two implementations give the same bits (tests/test_cpu_int8.py):
+- ``cpu_int8.cpp``, AVX-512 VNNI (``vpdpbusd``), quantization and epilogue inside, built on first
+  use with torch's C++ extension loader (g++ and ninja; ``make setup`` builds it ahead);
+- ``int8_linear_ref`` in torch ops, used where the CPU lacks VNNI or nothing can be built.
+
+The C++ op replaces ~12 small torch ops per projection and oneDNN's ``qlinear_pointwise`` (which
+read the weights at ~11 GB/s at batch 1): bench/cpu_decode.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_int8.cpp")
+# -fopenmp: at::parallel_for is OpenMP inside the header; without it the op runs on one thread
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"]
+_lock = threading.Lock()
+_ext: object | None = None
+_tried = False
+
+
+def cpu_has_vnni() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"} <= set(flags)
+
+
+def extension():
+    """The built C++ module, or None (no VNNI, or the build failed: logged once)."""
+    global _ext, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            if os.environ.get("HICACHE_CPU_INT8_KERNEL", "1") != "0" and cpu_has_vnni():
+                try:
+                    from torch.utils.cpp_extension import load
+
+                    _ext = load(name="hicache_cpu_int8", sources=[_SOURCE], extra_cflags=_FLAGS,
+                                extra_ldflags=["-fopenmp"], verbose=False)
+                except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
+                    log.warning("int8 CPU kernel not built (%s); using the torch-op reference", e)
+    return _ext
+
+
+def int8_linear_ref(x: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The same computation in torch ops (bit for bit)."""
+    xf = x.float()
+    lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+    xs = (hi - lo).clamp_(min=1e-12).div_(255)  # [M, 1]
+    zero = torch.round(lo / xs).neg_()
+    q = torch.round(xf * xs.reciprocal()).add_(zero).clamp_(0, 255)
+    acc = torch._int_mm(q.sub_(128).to(torch.int8), w.t()).to(torch.int64) + 128 * wsum  # exact
+    v = (acc - zero.to(torch.int64) * wsum).float()
+    return v.mul_(xs).mul_(ws)
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    ext = extension()
+    if ext is None:
+        return int8_linear_ref(x, w, wsum, ws)
+    return ext.int8_linear(x if x.dtype == torch.float32 else x.float(), w, wsum, ws)
+
+
+if __name__ == "__main__":  # make setup: build ahead, so the first request does not wait for g++
+    print("int8 CPU kernel:", "built" if extension() is not None else "not available (torch-op reference)")

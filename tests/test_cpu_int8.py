@@ -1,0 +1,47 @@
+"""The int8 W8A8 CPU kernel (serving/kernels/cpu_int8.cpp): the same bits as its torch-op reference
+on awkward shapes and activations, each row independent of its batch; and the math it claims
+(dequantized codes times dequantized weights) within float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.kernels import cpu_int8
+
+pytestmark = pytest.mark.skipif(cpu_int8.extension() is None, reason="needs AVX-512 VNNI and a C++ compiler")
+
+
+def case(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0] += 40  # a row far from zero: a large zero point
+    if m > 1:
+        x[1] = 0.0  # a constant row: hi == lo
+    if m > 2:
+        x[2, : k // 2] = 1e-30
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    return x, w, w.sum(dim=1, dtype=torch.int64), torch.rand(n, generator=g) * 0.01 + 1e-4
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 576), (1, 576, 1536), (3, 5, 100), (7, 1001, 576), (40, 260, 1536),
+                                   (2, 4, 64), (5, 9, 17)])
+def test_kernel_equals_reference_bit_for_bit(m, n, k):
+    for seed in range(3):
+        x, w, wsum, ws = case(m, n, k, seed)
+        y = cpu_int8.extension().int8_linear(x, w, wsum, ws)
+        assert torch.equal(y, cpu_int8.int8_linear_ref(x, w, wsum, ws))
+        for r in range(m):  # a row alone gives the bits it gave in the batch
+            assert torch.equal(cpu_int8.extension().int8_linear(x[r:r + 1], w, wsum, ws), y[r:r + 1])
+
+
+def test_reference_is_the_dequantized_product():
+    x, w, wsum, ws = case(4, 64, 256, 0)
+    lo, hi = torch.aminmax(x.double(), dim=-1, keepdim=True)
+    xs = ((hi - lo).clamp(min=1e-12) / 255).float().double()
+    y = cpu_int8.int8_linear_ref(x, w, wsum, ws).double()
+    exact = (x.double() @ (w.double() * ws.double()[:, None]).t())  # unquantized activations
+    err = ((y - exact).norm() / exact.norm()).item()
+    assert 1e-5 < err < 2e-2, err  # quantized, and close
+    bound = (xs * 0.5 * (w.double().abs() * ws.double()[:, None]).sum(1)[None, :])  # half a step per element
+    assert ((y - exact).abs() <= bound + 1e-6).all()
