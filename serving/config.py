@@ -20,7 +20,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
     load_format: str = "auto"  # auto | dummy (random weights of the config's shape)
     device: str = "auto"  # auto: cuda when available, else cpu
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA; on CPU cpu (C++, AVX-512) where it builds, else torch
     context_length: int | None = None  # default: the model's max_position_embeddings
     tokenizer_path: str | None = None  # default: model_path
     served_model_name: str | None = None

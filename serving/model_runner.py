@@ -11,6 +11,7 @@ from hicache.tiers.kv_codec import round_trip_encoding
 from serving.config import ModelConfig, SchedulerConfig
 from serving.cuda_graph import CudaGraphRunner, capture_sizes
 from serving.forward_batch import ForwardBatch
+from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
 from serving.models.loader import load_model
 from serving.parallel.group import TPGroup
@@ -33,7 +34,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, attention_backend: str
     """L1's KV dtype. The Triton kernels read K/V in the model's dtype only: another KV dtype
     (fp8 above all) is refused there at start-up rather than read wrong."""
     kv = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
-    if kv != model_dtype and attention_backend != "torch":
+    if kv != model_dtype and attention_backend not in ("torch", "cpu"):
         raise ValueError(f"--kv-cache-dtype {name} ({kv}) with a {model_dtype} model needs the torch attention "
                          f"backend (--attention-backend torch); the {attention_backend} kernels do not upcast it")
     return kv
@@ -66,7 +67,7 @@ class ModelRunner:
         self.model.eval()
         backend = model.attention_backend
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = "triton" if self.device.type == "cuda" else ("cpu" if cpu_ext.extension() else "torch")
         self.attn = get_attention_backend(backend)
         self.kv_dtype = resolve_kv_dtype(model.kv_cache_dtype, self.dtype, backend)
         self.context_len = model.context_length or self.arch.max_position_embeddings

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.kernels import cpu_int8
+from serving.kernels import cpu_ext, cpu_int8
 
-pytestmark = pytest.mark.skipif(cpu_int8.extension() is None, reason="needs AVX-512 VNNI and a C++ compiler")
+pytestmark = pytest.mark.skipif(cpu_ext.extension() is None, reason="needs AVX-512 VNNI and a C++ compiler")
 
 
 def case(m: int, n: int, k: int, seed: int):
@@ -29,10 +29,10 @@ def case(m: int, n: int, k: int, seed: int):
 def test_kernel_equals_reference_bit_for_bit(m, n, k):
     for seed in range(3):
         x, w, wsum, ws = case(m, n, k, seed)
-        y = cpu_int8.extension().int8_linear(x, w, wsum, ws)
+        y = cpu_ext.extension().int8_linear(x, w, wsum, ws)
         assert torch.equal(y, cpu_int8.int8_linear_ref(x, w, wsum, ws))
         for r in range(m):  # a row alone gives the bits it gave in the batch
-            assert torch.equal(cpu_int8.extension().int8_linear(x[r:r + 1], w, wsum, ws), y[r:r + 1])
+            assert torch.equal(cpu_ext.extension().int8_linear(x[r:r + 1], w, wsum, ws), y[r:r + 1])
 
 
 def test_reference_is_the_dequantized_product():

@@ -4,7 +4,8 @@ A backend stores the new tokens' K/V into pages (``store_kv``) and then computes
 attention of the new tokens' queries over all the sequence's KV, prefix and new alike, read
 back from the pages (``forward``). Backends:
 
-- ``"torch"``: plain PyTorch, the reference and the CPU default.
+- ``"torch"``: plain PyTorch, the reference (and the CPU default where the C++ ops do not build).
+- ``"cpu"``: one C++ call per layer over float32 KV (AVX-512); the CPU default where it builds.
 - ``"triton"``: Triton kernels. Needs CUDA, or ``TRITON_INTERPRET=1`` in the environment
   *before* ``serving.kernels.attention_triton`` is first imported (Triton decides between
   compiling and interpreting when ``@triton.jit`` decorates a kernel, i.e. at import).
@@ -67,6 +68,7 @@ class AttentionBackend(ABC):
 # name -> "module:Class", imported on first use so the torch path never imports Triton.
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "serving.kernels.attention_torch:TorchAttentionBackend",
+    "cpu": "serving.kernels.attention_cpu:CpuAttentionBackend",
     "triton": "serving.kernels.attention_triton:TritonAttentionBackend",
 }
 

@@ -8,8 +8,8 @@ with ``1 / xs``), the product accumulates in int32 (exact), and
 ``y = float(acc - zero * wsum) * xs * ws``.
 
 Two implementations give the same bits (tests/test_cpu_int8.py):
-- ``cpu_int8.cpp``, AVX-512 VNNI (``vpdpbusd``), quantization and epilogue inside, built on first
-  use with torch's C++ extension loader (g++ and ninja; ``make setup`` builds it ahead);
+- ``csrc/int8_linear.cpp``, AVX-512 VNNI (``vpdpbusd``), quantization and epilogue inside
+  (serving.kernels.cpu_ext builds it);
 - ``int8_linear_ref`` in torch ops, used where the CPU lacks VNNI or nothing can be built.
 
 The C++ op replaces ~12 small torch ops per projection and oneDNN's ``qlinear_pointwise`` (which
@@ -18,48 +18,9 @@ read the weights at ~11 GB/s at batch 1): bench/cpu_decode.py.
 
 from __future__ import annotations
 
-import logging
-import os
-import platform
-import threading
-
 import torch
 
-log = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_int8.cpp")
-# -fopenmp: at::parallel_for is OpenMP inside the header; without it the op runs on one thread
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"]
-_lock = threading.Lock()
-_ext: object | None = None
-_tried = False
-
-
-def cpu_has_vnni() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"} <= set(flags)
-
-
-def extension():
-    """The built C++ module, or None (no VNNI, or the build failed: logged once)."""
-    global _ext, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            if os.environ.get("HICACHE_CPU_INT8_KERNEL", "1") != "0" and cpu_has_vnni():
-                try:
-                    from torch.utils.cpp_extension import load
-
-                    _ext = load(name="hicache_cpu_int8", sources=[_SOURCE], extra_cflags=_FLAGS,
-                                extra_ldflags=["-fopenmp"], verbose=False)
-                except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
-                    log.warning("int8 CPU kernel not built (%s); using the torch-op reference", e)
-    return _ext
+from serving.kernels.cpu_ext import extension
 
 
 def int8_linear_ref(x: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -80,6 +41,3 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor, ws: torch.
         return int8_linear_ref(x, w, wsum, ws)
     return ext.int8_linear(x if x.dtype == torch.float32 else x.float(), w, wsum, ws)
 
-
-if __name__ == "__main__":  # make setup: build ahead, so the first request does not wait for g++
-    print("int8 CPU kernel:", "built" if extension() is not None else "not available (torch-op reference)")

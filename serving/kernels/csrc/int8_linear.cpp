@@ -1,4 +1,4 @@
-// int8 W8A8 linear for x86 CPUs with AVX-512 VNNI (serving/kernels/cpu_int8.py builds and loads it).
+// int8 W8A8 linear for x86 CPUs with AVX-512 VNNI (serving/kernels/cpu_int8.py; built by cpu_ext.py).
 //
 // y[m, n] = float(acc[m, n] - zero[m] * wsum[n]) * xs[m] * ws[n], where each activation row is
 // quantized on its own (asymmetric, 0..255): xs = max(hi - lo, 1e-12) / 255, zero = -round(lo / xs),
@@ -6,7 +6,8 @@
 // Every float step is one IEEE operation, in the order of the torch reference in cpu_int8.py
 // (built with -ffp-contract=off), so both give the same bits; a row's result never depends on the
 // other rows of its batch.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -127,8 +128,4 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "int8 W8A8 linear, per-token asymmetric activations (AVX-512 VNNI)");
 }

@@ -1,0 +1,6 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "int8 W8A8 linear, per-token asymmetric activations (AVX-512 VNNI)");
+  m.def("paged_attention", &paged_attention, "causal GQA attention over paged float32 KV, one query at a time");
+}

@@ -1,0 +1,11 @@
+// The CPU ops of serving/kernels/cpu_ext.py: one extension module, one file per op.
+#pragma once
+#include <torch/extension.h>
+
+// int8_linear.cpp: x [M, K] float32, w [N, K] int8, wsum [N] int64, ws [N] float32 -> [M, N] float32
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, torch::Tensor ws);
+
+// paged_attention.cpp: q [T, H, D], k/v [S, KH, D] float32; token t reads the first nkeys[t] slots of
+// row seq[t] of slots [B, L] -> [T, H, D]
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                              torch::Tensor seq, torch::Tensor nkeys, double scale);
