@@ -61,3 +61,33 @@ def test_a_token_has_the_same_bits_in_prefill_decode_and_alone():
     assert torch.equal(out_alone[0], out_prefill[29])
     torch_out = get_attention_backend("torch").forward(q29, k_cache, v_cache, alone, 0.125)
     torch.testing.assert_close(torch_out[0], out_prefill[29], atol=2e-5, rtol=1e-4)
+
+
+def test_rope_qk_has_the_bits_of_apply_rope():
+    from serving.kernels import cpu_fused
+    from serving.models.rope import apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    t, h, kh, d = 37, 9, 3, 64
+    qkv = torch.randn(t, (h + 2 * kh) * d, generator=g) * 4
+    pos = torch.randint(0, 500, (t,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.outer(torch.arange(512).float(), inv)
+    cos, sin = torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()
+    q, k = cpu_fused.rope_qk(qkv, pos, cos, sin, h, kh, d)
+    assert torch.equal(q, apply_rope(qkv[:, : h * d].view(t, h, d), cos[pos][:, None], sin[pos][:, None]))
+    assert torch.equal(k, apply_rope(qkv[:, h * d: (h + kh) * d].view(t, kh, d), cos[pos][:, None],
+                                     sin[pos][:, None]))
+    with pytest.raises(RuntimeError, match="position outside the rope table"):
+        cpu_fused.rope_qk(qkv, pos + 600, cos, sin, h, kh, d)
+
+
+def test_store_kv_equals_the_torch_store():
+    case = make_case([(3, 5), (0, 9), (12, 1)], 4, heads=4, kv_heads=2, dim=64)
+    stored = []
+    for name in ("torch", "cpu"):
+        kc, vc = case.k_cache.clone(), case.v_cache.clone()
+        get_attention_backend(name).store_kv(kc, vc, case.batch.out_cache_loc, case.k_new, case.v_new)
+        stored.append((kc, vc))
+    assert torch.equal(stored[0][0], stored[1][0]) and torch.equal(stored[0][1], stored[1][1])
+    assert not torch.equal(stored[1][0], case.k_cache)  # it wrote something

@@ -7,7 +7,7 @@ head) pair is computed alone from its own query and the keys it may see, in key 
 token's output has the same bits in a decode batch, in a prefill chunk and alone (the same KV
 for the same token whichever path computed it; tests/test_attention_cpu.py).
 
-Storing K/V is the torch backend's (including the lossy-tier round trip). KV in another dtype
+Storing K/V is one C++ copy (the torch backend's store with a lossy-tier round trip). KV in another dtype
 than float32, a head_dim that is not a multiple of 16, or a machine without the C++ ops: the
 torch backend's forward.
 """
@@ -32,6 +32,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
             nkeys += range(prefix + 1, prefix + n + 1)
         self._tok_seq = torch.tensor(seq, dtype=torch.int64)
         self._tok_nkeys = torch.tensor(nkeys, dtype=torch.int64)
+
+    def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        ext = extension()
+        if (ext is None or self.kv_round_trip is not None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype
+                or k_cache.is_cuda):
+            return super().store_kv(k_cache, v_cache, loc, k, v)
+        ext.store_kv(k_cache, v_cache, loc, k, v)
+        return None
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:

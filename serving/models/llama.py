@@ -29,6 +29,16 @@ from serving.parallel.shard import ShardPlan, narrow
 _FUSED = None  # serving.kernels.triton_fused, imported on first CUDA use (CPU never imports Triton here)
 
 
+def _rope_kernel(device: torch.device, dtype: torch.dtype):  # noqa: ANN202 - the module or None
+    """A module whose ``rope_qk`` rotates q and k out of the fused qkv at each token's position
+    (Triton on CUDA, C++ on CPU in float32), or None: the torch path."""
+    if device.type == "cuda":
+        return _fused_for(torch.empty(0, device=device))
+    from serving.kernels import cpu_fused
+
+    return cpu_fused if cpu_fused.available(dtype) else None
+
+
 def _fused_for(x: torch.Tensor):  # noqa: ANN202 - the module or None
     """The fused Triton kernels when ``x`` is on CUDA and they are enabled, else None."""
     global _FUSED
@@ -91,9 +101,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if cos.dim() == 2:  # whole cos/sin tables: the fused CUDA path reads them at batch.positions
-            fused = _fused_for(x)
-            q, k = fused.rope_qk(qkv, batch.positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        if cos.dim() == 2:  # whole cos/sin tables: the fused path reads them at batch.positions
+            rope = _rope_kernel(x.device, x.dtype)
+            q, k = rope.rope_qk(qkv, batch.positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -185,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits
         (``[B + R, vocab]`` with R ``batch.logit_rows``)."""
         attn.init_forward(batch)
-        if _fused_for(batch.positions) is not None:  # [L, D] tables, indexed inside the rope kernel
+        if _rope_kernel(batch.positions.device, self.lm_head_weight.dtype) is not None:  # [L, D] tables
             cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
         else:
             cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)  # [T, 1, D]

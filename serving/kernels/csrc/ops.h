@@ -9,3 +9,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
 // row seq[t] of slots [B, L] -> [T, H, D]
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                               torch::Tensor seq, torch::Tensor nkeys, double scale);
+
+// rope_store.cpp: rotated q and k [T, H + KH, D] of qkv [T, W] at positions (rows of the cos/sin
+// tables [L, D]); and k/v [T, KH, D] copied into the caches' flat slots loc [T]
+torch::Tensor rope_qk(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim);
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k, torch::Tensor v);
