@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import nn
 
 import serving.models  # noqa: F401 - registers the model classes
 from serving.models.config import ModelArchConfig
+from serving.models.fp8_checkpoint import dequantizing
 from serving.models.quant import quantize_model
 from serving.models.registry import get_model_class
 from serving.parallel.group import TPGroup
@@ -21,14 +23,18 @@ DUMMY_STD = 0.02
 
 
 def _iter_safetensors(model_path: Path) -> Iterator[tuple[str, Any]]:
-    """(name, lazy slice) pairs: the model reads only its tensor-parallel shard of each."""
+    """(name, lazy slice) pairs: the model reads only its tensor-parallel shard of each. fp8
+    weights come dequantized (whole tensors; serving.models.fp8_checkpoint)."""
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path}")
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
+    with ExitStack() as stack:
+        tensors: dict[str, Any] = {}
+        for f in files:
+            st = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, st.get_slice(name)
+                tensors[name] = st
+        yield from dequantizing(model_path, tensors)
 
 
 def _load_real(model: nn.Module, model_path: Path) -> None:
