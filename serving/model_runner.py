@@ -31,13 +31,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
-    """L1's KV dtype. The Triton kernels read K/V in the model's dtype only: another KV dtype
-    (fp8 above all) is refused there at start-up rather than read wrong."""
-    kv = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
-    if kv != model_dtype and attention_backend not in ("torch", "cpu"):
-        raise ValueError(f"--kv-cache-dtype {name} ({kv}) with a {model_dtype} model needs the torch attention "
-                         f"backend (--attention-backend torch); the {attention_backend} kernels do not upcast it")
-    return kv
+    """L1's KV dtype (every backend stores into it, saturating for fp8, and upcasts what it reads)."""
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

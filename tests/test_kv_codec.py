@@ -154,8 +154,7 @@ def test_flags_are_validated_with_clear_messages():
         ModelConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="keep L1's fp8 bytes"):
         EngineConfig(model=ModelConfig(kv_cache_dtype="fp8_e4m3"), cache=CacheConfig(hicache_l3_encoding="int8"))
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        resolve_kv_dtype("fp8_e4m3", torch.bfloat16, "triton")
+    assert resolve_kv_dtype("fp8_e4m3", torch.bfloat16, "triton") is torch.float8_e4m3fn  # Triton upcasts too
     assert resolve_kv_dtype("auto", torch.bfloat16, "triton") is torch.bfloat16
     assert resolve_kv_dtype("fp8_e4m3", torch.float32, "torch") is torch.float8_e4m3fn
     assert CacheConfig(hicache_l3_encoding="int8").kv_round_trip == "int8"

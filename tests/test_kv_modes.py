@@ -150,12 +150,15 @@ def test_cuda_triton_round_trip_is_exact_too(tiny, tmp_path, mode):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
-def test_cuda_fp8_kv_needs_the_torch_backend(tiny, tmp_path):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_fp8_kv_runs_on_both_backends(tiny, tmp_path, backend):
+    """An fp8 L1 on the Triton kernels (store saturates, attention upcasts) and on torch: the
+    second run, served from the fp8 cache, gives the first run's tokens. float32 weights: in bf16
+    the suffix-only prefill of a cache hit rounds differently from the cold one's GEMMs. (The
+    Triton case failed once in bf16 on the H200, cause not captured, then passed 4 times.)"""
     path, ps, _, _ = tiny
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        Engine(model_path=str(path), kv_cache_dtype="fp8_e4m3")
     eng = Engine(model_path=str(path), page_size=4, max_total_tokens=512, kv_cache_dtype="fp8_e4m3",
-                 attention_backend="torch", hicache_ratio=2.0)
+                 attention_backend=backend, hicache_ratio=2.0, dtype="float32")
     try:
         first = ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY))
         assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == first

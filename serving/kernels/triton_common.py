@@ -53,6 +53,6 @@ def attend_block(
     p = tl.exp(s - m_use[:, None])
     alpha = tl.exp(m_i - m_use)
     v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)  # [N, BLOCK_D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")  # fp8 KV: upcast
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i

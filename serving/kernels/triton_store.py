@@ -8,6 +8,8 @@ import triton.language as tl
 
 from serving.kernels.triton_common import next_pow2
 
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the torch backend's saturation
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -20,6 +22,7 @@ def _store_kv_kernel(
     stride_vt,
     ROW: tl.constexpr,  # kv_heads * head_dim
     BLOCK: tl.constexpr,
+    CLAMP: tl.constexpr,  # > 0: saturate to +-CLAMP first (an fp8 cache; scale 1.0, as vLLM's default)
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -29,6 +32,9 @@ def _store_kv_kernel(
     ok = (offs < ROW) & ((tl.zeros([BLOCK], dtype=tl.int64) + slot) >= 0)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + offs, mask=ok)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + offs, mask=ok)
+    if CLAMP > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -CLAMP), CLAMP)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -CLAMP), CLAMP)
     tl.store(k_cache + slot * ROW + offs, k.to(k_cache.dtype.element_ty), mask=ok)
     tl.store(v_cache + slot * ROW + offs, v.to(v_cache.dtype.element_ty), mask=ok)
 
@@ -60,5 +66,6 @@ def store_kv(
     k, v = _rows(k), _rows(v)
     block = min(block, next_pow2(row))
     _store_kv_kernel[(t, triton.cdiv(row, block))](
-        k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), ROW=row, BLOCK=block
+        k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), ROW=row, BLOCK=block,
+        CLAMP=FP8_MAX.get(k_cache.dtype, 0.0),
     )
