@@ -77,6 +77,29 @@ def ours_logits(mode: str, ids: list[int]) -> torch.Tensor:
         return model(batch, pool, get_attention_backend("torch"))[1:]
 
 
+def register_fp8_emulated() -> str:
+    """``fp8`` (W8A8 e4m3, per-channel weights, per-token activations) emulated in float32 on the
+    CPU, for its accuracy on SmolLM2's real weights (the H200 bench has random weights only):
+    the codes and scales of serving.models.quant.fp8, products and sums in float32."""
+    from serving.models.quant import base
+    from serving.models.quant.fp8 import Fp8W8A8, quantize_rows_torch
+
+    class Fp8Emulated(Fp8W8A8):
+        name = "fp8-emulated"
+        devices = ("cpu",)
+
+        def check_device(self, device: torch.device) -> None:
+            base.QuantMethod.check_device(self, device)
+
+        def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
+            xq, xs = quantize_rows_torch(x)
+            return ((xq.float() @ q["codes"].float().t()) * xs * q["scale"]).to(x.dtype)
+
+    if Fp8Emulated.name not in base.quant_methods():
+        base.register_quant(Fp8Emulated)
+    return Fp8Emulated.name
+
+
 def ours_decode(mode: str, prompts: list[list[int]], n: int) -> float:
     from serving.engine import Engine
 
@@ -166,6 +189,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch and llama.cpp threads (0: torch's default); 1 is robust on a shared machine, "
                         "where 2 OpenMP threads wait for each other's time slices")
+    p.add_argument("--no-fp8-accuracy", action="store_true",
+                   help="skip the fp8 row (W8A8 e4m3 emulated in float32: accuracy on real weights, no speed)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,6 +216,10 @@ def main() -> None:
                      "decode_bs8_tok_s": ours_decode(mode, eight, args.new_tokens)
                      if mode in args.bs8_modes.split(",") else None})
         log(f"hicache {mode}: {rows[-1]}")
+    if not args.no_fp8_accuracy:  # accuracy only: no CPU fp8 kernel to time
+        s = score(ours_logits(register_fp8_emulated(), ids), ids, ref["top1"])
+        rows.append({"engine": "hicache", "mode": "fp8 (emulated, accuracy only)", "perplexity": s["perplexity"],
+                     "top1_agreement": s["top1_agreement"], "decode_bs1_tok_s": None, "decode_bs8_tok_s": None})
     Llama, gguf = llama_cpp()
     notes = []
     if Llama is None:
@@ -204,7 +233,8 @@ def main() -> None:
     llama_bs1 = next((r["decode_bs1_tok_s"] for r in rows if r["engine"] == "llama.cpp"), None)
     for r in rows:
         r["perplexity_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
-        r["bs1_vs_llama_cpp"] = None if llama_bs1 is None else r["decode_bs1_tok_s"] / llama_bs1
+        r["bs1_vs_llama_cpp"] = (None if llama_bs1 is None or r["decode_bs1_tok_s"] is None
+                                 else r["decode_bs1_tok_s"] / llama_bs1)
     headers = ["engine", "mode", "decode_bs1_tok_s", "decode_bs8_tok_s", "bs1_vs_llama_cpp", "perplexity",
                "perplexity_delta_pct", "top1_agreement"]
     print_table(headers, [[r[h] if r[h] is not None else "-" for h in headers] for r in rows])
