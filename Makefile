@@ -11,6 +11,8 @@ QUANTIZATION ?= int8
 
 setup: $(VENV)/.installed
 	$(PY) -m serving.convert --default $(MODEL)
+	@# The C++ CPU ops (serving/kernels/csrc; g++ + ninja; skipped without AVX-512 VNNI), built once here
+	$(PY) -m serving.kernels.cpu_ext
 
 $(VENV)/.installed: pyproject.toml
 	@# Mooncake's transfer engine needs Debian's libibverbs (skipped when present or not root).

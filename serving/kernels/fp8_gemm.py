@@ -1,7 +1,7 @@
 """fp8 W8A8 matrix-vector product for decode at batch 1, one Triton launch per projection.
 
 ``torch._scaled_mm`` (cuBLASLt) is built for large M: at M = 1 it read the 8B model's fp8 weights
-at 280-2800 GB/s (bench/gpu.py section 5), decode ran at 0.94x bf16, and the activations need a
+at 1.0-2.5 TB/s (bench/gpu.py section 5, in a CUDA graph), decode ran at 0.94x bf16, and the activations need a
 quantization kernel of their own first. Here each program owns ``BLOCK_N`` output channels:
 
 1. the token's absolute maximum over K, the whole row in one load (a few KB, from L2);
