@@ -49,7 +49,10 @@ def test_chat_logprobs_plain_and_streamed(client: OpenAI, server) -> None:
                                                 logprobs=True, stream=True):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.content
-    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    # the streamed request prefills only the uncached suffix: fp32 GEMMs of another shape round
+    # differently (~1e-6), so the logprobs agree closely, not to the bit (rounding to 5 places flaked)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
     plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
 
