@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
+    @property
+    def weights_tag(self) -> str:
+        """What the weights' --quantization makes of the KV: ``none`` or the method's tag."""
+        q = self.config.model.quantization
+        return "none" if q == "none" else (get_quant_method(q).kv_tag or q)
+
+    @property
+    def kv_model_tag(self) -> str:
+        """The weights' tag and the L1 round trip: PD peers must agree on both (KVGeometry)."""
+        return f"q:{self.weights_tag}|rt:{self.config.cache.kv_round_trip}"
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # tensor parallelism: this process is rank 0 (scheduler, tree); the other ranks follow it
@@ -102,7 +113,7 @@ class EngineCore:
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
         namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size) + cache.kv_namespace_suffix
         if model.quantization != "none":  # KV of quantized weights is another model's KV: keys apart
-            namespace += f"|q:{get_quant_method(model.quantization).kv_tag or model.quantization}"
+            namespace += f"|q:{self.weights_tag}"
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(

@@ -228,3 +228,33 @@ def test_transport_that_cannot_start_names_the_missing_piece(tiny_chat_model: Pa
     assert "nixl" in log and "libucs.so.0" in log, log[-3000:]
     assert "engine failed to start" in log, log[-3000:]
     assert s.proc.poll() is not None, err.value  # the server exited (start raised): nothing left running
+
+
+def test_peers_with_other_weights_refuse_each_others_kv(tiny_chat_model: Path) -> None:
+    """A prefill server on int8 weights and a decode server on fp32 ones: same KV bytes, another
+    model's KV. The transfer is refused with a message naming both modes, and nothing leaks."""
+    _nixl_or_skip()
+    bp = free_port()
+    p = ServerProcess([*_args(tiny_chat_model, "prefill", bp), "--quantization", "int8"])
+    d = ServerProcess(_args(tiny_chat_model, "decode"))
+    start_all(p, d)
+    try:
+        base = _used(d)
+        room = random.getrandbits(63)
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(httpx.post(d.url + "/generate", json=_body(bp, room),
+                                                                   timeout=60)))
+        t.start()
+        assert _wait(lambda: _pd(d)["registered"] == 1)
+        rp = httpx.post(p.url + "/generate", json=_body(bp, room), timeout=60)
+        t.join(60)
+        [rd] = out
+        assert rd.status_code >= 500 and "model_tag differs: q:int8v2|rt:raw" in rd.text, rd.text
+        assert "q:none|rt:raw" in rd.text, rd.text
+        del rp  # the prefill side's own answer is not what this test is about
+        assert _wait(lambda: _pd(d)["quarantined"] == 0 and _used(d) == base, 4 * TIMEOUT_S)
+        d.check_integrity()
+        p.check_integrity()
+    finally:
+        codes = [s.stop() for s in (p, d)]
+    assert codes == [0, 0], codes

@@ -64,3 +64,10 @@ def test_bootstrap_port_answers_bad_input_with_4xx() -> None:
             assert isinstance(got[0], DecodeTarget) and got[1] == KVDone(7, True, first_token=5)
     finally:
         srv.close()
+
+
+def test_geometry_names_a_model_tag_mismatch() -> None:
+    a = KVGeometry(2, 16, 3, 64, "float32", 10, 0, "q:int8v2|rt:raw")
+    b = KVGeometry(2, 16, 3, 64, "float32", 10, 0, "q:none|rt:raw")
+    assert a.mismatch(b) == "model_tag differs: q:int8v2|rt:raw here, q:none|rt:raw on the peer"
+    assert a.mismatch(KVGeometry(2, 16, 3, 64, "float32", 99, 5, "q:int8v2|rt:raw")) is None

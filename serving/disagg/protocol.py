@@ -43,12 +43,15 @@ class KVGeometry:
     dtype: str
     num_pages: int
     base: int
+    # what computed the KV: the weights' --quantization (its L3 tag) and the L1 round trip of a
+    # lossy lower-tier encoding; KV of other weights is another model's KV, even with equal bytes
+    model_tag: str = ""
 
     @classmethod
-    def of_pool(cls, pool: Any) -> KVGeometry:
+    def of_pool(cls, pool: Any, model_tag: str = "") -> KVGeometry:
         lay = pool.layout
         return cls(lay.num_layers, pool.page_size, lay.num_kv_heads, lay.head_dim,
-                   str(lay.dtype).removeprefix("torch."), pool.num_pages, pool.kv_buffer.data_ptr())
+                   str(lay.dtype).removeprefix("torch."), pool.num_pages, pool.kv_buffer.data_ptr(), model_tag)
 
     @property
     def chunk(self) -> int:
@@ -57,7 +60,7 @@ class KVGeometry:
 
     def mismatch(self, other: KVGeometry) -> str | None:
         """Why KV of ``self`` cannot be written into ``other`` (None: it can)."""
-        for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype"):
+        for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "model_tag"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} on the peer"
         return None

@@ -38,7 +38,7 @@ class PDRole:
 
         pool = core.runner.pool
         self.timeout_s = server.disaggregation_bootstrap_timeout_s
-        self.geometry = KVGeometry.of_pool(pool)
+        self.geometry = KVGeometry.of_pool(pool, core.kv_model_tag)
         self.page_size = pool.page_size
         self.transport = make_transport(server.disaggregation_transfer_backend,
                                         TransportConfig(host=server.disaggregation_transfer_host))
