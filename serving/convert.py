@@ -114,7 +114,8 @@ def _convert_into(gguf: Path, tmp: Path, dtype: torch.dtype, bar: tqdm) -> None:
         reloaded.apply_chat_template(
             [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
         )
-    (tmp / MARKER).write_text(json.dumps({"source": gguf.name, "dtype": str(dtype).removeprefix("torch.")}))
+    (tmp / MARKER).write_text(json.dumps({"source": gguf.name, "source_path": str(gguf),
+                                          "dtype": str(dtype).removeprefix("torch.")}))
     bar.update()
 
 

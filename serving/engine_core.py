@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 class EngineCore:
     @property
     def weights_tag(self) -> str:
-        """What the weights' --quantization makes of the KV: ``none`` or the method's tag."""
+        """What the weights' --quantization makes of the KV: ``none`` or the method's tag (``:gguf``
+        when int4 took a GGUF's blocks as they are: scales that differ in the last bits)."""
         q = self.config.model.quantization
-        return "none" if q == "none" else (get_quant_method(q).kv_tag or q)
+        if q == "none":
+            return "none"
+        return getattr(self.runner.model, "quant_tag", None) or get_quant_method(q).kv_tag or q
 
     @property
     def kv_model_tag(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,6 +19,7 @@ from serving.models.quant import quantize_model
 from serving.models.registry import get_model_class
 from serving.parallel.group import TPGroup
 
+log = logging.getLogger(__name__)
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
@@ -92,5 +94,21 @@ def load_model(
     model = model.to_empty(device=torch.device(device))
     fill(model, path)
     model.eval().requires_grad_(False)
-    quantize_model(model, quantization, device)
+    quantize_model(model, quantization, device, _gguf_int4(path, cfg, quantization, load_format, tp))
     return model, cfg
+
+
+def _gguf_int4(path: Path, cfg: ModelArchConfig, quantization: str, load_format: str,
+               tp: TPGroup | None) -> dict[str, dict[str, torch.Tensor]] | None:
+    """int4 from a converted GGUF whose projections are Q4_1: the file's blocks, packed as they are."""
+    if quantization != "int4" or load_format == "dummy" or (tp is not None and tp.is_parallel):
+        return None
+    from serving.models.quant.gguf_q4 import gguf_source, int4_groups
+    from serving.models.quant.int4 import Int4WeightOnly
+
+    gguf = gguf_source(path)
+    groups = None if gguf is None else int4_groups(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    if groups is None:
+        return None
+    log.info("int4: the Q4_1 blocks of %s, packed as they are", gguf.name)
+    return {name: Int4WeightOnly.pack(codes, sz) for name, (codes, sz) in groups.items()}

@@ -24,11 +24,12 @@ class QuantLinear(nn.Module):
     """``y = method.matmul(x) + bias`` over quantized weight tensors (kept as plain attributes:
     some are opaque prepacked tensors that ``state_dict`` / ``.to()`` cannot handle)."""
 
-    def __init__(self, method: QuantMethod, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, method: QuantMethod, weight: torch.Tensor, bias: torch.Tensor | None,
+                 q: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.method = method
         self.out_features, self.in_features = weight.shape
-        self.q = method.quantize(weight.detach())
+        self.q = method.quantize(weight.detach()) if q is None else q  # q: already quantized (a GGUF's blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,10 +48,10 @@ class QuantLinear(nn.Module):
 class QuantRowParallelLinear(nn.Module):
     """RowParallelLinear over a quantized shard: ``all_reduce(x_local @ W_local^T) + b``."""
 
-    def __init__(self, method: QuantMethod, row: RowParallelLinear) -> None:
+    def __init__(self, method: QuantMethod, row: RowParallelLinear, q: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.tp: TPGroup = row.tp
-        self.linear = QuantLinear(method, row.weight, None)
+        self.linear = QuantLinear(method, row.weight, None, q)
         self.bias = row.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,22 +76,28 @@ def _head(method: QuantMethod) -> QuantMethod:
     return method if method.head_method is None else get_quant_method(method.head_method)
 
 
-def quantize_model(model: nn.Module, quantization: str, device: torch.device | str) -> nn.Module:
+def quantize_model(model: nn.Module, quantization: str, device: torch.device | str,
+                   prequantized: dict[str, dict[str, torch.Tensor]] | None = None) -> nn.Module:
     """Quantize ``model``'s projections and LM head in place with ``quantization`` (a registered
-    method name; ``none`` leaves it as it is). Raises QuantizationError naming what cannot run."""
+    method name; ``none`` leaves it as it is). Raises QuantizationError naming what cannot run.
+    ``prequantized``: {module name: the method's tensors} taken as they are (serving.models.quant.gguf_q4)."""
     if quantization == "none":
         return model
     method = get_quant_method(quantization)
     _check(method, model, torch.device(device))
+    pre = prequantized or {}
     with torch.no_grad():
         model.logits_matmul = QuantLinear(_head(method), model.lm_head_weight, None).matmul
-        for parent in list(model.modules()):
+        for prefix, parent in list(model.named_modules()):
             for child_name, child in list(parent.named_children()):
                 if child_name == "lm_head":
                     continue  # used through logits_matmul
+                q = pre.get(f"{prefix}.{child_name}" if prefix else child_name)
                 if isinstance(child, RowParallelLinear):
-                    setattr(parent, child_name, QuantRowParallelLinear(method, child))
+                    setattr(parent, child_name, QuantRowParallelLinear(method, child, q))
                 elif isinstance(child, nn.Linear):
-                    setattr(parent, child_name, QuantLinear(method, child.weight, child.bias))
+                    setattr(parent, child_name, QuantLinear(method, child.weight, child.bias, q))
     model.quantization = quantization
+    # what the L3 namespace and PD peers compare: the method's tag, and where the codes came from
+    model.quant_tag = (method.kv_tag or quantization) + (":gguf" if pre else "")
     return model

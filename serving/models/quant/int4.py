@@ -9,7 +9,8 @@ It needs the output size to be a multiple of 16 and the input size a multiple of
 The LM head goes through int8 (``head_method``), as llama.cpp's Q4 files keep the embedding /
 output table in Q8_0: 4-bit logits cost far more accuracy than 4-bit projections. On the default
 model the groups coincide with the GGUF's own Q4_1 blocks (32 input channels, min/max), so the
-codes this recovers from the converted fp32 weights are exactly the file's (README).
+codes this recovers from the converted fp32 weights are exactly the file's (README); where the
+folder's GGUF source is at hand its blocks are packed directly (serving.models.quant.gguf_q4).
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ class Int4WeightOnly(QuantMethod):
                 f"needs outputs a multiple of {N_MULTIPLE} and inputs a multiple of the group size {GROUP}")
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        codes, sz = quantize_int4_groups(weight)
+        return self.pack(*quantize_int4_groups(weight))
+
+    @staticmethod
+    def pack(codes: torch.Tensor, sz: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The kernel's tensors from codes ``[out, in]`` (0..15) and scales_and_zeros ``[in/GROUP, out, 2]``."""
         return {"packed": torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), "sz": sz}
 
     def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
