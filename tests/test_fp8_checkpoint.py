@@ -92,21 +92,31 @@ def test_other_layouts_are_requantized_per_channel_within_an_e4m3_step(tiny, tmp
     assert ((again - deq[name]).abs() <= deq[name].abs() * 2**-4 + q["scale"].reshape(-1, 1) * 2**-9).all()
 
 
-def test_fp8_checkpoint_serves_like_its_dequantized_float_checkpoint(tiny, tmp_path):
-    deq = fp8_checkpoint(tiny, tmp_path / "fp8", "channel")
-    plain = tmp_path / "plain"
-    shutil.copytree(tiny, plain)
-    tensors = load_file(str(tiny / "model.safetensors"))
+def dequantized_twin(src, dst, deq):
+    """A copy of the float checkpoint ``src`` at ``dst`` with ``deq``'s weights in place."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
     tensors.update(deq)
-    save_file(tensors, str(plain / "model.safetensors"))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def greedy_tokens(paths, **engine_kw) -> list:
+    """Each checkpoint's greedy output ids for two fixed prompts, one engine at a time."""
     outs = []
-    for path in (tmp_path / "fp8", plain):
-        eng = Engine(model_path=str(path), max_total_tokens=2048)
+    for path in paths:
+        eng = Engine(model_path=str(path), max_total_tokens=2048, **engine_kw)
         try:
             outs.append([o["output_ids"] for o in eng.generate(
                 input_ids=[[5, 9, 30, 2, 7], [100, 3]], sampling_params={"temperature": 0, "max_new_tokens": 12})])
         finally:
             eng.shutdown()
+    return outs
+
+
+def test_fp8_checkpoint_serves_like_its_dequantized_float_checkpoint(tiny, tmp_path):
+    deq = fp8_checkpoint(tiny, tmp_path / "fp8", "channel")
+    outs = greedy_tokens([tmp_path / "fp8", dequantized_twin(tiny, tmp_path / "plain", deq)])
     assert outs[0] == outs[1]
 
 

@@ -357,28 +357,11 @@ def test_fp8_gemv_matches_scaled_mm(n, k):
 def test_fp8_checkpoint_serves_with_fp8_weights(tmp_path):
     """An HF fp8 checkpoint (per-channel weight_scale) under --quantization fp8 gives the tokens of
     its dequantized float checkpoint under --quantization fp8 (the same e4m3 codes either way)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from serving.engine import Engine
     from tests.model_utils import tiny_model
-    from tests.test_fp8_checkpoint import fp8_checkpoint
+    from tests.test_fp8_checkpoint import dequantized_twin, fp8_checkpoint, greedy_tokens
 
     src = tiny_model(tmp_path / "float", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                      num_key_value_heads=2)
     deq = fp8_checkpoint(src, tmp_path / "fp8", "channel")
-    plain = tmp_path / "plain"
-    shutil.copytree(src, plain)
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors.update(deq)
-    save_file(tensors, str(plain / "model.safetensors"))
-    outs = []
-    for path in (tmp_path / "fp8", plain):
-        eng = Engine(model_path=str(path), quantization="fp8", max_total_tokens=2048)
-        try:
-            outs.append([o["output_ids"] for o in eng.generate(
-                input_ids=[[5, 9, 30, 2, 7], [100, 3]], sampling_params={"temperature": 0, "max_new_tokens": 12})])
-        finally:
-            eng.shutdown()
+    outs = greedy_tokens([tmp_path / "fp8", dequantized_twin(src, tmp_path / "plain", deq)], quantization="fp8")
     assert outs[0] == outs[1] and len(outs[0][0]) == 12

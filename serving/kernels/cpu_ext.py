@@ -41,9 +41,10 @@ def cpu_supported() -> bool:
 def extension():
     """The built module, or None (see the module doc)."""
     global _ext, _tried
+    if _tried:  # the hot path (every projection of every step): no lock once decided
+        return _ext
     with _lock:
-        if not _tried:
-            _tried = True
+        if not _tried:  # _tried is set after the attempt: a lock-free reader never sees a half state
             if os.environ.get("HICACHE_CPU_KERNELS", "1") != "0" and cpu_supported():
                 try:
                     from torch.utils.cpp_extension import load
@@ -53,6 +54,7 @@ def extension():
                                 verbose=False)
                 except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
                     log.warning("C++ CPU kernels not built (%s); using the torch-op paths", e)
+            _tried = True
     return _ext
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from hicache.tiers.device import DeviceKVPool
 from serving.forward_batch import ForwardBatch
+from serving.kernels import cpu_fused
 from serving.kernels.attention import AttentionBackend
 from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
@@ -33,17 +34,17 @@ def _rope_kernel(device: torch.device, dtype: torch.dtype):  # noqa: ANN202 - th
     """A module whose ``rope_qk`` rotates q and k out of the fused qkv at each token's position
     (Triton on CUDA, C++ on CPU in float32), or None: the torch path."""
     if device.type == "cuda":
-        return _fused_for(torch.empty(0, device=device))
-    from serving.kernels import cpu_fused
-
+        return _triton_fused()
     return cpu_fused if cpu_fused.available(dtype) else None
 
 
 def _fused_for(x: torch.Tensor):  # noqa: ANN202 - the module or None
     """The fused Triton kernels when ``x`` is on CUDA and they are enabled, else None."""
+    return _triton_fused() if x.is_cuda else None
+
+
+def _triton_fused():  # noqa: ANN202 - the module or None
     global _FUSED
-    if not x.is_cuda:
-        return None
     if _FUSED is None:
         from serving.kernels import triton_fused
 
