@@ -43,6 +43,7 @@ class _Write:
     first: int  # path page index of the first page written
     host_pages: list[int]  # pinned until the write is done
     node_id: int
+    tenant: str | None = None  # whose L3 quota the pages are reserved against (hicache.hiradix.quota)
 
 
 class WriteBack:
@@ -91,17 +92,18 @@ class WriteBack:
             return
         tokens = self.tree.path_tokens(node)
         room = None if self.tree.ledger is None else self.tree.ledger.storage_room(tokens)
-        if room is not None and room < len(pages):  # its tenant's L3 quota (soft: writes in flight not counted)
+        if room is not None and room < len(pages):  # its tenant's L3 quota (writes in flight count)
             self.pages_over_quota += len(pages) - room
             pages = pages[:room]
             if not pages:
                 return
         first = len(tokens) // self.page_size - npages + done
+        tenant = None if self.tree.ledger is None else self.tree.ledger.reserve_storage(tokens, len(pages))
         self.tree.pin_host(pages)
         self._queued_pages += len(pages)
         self._pending.add(node.id)
         future = self._writer.submit(self._write, tokens, first, pages)
-        self._writes.append(_Write(future, tokens, first, pages, node.id))
+        self._writes.append(_Write(future, tokens, first, pages, node.id, tenant))
 
     def _write(self, tokens: list[int], first: int, host_pages: list[int]) -> tuple[int, int]:
         if self.before_write is not None:
@@ -130,14 +132,26 @@ class WriteBack:
             except Exception:  # a backend bug: nothing is marked, the pages are unpinned
                 stored, wrote = 0, 0
             self.pages_written += wrote
-            if wrote and self.tree.ledger is not None:
-                self.tree.ledger.add_stored(w.tokens, wrote)
+            if self.tree.ledger is not None:
+                self.tree.ledger.settle_storage(w.tenant, len(w.host_pages), w.tokens, wrote)
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)
             self._queued_pages -= len(w.host_pages)
             self._pending.discard(w.node_id)
         self._writes = keep
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the queue count and the tenants' L3 reservations equal
+        what the writes in flight hold."""
+        assert self._queued_pages == sum(len(w.host_pages) for w in self._writes), "write-back: queued pages"
+        assert self._pending == {w.node_id for w in self._writes}, "write-back: pending nodes"
+        if self.tree.ledger is not None:
+            want: dict[str | None, int] = {}
+            for w in self._writes:
+                want[w.tenant] = want.get(w.tenant, 0) + len(w.host_pages)
+            assert self.tree.ledger.storage_reserved == want, (
+                f"write-back: L3 reservations {self.tree.ledger.storage_reserved}, writes in flight {want}")
 
     def shutdown(self) -> None:
         self.poll(wait=True)

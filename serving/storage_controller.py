@@ -110,6 +110,9 @@ class StorageController:
                   **self.load_policy.stats())
         return st
 
+    def check_integrity(self) -> None:
+        self.writeback.check_integrity()
+
     def shutdown(self) -> None:
         self.writeback.shutdown()
         self.prefetcher.shutdown()

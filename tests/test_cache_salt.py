@@ -3,6 +3,8 @@ tier (L1, L2, L3 keys), outputs stay HF's greedy answers, and the tree stays con
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from hicache import salt
@@ -129,10 +131,13 @@ def test_bad_salt_is_invalid(tiny):
 
 
 def test_l3_quota_caps_a_tenants_writes(tiny, tmp_path):
-    """A tenant at its L3 quota gets no more pages written; another tenant is not affected."""
+    """A tenant at its L3 quota gets no more pages written, counting the writes still in flight
+    (the writer is held until every write is submitted); another tenant is not affected."""
     path, ps, _ = tiny
     eng = make(path, tmp_path / "l3")
     eng.core.set_quotas({"alice": {"storage": 3}})
+    release = threading.Event()
+    eng.core.storage.writeback.before_write = lambda: release.wait(60)
     try:
         for tenant, p in (("alice", ps[0]), ("alice", ps[1]), ("bob", ps[0])):
             for _ in range(2):  # the second hits the first: backed up to L2, then written to L3
@@ -140,11 +145,14 @@ def test_l3_quota_caps_a_tenants_writes(tiny, tmp_path):
                 eng.core.add(req)
                 while not req.finished:
                     eng.core.step()
+        release.set()
         eng.core.storage.poll(wait=True)
         led = eng.core.ledger
         assert 0 < led.pages("alice", "storage") <= 3, led.snapshot()
         assert led.pages("bob", "storage") > 3
         assert eng.core.storage.writeback.pages_over_quota > 0
+        assert not led.storage_reserved, led.storage_reserved  # every reservation settled
         eng.check_integrity()
     finally:
+        release.set()
         eng.shutdown()

@@ -6,11 +6,13 @@ ancestor (unsalted, or a salt never registered: the default tenant, ``None``).
 
 :class:`TenantLedger` listens to the tree (``add_listener``) and keeps, per salt and per tenant,
 the pages held on L1 ("device") and L2 ("host"), plus pages written to L3 ("storage", counted
-by :meth:`add_stored`; L3 evicts on its own, so that count is pages written, not pages held).
+by :meth:`add_stored`; L3 evicts on its own, so that count is pages written, not pages held),
+and the L3 pages a tenant has in flight (:meth:`reserve_storage` until :meth:`settle_storage`).
 Quotas are soft (as LMCache's): nothing is refused; when the tree evicts, nodes of tenants
 over their quota on that tier go first (:meth:`eviction_key`), then the usual policy order,
 so a tenant flooding the cache evicts its own pages before anyone else's. An L3 write-back
-writes no more of a tenant's pages than its L3 quota has room for (:meth:`storage_room`).
+writes no more of a tenant's pages than its L3 quota has room for (:meth:`storage_room`),
+counting the writes still in flight, so writes submitted together cannot overshoot it.
 
 Not thread-safe: the scheduler thread owns it, like the tree. Bounded: salts with no page left
 are forgotten once more than ``max_salts`` are registered.
@@ -42,6 +44,7 @@ class TenantLedger:
         self.by_tenant: dict[str | None, dict[str, int]] = {}
         # requests, per tenant: prompt tokens and cached tokens by tier (counters)
         self.requests: dict[str | None, dict[str, int]] = {}
+        self.storage_reserved: dict[str | None, int] = {}  # L3 pages in flight, per tenant
 
     # -- who owns what ------------------------------------------------------------------
     def register(self, tags: tuple[int, ...], tenant: str | None) -> None:
@@ -84,6 +87,27 @@ class TenantLedger:
         """``pages`` of the sequence ``tokens`` (as the tree keys it) were written to L3."""
         self._add(salt.salt_of(tokens), "storage", pages)
 
+    def reserve_storage(self, tokens: list[int], pages: int) -> str | None:
+        """An L3 write of ``pages`` of ``tokens`` is submitted: they count against its tenant's
+        quota until :meth:`settle_storage`. Returns the tenant, to hand back there."""
+        tenant = self._tenant_of_tokens(tokens)
+        self.storage_reserved[tenant] = self.storage_reserved.get(tenant, 0) + pages
+        return tenant
+
+    def settle_storage(self, tenant: str | None, reserved: int, tokens: list[int], wrote: int) -> None:
+        """The write reserved by :meth:`reserve_storage` finished, having written ``wrote`` pages."""
+        left = self.storage_reserved.get(tenant, 0) - reserved
+        if left > 0:
+            self.storage_reserved[tenant] = left
+        else:
+            self.storage_reserved.pop(tenant, None)
+        if wrote:
+            self.add_stored(tokens, wrote)
+
+    def _tenant_of_tokens(self, tokens: list[int]) -> str | None:
+        tags = salt.salt_of(tokens)
+        return None if tags is None else self.owner.get(tags)
+
     def _add(self, tags: tuple[int, ...] | None, tier: str, n: int) -> None:
         tenant = None if tags is None else self.owner.get(tags)
         for table, k in ((self.by_salt, tags), (self.by_tenant, tenant)):
@@ -125,11 +149,13 @@ class TenantLedger:
         return q is not None and self.pages(tenant, tier) > q
 
     def storage_room(self, tokens: list[int]) -> int | None:
-        """How many more pages of ``tokens``' tenant may be written to L3 (None: no L3 quota)."""
-        tags = salt.salt_of(tokens)
-        tenant = None if tags is None else self.owner.get(tags)
+        """How many more pages of ``tokens``' tenant may be written to L3, counting the pages
+        already written and those in flight (None: no L3 quota)."""
+        tenant = self._tenant_of_tokens(tokens)
         q = self.quotas.get(tenant, {}).get("storage") if tenant is not None else None
-        return None if q is None else max(0, q - self.pages(tenant, "storage"))
+        if q is None:
+            return None
+        return max(0, q - self.pages(tenant, "storage") - self.storage_reserved.get(tenant, 0))
 
     def eviction_key(self, tier: str, base: Callable[[TreeNode], tuple]) -> Callable[[TreeNode], tuple]:
         """``base`` (the eviction policy's key), with nodes of tenants over quota on ``tier`` first."""
