@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 MODEL  := models/SmolLM2-135M-Instruct
 CONFIG ?= configs/l3.yaml
 # make serve's weights on this CPU build of torch: the fastest mode that keeps answers sensible (README "Quantized weights")
-QUANTIZATION ?= int8
+QUANTIZATION ?= int4
 
 .PHONY: setup serve test lint bench-smoke clean-venv
 

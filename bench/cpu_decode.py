@@ -184,8 +184,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--modes", default="none,int8,int4")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--bs8-modes", default="none,int8",
-                   help="modes also timed at batch 8 (int4's CPU kernel in torch 2.13 takes minutes there)")
+    p.add_argument("--bs8-modes", default="none,int8,int4", help="modes also timed at batch 8")
     p.add_argument("--threads", type=int, default=0,
                    help="torch and llama.cpp threads (0: torch's default); 1 is robust on a shared machine, "
                         "where 2 OpenMP threads wait for each other's time slices")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from serving.kernels.cpu_int4 import pack
 from serving.models.loader import load_model
 from serving.models.quant.gguf_q4 import gguf_source, int4_groups
 from serving.models.quant.int4 import quantize_int4_groups
@@ -39,9 +40,7 @@ def test_blocks_are_the_converted_weights_and_their_codes(smol):
                                                                                                 "mlp.up_proj")),
                              ("mlp.down_proj", ("mlp.down_proj",))):
             w = torch.cat([weights[f"{pre}.{p}.weight"] for p in parts]).float()
-            codes, sz = groups[f"{pre}.{fused}"]
-            d, zero = sz[..., 0].t(), sz[..., 1].t()  # [N, K/32]
-            m = zero - 8 * d
+            codes, d, m = groups[f"{pre}.{fused}"]  # d, m [N, K/32]
             deq = codes.reshape(w.shape[0], -1, 32).float() * d[..., None] + m[..., None]
             torch.testing.assert_close(deq.reshape(w.shape), w, rtol=0, atol=1e-6)
             assert torch.equal(codes, quantize_int4_groups(w)[0]), f"{pre}.{fused}"
@@ -52,7 +51,7 @@ def test_the_loaded_model_uses_the_blocks(smol):
     direct, _ = load_model(path, quantization="int4")
     groups = int4_groups(gguf, 9, 3)
     lin = direct.model.layers[3].mlp.gate_up_proj
-    assert torch.equal(lin.q["sz"], groups["model.layers.3.mlp.gate_up_proj"][1])
+    assert torch.equal(lin.q["packed"], pack(*groups["model.layers.3.mlp.gate_up_proj"]))
     ids = torch.tensor([1, 4093, 28, 339, 1234, 17, 604])
     from hicache.tiers.device import DeviceKVPool
     from serving.forward_batch import ForwardBatch

@@ -1,5 +1,6 @@
-"""--quantization through the real server: int8 weights serve, a cache hit repeats the cold answer
-token for token; fp8 on a CPU stops the server at start-up with a message naming it."""
+"""--quantization through the real server: int8 and int4 (the ``make serve`` default) weights
+serve, a cache hit repeats the cold answer token for token; fp8 on a CPU stops the server at
+start-up with a message naming it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.server_utils import ROOT, free_port, running_server
 
@@ -20,12 +22,13 @@ def generate(url: str) -> dict:
     return r.json()
 
 
-def test_int8_server_hit_equals_cold(tiny_chat_model):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_server_hit_equals_cold(tiny_chat_model, mode):
     flags = ["--model-path", str(tiny_chat_model), "--max-total-tokens", "512", "--page-size", "4",
-             "--quantization", "int8"]
+             "--quantization", mode]
     with running_server(flags) as s:
         info = httpx.get(s.url + "/get_server_info", timeout=30).json()
-        assert "int8" in str(info)  # the flag reached the engine's config
+        assert info["model"]["quantization"] == mode, info["model"]  # the flag reached the engine's config
         cold = generate(s.url)
         hit = generate(s.url)
         assert cold["meta_info"]["cached_tokens"] == 0 and hit["meta_info"]["cached_tokens"] > 0

@@ -4,6 +4,7 @@ AVX-512 VNNI. ``extension()`` is None elsewhere, when ``HICACHE_CPU_KERNELS=0``,
 fails (logged once); every caller then uses its torch-op path.
 
 - ``int8_linear``: serving.kernels.cpu_int8 (``--quantization int8``);
+- ``int4_linear``: serving.kernels.cpu_int4 (``--quantization int4``);
 - ``paged_attention``, ``store_kv``: serving.kernels.attention_cpu (``--attention-backend cpu``);
 - ``rope_qk``: serving.kernels.cpu_fused (the model's rotary embedding on CPU).
 """
@@ -17,7 +18,7 @@ import threading
 
 log = logging.getLogger(__name__)
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = ["bindings.cpp", "int8_linear.cpp", "paged_attention.cpp", "rope_store.cpp"]
+_SOURCES = ["bindings.cpp", "int8_linear.cpp", "int4_linear.cpp", "paged_attention.cpp", "rope_store.cpp"]
 # -fopenmp: at::parallel_for is OpenMP inside the header; without it the ops run on one thread.
 # -ffp-contract=off: each float step one IEEE operation, as the torch references compute it.
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"]

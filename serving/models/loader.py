@@ -104,11 +104,11 @@ def _gguf_int4(path: Path, cfg: ModelArchConfig, quantization: str, load_format:
     if quantization != "int4" or load_format == "dummy" or (tp is not None and tp.is_parallel):
         return None
     from serving.models.quant.gguf_q4 import gguf_source, int4_groups
-    from serving.models.quant.int4 import Int4WeightOnly
+    from serving.models.quant.int4 import Int4W4A8
 
     gguf = gguf_source(path)
     groups = None if gguf is None else int4_groups(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
     if groups is None:
         return None
     log.info("int4: the Q4_1 blocks of %s, packed as they are", gguf.name)
-    return {name: Int4WeightOnly.pack(codes, sz) for name, (codes, sz) in groups.items()}
+    return {name: Int4W4A8.pack(*blocks) for name, blocks in groups.items()}

@@ -15,3 +15,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 torch::Tensor rope_qk(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                       int64_t heads, int64_t kv_heads, int64_t head_dim);
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k, torch::Tensor v);
+
+// int4_linear.cpp: x [M, K] float32, w [N / 16, K / 32, 320] uint8 (Q4_1 blocks, packed) -> [M, N] float32
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w);

@@ -2,11 +2,12 @@
 
 A folder converted by ``serving.convert`` names its GGUF source (``hicache_convert.json``). When
 every projection there is Q4_1 -- blocks of 32 input channels, ``w = d * q + m`` with 4-bit ``q``
--- the int4 kernel takes the blocks as they are: codes ``q``, ``scale = d``, ``zero = m + 8 d``
-(its ``(q - 8) * scale + zero``). Rows come back in HF order (the GGUF stores q/k rows permuted
+-- the int4 kernel takes the blocks as they are: codes, ``d`` and ``m``, the half floats exact.
+Rows come back in HF order (the GGUF stores q/k rows permuted
 for llama.cpp's rope: ``reverse_permute``), q/k/v and gate/up are stacked as the fused layers are.
 The float weights converted from the same file give the same codes (tests/test_quant.py), so this
-changes where the codes come from, not which they are; the scales are the file's own half floats.
+changes where the codes come from, not which they are; the scales are the file's own half floats
+(the recovered ones can differ in the last bits, hence the L3 tag ``int4v2:gguf``).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def reverse_permute(n_rows: int, heads: int) -> torch.Tensor:
     return torch.from_numpy(np.argsort(idx))
 
 
-def int4_groups(gguf: Path, num_heads: int, num_kv_heads: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """{fused layer name (``model.layers.N.self_attn.qkv_proj``...): (codes ``[N, K]``, scales_and_zeros
-    ``[K/32, N, 2]``)} from the file's Q4_1 projections; None if any projection is another type."""
+def int4_groups(gguf: Path, num_heads: int, num_kv_heads: int
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """{fused layer name (``model.layers.N.self_attn.qkv_proj``...): (codes ``[N, K]``, d, m
+    ``[N, K/32]``)} from the file's Q4_1 projections; None if any projection is another type."""
     from gguf import GGUFReader
 
     parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -86,6 +88,6 @@ def int4_groups(gguf: Path, num_heads: int, num_kv_heads: int) -> dict[str, tupl
             if len(got) != len(shorts):
                 return None
             codes = torch.cat([g[0] for g in got])
-            d, m = torch.cat([g[1] for g in got]), torch.cat([g[2] for g in got])
-            out[f"model.layers.{layer}.{fused}"] = (codes, torch.stack([d.t(), (m + 8 * d).t()], -1).contiguous())
+            out[f"model.layers.{layer}.{fused}"] = (codes, torch.cat([g[1] for g in got]),
+                                                    torch.cat([g[2] for g in got]))
     return out or None

@@ -1,9 +1,7 @@
-"""``--quantization int4`` (CPU): weight-only, asymmetric 4-bit groups of GROUP input channels
-(a scale and a zero point per group and output channel), activations stay float.
-
-Kernel: ``aten._weight_int4pack_mm_for_cpu`` on weights packed by
-``aten._convert_weight_to_int4pack_for_cpu``; it dequantizes ``w = (q - 8) * scale + zero`` per
-group inside the kernel and computes each output row from its input row only.
+"""``--quantization int4`` (CPU): W4A8 in llama.cpp's Q4_1 x Q8_1 form -- 4-bit weight codes in
+groups of 32 input channels with a half-float scale ``d`` and minimum ``m`` per group and output
+channel (``w = d * c + m``), activations quantized per token and group of 32 to int8, integer
+products accumulated in int32 (serving.kernels.cpu_int4: AVX-512 VNNI C++, or its torch-op twin).
 It needs the output size to be a multiple of 16 and the input size a multiple of GROUP.
 
 The LM head goes through int8 (``head_method``), as llama.cpp's Q4 files keep the embedding /
@@ -11,35 +9,40 @@ output table in Q8_0: 4-bit logits cost far more accuracy than 4-bit projections
 model the groups coincide with the GGUF's own Q4_1 blocks (32 input channels, min/max), so the
 codes this recovers from the converted fp32 weights are exactly the file's (README); where the
 folder's GGUF source is at hand its blocks are packed directly (serving.models.quant.gguf_q4).
+
+Each group's activation scale comes from that token's own values, so a token's result does not
+depend on its batch, and cache hits stay token-identical with recompute.
 """
 
 from __future__ import annotations
 
 import torch
 
+from serving.kernels import cpu_int4
 from serving.models.quant.base import QuantizationError, QuantMethod, register_quant
 
-GROUP = 32
-N_MULTIPLE = 16
+GROUP = cpu_int4.GROUP
+N_MULTIPLE = cpu_int4.ROWS
 
 
-def quantize_int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes ``[out, in]`` int32 in 0..15, scales_and_zeros ``[in/group, out, 2]`` float32)
-    with ``w ~= (code - 8) * scale + zero`` (min/max per group, round to nearest)."""
+def quantize_int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes ``[out, in]`` int32 in 0..15, d, m ``[out, in/group]`` float32 holding half floats)
+    with ``w ~= d * code + m`` (min/max per group, round to nearest; Q4_1's quantizer)."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // group, group)
     lo, hi = w.amin(-1), w.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-    zero = lo + 8 * scale
-    return codes, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+    d = ((hi - lo) / 15).clamp(min=1e-12).half().float()
+    m = lo.half().float()
+    codes = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return codes, d, m
 
 
 @register_quant
-class Int4WeightOnly(QuantMethod):
+class Int4W4A8(QuantMethod):
     name = "int4"
+    kv_tag = "int4v2"  # L3 namespace: v1 (float activations, torch's int4 kernel) computed other KV
     devices = ("cpu",)
-    description = f"int4 weights (groups of {GROUP}, scale + zero point), float activations"
+    description = f"int4 weights (groups of {GROUP}: scale + min) x int8 activations (per token and group)"
     head_method = "int8"
 
     def check_shape(self, name: str, out_features: int, in_features: int) -> None:
@@ -52,10 +55,9 @@ class Int4WeightOnly(QuantMethod):
         return self.pack(*quantize_int4_groups(weight))
 
     @staticmethod
-    def pack(codes: torch.Tensor, sz: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The kernel's tensors from codes ``[out, in]`` (0..15) and scales_and_zeros ``[in/GROUP, out, 2]``."""
-        return {"packed": torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), "sz": sz}
+    def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The kernel's tensor from codes ``[out, in]`` (0..15) and ``d``, ``m`` ``[out, in/GROUP]``."""
+        return {"packed": cpu_int4.pack(codes, d, m)}
 
     def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.float(), q["packed"], GROUP, q["sz"])
-        return y.to(x.dtype)
+        return cpu_int4.int4_linear(x, q["packed"]).to(x.dtype)

@@ -1,0 +1,83 @@
+"""The int4 W4A8 linear of ``--quantization int4`` on CPU: one call per projection.
+
+Weights are GGUF Q4_1 blocks: 4-bit codes ``c`` in groups of 32 input channels, ``w = d * c + m``
+with a half-float ``d`` and ``m`` per (output row, group). Activations are quantized per row and
+group of 32, symmetric (llama.cpp's Q8_1): ``dx = amax / 127``, ``q = clamp(round(x * (1 / dx)),
+-127, 127)`` (``1 / dx`` is 0 for an all-zero group), ``sx = sum(q)``. Each group adds
+``dx * (d * dot + m * sx)`` with ``dot = sum(c * q)`` exact in int32, groups in order.
+
+Two implementations give the same bits (tests/test_cpu_int4.py):
+- ``csrc/int4_linear.cpp``, AVX-512 VNNI: the codes are the unsigned operand of ``vpdpbusd``,
+  unpacked from nibbles in registers, so the weights stream at 0.625 bytes per weight;
+- ``int4_linear_ref`` in torch ops (slow: a loop over groups), where nothing can be built.
+
+``pack`` lays out a layer's codes and scales as the kernel reads them (see the C++ file): per block
+of 16 output rows and group, 256 bytes of nibbles then ``d[16]`` and ``m[16]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serving.kernels.cpu_ext import extension
+
+GROUP = 32
+ROWS = 16
+BLOCK_BYTES = 4 * 64 + 2 * ROWS * 2
+
+
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``[N / 16, K / 32, 320]`` uint8 from codes ``[N, K]`` (0..15) and ``d``, ``m`` ``[N, K / 32]``
+    (rounded to half floats: exact for a GGUF's own scales)."""
+    n, k = codes.shape
+    nb, g = n // ROWS, k // GROUP
+    c = codes.to(torch.uint8).reshape(nb, ROWS, g, 8, 4).permute(0, 2, 3, 1, 4)  # [nb, g, quad, row, 4]
+    nibbles = (c[:, :, :4] | (c[:, :, 4:] << 4)).reshape(nb, g, 256)
+
+    def halves(s: torch.Tensor) -> torch.Tensor:
+        return s.to(torch.float16).reshape(nb, ROWS, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, halves(d), halves(m)], dim=-1).contiguous()
+
+
+def unpack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes ``[N, K]`` int32, ``d``, ``m`` ``[N, K / 32]`` float32) of a packed layer."""
+    nb, g, _ = w.shape
+    c = w[..., :256].reshape(nb, g, 4, ROWS, 4)
+    codes = torch.cat([c & 15, c >> 4], dim=2).permute(0, 3, 1, 2, 4).reshape(nb * ROWS, g * GROUP)
+
+    def floats(lo: int) -> torch.Tensor:
+        h = w[..., lo:lo + 2 * ROWS].contiguous().view(torch.float16)  # [nb, g, 16]
+        return h.permute(0, 2, 1).reshape(nb * ROWS, g).float()
+
+    return codes.to(torch.int32), floats(256), floats(256 + 2 * ROWS)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q ``[M, G, 32]`` as floats, dx ``[M, G]``, sx ``[M, G]``) of ``x [M, K]`` (module doc)."""
+    xg = x.float().reshape(x.shape[0], -1, GROUP)
+    dx = xg.abs().amax(dim=-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    q = torch.round(xg * inv[..., None]).clamp_(-127, 127)
+    return q, dx, q.sum(dim=-1)  # the sums are small integers: exact in any order
+
+
+def int4_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel's computation in torch ops (bit for bit)."""
+    codes, d, m = unpack(w)
+    q, dx, sx = quantize_activations(x)
+    n, groups = d.shape
+    dot = torch.einsum("mgi,ngi->mgn", q, codes.reshape(n, groups, GROUP).float())  # integers < 2^24: exact
+    u = dx[..., None] * (d.t()[None] * dot + m.t()[None] * sx[..., None])  # [M, G, N]
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(groups):  # in order, as the kernel adds them
+        acc = acc + u[:, g]
+    return acc
+
+
+def int4_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W^T -> [M, N]`` float32 for a packed layer ``w``."""
+    ext = extension()
+    if ext is None:
+        return int4_linear_ref(x, w)
+    return ext.int4_linear(x if x.dtype == torch.float32 else x.float(), w)

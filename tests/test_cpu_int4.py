@@ -1,0 +1,72 @@
+"""The int4 W4A8 CPU kernel (serving/kernels/csrc/int4_linear.cpp): the same bits as its torch-op
+reference, each row independent of its batch; the packing round-trips; and the reference is the
+dequantized weights times the quantized activations, within float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.kernels import cpu_ext, cpu_int4
+from serving.models.quant.int4 import quantize_int4_groups
+
+
+def layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
+    m = (-8 * d * (1 + 0.2 * torch.randn(n, k // 32, generator=g))).half().float()
+    return codes, d, m
+
+
+def acts(mm: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(mm, k, generator=g) * 3
+    x[0, :32] += 40  # a group far from zero
+    if mm > 1:
+        x[1, 32:64] = 0.0  # an all-zero group: dx = 0
+    if mm > 2:
+        x[2, : k // 2] = 1e-30
+    return x
+
+
+def test_pack_round_trips():
+    codes, d, m = layer(48, 96, 0)
+    w = cpu_int4.pack(codes, d, m)
+    assert w.shape == (3, 3, cpu_int4.BLOCK_BYTES) and w.dtype == torch.uint8
+    c2, d2, m2 = cpu_int4.unpack(w)
+    assert torch.equal(c2, codes) and torch.equal(d2, d) and torch.equal(m2, m)
+
+
+@pytest.mark.skipif(cpu_ext.extension() is None, reason="needs AVX-512 VNNI and a C++ compiler")
+@pytest.mark.parametrize("mm,n,k", [(1, 3072, 576), (1, 576, 1536), (3, 16, 32), (7, 1008, 576), (40, 256, 1536)])
+def test_kernel_equals_reference_bit_for_bit(mm, n, k):
+    for seed in range(2):
+        w = cpu_int4.pack(*layer(n, k, seed))
+        x = acts(mm, k, seed)
+        y = cpu_ext.extension().int4_linear(x, w)
+        assert torch.equal(y, cpu_int4.int4_linear_ref(x, w))
+        for r in range(mm):  # a row alone gives the bits it gave in the batch
+            assert torch.equal(cpu_ext.extension().int4_linear(x[r:r + 1].clone(), w), y[r:r + 1])
+
+
+def test_reference_is_the_dequantized_product():
+    codes, d, m = layer(64, 256, 1)
+    x = acts(4, 256, 1)
+    y = cpu_int4.int4_linear_ref(x, cpu_int4.pack(codes, d, m)).double()
+    wdq = (codes.double().reshape(64, -1, 32) * d.double()[..., None] + m.double()[..., None]).reshape(64, 256)
+    q, dx, _ = cpu_int4.quantize_activations(x)
+    xdq = (q.double() * dx.double()[..., None]).reshape(4, 256)
+    torch.testing.assert_close(y, xdq @ wdq.t(), rtol=1e-5, atol=1e-4)  # the integer math is the float math
+    exact = x.double() @ wdq.t()
+    err = ((y - exact).norm() / exact.norm()).item()
+    assert 1e-5 < err < 2e-2, err  # activations quantized, and close
+
+
+def test_quantizer_recovers_q4_1_codes():
+    """Weights that are Q4_1 blocks (each group spans codes 0..15) give back their codes and scales."""
+    codes, d, m = layer(32, 64, 2)
+    codes[:, ::32], codes[:, 1::32] = 0, 15
+    w = (codes.float().reshape(32, -1, 32) * d[..., None] + m[..., None]).reshape(32, 64)
+    c2, d2, m2 = quantize_int4_groups(w)
+    assert torch.equal(c2, codes) and torch.equal(d2, d) and torch.equal(m2, m)
