@@ -68,7 +68,9 @@ class KVControl:
             if core.storage is not None else None
 
     def call(self, op: str, args: dict[str, Any], tenant: str | None) -> Any:
-        """One control call from the HTTP process (a value, or a Future answered later)."""
+        """One control call from the HTTP process (a value, or a Future answered later). Leases
+        whose time is up end first, so no call sees one (the loop's sweep may not have run yet)."""
+        self.expire()
         ops = {
             "lookup": lambda: self.lookup(args["input_ids"], args.get("cache_salt")),
             "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"])),

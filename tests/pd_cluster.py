@@ -88,7 +88,13 @@ def l3_config(work: Path, address: str) -> Path:
 
 
 def integrity(*servers: ServerProcess) -> bool:
-    return all(httpx.post(s.url + "/debug/check_integrity", timeout=60).status_code == 200 for s in servers)
+    """Every server's check_integrity passed (``ok``), once its requests have settled."""
+    return all(s.check_integrity()["ok"] for s in servers)
+
+
+def lookup(s: ServerProcess, ids: list[int]) -> dict[str, int]:
+    """The leading tokens of ``ids`` that ``s`` finds on L1, then L2, then L3 (/cache/lookup)."""
+    return httpx.post(s.url + "/cache/lookup", json={"input_ids": ids}, timeout=30).json()["cached_tokens"]
 
 
 def pd_stats(s: ServerProcess) -> dict:
@@ -163,10 +169,9 @@ def l3_scenario(out: dict, router: Router, P: ServerProcess, D: ServerProcess, C
     t1 = generate(router.url, {"input_ids": first, "sampling_params": {"temperature": 0, "max_new_tokens": 40,
                                                                         "ignore_eos": True}})
     answer = t1["output_ids"]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not integrity(D):
-        time.sleep(0.5)
-    time.sleep(2.0)  # the decode side's write-back to Mooncake Store
+    deadline = time.monotonic() + 60  # until the decode side's write-back of the answer reached Mooncake Store
+    while time.monotonic() < deadline and sum(lookup(P, first + answer).values()) <= len(first):
+        time.sleep(0.3)
     assert httpx.post(P.url + "/flush_cache", timeout=30).status_code == 200
     second = first + answer + [rng.randrange(100, 40000) for _ in range(20)]
     body = {"input_ids": second, "sampling_params": GREEDY}

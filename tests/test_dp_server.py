@@ -86,7 +86,10 @@ def test_dp2_router_cached_share_and_shared_l3(tiny_chat_model, tmp_path):
             r = httpx.post(workers[0] + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}},
                            timeout=60)
             assert r.status_code == 200, r.text
-        time.sleep(3)  # the write-back to L3 runs in the background
+        deadline = time.monotonic() + 60  # the write-back to L3 runs in the background: until replica 1 sees it
+        while time.monotonic() < deadline and httpx.post(workers[1] + "/cache/lookup", json={"prompt": text},
+                                                          timeout=30).json()["cached_tokens"]["L3"] == 0:
+            time.sleep(0.2)
         r = httpx.post(workers[1] + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}},
                        timeout=60)
         assert r.json()["meta_info"]["cached_tokens_details"]["storage"] > 0, r.json()["meta_info"]

@@ -20,7 +20,7 @@ import pytest
 from tests.server_utils import ServerProcess, free_port, start_all
 
 pytestmark = pytest.mark.slow
-TIMEOUT_S = 3.0  # --disaggregation-bootstrap-timeout-s of these servers
+TIMEOUT_S = 6.0  # --disaggregation-bootstrap-timeout-s of these servers (a busy 2-core machine must meet it)
 
 
 def _nixl_or_skip() -> None:
@@ -76,6 +76,15 @@ def _wait(cond, timeout: float = 20.0) -> bool:
     return False
 
 
+def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, list[httpx.Response]]:
+    """POST ``body`` to ``url``/generate on a thread (a decode request waits for its KV): the
+    started thread and the list its response lands in."""
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(url + "/generate", json=body, timeout=60)))
+    t.start()
+    return t, out
+
+
 def _body(bp: int, room: int, text: str = "hello there, how are you today?", **kw: object) -> dict:
     return {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": bp, "bootstrap_room": room, **kw}
@@ -104,10 +113,7 @@ def test_reused_room_and_timeout_leak_nothing(pair: tuple[ServerProcess, ServerP
     p, d, bp = pair
     base = _used(d)
     room = random.getrandbits(63)
-    results: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: results.append(httpx.post(d.url + "/generate", json=_body(bp, room),
-                                                                   timeout=60)))
-    t.start()  # the prefill server never gets this request: its KV never comes
+    t, results = _post_in_background(d.url, _body(bp, room))  # the prefill server never gets it: no KV comes
     assert _wait(lambda: _pd(d)["registered"] == 1)
     again = httpx.post(d.url + "/generate", json=_body(bp, room), timeout=30)
     assert again.status_code == 400 and "already in use" in again.text, again.text
@@ -136,9 +142,7 @@ def test_client_disconnect_while_kv_in_flight(pair: tuple[ServerProcess, ServerP
     d.check_integrity()
     # the pair still serves
     room = random.getrandbits(63)
-    out: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: out.append(httpx.post(d.url + "/generate", json=_body(bp, room), timeout=60)))
-    t.start()
+    t, out = _post_in_background(d.url, _body(bp, room))
     rp = httpx.post(p.url + "/generate", json=_body(bp, room), timeout=60)
     t.join(60)
     assert rp.status_code == 200 and out[0].status_code == 200, (rp.text, out[0].text)
@@ -185,10 +189,7 @@ def test_prefill_dies_decode_aborts_router_retries(tiny_chat_model: Path) -> Non
     try:
         base = _used(d)
         room = random.getrandbits(63)
-        res: list[httpx.Response] = []
-        t = threading.Thread(target=lambda: res.append(httpx.post(d.url + "/generate", json=_body(bp1, room),
-                                                                  timeout=60)))
-        t.start()
+        t, res = _post_in_background(d.url, _body(bp1, room))
         assert _wait(lambda: _pd(p1)["targets_waiting"] == 1)
         _kill(p1)
         t.join(30)
@@ -241,10 +242,7 @@ def test_peers_with_other_weights_refuse_each_others_kv(tiny_chat_model: Path) -
     try:
         base = _used(d)
         room = random.getrandbits(63)
-        out: list[httpx.Response] = []
-        t = threading.Thread(target=lambda: out.append(httpx.post(d.url + "/generate", json=_body(bp, room),
-                                                                   timeout=60)))
-        t.start()
+        t, out = _post_in_background(d.url, _body(bp, room))
         assert _wait(lambda: _pd(d)["registered"] == 1)
         rp = httpx.post(p.url + "/generate", json=_body(bp, room), timeout=60)
         t.join(60)

@@ -26,8 +26,8 @@ import pytest
 
 from router.cli import READY_MESSAGE
 from router.config import RouterConfig
-from router.embedded import RouterThread, free_port
-from tests.server_utils import ROOT, ServerProcess
+from router.embedded import RouterThread
+from tests.server_utils import ROOT, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 WORDS = "cache page token prefix router worker radix tree load balance session tier host device".split()
@@ -232,15 +232,23 @@ def test_worker_killed_mid_load_then_rejoins(workers: list[ServerProcess], tiny_
             body = {"text": f"load {i}", "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
             return httpx.post(r.url + "/generate", json=body, timeout=60).status_code
 
+        def victim_state() -> dict:
+            return next(w for w in httpx.get(r.url + "/list_workers").json()["workers"] if w["url"] == victim.url)
+
         with ThreadPoolExecutor(6) as ex:
             futures = [ex.submit(one, i) for i in range(36)]
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30  # killed while it has requests, with most of the load still to come
+            while time.monotonic() < deadline and victim_state()["in_flight"] == 0:
+                time.sleep(0.02)
             victim.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
             codes = Counter(f.result() for f in futures)
         assert codes == {200: 36}, codes
-        state = {w["url"]: w for w in httpx.get(r.url + "/list_workers").json()["workers"]}
-        assert state[victim.url]["circuit"] != "closed" and not state[victim.url]["healthy"]
-        assert state[victim.url]["requests_failed"] >= 2
+        deadline = time.monotonic() + 10  # health checks run every 0.3 s
+        while time.monotonic() < deadline and (victim_state()["circuit"] == "closed" or victim_state()["healthy"]):
+            time.sleep(0.1)
+        state = victim_state()
+        assert state["circuit"] != "closed" and not state["healthy"], state
+        assert state["requests_failed"] >= 2, state
         victim.proc.wait(30)  # type: ignore[union-attr]
 
         reborn = ServerProcess(worker_args(tiny_chat_model))

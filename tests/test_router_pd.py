@@ -22,9 +22,9 @@ import pytest
 
 from router.cli import READY_MESSAGE
 from router.config import ConfigError, RouterConfig, build_config, load_config
-from router.embedded import RouterThread, free_port
+from router.embedded import RouterThread
 from tests.fake_pd_worker import FakeWorker
-from tests.server_utils import ROOT
+from tests.server_utils import ROOT, free_port
 
 P0_PORT, P1_PORT = 9101, 7777  # p0 announces 9101; p1 announces 9102 but the config says 7777
 

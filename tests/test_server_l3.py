@@ -46,7 +46,8 @@ def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 8) -> di
 
 
 def test_conversation_survives_restart(tmp_path):
-    cfg = l3_config(tmp_path)
+    # make serve's config and its prefetch policy (timeout), with a budget a loaded 2-core machine meets
+    cfg = l3_config(tmp_path, hicache_storage_prefetch_timeout_base=30.0)
     system = {"role": "system", "content": "You are a careful assistant. " * 12}
     convo = [system, {"role": "user", "content": "Name a colour."}]
     with running_server(["--config", str(cfg)]) as s:

@@ -5,6 +5,7 @@ no hit counts from bookkeeping lookups. Each test failed on the code before the 
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -167,11 +168,14 @@ def test_write_back_queue_is_capped_but_shutdown_persists_everything(model, tmp_
     eng = engine(model, db, slow_lmdb, {"delay_s": 0.2, "slow_calls": ["set"]}, max_total_tokens=256,
                  hicache_write_policy="write_through", hicache_storage_write_queue_pages=4)
     a = rand_prompts(3, 36, seed=8)
+    release = threading.Event()  # the writer holds its first write until the checks below
+    eng.core.storage.writeback.before_write = lambda: release.wait(60)
     eng.generate(input_ids=a, sampling_params=GREEDY)
     eng.generate(input_ids=a, sampling_params=GREEDY)  # hits: 27 pages backed up, at most 4 queued
     st = eng.core.storage_stats()
     assert st["write_pages_dropped"] > 0, st
     assert eng.core.storage.writeback.in_flight == 1  # each 8-page node exceeds the cap: it goes alone
+    release.set()
     eng.shutdown()
     again = engine(model, db, max_total_tokens=256, hicache_storage_prefetch_policy="wait_complete",
                    hicache_storage_prefetch_timeout_base=30.0)

@@ -145,8 +145,8 @@ def test_integrity_check_covers_the_other_ranks(tiny):
     """check_integrity fails when a follower has not run every command (here: one rank 0 claims to
     have sent, so the follower's count is one short), and passes again once they agree."""
     path, ps, _ = tiny
-    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=160, hicache_ratio=2.0, tp_size=2,
-                 dist_timeout=2.0)
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=160, hicache_ratio=2.0, tp_size=2)
+    eng.core.tp.check_wait_s = 2.0  # the follower waits 2 s for the command that never comes, not dist_timeout
     try:
         eng.generate(input_ids=ps[:2], sampling_params=GREEDY)
         eng.check_integrity()

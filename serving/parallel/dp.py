@@ -2,7 +2,7 @@
 one command (as SGLang users run ``--dp-size``).
 
 Each replica is a whole ``hicache serve`` (its own HTTP process and engine, ``--tp-size`` ranks
-each) started from the same command line on a free local port; on CUDA replica ``i`` starts at
+each) started from the same command line on the first free ports above ``--port``; on CUDA replica ``i`` starts at
 GPU ``i * tp_size``. They share the configured L3 (the same LMDB directory or Mooncake
 store), so a prefix one replica wrote is an L3 hit on the others. The router
 (``router/``) listens on ``--host``/``--port``, routes by cached prefix over HTTP, and is what
@@ -25,12 +25,26 @@ log = logging.getLogger("hicache.dp")
 START_TIMEOUT_S = 600.0
 
 
-def _free_port() -> int:
+def replica_ports(after: int, n: int) -> list[int]:
+    """``n`` ports above ``after`` (the router's) that nothing listens on now. Counting up from the
+    server's port, as SGLang places its workers' ports, keeps them out of the kernel's ephemeral
+    range for the usual ports (30000), where an outgoing connection could take one between this
+    choice and the replica's bind after its model loads."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ports: list[int] = []
+    port = after
+    while len(ports) < n:
+        port += 1
+        if port > 65535:
+            raise RuntimeError(f"--dp-size {n}: no {n} free ports above {after}")
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa: ANN001 - AppConfig
@@ -92,7 +106,7 @@ def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config
         except TPShapeError as e:
             print(f"hicache serve: {e}", file=sys.stderr)
             return 2
-    ports = [_free_port() for _ in range(n)]
+    ports = replica_ports(cfg.server.port, n)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen(replica_args(argv, cfg, i, port), env=env) for i, port in enumerate(ports)]

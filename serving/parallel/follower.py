@@ -127,7 +127,7 @@ def _serve_requests(rpc: Connection, pool, tier, host_pool, progress: _Progress,
     """Rank 0's requests that are not commands: L3 reads and writes, integrity checks."""
 
     def handle(req: msg.L3Get | msg.L3Set | msg.Check) -> object:
-        ran = progress.wait(req.after, timeout)
+        ran = progress.wait(req.after, min(timeout, req.wait_s) if isinstance(req, msg.Check) else timeout)
         if isinstance(req, msg.Check):
             return progress.done, pool.num_pages, host_pool.num_pages if host_pool is not None else 0
         if not ran or tier is None:

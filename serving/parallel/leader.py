@@ -106,6 +106,7 @@ class TPLeader:
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
         self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
         self.seq = 0  # commands sent
+        self.check_wait_s: float | None = None  # how long a check waits for a follower (None: dist_timeout)
 
     # -- what the scheduler thread calls -----------------------------------------------------
     def _send(self, cmd: Any) -> None:
@@ -168,7 +169,8 @@ class TPLeader:
 
     def check_integrity(self, device_pages: int, host_pages: int) -> None:
         """Every follower has run every command sent so far and has the same pools; AssertionError else."""
-        answers = self._answers([c.call(msg.Check(self.seq)) for c in self._rpcs], "an integrity check")
+        wait_s = self.check_wait_s or self.config.model.dist_timeout
+        answers = self._answers([c.call(msg.Check(self.seq, wait_s)) for c in self._rpcs], "an integrity check")
         for r, (done, dev, host) in enumerate(answers, start=1):
             if (done, dev, host) != (self.seq, device_pages, host_pages):
                 raise AssertionError(

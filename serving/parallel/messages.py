@@ -63,7 +63,8 @@ class L3Set:
 
 @dataclass(frozen=True)
 class Check:
-    """check_integrity: the follower answers, once it has run command ``after``, with
-    ``(commands run, L1 pages, L2 pages)``."""
+    """check_integrity: the follower answers, once it has run command ``after`` or after
+    ``wait_s`` seconds, with ``(commands run, L1 pages, L2 pages)``."""
 
     after: int
+    wait_s: float
