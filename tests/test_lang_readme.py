@@ -47,6 +47,7 @@ def test_readme_program_tiny(lang_model) -> None:
 
 @pytest.mark.slow
 def test_readme_program_smollm2() -> None:
-    with running_server(["--model-path", str(smollm2_path()), "--page-size", "16"]) as s:
+    # as `make serve` runs it (int4 weights, 16-token pages)
+    with running_server(["--model-path", str(smollm2_path()), "--page-size", "16", "--quantization", "int4"]) as s:
         level, cached = check_output(run_program(s.url))
     assert level == "beginners" and cached == [64, 64]

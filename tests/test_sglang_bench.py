@@ -39,7 +39,7 @@ def _sglang_importable() -> str | None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    """What `make serve` runs: configs/l3.yaml and SmolLM2 (with an L3 directory of its own)."""
+    """What `make serve` runs: configs/l3.yaml and SmolLM2 in int4 (with an L3 directory of its own)."""
     why = _sglang_importable()
     if why is not None:
         pytest.skip(f"sglang.bench_serving cannot be imported ({why}); install it with "
@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     cfg["cache"]["hicache_storage_backend_extra_config"]["path"] = str(tmp / "l3")
     (tmp / "l3.yaml").write_text(yaml.safe_dump(cfg))
     model = smollm2_path()
-    with running_server(["--config", str(tmp / "l3.yaml"), "--model-path", str(model),
+    with running_server(["--config", str(tmp / "l3.yaml"), "--model-path", str(model), "--quantization", "int4",
                          "--served-model-name", "tiny", "--max-total-tokens", "8192"]) as s:
         yield s, model
 
