@@ -70,3 +70,17 @@ def test_quantizer_recovers_q4_1_codes():
     w = (codes.float().reshape(32, -1, 32) * d[..., None] + m[..., None]).reshape(32, 64)
     c2, d2, m2 = quantize_int4_groups(w)
     assert torch.equal(c2, codes) and torch.equal(d2, d) and torch.equal(m2, m)
+
+
+def test_fallback_keeps_its_operands_and_gives_the_same_bits(monkeypatch):
+    """Without the C++ op, int4_linear runs the torch twin and keeps its unpacked operands in the
+    layer's cache; the bits are the kernel's (or the reference's where nothing was built)."""
+    w = cpu_int4.pack(*layer(64, 96, 3))
+    x = acts(3, 96, 3)
+    want = cpu_int4.int4_linear(x, w)  # the C++ op where it builds
+    monkeypatch.setattr(cpu_int4, "extension", lambda: None)
+    cache: dict = {}
+    assert torch.equal(cpu_int4.int4_linear(x, w, cache), want)
+    ops = cache["ref_operands"]
+    assert ops[0].dtype == torch.uint8 and ops[0].shape == (3, 32, 64)
+    assert torch.equal(cpu_int4.int4_linear(x, w, cache), want) and cache["ref_operands"] is ops

@@ -9,7 +9,8 @@ group of 32, symmetric (llama.cpp's Q8_1): ``dx = amax / 127``, ``q = clamp(roun
 Two implementations give the same bits (tests/test_cpu_int4.py):
 - ``csrc/int4_linear.cpp``, AVX-512 VNNI: the codes are the unsigned operand of ``vpdpbusd``,
   unpacked from nibbles in registers, so the weights stream at 0.625 bytes per weight;
-- ``int4_linear_ref`` in torch ops (slow: a loop over groups), where nothing can be built.
+- ``int4_linear_ref`` in torch ops, where nothing can be built (4x slower than fp32 ``F.linear``
+  at one token: it keeps the codes unpacked, one byte per weight, and multiplies them as floats).
 
 ``pack`` lays out a layer's codes and scales as the kernel reads them (see the C++ file): per block
 of 16 output rows and group, 256 bytes of nibbles then ``d[16]`` and ``m[16]``.
@@ -62,22 +63,38 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, dx, q.sum(dim=-1)  # the sums are small integers: exact in any order
 
 
-def int4_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The kernel's computation in torch ops (bit for bit)."""
+def ref_operands(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`int4_linear_ref` reads of a packed layer: codes ``[G, 32, N]`` uint8 (one byte
+    per weight), ``d`` and ``m`` ``[G, N]`` float32. Unpacking takes longer than the product, so
+    callers keep them (:func:`int4_linear`'s ``cache``)."""
     codes, d, m = unpack(w)
-    q, dx, sx = quantize_activations(x)
     n, groups = d.shape
-    dot = torch.einsum("mgi,ngi->mgn", q, codes.reshape(n, groups, GROUP).float())  # integers < 2^24: exact
-    u = dx[..., None] * (d.t()[None] * dot + m.t()[None] * sx[..., None])  # [M, G, N]
-    acc = torch.zeros(x.shape[0], n)
-    for g in range(groups):  # in order, as the kernel adds them
-        acc = acc + u[:, g]
+    return (codes.to(torch.uint8).reshape(n, groups, GROUP).permute(1, 2, 0).contiguous(),
+            d.t().contiguous(), m.t().contiguous())
+
+
+def int4_linear_ref(x: torch.Tensor, w: torch.Tensor,
+                    operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The kernel's computation in torch ops (bit for bit); ``operands``: ``ref_operands(w)``."""
+    codes, d, m = ref_operands(w) if operands is None else operands
+    q, dx, sx = quantize_activations(x)
+    dot = torch.bmm(q.transpose(0, 1), codes.float())  # [G, M, N]; integers < 2^24: exact
+    u = dx.t()[..., None] * (d[:, None, :] * dot + m[:, None, :] * sx.t()[..., None])
+    acc = torch.zeros(x.shape[0], d.shape[1])
+    for g in range(u.shape[0]):  # in order, as the kernel adds them
+        acc = acc + u[g]
     return acc
 
 
-def int4_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W^T -> [M, N]`` float32 for a packed layer ``w``."""
+def int4_linear(x: torch.Tensor, w: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T -> [M, N]`` float32 for a packed layer ``w``. Without the C++ op the torch
+    twin runs, keeping its unpacked operands in ``cache`` (the layer's tensors) after the first call."""
     ext = extension()
-    if ext is None:
-        return int4_linear_ref(x, w)
-    return ext.int4_linear(x if x.dtype == torch.float32 else x.float(), w)
+    if ext is not None:
+        return ext.int4_linear(x if x.dtype == torch.float32 else x.float(), w)
+    operands = None if cache is None else cache.get("ref_operands")
+    if operands is None:
+        operands = ref_operands(w)
+        if cache is not None:
+            cache["ref_operands"] = operands
+    return int4_linear_ref(x, w, operands)

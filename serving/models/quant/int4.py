@@ -60,4 +60,4 @@ class Int4W4A8(QuantMethod):
         return {"packed": cpu_int4.pack(codes, d, m)}
 
     def matmul(self, x: torch.Tensor, q: dict[str, torch.Tensor]) -> torch.Tensor:
-        return cpu_int4.int4_linear(x, q["packed"]).to(x.dtype)
+        return cpu_int4.int4_linear(x, q["packed"], q).to(x.dtype)
