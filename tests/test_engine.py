@@ -18,6 +18,11 @@ def prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 70) -> lis
     return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def tier_prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """The tier scenarios' prompts: 4 that come back, and 6 others that push them out of L1."""
+    return prompts(4, 512, seed=3, lo=40, hi=60), prompts(6, 512, seed=4, lo=40, hi=60)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama_rope_scaled"])
 def tiny(request, tmp_path_factory):
     arch = "qwen2" if request.param == "qwen2" else "llama"

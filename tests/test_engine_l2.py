@@ -10,14 +10,13 @@ from hicache.tiers.host import make_host_pool
 from serving.engine import Engine
 from serving.kernels.page_copy import device_to_host, host_to_device
 from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
+from tests.test_engine import GREEDY, ids_of, tier_prompts
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp("l2"))
-    ps = prompts(4, 512, seed=3, lo=40, hi=60)
-    others = prompts(6, 512, seed=4, lo=40, hi=60)
+    ps, others = tier_prompts()
     return path, ps, others, hf_greedy(path, ps, GREEDY["max_new_tokens"])
 
 

@@ -9,7 +9,7 @@ import torch
 
 from serving.engine import Engine
 from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
+from tests.test_engine import GREEDY, ids_of, tier_prompts
 
 # name -> engine kwargs. A lossy lower tier makes L1 store what that tier gives back.
 MODES = {
@@ -25,8 +25,7 @@ MODES = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp("kvmodes"))
-    ps = prompts(4, 512, seed=3, lo=40, hi=60)
-    others = prompts(6, 512, seed=4, lo=40, hi=60)
+    ps, others = tier_prompts()
     return path, ps, others, hf_greedy(path, ps, GREEDY["max_new_tokens"])
 
 

@@ -12,7 +12,7 @@ from serving.kernels import cpu_int8
 from serving.models.loader import load_model
 from serving.models.quant import QuantizationError, QuantLinear, get_quant_method, int8, quant_methods
 from tests.model_utils import tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
+from tests.test_engine import GREEDY, ids_of, tier_prompts
 from tests.test_kv_modes import check_mode, make, tier_hits
 
 CPU_METHODS = ["int8", "int4"]
@@ -22,8 +22,7 @@ REL_ERR = {"int8": 0.02, "int4": 0.15}  # of a random [256, 512] layer's output,
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp("quant"))
-    ps = prompts(4, 512, seed=3, lo=40, hi=60)
-    others = prompts(6, 512, seed=4, lo=40, hi=60)
+    ps, others = tier_prompts()
     return path, ps, others, None
 
 

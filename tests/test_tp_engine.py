@@ -9,7 +9,7 @@ from hicache.keys import page_keys, tp_shard_key
 from hicache.tiers.lmdb_store import LMDBStore
 from serving.engine import Engine
 from tests.model_utils import tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
+from tests.test_engine import GREEDY, ids_of, prompts, tier_prompts
 
 PS = 4
 
@@ -17,8 +17,7 @@ PS = 4
 @pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def tiny(request, tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp(f"tp-{request.param}"), arch=request.param, num_key_value_heads=2)
-    ps = prompts(4, 512, seed=3, lo=40, hi=60)
-    others = prompts(6, 512, seed=4, lo=40, hi=60)
+    ps, others = tier_prompts()
     return path, ps, others
 
 
