@@ -1,7 +1,7 @@
 """An agent's tool call outlives the L1 lifetime of its KV under load; a /cache/prefetch before it
 resumes (and a session that keeps its KV on L2 while idle) makes its next turn start at L1
-speed. SmolLM2 on the real server; the TTFTs are printed (run with -s), the assertions are on
-where each turn's KV came from (timing goals live in bench/, not in tests)."""
+speed. SmolLM2 on the real server, in int4 as ``make serve`` runs it; the TTFTs are printed (run
+with -s), the assertions are on where each turn's KV came from (timing goals live in bench/)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(CONFIG))
     (tmp / "keys.yaml").write_text(yaml.safe_dump({"keys": {AGENT: "agent", LOAD: "load"}}))
-    args = ["--config", str(tmp / "cfg.yaml"), "--model-path", str(smollm2_path()), "--max-total-tokens", "3072",
+    args = ["--config", str(tmp / "cfg.yaml"), "--model-path", str(smollm2_path()), "--quantization", "int4",
+            "--max-total-tokens", "3072",
             "--context-length", "2048", "--api-keys-file", str(tmp / "keys.yaml")]
     with running_server(args, api_key="admin-key-0001") as s:
         yield s
