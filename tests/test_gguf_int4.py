@@ -5,12 +5,14 @@ them (its kernel tensors equal the blocks' packing) and answers like the recover
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
 from serving.kernels.cpu_int4 import pack
 from serving.models.loader import load_model
+from serving.models.quant.gguf_index import read_tensors
 from serving.models.quant.gguf_q4 import gguf_source, int4_groups
 from serving.models.quant.int4 import quantize_int4_groups
 from tests.model_utils import smollm2_path
@@ -27,6 +29,21 @@ def smol():
     with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
         weights = {k: f.get_tensor(k) for k in f.keys() if ".layers." in k}  # noqa: SIM118
     return path, gguf, weights
+
+
+def test_tensor_table_is_gguf_readers(smol):
+    """serving.models.quant.gguf_index reads the same tensors as the gguf package's reader (which
+    also parses every metadata value: seconds on SmolLM2's tokenizer)."""
+    from gguf import GGUFReader
+
+    _, gguf, _ = smol
+    ours = {t.name: t for t in read_tensors(gguf)}
+    theirs = GGUFReader(str(gguf)).tensors
+    assert len(ours) == len(theirs) > 0
+    for t in theirs:
+        o = ours[t.name]
+        assert o.type_name == t.tensor_type.name and list(o.shape) == [int(x) for x in t.shape], t.name
+        assert np.array_equal(np.asarray(o.data).reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1)), t.name
 
 
 def test_blocks_are_the_converted_weights_and_their_codes(smol):

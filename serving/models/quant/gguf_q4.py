@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serving.models.quant.gguf_index import read_tensors
+
 BLOCK = 32
 Q4_1_BYTES = 20  # d (f16), m (f16), 16 bytes of nibbles
 GGUF_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
@@ -65,14 +67,12 @@ def int4_groups(gguf: Path, num_heads: int, num_kv_heads: int
                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """{fused layer name (``model.layers.N.self_attn.qkv_proj``...): (codes ``[N, K]``, d, m
     ``[N, K/32]``)} from the file's Q4_1 projections; None if any projection is another type."""
-    from gguf import GGUFReader
-
     parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in read_tensors(gguf):
         pieces = t.name.split(".")  # blk.<layer>.<name>.weight
         if len(pieces) != 4 or pieces[0] != "blk" or pieces[2] not in GGUF_NAMES or pieces[3] != "weight":
             continue
-        if t.tensor_type.name != "Q4_1":
+        if t.type_name != "Q4_1":
             return None
         k = int(t.shape[0])
         codes, d, m = decode_q4_1(t.data, k)
