@@ -201,8 +201,9 @@ class EngineCore:
     def check_integrity(self) -> None:
         host_in_use = 0
         if self.storage is not None:
-            host_in_use = self.storage.in_flight_host_pages(self.scheduler.waiting + self.scheduler.running)
-            self.storage.check_integrity()
+            reqs = self.scheduler.waiting + self.scheduler.running
+            host_in_use = self.storage.in_flight_host_pages(reqs)
+            self.storage.check_integrity(reqs)
         self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use)
         self.runner.pool.allocator.check_integrity()
         if self.host_pool is not None:

@@ -285,6 +285,24 @@ class Prefetcher:
         held = sum(len(r.prefetch.host_pages) - r.prefetch.committed for r in reqs if r.prefetch is not None)
         return held + sum(len(p) for _, p in self._draining)
 
+    def check_integrity(self, reqs: list[Req]) -> None:
+        """Raise AssertionError unless ``reqs`` (every waiting and running request) hold exactly the
+        fetches counted as started, each with its node locked and ``committed <= loaded``, and the
+        host pages held by fetches and drains are allocated, none held twice."""
+        started = [r.prefetch for r in reqs if r.prefetch is not None and r.prefetch.future is not None]
+        assert self._fetching == len(started), f"prefetch: {self._fetching} fetches counted, {len(started)} held"
+        held: list[int] = []
+        for op in started:
+            assert op.node is not None and (op.node.parent is None or op.node.lock_ref > 0), (
+                f"prefetch: the node of a fetch is not locked ({op.node})")
+            assert 0 <= op.committed <= op.loaded <= len(op.host_pages), (
+                f"prefetch: committed {op.committed}, loaded {op.loaded} of {len(op.host_pages)} pages")
+            held += op.host_pages[op.committed:]
+        for _, pages in self._draining:
+            held += pages
+        assert len(held) == len(set(held)), "prefetch: a host page is held twice"
+        assert all(self.tree.host.is_allocated(p) for p in held), "prefetch: a held host page is free"
+
     def shutdown(self) -> None:
         self.poll(wait=True)
         self._lookups.shutdown(wait=True)

@@ -110,8 +110,10 @@ class StorageController:
                   **self.load_policy.stats())
         return st
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, reqs: list[Req]) -> None:
+        """The write-back's and the prefetcher's own checks (``reqs``: every waiting and running request)."""
         self.writeback.check_integrity()
+        self.prefetcher.check_integrity(reqs)
 
     def shutdown(self) -> None:
         self.writeback.shutdown()

@@ -108,6 +108,39 @@ def test_abort_while_prefetching_gives_back_host_pages(tiny, tmp_path):
     eng.shutdown()
 
 
+def test_storage_integrity_checks_catch_miscounts_and_a_free_page(tiny, tmp_path):
+    """The L3 controllers' own checks (run by every check_integrity) fail on broken bookkeeping."""
+    from concurrent.futures import Future
+
+    path, ps, ref = tiny
+    eng = make(path, tmp_path / "l3", "wait_complete")
+    pf, host = eng.core.storage.prefetcher, eng.core.tree.host
+    eng.check_integrity()
+    pf._fetching += 1  # a fetch counted that no request holds
+    with pytest.raises(AssertionError, match="1 fetches counted, 0 held"):
+        eng.check_integrity()
+    pf._fetching -= 1
+    page = host.alloc(1)
+    host.free(page)
+    done: Future = Future()
+    done.set_result(None)
+    pf._draining.append((done, page))  # a drain holding a page the allocator has free
+    with pytest.raises(AssertionError, match="a held host page is free"):
+        eng.check_integrity()
+    pf._draining.clear()
+    wb = eng.core.storage.writeback
+    wb._queued_pages += 1  # a page counted against the write queue that no write holds
+    with pytest.raises(AssertionError, match="write-back: queued pages"):
+        eng.check_integrity()
+    wb._queued_pages -= 1
+    eng.core.ledger.storage_reserved["alice"] = 2  # an L3 reservation without a write
+    with pytest.raises(AssertionError, match="write-back: L3 reservations"):
+        eng.check_integrity()
+    eng.core.ledger.storage_reserved.clear()
+    eng.check_integrity()
+    eng.shutdown()
+
+
 def test_shutdown_persists_pages_never_hit(tiny, tmp_path):
     path, ps, ref = tiny
     db = tmp_path / "l3"
