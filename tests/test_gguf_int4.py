@@ -5,6 +5,8 @@ them (its kernel tensors equal the blocks' packing) and answers like the recover
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,25 @@ def test_the_loaded_model_uses_the_blocks(smol):
     ref = logits(recovered, cfg)
     assert out.argmax(-1).tolist() == ref.argmax(-1).tolist()
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-3)
+
+
+def test_a_gguf_cut_short_is_named_and_int4_quantizes_the_weights_instead(smol, tmp_path, caplog):
+    path, gguf, _ = smol
+    cut = tmp_path / "cut.gguf"
+    with open(gguf, "rb") as f:
+        cut.write_bytes(f.read(gguf.stat().st_size // 2))
+    with pytest.raises(ValueError, match=r"cut.gguf: cannot read its GGUF tensor table \(tensor .* past the file"):
+        read_tensors(cut)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)
+    with pytest.raises(ValueError, match="junk.gguf: cannot read its GGUF tensor table"):
+        read_tensors(tmp_path / "junk.gguf")
+    model = tmp_path / "model"  # the converted folder, its marker naming the cut file
+    model.mkdir()
+    for f in path.iterdir():
+        if f.name != "hicache_convert.json":
+            (model / f.name).symlink_to(f)
+    (model / "hicache_convert.json").write_text(json.dumps({"source_path": str(cut), "dtype": "float32"}))
+    with caplog.at_level("WARNING"):
+        m, _ = load_model(model, quantization="int4")
+    assert "cut.gguf: cannot read its GGUF tensor table" in caplog.text
+    assert m.quant_tag == "int4v2"  # the recovered codes, not the file's blocks

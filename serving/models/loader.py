@@ -107,7 +107,11 @@ def _gguf_int4(path: Path, cfg: ModelArchConfig, quantization: str, load_format:
     from serving.models.quant.int4 import Int4W4A8
 
     gguf = gguf_source(path)
-    groups = None if gguf is None else int4_groups(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    try:
+        groups = None if gguf is None else int4_groups(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    except ValueError as e:  # the converted weights hold the same codes: quantize those instead
+        log.warning("int4: %s; quantizing the converted weights instead", e)
+        return None
     if groups is None:
         return None
     log.info("int4: the Q4_1 blocks of %s, packed as they are", gguf.name)

@@ -62,7 +62,15 @@ class _Cursor:
 
 
 def read_tensors(path: Path) -> list[GGUFTensor]:
-    """The tensors of the GGUF file ``path`` (ValueError if it is not one this can read)."""
+    """The tensors of the GGUF file ``path`` (ValueError naming it if it is not one this can read:
+    another format, another version, or cut short)."""
+    try:
+        return _read(path)
+    except (struct.error, UnicodeDecodeError, ValueError, OSError) as e:
+        raise ValueError(f"{path}: cannot read its GGUF tensor table ({e})") from e
+
+
+def _read(path: Path) -> list[GGUFTensor]:
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(raw))
     if bytes(raw[:4]) != MAGIC:
@@ -95,6 +103,9 @@ def read_tensors(path: Path) -> list[GGUFTensor]:
         type_name, block, nbytes = GGML_TYPES[ggml_type]
         row_bytes = shape[0] // block * nbytes
         rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        data = raw[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+        end = start + offset + rows * row_bytes
+        if end > raw.size:
+            raise ValueError(f"tensor {name} ends at byte {end}, past the file's {raw.size}")
+        data = raw[start + offset:end].reshape(rows, row_bytes)
         out.append(GGUFTensor(name, type_name, tuple(shape), data))
     return out
