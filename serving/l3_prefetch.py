@@ -183,10 +183,17 @@ class Prefetcher:
                 return  # other prefetches hold L2; their pages become evictable once committed: retry
             req.prefetch = None
             return
-        self._fetching += 1
-        op.node, op.host_pages, op.keys = node, host.alloc(n), op.keys[:n]
-        op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
-        op.future = self._fetcher.submit(self._fetch, op)
+        pages = host.alloc(n)  # cannot fail: n <= num_free
+        try:
+            op.node, op.host_pages, op.keys = node, pages, op.keys[:n]
+            op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
+            op.future = self._fetcher.submit(self._fetch, op)
+        except BaseException:  # (a shut-down executor) nothing started: give the pages and the lock back
+            op.node, op.host_pages = None, []
+            host.free(pages)
+            tree.unlock(node)
+            raise
+        self._fetching += 1  # counted once the fetch exists: finish() uncounts it
 
     def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
         """Wait for L2 room while other fetches hold it, as long as waiting and then loading would

@@ -36,7 +36,7 @@ from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
 
 
-@dataclass
+@dataclass(eq=False)
 class _Write:
     future: Future  # -> (leading pages now in L3, pages this call wrote)
     tokens: list[int]  # the path's tokens up to the node's end
@@ -98,11 +98,15 @@ class WriteBack:
             if not pages:
                 return
         first = len(tokens) // self.page_size - npages + done
-        tenant = None if self.tree.ledger is None else self.tree.ledger.reserve_storage(tokens, len(pages))
         self.tree.pin_host(pages)
+        try:
+            future = self._writer.submit(self._write, tokens, first, pages)
+        except BaseException:  # (a shut-down executor) nothing was submitted: nothing stays pinned
+            self.tree.unpin_host(pages)
+            raise
+        tenant = None if self.tree.ledger is None else self.tree.ledger.reserve_storage(tokens, len(pages))
         self._queued_pages += len(pages)
         self._pending.add(node.id)
-        future = self._writer.submit(self._write, tokens, first, pages)
         self._writes.append(_Write(future, tokens, first, pages, node.id, tenant))
 
     def _write(self, tokens: list[int], first: int, host_pages: list[int]) -> tuple[int, int]:
@@ -122,11 +126,12 @@ class WriteBack:
     def poll(self, wait: bool = False) -> None:
         """Finish the writes that are done (all of them with ``wait``): mark what reached L3
         (a failed write is retried at the node's next backup or hit) and unpin their pages."""
-        keep = []
-        for w in self._writes:
+        for w in list(self._writes):
             if not (wait or w.future.done()):
-                keep.append(w)
                 continue
+            self._writes.remove(w)  # before its effects: a failure below cannot settle it twice
+            self._queued_pages -= len(w.host_pages)
+            self._pending.discard(w.node_id)
             try:
                 stored, wrote = w.future.result()
             except Exception:  # a backend bug: nothing is marked, the pages are unpinned
@@ -137,9 +142,6 @@ class WriteBack:
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)
-            self._queued_pages -= len(w.host_pages)
-            self._pending.discard(w.node_id)
-        self._writes = keep
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the queue count and the tenants' L3 reservations equal

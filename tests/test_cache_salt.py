@@ -145,6 +145,8 @@ def test_l3_quota_caps_a_tenants_writes(tiny, tmp_path):
                 eng.core.add(req)
                 while not req.finished:
                     eng.core.step()
+        eng.check_integrity()  # with the writes held in flight: queue, pending nodes and reservations agree
+        assert eng.core.ledger.storage_reserved.get("alice") == 3, eng.core.ledger.storage_reserved
         release.set()
         eng.core.storage.poll(wait=True)
         led = eng.core.ledger

@@ -27,6 +27,9 @@ def acts(mm: int, k: int, seed: int) -> torch.Tensor:
         x[1, 32:64] = 0.0  # an all-zero group: dx = 0
     if mm > 2:
         x[2, : k // 2] = 1e-30
+    if mm > 3 and k >= 64:
+        x[3, 32:64] = 0.0
+        x[3, 40] = 3e-37  # amax / 127 is subnormal: 1 / dx would be inf, and 0 * inf NaN
     return x
 
 
@@ -39,13 +42,15 @@ def test_pack_round_trips():
 
 
 @pytest.mark.skipif(cpu_ext.extension() is None, reason="needs AVX-512 VNNI and a C++ compiler")
-@pytest.mark.parametrize("mm,n,k", [(1, 3072, 576), (1, 576, 1536), (3, 16, 32), (7, 1008, 576), (40, 256, 1536)])
+@pytest.mark.parametrize("mm,n,k", [(1, 3072, 576), (1, 576, 1536), (3, 16, 32), (7, 1008, 576), (40, 256, 1536),
+                                    (70, 32, 64)])
 def test_kernel_equals_reference_bit_for_bit(mm, n, k):
     for seed in range(2):
         w = cpu_int4.pack(*layer(n, k, seed))
         x = acts(mm, k, seed)
         y = cpu_ext.extension().int4_linear(x, w)
-        assert torch.equal(y, cpu_int4.int4_linear_ref(x, w))
+        assert torch.isfinite(y).all()
+        assert torch.equal(y, cpu_int4.int4_linear_ref(x, w))  # 70 rows: the twin's row chunks too
         for r in range(mm):  # a row alone gives the bits it gave in the batch
             assert torch.equal(cpu_ext.extension().int4_linear(x[r:r + 1].clone(), w), y[r:r + 1])
 
@@ -84,3 +89,11 @@ def test_fallback_keeps_its_operands_and_gives_the_same_bits(monkeypatch):
     ops = cache["ref_operands"]
     assert ops[0].dtype == torch.uint8 and ops[0].shape == (3, 32, 64)
     assert torch.equal(cpu_int4.int4_linear(x, w, cache), want) and cache["ref_operands"] is ops
+
+
+def test_quantizer_takes_a_constant_group():
+    w = torch.randn(16, 64)
+    w[3, :32] = 0.25  # hi == lo: d is 0
+    codes, d, m = quantize_int4_groups(w)
+    assert d[3, 0] == 0 and m[3, 0] == 0.25 and (codes[3, :32] == 0).all()
+    assert torch.isfinite(d).all() and codes.min() >= 0 and codes.max() <= 15

@@ -5,13 +5,14 @@ the replicas share one L3 (a prefix written by one is a storage hit on the other
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 import httpx
 import pytest
 import yaml
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, free_port
 
 ROUTER_READY = "The router is ready to route!"
 
@@ -97,3 +98,30 @@ def test_dp2_router_cached_share_and_shared_l3(tiny_chat_model, tmp_path):
         code = dp.stop(timeout=120)
     assert code == 0, dp.log()[-3000:]
     print(f"cached share: single replica {share_single:.3f}, --dp-size 2 behind the router {share_dp:.3f}")
+
+
+def test_replica_ports_skip_busy_ones_and_stay_held_for_the_replicas():
+    from serving.parallel.dp import replica_ports
+
+    base = free_port()
+    busy = socket.socket()
+    try:
+        busy.bind(("127.0.0.1", base + 1))
+        busy.listen()
+    except OSError:
+        pass  # someone else has it: busy all the same
+    ports, holds = replica_ports(base, 2)
+    try:
+        assert base + 1 < ports[0] < ports[1], ports
+        other = socket.socket()
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", ports[0]))  # held: no other process takes it meanwhile
+        other.close()
+        replica = socket.socket()  # ... but the replica's listening socket binds it
+        replica.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        replica.bind(("127.0.0.1", ports[0]))
+        replica.listen()
+        replica.close()
+    finally:
+        for s in (busy, *holds):
+            s.close()

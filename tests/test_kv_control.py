@@ -108,12 +108,12 @@ def test_pin_errors(server):
     p, q = prompt(5), prompt(6, 90)
     gen(server, ALICE, p)
     gen(server, ALICE, q)
-    r = post(server, "/cache/pin", ALICE, {"input_ids": p, "ttl_s": 0.5})
+    r = post(server, "/cache/pin", ALICE, {"input_ids": p, "ttl_s": 3.0})  # outlives the 409 check below
     assert r.status_code == 200, r.text
     short = r.json()["lease_id"]
     r = post(server, "/cache/pin", ALICE, {"input_ids": q, "ttl_s": 60})  # 4 + 5 pages > alice's 8
     assert r.status_code == 409 and "quota" in r.text, r.text
-    time.sleep(1.0)  # the short lease (0.5 s) has ended: every call expires ended leases first
+    time.sleep(3.5)  # the short lease has ended: every call expires ended leases first
     r = httpx.delete(f"{server.url}/cache/pin/{short}", headers={"Authorization": f"Bearer {ALICE}"}, timeout=30)
     assert r.status_code == 404 and "expired" in r.text, r.text
     r = post(server, "/cache/pin", ALICE, {"input_ids": q, "ttl_s": 60})  # fits again now

@@ -3,8 +3,9 @@
 Weights are GGUF Q4_1 blocks: 4-bit codes ``c`` in groups of 32 input channels, ``w = d * c + m``
 with a half-float ``d`` and ``m`` per (output row, group). Activations are quantized per row and
 group of 32, symmetric (llama.cpp's Q8_1): ``dx = amax / 127``, ``q = clamp(round(x * (1 / dx)),
--127, 127)`` (``1 / dx`` is 0 for an all-zero group), ``sx = sum(q)``. Each group adds
-``dx * (d * dot + m * sx)`` with ``dot = sum(c * q)`` exact in int32, groups in order.
+-127, 127)`` (``1 / dx`` is 0 when ``dx`` is 0 or subnormal: the group counts as zeros),
+``sx = sum(q)``. Each group adds ``dx * (d * dot + m * sx)`` with ``dot = sum(c * q)`` exact in
+int32, groups in order.
 
 Two implementations give the same bits (tests/test_cpu_int4.py):
 - ``csrc/int4_linear.cpp``, AVX-512 VNNI: the codes are the unsigned operand of ``vpdpbusd``,
@@ -25,6 +26,7 @@ from serving.kernels.cpu_ext import extension
 GROUP = 32
 ROWS = 16
 BLOCK_BYTES = 4 * 64 + 2 * ROWS * 2
+REF_ROWS = 64  # rows per call of the torch twin's float temporaries
 
 
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """(q ``[M, G, 32]`` as floats, dx ``[M, G]``, sx ``[M, G]``) of ``x [M, K]`` (module doc)."""
     xg = x.float().reshape(x.shape[0], -1, GROUP)
     dx = xg.abs().amax(dim=-1) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    inv = torch.where(dx >= torch.finfo(torch.float32).tiny, 1 / dx, torch.zeros_like(dx))  # 1 / subnormal: inf
     q = torch.round(xg * inv[..., None]).clamp_(-127, 127)
     return q, dx, q.sum(dim=-1)  # the sums are small integers: exact in any order
 
@@ -77,6 +79,9 @@ def int4_linear_ref(x: torch.Tensor, w: torch.Tensor,
                     operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The kernel's computation in torch ops (bit for bit); ``operands``: ``ref_operands(w)``."""
     codes, d, m = ref_operands(w) if operands is None else operands
+    if x.shape[0] > REF_ROWS:  # rows are independent: bounded [G, rows, N] temporaries, the same bits
+        return torch.cat([int4_linear_ref(x[i:i + REF_ROWS], w, (codes, d, m))
+                          for i in range(0, x.shape[0], REF_ROWS)])
     q, dx, sx = quantize_activations(x)
     dot = torch.bmm(q.transpose(0, 1), codes.float())  # [G, M, N]; integers < 2^24: exact
     u = dx.t()[..., None] * (d[:, None, :] * dot + m[:, None, :] * sx.t()[..., None])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,26 +26,31 @@ log = logging.getLogger("hicache.dp")
 START_TIMEOUT_S = 600.0
 
 
-def replica_ports(after: int, n: int) -> list[int]:
-    """``n`` ports above ``after`` (the router's) that nothing listens on now. Counting up from the
-    server's port, as SGLang places its workers' ports, keeps them out of the kernel's ephemeral
-    range for the usual ports (30000), where an outgoing connection could take one between this
-    choice and the replica's bind after its model loads."""
-    import socket
-
+def replica_ports(after: int, n: int) -> tuple[list[int], list[socket.socket]]:
+    """``n`` ports above ``after`` (the router's) that nothing uses now, and sockets bound to them
+    (SO_REUSEADDR, not listening) for the caller to hold until the replicas listen there: no
+    outgoing connection or plain bind can take one meanwhile, and a replica's own listening socket
+    (SO_REUSEADDR too) can still bind it. Counting up from the server's port, as SGLang places its workers' ports, keeps
+    them out of the kernel's ephemeral range for the usual ports (30000)."""
     ports: list[int] = []
+    holds: list[socket.socket] = []
     port = after
     while len(ports) < n:
         port += 1
         if port > 65535:
+            for h in holds:
+                h.close()
             raise RuntimeError(f"--dp-size {n}: no {n} free ports above {after}")
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
         ports.append(port)
-    return ports
+        holds.append(s)
+    return ports, holds
 
 
 def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa: ANN001 - AppConfig
@@ -106,14 +112,18 @@ def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config
         except TPShapeError as e:
             print(f"hicache serve: {e}", file=sys.stderr)
             return 2
-    ports = replica_ports(cfg.server.port, n)
+    ports, holds = replica_ports(cfg.server.port, n)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen(replica_args(argv, cfg, i, port), env=env) for i, port in enumerate(ports)]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM while replicas start: stop them
     try:
         key = cfg.server.api_key or os.environ.get("HICACHE_API_KEY")
-        why = _wait_healthy(procs, urls, {"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            why = _wait_healthy(procs, urls, {"Authorization": f"Bearer {key}"} if key else {})
+        finally:
+            for h in holds:  # the replicas listen on them now (or have failed)
+                h.close()
         if why is not None:
             print(f"hicache serve: {why}; stopping", file=sys.stderr, flush=True)
             return 1

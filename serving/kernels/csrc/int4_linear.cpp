@@ -2,7 +2,7 @@
 //
 // Weights: 4-bit codes c in groups of 32 input channels, w = d * c + m per (output row, group),
 // d and m half floats (GGUF's Q4_1). Activations: each row's groups of 32 quantized on their own,
-// symmetric: dx = amax / 127, q = clamp(round(x * (dx > 0 ? 1 / dx : 0)), -127, 127), sx = sum(q).
+// symmetric: dx = amax / 127, q = clamp(round(x * (dx >= FLT_MIN ? 1 / dx : 0)), -127, 127), sx = sum(q).
 // Per group: dot = sum c * q in int32 (exact); y += dx * (d * float(dot) + m * float(sx)), groups
 // in order. Every float step is one IEEE operation, in the order of the torch reference in
 // cpu_int4.py (built with -ffp-contract=off): both give the same bits, and a row's result never
@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,7 +38,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
     const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
     const float d = amax / 127.0f;
-    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    const float id = d >= FLT_MIN ? 1.0f / d : 0.0f;  // 1 / a subnormal is inf: such a group counts as zeros
     const __m512 vid = _mm512_set1_ps(id);
     __m512 qa = _mm512_roundscale_ps(_mm512_mul_ps(a, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 qb = _mm512_roundscale_ps(_mm512_mul_ps(b, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -66,7 +66,7 @@ def read_tensors(path: Path) -> list[GGUFTensor]:
     another format, another version, or cut short)."""
     try:
         return _read(path)
-    except (struct.error, UnicodeDecodeError, ValueError, OSError) as e:
+    except (struct.error, UnicodeDecodeError, ValueError, OSError, IndexError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read its GGUF tensor table ({e})") from e
 
 
@@ -85,12 +85,16 @@ def _read(path: Path) -> list[GGUFTensor]:
         (vtype,) = cur.take("I")
         if key == "general.alignment" and vtype == _UINT32:
             (alignment,) = cur.take("I")
+            if alignment <= 0 or alignment % 8:
+                raise ValueError(f"general.alignment {alignment} is not a positive multiple of 8")
         else:
             cur.skip_value(vtype)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
         (ndims,) = cur.take("I")
+        if not 1 <= ndims <= 4:
+            raise ValueError(f"tensor {name} has {ndims} dimensions")
         shape = cur.take("Q" * ndims)
         ggml_type, offset = cur.take("IQ")
         infos.append((name, shape, ggml_type, offset))

@@ -31,9 +31,10 @@ def quantize_int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torc
     n, k = weight.shape
     w = weight.float().reshape(n, k // group, group)
     lo, hi = w.amin(-1), w.amax(-1)
-    d = ((hi - lo) / 15).clamp(min=1e-12).half().float()
+    d = ((hi - lo) / 15).half().float()  # 0 for a constant group (or one narrower than a half float step)
     m = lo.half().float()
-    codes = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    codes = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15)
+    codes = torch.where(d[..., None] > 0, codes, 0).to(torch.int32).reshape(n, k)  # there: every w ~= m
     return codes, d, m
 
 
