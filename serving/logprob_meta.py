@@ -14,6 +14,8 @@ from typing import Any
 
 from serving.tokenizer import Tokenizer
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (here, torch-free: the HTTP side validates with it)
+
 
 @dataclass(frozen=True)
 class LogprobOptions:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from serving.logprob_meta import MAX_TOP_LOGPROBS
 from serving.sampling_params import InvalidRequest
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_TOKEN_IDS = 256
 NEG_INF = -9999.0
 

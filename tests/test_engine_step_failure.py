@@ -19,8 +19,9 @@ from serving.server import messages as m
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.engine_main import engine_main
-from serving.server.engine_proc import EXIT_BROKEN, EngineLoop
+from serving.server.engine_proc import EngineLoop
 from serving.server.errors import APIError
+from serving.server.messages import EXIT_BROKEN
 from tests.model_utils import hf_greedy, tiny_model
 
 NEW = 6

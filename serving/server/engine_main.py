@@ -13,11 +13,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serving.config import EngineConfig
-from serving.disagg.role import make_role
 from serving.server import messages as m
 from serving.server.config import ServerConfig
-from serving.server.engine_proc import EngineLoop
-from serving.server.engine_shutdown import shutdown_core
+
+# The engine's own modules (torch, the model, the cache) are imported in the spawned process only:
+# the HTTP process imports this module for the entry point and never needs them.
 
 log = logging.getLogger("hicache.engine")
 GIL_SWITCH_S = 0.0005
@@ -51,6 +51,10 @@ def engine_main(
     # default switch interval) for it, on every hand-off.
     sys.setswitchinterval(GIL_SWITCH_S)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    from serving.disagg.role import make_role
+    from serving.server.engine_proc import EngineLoop
+    from serving.server.engine_shutdown import shutdown_core
+
     try:
         from serving.engine_core import EngineCore
 

@@ -45,7 +45,6 @@ from serving.server.watchdog import HeartbeatWriter
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
 STALL_WAIT_S = 0.002
-EXIT_BROKEN = 3  # exit status of an engine process whose cache invariants broke (see EngineLoop._fail_step)
 
 
 @dataclass
@@ -145,14 +144,14 @@ class EngineLoop:
             return
         self.broken = "; ".join(problems)
         log.critical("after a failed step the cache invariants cannot be restored (%s); the engine exits "
-                     "with status %d rather than serve on a broken tree", self.broken, EXIT_BROKEN)
+                     "with status %d rather than serve on a broken tree", self.broken, m.EXIT_BROKEN)
         for rid in list(self.live):
             self.out.append(m.Error(503, "the engine stopped: its cache is inconsistent after a failed step",
                                     rid=rid))
             self._forget(rid)
         self.running = False
         self.flush()
-        raise SystemExit(EXIT_BROKEN)
+        raise SystemExit(m.EXIT_BROKEN)
 
     def _collect(self) -> None:
         """Queue a TokenOut for every live request with news (new ids, finish, acceptance).

@@ -22,7 +22,6 @@ from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext
 from serving.server.engine_client import EngineClient, EngineStartError
-from serving.server.engine_proc import EXIT_BROKEN
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
 from serving.server.tenants import load_tenants
@@ -153,7 +152,7 @@ def run_server(cfg: AppConfig) -> int:
         sock.close()
         signal.signal(signal.SIGTERM, previous)
         code = client.stop(cfg.server.shutdown_timeout_s)
-        if code == EXIT_BROKEN:
+        if code == m.EXIT_BROKEN:
             log.error("engine process exited with code %s: its cache invariants broke after a failed step "
                       "(see the engine's log above)", code)
         elif code not in (0, None):

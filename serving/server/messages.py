@@ -27,6 +27,8 @@ from typing import Any
 
 import msgpack
 
+EXIT_BROKEN = 3  # the engine process's exit status when its cache invariants broke (EngineLoop._fail_step)
+
 
 # -- HTTP process -> engine process ---------------------------------------------------------
 @dataclass
