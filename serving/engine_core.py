@@ -23,7 +23,6 @@ from serving.config import EngineConfig
 from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
 from serving.model_runner import ModelRunner
-from serving.models.quant.base import get_quant_method
 from serving.parallel.leader import TPLeader
 from serving.req_cache import ReqCache
 from serving.request import Req
@@ -40,11 +39,9 @@ class EngineCore:
     @property
     def weights_tag(self) -> str:
         """What the weights' --quantization makes of the KV: ``none`` or the method's tag (``:gguf``
-        when int4 took a GGUF's blocks as they are: scales that differ in the last bits)."""
-        q = self.config.model.quantization
-        if q == "none":
-            return "none"
-        return getattr(self.runner.model, "quant_tag", None) or get_quant_method(q).kv_tag or q
+        when int4 took a GGUF's blocks as they are: scales that differ in the last bits), which
+        quantize_model recorded on the model."""
+        return "none" if self.config.model.quantization == "none" else self.runner.model.quant_tag
 
     @property
     def kv_model_tag(self) -> str:

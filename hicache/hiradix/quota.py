@@ -65,9 +65,12 @@ class TenantLedger:
             top = top.parent
         return salt.salt_of(top.key)
 
-    def tenant_of(self, node: TreeNode) -> str | None:
-        tags = self.salt_of(node)
+    def owner_of(self, tags: tuple[int, ...] | None) -> str | None:
+        """The tenant registered for salt ``tags`` (None: unsalted, unregistered, or the default)."""
         return None if tags is None else self.owner.get(tags)
+
+    def tenant_of(self, node: TreeNode) -> str | None:
+        return self.owner_of(self.salt_of(node))
 
     # -- counting -------------------------------------------------------------------------
     def on_tree_event(self, kind: str, node: TreeNode) -> None:
@@ -90,7 +93,7 @@ class TenantLedger:
     def reserve_storage(self, tokens: list[int], pages: int) -> str | None:
         """An L3 write of ``pages`` of ``tokens`` is submitted: they count against its tenant's
         quota until :meth:`settle_storage`. Returns the tenant, to hand back there."""
-        tenant = self._tenant_of_tokens(tokens)
+        tenant = self.owner_of(salt.salt_of(tokens))
         self.storage_reserved[tenant] = self.storage_reserved.get(tenant, 0) + pages
         return tenant
 
@@ -104,12 +107,8 @@ class TenantLedger:
         if wrote:
             self.add_stored(tokens, wrote)
 
-    def _tenant_of_tokens(self, tokens: list[int]) -> str | None:
-        tags = salt.salt_of(tokens)
-        return None if tags is None else self.owner.get(tags)
-
     def _add(self, tags: tuple[int, ...] | None, tier: str, n: int) -> None:
-        tenant = None if tags is None else self.owner.get(tags)
+        tenant = self.owner_of(tags)
         for table, k in ((self.by_salt, tags), (self.by_tenant, tenant)):
             counts = table.get(k)
             if counts is None:
@@ -151,7 +150,7 @@ class TenantLedger:
     def storage_room(self, tokens: list[int]) -> int | None:
         """How many more pages of ``tokens``' tenant may be written to L3, counting the pages
         already written and those in flight (None: no L3 quota)."""
-        tenant = self._tenant_of_tokens(tokens)
+        tenant = self.owner_of(salt.salt_of(tokens))
         q = self.quotas.get(tenant, {}).get("storage") if tenant is not None else None
         if q is None:
             return None
@@ -179,7 +178,7 @@ class TenantLedger:
                     f"tenant ledger: salt {tags} holds {exp.get(tier, 0)} {tier} pages, counted {got.get(tier, 0)}")
         per_tenant: dict[str | None, dict[str, int]] = {}
         for tags, counts in self.by_salt.items():
-            t = per_tenant.setdefault(None if tags is None else self.owner.get(tags), dict.fromkeys(TIERS, 0))
+            t = per_tenant.setdefault(self.owner_of(tags), dict.fromkeys(TIERS, 0))
             for tier in TIERS:
                 t[tier] += counts[tier]
         for tenant in set(per_tenant) | set(self.by_tenant):

@@ -2,8 +2,8 @@
 one command (as SGLang users run ``--dp-size``).
 
 Each replica is a whole ``hicache serve`` (its own HTTP process and engine, ``--tp-size`` ranks
-each) started from the same command line on the first free ports above ``--port``; on CUDA replica ``i`` starts at
-GPU ``i * tp_size``. They share the configured L3 (the same LMDB directory or Mooncake
+each) started from the same command line on the first free ports above ``--port``; on CUDA
+replica ``i`` starts at GPU ``i * tp_size``. They share the configured L3 (the same LMDB directory or Mooncake
 store), so a prefix one replica wrote is an L3 hit on the others. The router
 (``router/``) listens on ``--host``/``--port``, routes by cached prefix over HTTP, and is what
 clients talk to. A replica that fails to start stops the others; SIGTERM stops the router, then
@@ -30,8 +30,8 @@ def replica_ports(after: int, n: int) -> tuple[list[int], list[socket.socket]]:
     """``n`` ports above ``after`` (the router's) that nothing uses now, and sockets bound to them
     (SO_REUSEADDR, not listening) for the caller to hold until the replicas listen there: no
     outgoing connection or plain bind can take one meanwhile, and a replica's own listening socket
-    (SO_REUSEADDR too) can still bind it. Counting up from the server's port, as SGLang places its workers' ports, keeps
-    them out of the kernel's ephemeral range for the usual ports (30000)."""
+    (SO_REUSEADDR too) can still bind it. Counting up from the server's port, as SGLang places
+    its workers' ports, keeps them out of the kernel's ephemeral range for the usual ports (30000)."""
     ports: list[int] = []
     holds: list[socket.socket] = []
     port = after
