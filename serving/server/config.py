@@ -42,6 +42,12 @@ class ServerConfig:
     api_keys_file: str | None = None
     max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413
     session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
+    # open sessions (/open_session) on this server, and per --api-keys-file tenant: 429 past them
+    max_sessions: int = 4096
+    max_sessions_per_tenant: int = 1024
+    # pin leases (/cache/pin, and demote_on_idle sessions' idle leases) on this server, and per tenant: 429
+    max_pin_leases: int = 4096
+    max_pin_leases_per_tenant: int = 1024
     log_level: str = "info"
     enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
     graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
@@ -78,6 +84,9 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be positive")
         if self.session_idle_timeout_s <= 0:
             raise ValueError("session_idle_timeout_s must be positive")
+        for name in ("max_sessions", "max_sessions_per_tenant", "max_pin_leases", "max_pin_leases_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.graceful_shutdown_timeout_s < 0:
