@@ -34,6 +34,7 @@ from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
 from serving.server.req_handle import run_all
+from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT
 
 router = APIRouter()
@@ -118,8 +119,8 @@ async def open_session(request: Request) -> JSONResponse:
         if empty
         else await parse_body(request, OpenSessionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     )
-    if body.session_id is not None and not body.session_id:
-        raise APIError(400, "session_id must not be empty", param="session_id")
+    if body.session_id is not None:  # 1-256 of [A-Za-z0-9._:-]; 409 when open, 429 at a cap (kv_sessions)
+        check_session_id(body.session_id)
     retention = _retention(body.retention)
     tenant = CURRENT.get()
     sid = await ctx.client.call(m.OpenSession, session_id=body.session_id, retention=retention,
@@ -143,6 +144,7 @@ def _retention(hints: Any) -> dict[str, Any] | None:
 async def close_session(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     body = await parse_body(request, CloseSessionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    check_session_id(body.session_id)
     tenant = CURRENT.get()
     await ctx.client.call(m.CloseSession, session_id=body.session_id, tenant=None if tenant is None else tenant.name)
     return {"success": True}

@@ -18,6 +18,7 @@ from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError
 from serving.server.metrics import ServerMetrics
+from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT, TenantTable, effective_salt
 from serving.tokenizer import Tokenizer
 
@@ -98,6 +99,8 @@ class ServerContext:
         """Check what can be checked here (the engine checks the rest) and build the message.
         ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space."""
         check_salt(cache_salt)
+        if session_id is not None:
+            check_session_id(session_id)  # every generation route's session_id comes through here
         tenant = CURRENT.get()
         try:
             sp = SamplingParams.from_dict(params)
