@@ -172,10 +172,14 @@ class EngineCore:
 
     # -- sessions -------------------------------------------------------------------------
     def open_session(self, session_id: str | None = None) -> str:
+        """Open ``session_id`` (a fresh id when None); ValueError when it is open already (as
+        SGLang refuses it). The server's caps and id rules are checked before it gets here
+        (serving/kv_sessions.py, serving/server/session_ids.py)."""
         sid = session_id or uuid.uuid4().hex
-        if sid not in self.sessions:
-            self.tree.open_session(sid)
-            self.sessions.add(sid)
+        if sid in self.sessions:
+            raise ValueError(f"session_id {sid!r} is already open")
+        self.tree.open_session(sid)
+        self.sessions.add(sid)
         return sid
 
     def close_session(self, session_id: str) -> None:

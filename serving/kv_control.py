@@ -7,11 +7,14 @@ sessions (the HTTP routes are serving/server/cache_api.py).
 - **pin**: a lease that keeps a prefix's KV in L2 (and so in L3, where write-back puts it)
   until it ends: the path's L1-only nodes are backed up to L2 now and its L2 pages pinned
   (``tree.pin_host``: L2 eviction skips them, L1 eviction demotes instead of dropping). A
-  tenant's pinned pages are bounded by its L2 quota, or else by half of L2.
+  tenant's pinned pages are bounded by its L2 quota, or else by half of L2; a page counts once
+  however many of the tenant's leases hold it (re-pinning a pinned prefix costs nothing), and
+  the leases themselves are capped (``max_pin_leases`` and ``max_pin_leases_per_tenant``: 429).
 - **session retention** (``/open_session`` hints): ``ttl_s`` closes the session after that
   long idle; ``demote_on_idle`` backs the session's KV up to L2 and pins it there while the
   session is idle (until its next request, or ``ttl_s``), instead of leaving it to be dropped.
-- Sessions belong to the tenant that opened them; another tenant gets "unknown session".
+- Sessions belong to the tenant that opened them; another tenant gets "unknown session". Who
+  owns which, and the caps on open sessions, are serving/kv_sessions.py's.
 
 Concurrency contract: engine loop thread only (it owns the tree), except the L3 existence
 check of a lookup, which runs on one worker thread and touches only the storage tier
@@ -22,23 +25,18 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from hicache import salt
 from hicache.keys import page_keys
+from serving.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
+from serving.kv_sessions import SessionRegistry
 
-MAX_TTL_S = 24 * 3600.0
-MAX_LEASES = 4096
-
-
-class ControlError(Exception):
-    """A refused control call: ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["MAX_TTL_S", "ControlError", "ControlLimits", "KVControl", "Lease"]
 
 
 @dataclass
@@ -54,13 +52,16 @@ class Lease:
 class KVControl:
     """See the module docstring."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, limits: ControlLimits | None = None) -> None:
         self.core = core
         self.tree = core.tree
         self.page_size = core.config.cache.page_size
+        self.limits = limits or ControlLimits()
         self.leases: dict[str, Lease] = {}
-        self.session_owner: dict[str, str | None] = {}
-        self.retention: dict[str, dict[str, Any]] = {}  # session -> its /open_session hints
+        # tenant -> L2 page -> how many of its leases hold it (its pin quota counts the pages once)
+        self._pinned: dict[str | None, Counter[int]] = {}
+        self._lease_count: Counter[str | None] = Counter()  # tenant -> its leases
+        self.sessions = SessionRegistry(self.limits)
         self.idle_lease: dict[str, str] = {}  # session -> lease held while it is idle
         self._ids = itertools.count(1)
         self._deferred: list[tuple[int, Future]] = []
@@ -132,13 +133,23 @@ class KVControl:
             raise ControlError(400, "pinning keeps KV in L2: this server has no L2 tier (--hicache-ratio)")
         if not 0 < ttl_s <= MAX_TTL_S:
             raise ControlError(400, f"ttl_s must be in (0, {MAX_TTL_S:g}]")
-        if len(self.leases) >= MAX_LEASES:
-            raise ControlError(429, f"too many pin leases ({MAX_LEASES}); release some first")
         tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
         return self._pin_tokens(tokens, tenant, ttl_s, session_id)
 
+    def _admit_lease(self, tenant: str | None) -> None:
+        cap = self.limits.max_pin_leases
+        if len(self.leases) >= cap:
+            raise ControlError(429, f"{len(self.leases)} pin leases are held, the most this server allows "
+                                    f"(max_pin_leases {cap}): release some (DELETE /cache/pin/{{lease_id}})")
+        cap = self.limits.max_pin_leases_per_tenant
+        if tenant is not None and self._lease_count[tenant] >= cap:
+            raise ControlError(429, f"tenant {tenant!r} holds {self._lease_count[tenant]} pin leases, the most a "
+                                    f"tenant may (max_pin_leases_per_tenant {cap}): release some "
+                                    "(DELETE /cache/pin/{lease_id}) or let them expire")
+
     def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float,
                     session_id: str | None = None) -> dict[str, Any]:
+        self._admit_lease(tenant)
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         self.tree.backup_prefix(tokens[:n])
@@ -151,11 +162,14 @@ class KVControl:
         if not pages:
             raise ControlError(404, "nothing of this prompt is cached (send it once, or /cache/prefetch it)")
         limit = self._pin_limit(tenant)
-        held = sum(len(x.pages) for x in self.leases.values() if x.tenant == tenant)
-        if held + len(pages) > limit:
-            raise ControlError(409, f"pinning {len(pages)} more pages would exceed the {limit}-page pin quota "
-                                    f"({held} pinned): release a lease or pin a shorter prefix")
+        held = self._pinned.get(tenant, Counter())
+        new = len(set(pages).difference(held))  # pages this tenant's leases already hold count once
+        if len(held) + new > limit:
+            raise ControlError(409, f"pinning {new} more pages would exceed the {limit}-page pin quota "
+                                    f"({len(held)} pinned): release a lease or pin a shorter prefix")
         self.tree.pin_host(pages)
+        self._pinned.setdefault(tenant, Counter()).update(pages)
+        self._lease_count[tenant] += 1
         lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages, len(pages) * ps,
                       time.monotonic() + ttl_s, session_id)
         self.leases[lease.lease_id] = lease
@@ -175,6 +189,16 @@ class KVControl:
     def _release(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
         self.tree.unpin_host(lease.pages)
+        held = self._pinned[lease.tenant]
+        held.subtract(lease.pages)
+        for p in lease.pages:
+            if held[p] <= 0:
+                del held[p]
+        if not held:
+            del self._pinned[lease.tenant]
+        self._lease_count[lease.tenant] -= 1
+        if not self._lease_count[lease.tenant]:
+            del self._lease_count[lease.tenant]
         if lease.session_id is not None and self.idle_lease.get(lease.session_id) == lease.lease_id:
             del self.idle_lease[lease.session_id]
 
@@ -189,36 +213,48 @@ class KVControl:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every lease's pages are pinned in the tree (at least once
-        per lease holding them) and every idle-session lease exists."""
-        held: dict[int, int] = {}
+        per lease holding them), each tenant's pinned pages (counted once) and leases match its
+        leases and stay within its quota and the caps, every idle-session lease exists, and the
+        open sessions agree with the engine's (serving/kv_sessions.py)."""
+        held: Counter[int] = Counter()
+        per_tenant: dict[str | None, Counter[int]] = {}
         for lease in self.leases.values():
-            for p in lease.pages:
-                held[p] = held.get(p, 0) + 1
+            held.update(lease.pages)
+            per_tenant.setdefault(lease.tenant, Counter()).update(lease.pages)
         pins = self.tree._host_pins
         bad = [p for p, k in held.items() if pins.get(p, 0) < k]
         assert not bad, f"KV control: leased L2 pages not pinned in the tree: {bad[:8]}"
+        assert per_tenant == self._pinned, "KV control: per-tenant pinned pages disagree with the leases"
+        over = [t for t, pages in per_tenant.items() if len(pages) > self._pin_limit(t)]
+        assert not over, f"KV control: tenants over their pin quota: {over[:8]}"
+        counts = Counter(x.tenant for x in self.leases.values())
+        assert counts == self._lease_count, "KV control: per-tenant lease counts disagree with the leases"
+        assert len(self.leases) <= self.limits.max_pin_leases, f"KV control: {len(self.leases)} leases held"
+        over = [t for t, k in counts.items() if t is not None and k > self.limits.max_pin_leases_per_tenant]
+        assert not over, f"KV control: tenants over max_pin_leases_per_tenant: {over[:8]}"
         stray = [s for s, lid in self.idle_lease.items() if lid not in self.leases]
         assert not stray, f"KV control: idle sessions whose lease is gone: {stray[:8]}"
+        self.sessions.check_integrity(set(self.core.sessions))
 
     @property
     def pinned_pages(self) -> int:
-        return sum(len(x.pages) for x in self.leases.values())
+        """Pages pinned, each counted once per tenant holding it."""
+        return sum(len(x) for x in self._pinned.values())
 
     # -- sessions -----------------------------------------------------------------------
-    def open_session(self, sid: str, tenant: str | None, retention: dict[str, Any] | None) -> None:
-        owner = self.session_owner.get(sid, tenant)
-        if owner != tenant:
-            raise ControlError(409, f"session_id {sid!r} is taken")
-        self.session_owner[sid] = tenant
-        if retention:
-            self.retention[sid] = dict(retention)
+    def open_session(self, sid: str | None, tenant: str | None, retention: dict[str, Any] | None) -> str:
+        """Register a session (a fresh id when ``sid`` is None) for ``tenant``; ControlError 409
+        when the id is open, 429 at a cap (serving/kv_sessions.py). The caller then opens it in
+        the engine core."""
+        sid = sid or uuid.uuid4().hex
+        self.sessions.open(sid, tenant, retention)
+        return sid
 
     def check_session(self, sid: str, tenant: str | None) -> None:
-        if sid in self.session_owner and self.session_owner[sid] != tenant:
-            raise KeyError(f"unknown session_id {sid!r}")
+        self.sessions.check(sid, tenant)
 
     def idle_timeout(self, sid: str, default: float) -> float:
-        return float(self.retention.get(sid, {}).get("ttl_s", default))
+        return float(self.sessions.retention.get(sid, {}).get("ttl_s", default))
 
     def session_active(self, sid: str) -> None:
         lease_id = self.idle_lease.pop(sid, None)
@@ -227,7 +263,7 @@ class KVControl:
 
     def session_idle(self, sid: str) -> None:
         """The session's last request finished: with ``demote_on_idle``, keep its KV on L2."""
-        hints = self.retention.get(sid)
+        hints = self.sessions.retention.get(sid)
         if not hints or not hints.get("demote_on_idle") or sid in self.idle_lease or self.tree.host is None:
             return
         node = self.tree.sessions.node_of(sid) if sid in self.tree.sessions else None
@@ -236,15 +272,14 @@ class KVControl:
         tokens = self.tree.path_tokens(node)
         ttl = float(hints.get("ttl_s", MAX_TTL_S))
         try:
-            lease = self._pin_tokens(tokens, self.session_owner.get(sid), ttl, session_id=sid)
+            lease = self._pin_tokens(tokens, self.sessions.owner.get(sid), ttl, session_id=sid)
         except ControlError:
-            return  # nothing on L2, or over the pin quota: the KV is left to the usual eviction
+            return  # nothing on L2, over the pin quota or a lease cap: the KV is left to the usual eviction
         self.idle_lease[sid] = lease["lease_id"]
 
     def close_session(self, sid: str) -> None:
         self.session_active(sid)
-        self.session_owner.pop(sid, None)
-        self.retention.pop(sid, None)
+        self.sessions.close(sid)
 
     def shutdown(self) -> None:
         if self._l3 is not None:

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serving.disagg.protocol import Bootstrap
-from serving.kv_control import ControlError, KVControl
+from serving.kv_control import ControlError, ControlLimits, KVControl
 from serving.logprobs import LogprobState
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
@@ -71,7 +71,9 @@ class EngineLoop:
         self.events: CacheEventLog | None = None
         if server.enable_cache_events:
             self.events = CacheEventLog(core.tree, engine_namespace(core), core.config.cache.page_size)
-        self.control = KVControl(core)  # the KV control API: lookups, pin leases, session retention
+        limits = ControlLimits(server.max_sessions, server.max_sessions_per_tenant, server.max_pin_leases,
+                               server.max_pin_leases_per_tenant)
+        self.control = KVControl(core, limits)  # the KV control API: lookups, pin leases, session retention
         if server.api_keys_file:  # the HTTP process validated it at start-up
             core.set_quotas(load_tenants(server.api_keys_file).quotas())
 
@@ -284,11 +286,8 @@ class EngineLoop:
 
     def _call_value(self, msg: m.Message) -> Any:
         core = self.core
-        if isinstance(msg, m.OpenSession):
-            if msg.session_id is not None:
-                self.control.open_session(msg.session_id, msg.tenant, msg.retention)
-            sid = core.open_session(msg.session_id)
-            self.control.open_session(sid, msg.tenant, msg.retention)
+        if isinstance(msg, m.OpenSession):  # 409 for an open id, 429 at a cap (serving/kv_sessions.py)
+            sid = core.open_session(self.control.open_session(msg.session_id, msg.tenant, msg.retention))
             self.session_used[sid] = time.monotonic()
             return sid
         if isinstance(msg, m.CloseSession):
