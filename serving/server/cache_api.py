@@ -10,7 +10,8 @@ tenant (its API key) and salt select the cache space, as for a generation.
   no tier holds is computed), e.g. while a tool call runs, so the next turn starts at L1 speed.
   Answers once it is there: ``{"prompt_tokens", "cached_tokens_details"}`` (where it came from).
 - ``POST /cache/pin`` with ``ttl_s`` -> ``{"lease_id", "pinned_tokens", "ttl_s"}``: the prefix
-  stays in L2 (and L3) until the lease ends; bounded by the tenant's L2 quota (409 past it).
+  stays in L2 (and L3) until the lease ends; bounded by the tenant's L2 quota in distinct pages
+  (409 past it) and by the lease caps ``max_pin_leases`` / ``max_pin_leases_per_tenant`` (429).
   ``DELETE /cache/pin/{lease_id}`` releases it early (404 for an unknown, expired or other
   tenant's lease).
 
