@@ -7,7 +7,8 @@ sticks to it), /close_session (to the session's worker). Forwarded to any availa
 /v1/models, /get_model_info, /health_generate, /v1/messages/count_tokens, /api/tags, /api/show,
 /api/version. Broadcast: /flush_cache. Router-own: /health (200 while any worker is available),
 /get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``), /list_workers.
-Every answer that came from a worker names it in ``x-hicache-worker``.
+Every answer that came from a worker names it in ``x-hicache-worker``. The router's own errors
+(and unknown routes) answer in the shape of the path's API, as the workers do (router/errors.py).
 The KV control API (/cache/lookup, /cache/prefetch, /cache/pin) goes to the worker that holds
 the prefix (router/kv_routes.py). With ``api_keys_file``, tenant keys are accepted and routing
 keys on each request's tenant + cache_salt scope (router/tenancy.py).
@@ -30,10 +31,11 @@ from fastapi.responses import JSONResponse, Response
 
 from router.cache_view import CacheView
 from router.config import RouterConfig, check_url
+from router.errors import error, install
 from router.keypool import KeyPool
 from router.kv_routes import add_kv_routes
 from router.policies import RouteRequest, make_policy
-from router.proxy import Forwarder, error, json_object
+from router.proxy import Forwarder, json_object
 from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_prefix, session_key
 from router.workers import WorkerPool
 
@@ -164,6 +166,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="HiCache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
+    install(app, {path: f"{path} is not served with --pd-disaggregation (the prefill/decode pair speaks OpenAI's and "
+                        f"SGLang's generation routes: {', '.join(PD_GENERATION_PATHS)})"
+                  for path in GENERATION_PATHS if path not in PD_GENERATION_PATHS} if cfg.pd_disaggregation else None)
 
     if state.tenancy.enforced:
 
@@ -176,16 +181,17 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                 ok, tenant = state.tenancy.authenticate(request.headers.get("authorization", ""),
                                                         request.headers.get("x-api-key", ""))
                 if not ok:
-                    return error(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+                    return error(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                                 request.url.path)
                 request.state.tenant = tenant
             return await call_next(request)
 
     async def generation(request: Request) -> Response:
         raw = await request.body()
-        body = json_object(raw)
+        path = request.url.path
+        body = json_object(raw, path)
         if not isinstance(body, dict):
             return body
-        path = request.url.path
         route = await state.route(path, body, request)
         stream = body.get("stream", path in STREAM_BY_DEFAULT) is True
         return await state.forwarder.forward(path, raw, state.headers(request), route, stream)
@@ -196,7 +202,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def to_any(request: Request) -> Response:
         avail = state.pool.available()
         if not avail:
-            return error(503, "no worker is available")
+            return error(503, "no worker is available", request.url.path)
         w = min(avail, key=lambda w: w.load)
         body = await request.body() if request.method == "POST" else None
         return await state.forwarder.call(

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from router.proxy import error, json_object
+from router.errors import error
+from router.proxy import json_object
 
 if TYPE_CHECKING:
     from router.app import RouterState
@@ -33,7 +34,7 @@ def _keying(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def add_kv_routes(app: FastAPI, state: RouterState) -> None:
     async def routed(request: Request) -> Response:
         raw = await request.body()
-        body = json_object(raw)
+        body = json_object(raw, request.url.path)
         if not isinstance(body, dict):
             return body
         path, keying = _keying(body)

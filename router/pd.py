@@ -16,7 +16,8 @@ answered when its body is read (JSON) or its first chunk has come (a stream: dec
 the prefill's KV, so nothing is committed to the client before the prefill had its chance to
 fail). A 429 / 5xx / transport error from either side is retried (as router/proxy.py does) on
 a new pair, preferring other workers for the side that failed; circuit breakers, load and
-sessions are per side (a session sticks to one prefill and one decode worker).
+sessions are per side (a session sticks to one prefill and one decode worker). A decode stream
+that breaks once committed ends with its API's error event and terminator (router/relay.py).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from router.config import RouterConfig
+from router.errors import error, shape_for
 from router.pd_config import DEFAULT_BOOTSTRAP_PORT
 from router.policies import Policy, RouteRequest
-from router.proxy import RETRY_STATUS, Forwarder, Sessions, error
+from router.proxy import RETRY_STATUS, Forwarder, Sessions
+from router.relay import StreamRelay
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger("hicache.router")
@@ -91,6 +94,13 @@ def choose(
     return w, owner is not None and owner != w.url
 
 
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
 class PDForwarder(Forwarder):
     """``pool`` / ``sessions`` (the base class's) are the prefill side; ``decode`` /
     ``decode_sessions`` the decode side."""
@@ -138,14 +148,14 @@ class PDForwarder(Forwarder):
         payload = json.loads(body)  # the app checked that it is a JSON object
         tried_p: set[str] = set()
         tried_d: set[str] = set()
-        last: Response = error(503, "no worker is available")
+        last: Response = error(503, "no worker is available", path)
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 await self.backoff(attempt - 1)
             try:
                 p, d, moved = self.pick_pair(route, tried_p, tried_d)
             except LookupError as e:
-                last = error(503, str(e))
+                last = error(503, str(e), path)
                 continue
             for w in moved:
                 await self._reopen_session(w, route.wire_session_id, headers)  # type: ignore[arg-type]
@@ -187,7 +197,7 @@ class PDForwarder(Forwarder):
         except httpx.HTTPError as e:
             self.decode.end(d, ok=False)
             self._drop(pt)
-            return error(502, f"decode worker {d.url} failed: {type(e).__name__}"), d
+            return error(502, f"decode worker {d.url} failed: {type(e).__name__}", path), d
         if up.status_code != 200 or rest is None:  # the whole answer (JSON, or an error)
             self.decode.end(d, ok=up.status_code not in RETRY_STATUS or up.status_code == 429)
             (self._drop if up.status_code >= 400 else self._keep)(pt)
@@ -195,7 +205,7 @@ class PDForwarder(Forwarder):
             return resp, d if up.status_code in RETRY_STATUS else None
         self._keep(pt)
         return StreamingResponse(
-            self._relay_pd(up, rest, first, d),
+            self._relay_pd(up, rest, first, d, path),
             status_code=200,
             headers=self._pd_headers(up, p, d),
             media_type=up.headers.get("content-type"),
@@ -213,7 +223,7 @@ class PDForwarder(Forwarder):
         except httpx.HTTPError as e:
             log.warning("prefill worker %s failed: %r", p.url, e)
             self.pool.end(p, ok=False)
-            return error(502, f"prefill worker {p.url} failed: {type(e).__name__}")
+            return error(502, f"prefill worker {p.url} failed: {type(e).__name__}", path)
         except asyncio.CancelledError:  # abandoned: not the worker's failure
             self.pool.end(p, ok=True)
             raise
@@ -261,20 +271,19 @@ class PDForwarder(Forwarder):
         return h
 
     async def _relay_pd(
-        self, up: httpx.Response, rest: AsyncIterator[bytes], first: bytes, d: Worker
+        self, up: httpx.Response, rest: AsyncIterator[bytes], first: bytes, d: Worker, path: str
     ) -> AsyncIterator[bytes]:
-        broken = False  # a client that goes away is not the worker's failure
+        """The decode's stream (its first chunk already read); a break ends it with the API's
+        error event and terminator, as router/proxy.py's relay does."""
+        relay = StreamRelay(shape_for(path), d.url)
         try:
-            if first:
-                yield first
-            async for chunk in rest:
+            async for chunk in relay.events(_chain(first, rest)):
                 yield chunk
-        except httpx.HTTPError as e:
-            broken = True
-            log.warning("stream from %s broke: %r", d.url, e)
         finally:
             await up.aclose()
-            self.decode.end(d, ok=not broken)
+            self.decode.end(d, ok=not relay.broken)
+            if relay.broken:
+                self.decode.suspect(d)
             self.admission.release()
 
     async def stop(self) -> None:

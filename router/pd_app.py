@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse, Response
 
 from router.app import RouterState
 from router.config import check_url
+from router.errors import error
 from router.pd import PDForwarder
 from router.policies import RouteRequest
-from router.proxy import error
 from router.tenancy import scope_of, session_key
 from router.workers import Worker, WorkerPool
 

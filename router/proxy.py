@@ -3,9 +3,11 @@
 A request is retried on another worker (exponential backoff with full jitter, at most
 ``max_retries`` more attempts) when the attempt failed before anything reached the client:
 a transport error (connection refused or reset, the worker died, a timeout), or a 5xx / 429
-answer. A streamed response is committed once the worker answered 200: later failures end
-the stream (its tokens cannot be taken back). Workers tried once are avoided while others
-are available.
+answer. A streamed response is committed once the worker answered 200: a later failure ends
+the stream with its API's error event and terminator (its tokens cannot be taken back;
+router/relay.py), counts against the worker and checks its health at once. Workers tried
+once are avoided while others are available. Errors are in the shape of the route's API
+(router/errors.py).
 
 Admission: at most ``max_concurrent_requests`` forwarded at once (a streamed response holds
 its slot until it ends); up to ``max_queued_requests`` more wait for a slot; beyond that, 429.
@@ -24,7 +26,9 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.config import RouterConfig
+from router.errors import error, shape_for
 from router.policies import Policy, RouteRequest
+from router.relay import StreamRelay
 from router.tenancy import BoundedMap
 from router.workers import Worker, WorkerPool
 
@@ -34,19 +38,14 @@ PASS_HEADERS = ("content-type", "x-request-id")
 WORKER_HEADER = "x-hicache-worker"
 
 
-def error(status: int, message: str) -> JSONResponse:
-    kind = "rate_limit_error" if status == 429 else "service_unavailable" if status >= 500 else "invalid_request_error"
-    return JSONResponse({"object": "error", "message": message, "type": kind, "code": status}, status_code=status)
-
-
-def json_object(raw: bytes) -> dict[str, Any] | JSONResponse:
-    """A request body as a JSON object, or the 400 that names what is wrong with it."""
+def json_object(raw: bytes, path: str = "") -> dict[str, Any] | JSONResponse:
+    """A request body as a JSON object, or the 400 (in ``path``'s API shape) naming what is wrong."""
     try:
         body = json.loads(raw)
     except ValueError:
-        return error(400, "the body is not valid JSON")
+        return error(400, "the body is not valid JSON", path)
     if not isinstance(body, dict):
-        return error(400, "the body must be a JSON object")
+        return error(400, "the body must be a JSON object", path)
     return body
 
 
@@ -142,7 +141,7 @@ class Forwarder:
         try:
             await self.admission.acquire()
         except Busy as e:
-            return error(429, str(e))
+            return error(429, str(e), path)
         handed_off = False
         try:
             resp = await self._attempts(path, body, headers, route, stream)
@@ -156,14 +155,14 @@ class Forwarder:
         self, path: str, body: bytes, headers: dict[str, str], route: RouteRequest, stream: bool
     ) -> Response:
         tried: set[str] = set()
-        last: Response = error(503, "no worker is available")
+        last: Response = error(503, "no worker is available", path)
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 await self.backoff(attempt - 1)
             try:
                 w, moved = self.pick(route, tried)
             except LookupError as e:
-                last = error(503, str(e))
+                last = error(503, str(e), path)
                 continue
             tried.add(w.url)
             if moved and route.session_id is not None:
@@ -178,7 +177,7 @@ class Forwarder:
                 log.warning("attempt %d on %s failed: %r", attempt + 1, w.url, e)
                 self.policy.on_failed(route, w)  # no KV was left there: the routing tree forgets it
                 self.pool.end(w, ok=False)
-                last = error(502, f"worker {w.url} failed: {type(e).__name__}")
+                last = error(502, f"worker {w.url} failed: {type(e).__name__}", path)
                 continue
             if up.status_code in RETRY_STATUS:
                 content = await self._read(up)
@@ -189,7 +188,7 @@ class Forwarder:
                 continue
             if stream and up.status_code == 200:
                 return StreamingResponse(
-                    self._relay(up, w),
+                    self._relay(up, w, path),
                     status_code=200,
                     headers=self._headers(up, w),
                     media_type=up.headers.get("content-type"),
@@ -198,7 +197,7 @@ class Forwarder:
             if content is None:  # died while answering
                 self.policy.on_failed(route, w)
                 self.pool.end(w, ok=False)
-                last = error(502, f"worker {w.url} failed while answering")
+                last = error(502, f"worker {w.url} failed while answering", path)
                 continue
             self.pool.end(w, ok=True)
             if up.status_code != 200:  # refused (bad input): it computed nothing
@@ -224,17 +223,18 @@ class Forwarder:
     def _response(self, up: httpx.Response, content: bytes, w: Worker) -> Response:
         return Response(content, status_code=up.status_code, headers=self._headers(up, w))
 
-    async def _relay(self, up: httpx.Response, w: Worker) -> AsyncIterator[bytes]:
-        broken = False  # a client that goes away is not the worker's failure
+    async def _relay(self, up: httpx.Response, w: Worker, path: str) -> AsyncIterator[bytes]:
+        """The worker's stream; if it breaks, the API's error event and terminator
+        (router/relay.py), the worker counted as failed and its health checked at once."""
+        relay = StreamRelay(shape_for(path), w.url)
         try:
-            async for chunk in up.aiter_raw():
+            async for chunk in relay.events(up.aiter_raw()):
                 yield chunk
-        except httpx.HTTPError as e:
-            broken = True
-            log.warning("stream from %s broke: %r", w.url, e)
         finally:
             await up.aclose()
-            self.pool.end(w, ok=not broken)
+            self.pool.end(w, ok=not relay.broken)
+            if relay.broken:
+                self.pool.suspect(w)
             self.admission.release()
 
     # -- sessions and plain calls --------------------------------------------------------------
@@ -250,5 +250,5 @@ class Forwarder:
             up = await self.client.request(method, w.url + path, content=body, headers=headers)
         except httpx.HTTPError as e:
             self.pool.record(w, False)
-            return error(502, f"worker {w.url} failed: {type(e).__name__}")
+            return error(502, f"worker {w.url} failed: {type(e).__name__}", path)
         return self._response(up, up.content, w)

@@ -10,6 +10,7 @@ that failed at the transport level or with a 5xx, or failed health checks), then
 requests) for ``circuit_cooldown_s``, then ``half_open``: one trial request, or a successful
 health check, closes it; a failure opens it again. A worker that is open is assumed to have
 lost its cache: ``on_reset`` listeners (the policies' trees) forget it when it comes back.
+A worker whose stream broke mid-answer is checked at once (:meth:`WorkerPool.suspect`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self.on_reset: list[Callable[[str], None]] = []  # a worker's cache is gone (removed / restarted)
         self._tasks: list[asyncio.Task[None]] = []
+        self._checks: dict[str, asyncio.Task[None]] = {}  # url -> a health check started by suspect()
 
     # -- membership ----------------------------------------------------------------------------
     def add(self, url: str) -> Worker:
@@ -136,6 +138,15 @@ class WorkerPool:
         elif w.state == OPEN:
             w.opened_at = time.monotonic()
 
+    def suspect(self, w: Worker) -> None:
+        """``w`` failed mid-answer (its stream broke): check its health now, not at the next
+        interval, so a dead worker is taken out at once (one check per worker at a time)."""
+        if w.url in self._checks:
+            return
+        task = asyncio.create_task(self.check_one(w))
+        self._checks[w.url] = task
+        task.add_done_callback(lambda _: self._checks.pop(w.url, None))
+
     # -- background ----------------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [
@@ -144,9 +155,10 @@ class WorkerPool:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._checks.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     async def _every(interval: float, fn: Callable[[], Any]) -> None:

@@ -212,7 +212,7 @@ def test_admin_routes_cover_both_sets(pd: tuple[RouterThread, dict[str, FakeWork
         assert c.post("/remove_worker", params={"url": fleet["d1"].url}).status_code == 200
         assert c.post("/remove_worker", params={"url": fleet["d0"].url}).status_code == 200
         assert c.get("/health").status_code == 503  # no decode worker
-        assert c.post("/generate", json={"text": "x"}).json()["message"] == "no decode worker is available"
+        assert c.post("/generate", json={"text": "x"}).json()["error"]["message"] == "no decode worker is available"
         added = c.post("/add_worker", json={"url": fleet["d1"].url}).json()["worker"]  # role from /server_info
         assert added["role"] == "decode" and c.get("/health").status_code == 200
         assert c.post("/add_worker", params={"url": fleet["d0"].url, "role": "prefill"}).json()["worker"]["role"] == (
