@@ -42,6 +42,13 @@ def test_stall_is_counted_only_while_work_is_pending() -> None:
     assert wd.stall_seconds(None, 100.0, now=230.0) == 0.0  # no heartbeat (no engine process): never stalled
 
 
+async def turn_loop(hb: list[float]) -> None:
+    """An engine loop that goes round (BEAT) without moving anything (PROGRESS stays)."""
+    while True:
+        hb[wd.BEAT] = time.monotonic()
+        await asyncio.sleep(0.05)
+
+
 def _client(**server: float) -> tuple[EngineClient, object]:
     client = EngineClient(config_from_kwargs(model_path="unused"), ServerConfig(**server), metrics=None)
     client._rx_engine, client._tx_http = Pipe(duplex=False)
@@ -55,6 +62,7 @@ def test_a_call_the_engine_never_answers_is_a_504_then_a_503_once_stalled() -> N
     async def scenario() -> None:
         client, _ = _client(engine_call_timeout_s=0.3, watchdog_timeout=0.8)
         client.attach(asyncio.get_running_loop())
+        turning = asyncio.ensure_future(turn_loop(client.heartbeat))  # its loop turns, answering nothing
         t0 = time.monotonic()
         with pytest.raises(APIError) as exc:
             await client.call(m.FlushCache)
@@ -67,8 +75,8 @@ def test_a_call_the_engine_never_answers_is_a_504_then_a_503_once_stalled() -> N
             await client.submit(m.GenerateReq("r1", [1, 2], {}))
         assert exc.value.status == 504 and "did not accept" in exc.value.message
         assert not client.handles
-        await asyncio.sleep(0.3)  # still waiting on nothing: not stalled
-        assert client.stall_s() == 0.0 and not client.stalled
+        await asyncio.sleep(0.3)  # still waiting on nothing: not stalled (its loop turns)
+        assert client.stall_s() < 0.3 and not client.stalled
         pending = asyncio.ensure_future(client.call(m.Stats, timeout=5.0))
         await asyncio.sleep(1.0)  # a call pending for longer than watchdog_timeout, no progress
         assert client.stalled and "no progress" in client.stall_message()
@@ -79,6 +87,7 @@ def test_a_call_the_engine_never_answers_is_a_504_then_a_503_once_stalled() -> N
         client.heartbeat[wd.PROGRESS] = time.monotonic()  # the engine moves again
         assert not client.stalled
         pending.cancel()
+        turning.cancel()
         client._outbox.put(None)
 
     asyncio.run(scenario())

@@ -1,12 +1,14 @@
 """Operational routes: health, model/server info, cache flush, sessions, metrics, debug.
 
 ``GET /health`` is 200 while the engine process runs and makes progress: 503 once it is gone,
-or once the watchdog saw no progress for ``watchdog_timeout`` seconds with work pending (see
-serving.server.watchdog); it turns 200 again as soon as the engine moves. Routes that change
+or once the watchdog saw no progress for ``watchdog_timeout`` seconds with work pending, or the
+engine's loop not turning for that long, pending work or not (see serving.server.watchdog); it
+turns 200 again as soon as the engine moves. It never waits on the engine. Routes that change
 state (``/flush_cache``, sessions, ``/debug/check_integrity``) are POST only. Every route that
 asks the engine something gets a 504 when it does not answer within ``engine_call_timeout_s``,
-and a 503 at once while it is stalled; ``/metrics`` then still serves the HTTP process's own
-metrics and ``hicache_engine_stall_seconds``, without the engine's.
+and a 503 at once while it is stalled; ``/metrics`` waits for the engine at most a couple of
+seconds, then serves the HTTP process's own metrics, ``hicache_engine_stall_seconds`` and the
+engine's last snapshot marked stale.
 
 ``POST /debug/check_integrity`` runs the engine's ``check_integrity()`` (every pool: free +
 cached + in use = total) and answers ``{"ok": true, ...stats}`` or ``{"ok": false, "error":
@@ -39,6 +41,7 @@ from serving.server.tenants import CURRENT
 
 router = APIRouter()
 VERSION = "0.1.0"
+METRICS_ENGINE_WAIT_S = 2.0  # how long a /metrics scrape waits for the engine's snapshot
 
 
 @router.get("/health")
@@ -168,12 +171,16 @@ async def cache_events(request: Request, since: int = 0, epoch: str | None = Non
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """Answers within METRICS_ENGINE_WAIT_S: the engine's snapshot when it answers by then, else
+    (gone, stalled, in a long forward pass) the last one marked stale, with the HTTP side's own."""
     ctx = get_ctx(request)
-    try:
-        snapshot = await ctx.client.call(m.Stats)
-    except APIError:  # the engine is gone, stalled or slow: the HTTP side's metrics still count
-        snapshot = {}
-    return Response(ctx.metrics.render(snapshot, ctx.client.stall_s()), media_type=CONTENT_TYPE_LATEST)
+    client, snapshot = ctx.client, None
+    if client.alive and not client.stalled:
+        try:
+            snapshot = await client.call(m.Stats, timeout=min(METRICS_ENGINE_WAIT_S, ctx.server.engine_call_timeout_s))
+        except APIError:
+            pass
+    return Response(ctx.metrics.render(snapshot, client.stall_s()), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/debug/check_integrity")

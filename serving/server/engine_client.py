@@ -6,9 +6,15 @@ the loop (``call_soon_threadsafe``). Each request gets a :class:`ReqHandle` whos
 the cumulative output ids; closing a handle before its request finished aborts it in the
 engine, which frees its pages.
 
-Every wait on the engine is bounded: a control call or a request's acceptance fails with 504
-after ``engine_call_timeout_s``, and at once with 503 while the watchdog (serving.server.watchdog)
-sees the engine stalled: no progress for ``watchdog_timeout`` seconds with work pending.
+Every wait on the engine is bounded, and fails at once with 503 while the watchdog
+(serving.server.watchdog) sees the engine stalled: no progress for ``watchdog_timeout`` seconds
+with work pending, or its loop not turning for that long (frozen). A control call fails with 504
+after ``engine_call_timeout_s`` (the engine then drops it unrun). A request waits at most
+``engine_call_timeout_s`` for the engine to acknowledge receipt (``Received``, sent by the
+engine's receiver thread even mid forward pass), then for its acceptance or refusal for as long
+as the engine makes progress: one queued behind a long prefill chunk is not failed with a 504,
+and a 503 ends the wait once the watchdog trips. The watch task (``watch``) logs the moment the
+watchdog trips and the moment the engine moves again.
 
 Detokenization happens here, in the HTTP process (serving.server.text): the engine process
 only moves ids, so its step loop is never slowed by string work, and the tokenizer that
@@ -33,9 +39,10 @@ from serving.server.config import ServerConfig
 from serving.server.engine_main import engine_main
 from serving.server.errors import APIError
 from serving.server.req_handle import ReqHandle
-from serving.server.watchdog import make_heartbeat, stall_seconds
+from serving.server.watchdog import make_heartbeat, silence_seconds, stall_seconds
 
 log = logging.getLogger("hicache.server")
+ACCEPT_POLL_S = 0.25  # how often a request waiting for its acceptance checks the watchdog
 
 
 class EngineStartError(RuntimeError):
@@ -104,20 +111,28 @@ class EngineClient:
         threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
 
     # -- watchdog --------------------------------------------------------------------------
-    def stall_s(self) -> float:
-        """Seconds the engine has made no progress while work is pending (0.0 when none is)."""
+    def _stall_parts(self) -> tuple[float, float]:
+        """(no progress with work pending, loop silent), in seconds; (0, 0) once not alive."""
         if not self.alive:
-            return 0.0
+            return 0.0, 0.0
         if self._waiting_since is not None and not self.handles and not self.calls:
             self._waiting_since = None
-        return stall_seconds(self.heartbeat, self._waiting_since)
+        return stall_seconds(self.heartbeat, self._waiting_since), silence_seconds(self.heartbeat)
+
+    def stall_s(self) -> float:
+        """Seconds the engine has made no progress while work is pending, or its loop has not
+        turned (whichever is longer; an idle healthy engine's loop turns about once a second)."""
+        return max(self._stall_parts())
 
     @property
     def stalled(self) -> bool:
         return self.stall_s() > self.server_config.watchdog_timeout
 
     def stall_message(self) -> str:
-        return (f"the engine has made no progress for {self.stall_s():.0f} s with work pending "
+        pending, silent = self._stall_parts()
+        why = ("with work pending" if pending >= silent else
+               "its loop has not turned: frozen, or in one forward pass longer than that")
+        return (f"the engine has made no progress for {max(pending, silent):.0f} s ({why}) "
                 f"(watchdog_timeout={self.server_config.watchdog_timeout:g} s)")
 
     async def watch(self, period_s: float = 0.5) -> None:
@@ -220,6 +235,12 @@ class EngineClient:
 
     def _dispatch(self, msgs: list[m.Message]) -> None:
         for msg in msgs:
+            if isinstance(msg, m.Received):
+                for rid in msg.rids:
+                    received = self.handles.get(rid)
+                    if received is not None:
+                        received.received = True
+                continue
             call_id = getattr(msg, "call_id", None)
             if call_id is not None:
                 fut = self.calls.pop(call_id, None)
@@ -263,19 +284,32 @@ class EngineClient:
         self._start_waiting()
         handle = ReqHandle(self, req.rid)
         self.handles[req.rid] = handle
-        timeout = self.server_config.engine_call_timeout_s
         try:
             self.send(req)
-            try:  # the acceptance TokenOut, or an Error
-                first = await asyncio.wait_for(handle.queue.get(), timeout)
-            except TimeoutError:
-                raise APIError(504, f"the engine did not accept the request within {timeout:g} s "
-                                    "(engine_call_timeout_s); it may be stalled") from None
-            handle._apply(first)
+            handle._apply(await self._acceptance(handle))
         except BaseException:
             handle.close()  # aborts it in the engine, should it accept it later
             raise
         return handle
+
+    async def _acceptance(self, handle: ReqHandle) -> m.Message:
+        """The engine's first answer to a request: its acceptance TokenOut, or an Error. Before
+        the engine acknowledged receipt: 504 past ``engine_call_timeout_s``; after: no limit
+        while the engine makes progress, 503 once the watchdog trips."""
+        timeout = self.server_config.engine_call_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = ACCEPT_POLL_S if handle.received else min(ACCEPT_POLL_S, deadline - time.monotonic())
+            try:
+                return await asyncio.wait_for(handle.queue.get(), max(wait, 0.0))
+            except TimeoutError:
+                pass
+            if handle.received:
+                if self.stalled:
+                    raise APIError(503, self.stall_message())
+            elif time.monotonic() >= deadline:
+                raise APIError(504, f"the engine did not accept the request within {timeout:g} s "
+                                    "(engine_call_timeout_s); it may be stalled")
 
     async def call(self, msg_type: type, timeout: float | None = None, **kwargs: Any) -> Any:
         """A control call: its result, or APIError (503 when the engine is gone or stalled,

@@ -2,9 +2,12 @@
 
 Its entry point is :func:`serving.server.engine_main.engine_main` (spawned by
 :class:`serving.server.engine_client.EngineClient`). It talks over two one-way pipes
-(``multiprocessing.connection``): ``rx`` brings messages from the HTTP process, ``tx`` takes replies back. The loop:
+(``multiprocessing.connection``): ``rx`` brings messages from the HTTP process, ``tx`` takes replies back.
+A receiver thread (serving.server.engine_inbox) reads ``rx`` and acknowledges each request at
+once, even while a forward pass runs; the loop thread, which owns everything else here:
 
-1. drain ``rx`` without blocking (block on it, with a timeout, only when there is no work);
+1. takes what the receiver read, without blocking (waits for it, with a timeout, only when
+   there is no work);
 2. run one ``step()`` when the scheduler has work. A step that raises fails the requests that
    took part in it (a 500 each), gives their pages back and checks the cache's invariants;
    if they cannot be restored, the process exits with status ``EXIT_BROKEN`` (the HTTP process
@@ -16,6 +19,8 @@ Its entry point is :func:`serving.server.engine_main.engine_main` (spawned by
 
 At shutdown, with L3, every cached page is written on to L3 and the process logs
 "persisted N pages to L3, M not written" (see ``shutdown_core``).
+
+A test can hold a step as a long forward pass would (serving.server.debug_hooks).
 
 Only token ids leave this process: detokenization happens in the HTTP process (see
 engine_client), so the step loop spends its time on forward passes, not on string work.
@@ -39,6 +44,8 @@ from serving.sampling_params import InvalidRequest
 from serving.server import messages as m
 from serving.server.cache_events import CacheEventLog, engine_namespace
 from serving.server.config import ServerConfig
+from serving.server.debug_hooks import StepHold
+from serving.server.engine_inbox import EngineInbox
 from serving.server.tenants import load_tenants
 from serving.server.watchdog import HeartbeatWriter
 
@@ -54,13 +61,18 @@ class _Live:
 
 
 class EngineLoop:
+    """Everything here runs on the loop thread (the process's main thread) but the
+    receiver of ``inbox`` (see EngineInbox for that contract): the loop only ever takes
+    messages from the inbox's queue, and sends its frames through ``inbox.send``."""
+
     def __init__(
         self, core: Any, rx: Connection, tx: Connection, server: ServerConfig, heartbeat: Any = None
     ) -> None:
         self.core = core
         self.heartbeat = HeartbeatWriter(heartbeat)
         self.finished = 0  # requests finished or aborted (progress for the watchdog)
-        self.rx, self.tx = rx, tx
+        self.inbox = EngineInbox(rx, tx)
+        self.hold = StepHold()  # tests only (unset: nothing)
         self.idle_timeout = server.session_idle_timeout_s
         self.live: dict[str, _Live] = {}
         self.session_used: dict[str, float] = {}
@@ -76,23 +88,28 @@ class EngineLoop:
         self.control = KVControl(core, limits)  # the KV control API: lookups, pin leases, session retention
         if server.api_keys_file:  # the HTTP process validated it at start-up
             core.set_quotas(load_tenants(server.api_keys_file).quotas())
+        # stamped before Ready is sent: loading the model took its time, the loop has not frozen
+        self.heartbeat.beat(busy=False, progressed=True, forward_passes=core.scheduler.stats.forward_passes)
 
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
+        self.inbox.start()
         stalled = False
         while self.running:
-            # Block on the pipe when idle; when the last step made no progress (work waiting
-            # for pages, say), wait a moment instead of spinning.
+            # Wait for messages when idle (at most SESSION_SWEEP_S: an idle loop still beats about
+            # once a second, which the HTTP side's watchdog relies on); when the last step made no
+            # progress (work waiting for pages, say), wait a moment instead of spinning.
             timeout = (STALL_WAIT_S if stalled else 0.0) if self.core.scheduler.has_work else SESSION_SWEEP_S
             timeout = min(timeout, STALL_WAIT_S) if self.control.busy else timeout
             try:
-                if self.rx.poll(timeout):
-                    while self.running and self.rx.poll(0):
-                        for msg in m.decode(self.rx.recv_bytes()):
-                            self.handle(msg)
-            except (EOFError, OSError):
+                msgs = self.inbox.get(timeout)
+            except EOFError:
                 log.info("HTTP process went away; engine exits")
                 return
+            for msg in msgs:
+                if not self.running:
+                    break
+                self.handle(msg)
             stalled = False
             passes, finished = self.core.scheduler.stats.forward_passes, self.finished
             if self.running and self.core.scheduler.has_work:
@@ -107,6 +124,7 @@ class EngineLoop:
                                 forward_passes != passes or self.finished != finished, forward_passes)
 
     def _step(self) -> None:
+        self.hold.wait()
         try:
             self.core.step()
         except Exception:  # an engine bug: fail this step's requests, then check the cache
@@ -196,7 +214,7 @@ class EngineLoop:
         if self.out:
             frame, self.out = m.encode(self.out), []
             try:
-                self.tx.send_bytes(frame)
+                self.inbox.send(frame)
             except (BrokenPipeError, OSError):
                 self.running = False
 

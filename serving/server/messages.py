@@ -5,7 +5,8 @@ One wire frame is a run of concatenated msgpack objects, one per message, each
 frame, and the HTTP side coalesces what queued up while its writer was busy.
 
 HTTP -> engine: GenerateReq, AbortReq, OpenSession, CloseSession, FlushCache, CheckIntegrity,
-Stats, CacheEvents, Shutdown.  Engine -> HTTP: Ready (once, at start-up), TokenOut, Result, Error.
+Stats, CacheEvents, Shutdown.  Engine -> HTTP: Ready (once, at start-up), Received, TokenOut,
+Result, Error.
 
 Requests are matched by ``rid``; control calls (sessions, flush, integrity, stats) by
 ``call_id``. A control call carries its caller's ``deadline`` (``time.monotonic()``, one clock
@@ -16,7 +17,10 @@ the HTTP side keeps the cumulative list, so a long generation does not resend it
 output every step. The first TokenOut of a request
 (``offset`` 0, maybe no ids) is sent as soon as the engine accepted it: the HTTP side waits
 for it, or for an Error, before it answers, so validation errors get a proper status even on
-streaming requests.
+streaming requests. Before that, the engine's receiver thread acknowledges each frame's
+requests at once with a ``Received`` (their rids), even while a forward pass runs: the HTTP
+side then knows the request is queued in a live engine, and waits for its acceptance for as
+long as the engine makes progress rather than for ``engine_call_timeout_s``.
 """
 
 from __future__ import annotations
@@ -115,6 +119,11 @@ class Ready:
 
 
 @dataclass
+class Received:
+    rids: list[str]  # the GenerateReqs of one frame, read by the engine's receiver thread (not yet accepted)
+
+
+@dataclass
 class TokenOut:
     rid: str
     offset: int  # number of output ids the HTTP side already has
@@ -153,6 +162,7 @@ Message = (
     | CacheEvents
     | Shutdown
     | Ready
+    | Received
     | TokenOut
     | Result
     | Error
@@ -172,6 +182,7 @@ _TYPES: dict[str, type] = {
         CacheEvents,
         Shutdown,
         Ready,
+        Received,
         TokenOut,
         Result,
         Error,

@@ -2,7 +2,10 @@
 
 Latencies (time to first token, inter-token latency, end-to-end) are measured in the HTTP
 process, where clients see them. Token and page counts come from the engine process: each
-scrape of /metrics asks it for a fresh ``Stats`` snapshot, exposed by a custom collector.
+scrape of /metrics asks it for a fresh ``Stats`` snapshot, exposed by a custom collector. When
+the engine cannot answer at once (stalled, or in a long forward pass), the last snapshot is
+served instead, marked ``hicache_engine_stats_stale 1`` with its age in
+``hicache_engine_stats_age_seconds``.
 
 Names follow Prometheus' rules: counters end in ``_total``, gauges never do, and a quantity
 with a unit says it in base units (``_bytes``, ``_seconds``, ``_bytes_per_second``). The
@@ -156,19 +159,30 @@ def tenant_families(tenants: dict[str, Any], bytes_per_page: dict[str, int]) -> 
 
 
 class EngineCollector(Collector):
+    """The engine's families from the last ``Stats`` snapshot (``taken_at``: its
+    ``time.monotonic()``; ``stale``: the engine did not answer this scrape)."""
+
     def __init__(self) -> None:
         self.snapshot: dict[str, Any] = {}
+        self.taken_at = 0.0
+        self.stale = False
         self.stall_s = 0.0
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             f"{PREFIX}_engine_stall_seconds",
-            "Seconds the engine has made no progress while work is pending (the watchdog's measure)",
+            "Seconds the engine has made no progress while work is pending, or its loop has not turned "
+            "(the watchdog's measure; an idle engine's loop turns about once a second)",
             value=self.stall_s,
         )
         s = self.snapshot
         if not s:
             return
+        yield GaugeMetricFamily(f"{PREFIX}_engine_stats_stale",
+                                "1 when the engine's metrics below are from an earlier scrape (it did not answer)",
+                                value=1.0 if self.stale else 0.0)
+        yield GaugeMetricFamily(f"{PREFIX}_engine_stats_age_seconds", "Age of the engine's metrics below",
+                                value=max(0.0, time.monotonic() - self.taken_at))
         for name, key, doc in (
             ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests"),
             ("cached_tokens", "cached_tokens", "Prompt tokens served from the cache"),
@@ -241,7 +255,11 @@ class ServerMetrics:
         if state.finished:
             self.e2e.observe(now - state.created)
 
-    def render(self, snapshot: dict[str, Any], stall_s: float = 0.0) -> bytes:
-        """The exposition text; ``snapshot``: the engine's Stats ({} when it did not answer)."""
-        self.engine.snapshot, self.engine.stall_s = snapshot, stall_s
+    def render(self, snapshot: dict[str, Any] | None, stall_s: float = 0.0) -> bytes:
+        """The exposition text; ``snapshot``: the engine's Stats, None when it did not answer
+        (the last one is served, marked stale)."""
+        engine = self.engine
+        if snapshot is not None:
+            engine.snapshot, engine.taken_at = snapshot, time.monotonic()
+        engine.stale, engine.stall_s = snapshot is None, stall_s
         return generate_latest(self.registry)

@@ -56,6 +56,7 @@ class ReqHandle:
         self.state = ReqState(rid)
         self.queue: asyncio.Queue[m.Message] = asyncio.Queue()
         self.closed = False
+        self.received = False  # the engine acknowledged receipt (messages.Received); not yet accepted
 
     def _apply(self, msg: m.Message) -> None:
         if isinstance(msg, m.Error):

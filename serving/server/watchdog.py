@@ -11,10 +11,16 @@ by the engine alone, and a torn read at worst misjudges one check):
 - ``FORWARD_PASSES``: the scheduler's forward-pass count.
 
 ``time.monotonic()`` is the system-wide CLOCK_MONOTONIC on Linux, so both processes read the
-same clock. The HTTP side (``EngineClient.stall_s``) calls the engine stalled once it has
-made no progress for ``watchdog_timeout`` seconds while work is pending: requests or calls
-the HTTP side waits on, or requests the engine itself holds. An idle engine is never stalled;
-one stopped while idle is noticed as soon as something is asked of it.
+same clock. The HTTP side (``EngineClient.stall_s``) calls the engine stalled once either
+measure passes ``watchdog_timeout`` seconds:
+
+- ``stall_seconds``: no progress while work is pending (requests or calls the HTTP side
+  waits on, or requests the engine itself holds): a loop that turns without moving;
+- ``silence_seconds``: the loop has not turned at all, whether or not work is pending. An
+  idle loop waits for messages at most a second at a time, so a healthy idle engine beats
+  about once a second; a frozen one (SIGSTOP, a deadlock, a native call that never returns)
+  is noticed without anyone asking it anything. One forward pass longer than the timeout
+  counts as a stall too.
 """
 
 from __future__ import annotations
@@ -69,3 +75,10 @@ def stall_seconds(hb: Any | None, waiting_since: float | None, now: float | None
     if waiting_since is not None:
         start = max(start, waiting_since)
     return max(0.0, (time.monotonic() if now is None else now) - start)
+
+
+def silence_seconds(hb: Any | None, now: float | None = None) -> float:
+    """How long ago the engine's loop last went round (0.0 without a heartbeat)."""
+    if hb is None:
+        return 0.0
+    return max(0.0, (time.monotonic() if now is None else now) - hb[BEAT])
