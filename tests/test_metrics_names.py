@@ -102,3 +102,37 @@ def test_promtool_check_metrics(storage_stats: dict[str, float]) -> None:
     done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (
         done.stdout.decode() + done.stderr.decode())
+
+
+def test_http_request_metrics_follow_the_rules_and_no_created_series(storage_stats: dict[str, float]) -> None:
+    """Issue 25, finding 11: requests by route template, method and status, their durations, no
+    ``_created`` series (Prometheus ingests them as gauges of their own); the engine's last
+    snapshot is served marked stale when it did not answer this scrape."""
+    metrics = ServerMetrics()
+    metrics.on_request("/v1/chat/completions", "POST", 200, 0.25)
+    metrics.on_request("/v1/chat/completions", "POST", 504, 60.0)
+    metrics.on_request("unmatched", "GET", 404, 0.001)
+    state = type("State", (), {"first_token_time": None, "last_token_time": None, "created": 0.0,
+                               "finished": True})()
+    metrics.on_tokens(state, 2)  # the latency histograms get samples too
+    text = metrics.render(snapshot(storage_stats)).decode()
+    assert "_created" not in text
+    fams = families(text)
+    for name, fam in fams.items():
+        if fam.type == "counter":
+            assert all(s.name.endswith("_total") for s in fam.samples), name
+    reqs = {(s.labels["route"], s.labels["method"], s.labels["status"]): s.value
+            for s in fams["hicache_http_requests"].samples}
+    assert reqs == {("/v1/chat/completions", "POST", "200"): 1, ("/v1/chat/completions", "POST", "504"): 1,
+                    ("unmatched", "GET", "404"): 1}
+    dur = fams["hicache_http_request_duration_seconds"]
+    assert dur.type == "histogram"
+    [count] = [s for s in dur.samples if s.name.endswith("_count") and s.labels["route"] == "/v1/chat/completions"]
+    assert count.value == 2
+    assert fams["hicache_engine_stats_stale"].samples[0].value == 0
+    stale = families(metrics.render(None, stall_s=7.0).decode())  # the engine did not answer
+    assert stale["hicache_engine_stats_stale"].samples[0].value == 1
+    assert stale["hicache_engine_stall_seconds"].samples[0].value == 7.0
+    assert stale["hicache_forward_passes"].samples[0].value == 4  # the last snapshot's
+    assert families(ServerMetrics().render(None).decode()).keys() == {"hicache_engine_stall_seconds"} | {
+        n for n in fams if n.startswith(("hicache_http", "hicache_time_", "hicache_inter_", "hicache_e2e_"))}

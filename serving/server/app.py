@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.server import admin_api, anthropic_api, cache_api, errors, native_api, ollama_api, openai_api
+from serving.server.access_log import AccessLogMiddleware
 from serving.server.context import ServerContext
 from serving.server.tenants import CURRENT, TenantTable
 
@@ -117,4 +118,5 @@ def create_app(ctx: ServerContext) -> FastAPI:
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)
     app.add_middleware(SameOriginMiddleware)  # added last: runs first
+    app.add_middleware(AccessLogMiddleware, metrics=ctx.metrics, routes=app.routes, enabled=ctx.server.access_log)
     return app

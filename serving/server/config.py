@@ -49,6 +49,9 @@ class ServerConfig:
     max_pin_leases: int = 4096
     max_pin_leases_per_tenant: int = 1024
     log_level: str = "info"
+    # one line per HTTP request (method, route, status, duration) on the hicache.access logger at INFO
+    # (/health and /metrics at DEBUG); 5xx warnings and hicache_http_requests_total stay either way
+    access_log: bool = True
     enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
     graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
     enable_cache_events: bool = False  # GET /cache_events: pages added / evicted per tier (for routers)

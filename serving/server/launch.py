@@ -127,7 +127,7 @@ def run_server(cfg: AppConfig) -> int:
                 host=cfg.server.host,
                 port=cfg.server.port,
                 log_level=cfg.server.log_level,
-                access_log=cfg.server.log_level == "debug",
+                access_log=False,  # serving.server.access_log writes one (route templates, durations)
                 lifespan="on",
                 timeout_graceful_shutdown=cfg.server.graceful_shutdown_timeout_s,
             )

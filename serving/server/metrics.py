@@ -1,11 +1,14 @@
 """Prometheus metrics on the server's own registry.
 
 Latencies (time to first token, inter-token latency, end-to-end) are measured in the HTTP
-process, where clients see them. Token and page counts come from the engine process: each
-scrape of /metrics asks it for a fresh ``Stats`` snapshot, exposed by a custom collector. When
-the engine cannot answer at once (stalled, or in a long forward pass), the last snapshot is
-served instead, marked ``hicache_engine_stats_stale 1`` with its age in
-``hicache_engine_stats_age_seconds``.
+process, where clients see them, and so is every HTTP request (serving.server.access_log):
+``hicache_http_requests_total{route,method,status}`` (route: the route's template, e.g.
+``/v1/chat/completions``, or ``unmatched``; method: GET/POST/... or ``other``) and
+``hicache_http_request_duration_seconds{route,method}``. Token and page counts come from the
+engine process: each scrape of /metrics asks it for a fresh ``Stats`` snapshot, exposed by a
+custom collector. When the engine cannot answer at once (stalled, or in a long forward pass),
+the last snapshot is served instead, marked ``hicache_engine_stats_stale 1`` with its age in
+``hicache_engine_stats_age_seconds``. No ``_created`` series (prometheus_client's are disabled).
 
 Names follow Prometheus' rules: counters end in ``_total``, gauges never do, and a quantity
 with a unit says it in base units (``_bytes``, ``_seconds``, ``_bytes_per_second``). The
@@ -34,10 +37,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
+# a histogram's or counter's ``_created`` series is a timestamp that Prometheus ingests as a gauge
+# of its own: noise in every dashboard (process-wide; the HTTP process has no other registry user)
+disable_created_metrics()
 PREFIX = "hicache"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 EVENTS = "storage_events"  # the counter family for dimensionless L3 counts, labelled by event
@@ -238,6 +244,20 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests", "HTTP requests answered, by route template, method and status",
+            labelnames=("route", "method", "status"), registry=self.registry,
+        )
+        self.http_duration = Histogram(
+            f"{PREFIX}_http_request_duration_seconds", "HTTP request duration until its answer ended (streams: whole)",
+            labelnames=("route", "method"), buckets=(*_LATENCY_BUCKETS, 120.0, 300.0), registry=self.registry,
+        )
+
+    def on_request(self, route: str, method: str, status: int, duration_s: float) -> None:
+        """Called by serving.server.access_log once per request; labels already bounded."""
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_duration.labels(route, method).observe(duration_s)
 
     def on_tokens(self, state: Any, new: int) -> None:
         """Called by the engine client for each update of a request (``new`` ids arrived)."""
