@@ -37,7 +37,7 @@ class CacheConfig:
     # L3 data path and scheduling (not SGLang flags; see serving/cost_model.py and l3_writeback.py)
     hicache_storage_load_policy: str = "cost_model"  # cost_model (load only when faster) | always_load
     hicache_storage_read_threads: int = 8  # reader threads of a direct (page_first + LMDB) read
-    hicache_storage_write_queue_pages: int = 16384  # write-backs beyond this many queued pages are dropped
+    hicache_storage_write_queue_pages: int = 16384  # pages handed to the L3 writers at once; the rest wait (pinned)
     hicache_storage_write_rate_mb_s: float = 0.0  # write-back bandwidth cap (0: none)
     # How pages sit in L2 / L3 (hicache.tiers.kv_codec): raw (L1's bytes) | fp8 | int8 (one byte per
     # element + a power-of-two scale per token and kv head). A lossy encoding also applies its round

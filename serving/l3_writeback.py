@@ -2,29 +2,38 @@
 
 Concurrency contract (the class owns it):
 - Scheduler thread only: :meth:`WriteBack.write` and :meth:`WriteBack.poll` (and every tree
-  call). The writer thread only reads the L2 pages it was given and calls the storage tier
-  (thread-safe); it never touches the tree.
-- What the write reads is protected, and nothing else: the node's L2 pages are pinned in
-  the tree (:meth:`HiRadixTree.pin_host`) from submission until :meth:`poll` sees the write
-  finished. L1 is never locked, so a node being written stays evictable from L1; if the
-  tree drops the node meanwhile, its pinned pages are freed only when the write is done.
+  call). The writer threads only read the L2 pages they were given and call the storage tier
+  (thread-safe); they never touch the tree.
+- What a write reads is protected, and nothing else: the node's L2 pages are pinned in the
+  tree (:meth:`HiRadixTree.pin_host`) from :meth:`write` until :meth:`poll` sees the write
+  finished. L1 is never locked, so a node being written stays evictable from L1; L2 eviction
+  skips pinned pages, and if the tree drops the node meanwhile (its L2 copy included), the
+  pinned pages are freed only when the write is done, so the write still lands: dropping an L2
+  page that waits for L3 is a demotion, never a loss.
 - Progress is recorded by tokens, not by node: the write remembers the path's tokens and
   the page range it covers, and :meth:`poll` marks that range stored with
   :meth:`HiRadixTree.mark_stored`, which walks the tree as it is then (splits since the
   submission, removals and re-insertions are all fine). Pages are marked only after the
   store confirmed them.
-- L3 page keys (a hash over the whole path) are computed on the writer thread.
-- Write-back never slows serving: at most ``max_queued_pages`` pages wait for the writer
-  (a write that would exceed it is dropped and counted in ``pages_dropped``, unless the queue
-  is empty: a node larger than the cap still goes alone; the node is
-  written at its next backup or hit), and ``rate_mb_s`` caps the writer's bandwidth so it
-  does not take the memory bandwidth and cores that decode needs.
+- L3 page keys (a hash over the whole path) are computed on the writer threads.
+- Nothing is dropped: every write is accepted and waits in a FIFO backlog (pinned) until a
+  writer takes it. At most ``max_queued_pages`` pages are handed to the writers at once (a
+  write larger than that goes alone): the cap applies back-pressure -- the backlog's pinned
+  pages leave L2 less room, so the tree backs up less while the store is behind -- instead of
+  dropping. Waiting writes are coalesced: a writer takes a whole staging batch of them (many
+  nodes) and stores them with one ``batch_set`` (one LMDB transaction per staging batch);
+  ``tier.write_threads`` writers run at once (they frame pages in parallel; the backend
+  serialises its commits where it must). ``rate_mb_s`` caps each writer's bandwidth so
+  write-back does not take the memory bandwidth and cores that decode needs.
+- A write the store fails is not retried by itself (the pages are unpinned; the node is
+  written again at its next backup or hit); its pages are counted in ``pages_dropped``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,7 +47,6 @@ from hicache.tiers.storage import StorageTier
 
 @dataclass(eq=False)
 class _Write:
-    future: Future  # -> (leading pages now in L3, pages this call wrote)
     tokens: list[int]  # the path's tokens up to the node's end
     first: int  # path page index of the first page written
     host_pages: list[int]  # pinned until the write is done
@@ -46,50 +54,66 @@ class _Write:
     tenant: str | None = None  # whose L3 quota the pages are reserved against (hicache.hiradix.quota)
 
 
+@dataclass(eq=False)
+class _Job:
+    """Writes one writer stores together; ``future`` -> per write (leading pages now in L3, pages written)."""
+
+    writes: list[_Write]
+    pages: int
+    future: Future | None = None
+
+
 class WriteBack:
     """Writes L2 pages on to L3 in the background (see the module docstring)."""
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
                  max_queued_pages: int = 16384, rate_mb_s: float = 0.0) -> None:
+        if max_queued_pages < 1:
+            raise ValueError(f"max_queued_pages must be >= 1, got {max_queued_pages}")
         self.tree = tree
         self.host_pool = host_pool
         self.tier = tier
         self.namespace = namespace
         self.page_size = tree.page_size
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-write")
-        self._writes: list[_Write] = []
-        self._pending: set[int] = set()  # ids of nodes with a write in flight
+        self.threads = max(1, int(getattr(tier, "write_threads", 1)))
+        self.batch_pages = max(1, int(getattr(tier, "batch_pages", 64)))  # pages a writer takes at once
+        self._writer = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hicache-l3-write")
+        self._backlog: deque[_Write] = deque()  # accepted, pinned, not handed to a writer yet
+        self._jobs: list[_Job] = []  # handed to the writers
+        self._pending: set[int] = set()  # ids of nodes with a write waiting or in flight
         self.max_queued_pages = max_queued_pages
         self.rate_mb_s = rate_mb_s
-        self._queued_pages = 0
+        self._waiting_pages = 0  # pages in the backlog
+        self._queued_pages = 0  # pages handed to the writers, not finished
         self.pages_written = 0
-        self.pages_dropped = 0
+        self.pages_dropped = 0  # pages of writes the store failed (not on L3; rewritten at the next hit)
         self.pages_over_quota = 0  # not written: their tenant is at its L3 quota (hicache.hiradix.quota)
+        self.max_waiting_pages = 0  # the backlog's high-water mark (how far behind the writers got)
         self._warn = RateLimitedLog(logging.getLogger("hicache.storage"))
-        self.before_write = None  # test hook: called on the writer thread before each write
+        self.before_write = None  # test hook: called on a writer thread before each store call
 
     @property
     def in_flight(self) -> int:
-        return len(self._writes)
+        """Writes handed to the writers and not finished."""
+        return sum(len(j.writes) for j in self._jobs)
 
-    def room_for(self, node: TreeNode) -> bool:
-        """Whether a write of ``node`` would fit under ``max_queued_pages`` now."""
-        pages = len(node.key) // self.page_size - node.storage_pages
-        return not self._queued_pages or self._queued_pages + pages <= self.max_queued_pages
+    @property
+    def waiting(self) -> int:
+        """Writes accepted and waiting for a writer (their L2 pages pinned)."""
+        return len(self._backlog)
+
+    @property
+    def waiting_pages(self) -> int:
+        return self._waiting_pages
 
     def write(self, node: TreeNode) -> None:
-        """Write ``node``'s L2 pages that are not on L3 yet (no-op if none, or one is in flight)."""
+        """Write ``node``'s L2 pages that are not on L3 yet (no-op if none, or one is waiting or in
+        flight). Never drops: a write over the cap waits in the backlog, its pages pinned."""
         npages = len(node.key) // self.page_size
         done = node.storage_pages
         if node.removed or node.host_pages is None or done >= npages or node.id in self._pending:
             return
         pages = list(node.host_pages[done:])
-        if self._queued_pages and self._queued_pages + len(pages) > self.max_queued_pages:
-            self.pages_dropped += len(pages)  # under pressure: retried at the next backup or hit
-            self._warn.warning("write_dropped", "L3 write-back queue full (%d pages queued, the cap is %d): "
-                               "the write of %d pages is dropped for now", self._queued_pages,
-                               self.max_queued_pages, len(pages))
-            return
         tokens = self.tree.path_tokens(node)
         room = None if self.tree.ledger is None else self.tree.ledger.storage_room(tokens)
         if room is not None and room < len(pages):  # its tenant's L3 quota (writes in flight count)
@@ -99,58 +123,115 @@ class WriteBack:
                 return
         first = len(tokens) // self.page_size - npages + done
         self.tree.pin_host(pages)
-        try:
-            future = self._writer.submit(self._write, tokens, first, pages)
-        except BaseException:  # (a shut-down executor) nothing was submitted: nothing stays pinned
-            self.tree.unpin_host(pages)
-            raise
         tenant = None if self.tree.ledger is None else self.tree.ledger.reserve_storage(tokens, len(pages))
-        self._queued_pages += len(pages)
+        self._backlog.append(_Write(tokens, first, pages, node.id, tenant))
+        self._waiting_pages += len(pages)
         self._pending.add(node.id)
-        self._writes.append(_Write(future, tokens, first, pages, node.id, tenant))
+        self._pump()
 
-    def _write(self, tokens: list[int], first: int, host_pages: list[int]) -> tuple[int, int]:
+    def _pump(self) -> None:
+        """Hand waiting writes to idle writers, a staging batch (or one larger write) per writer,
+        while the pages handed out stay under the cap."""
+        while self._backlog and len(self._jobs) < self.threads:
+            head = len(self._backlog[0].host_pages)
+            if self._jobs and self._queued_pages + head > self.max_queued_pages:
+                break
+            writes, pages = [], 0
+            while self._backlog:
+                n = len(self._backlog[0].host_pages)
+                if writes and (pages + n > self.batch_pages or self._queued_pages + pages + n > self.max_queued_pages):
+                    break
+                writes.append(self._backlog.popleft())
+                pages += n
+            job = _Job(writes, pages)
+            try:
+                job.future = self._writer.submit(self._store, writes)
+            except BaseException:  # (a shut-down executor) nothing was handed out: the writes wait on
+                self._backlog.extendleft(reversed(writes))
+                raise
+            self._waiting_pages -= pages
+            self._queued_pages += pages
+            self._jobs.append(job)
+        if self._waiting_pages > self.max_waiting_pages:
+            self.max_waiting_pages = self._waiting_pages
+        if self._backlog and self._waiting_pages >= self.max_queued_pages:
+            self._warn.warning("write_behind", "L3 write-back is behind: %d pages wait for a writer (%d in flight, "
+                               "the cap is %d); they stay pinned in L2 until written", self._waiting_pages,
+                               self._queued_pages, self.max_queued_pages)
+
+    def _store(self, writes: list[_Write]) -> list[tuple[int, int]]:
+        """On a writer thread: the writes' pages that L3 lacks, stored with one ``batch_set``
+        (split by the tier into one backend call per staging batch); it stops at the first
+        failure, so the writes after it get nothing."""
         if self.before_write is not None:
             self.before_write()
-        keys = page_keys(tokens, self.page_size, self.namespace)[first : first + len(host_pages)]
-        present = self.tier.batch_exists(keys)  # another server may have stored them
-        if present == len(keys):
-            return present, 0
+        runs = []
+        for w in writes:
+            keys = page_keys(w.tokens, self.page_size, self.namespace)[w.first : w.first + len(w.host_pages)]
+            runs.append((keys, self.tier.batch_exists(keys)))  # another server may have stored some
+        keys = [k for ks, present in runs for k in ks[present:]]
+        pages = [p for w, (_, present) in zip(writes, runs, strict=True) for p in w.host_pages[present:]]
         t0 = time.monotonic()
-        wrote = self.tier.batch_set(keys[present:], self.host_pool, host_pages[present:])
+        stored = self.tier.batch_set(keys, self.host_pool, pages) if keys else 0
         if self.rate_mb_s > 0:  # hold the writer back to the configured bandwidth
-            time.sleep(max(0.0, wrote * self.tier.codec.value_nbytes / (self.rate_mb_s * 1e6)
+            time.sleep(max(0.0, stored * self.tier.codec.value_nbytes / (self.rate_mb_s * 1e6)
                            - (time.monotonic() - t0)))
-        return present + wrote, wrote
+        out = []
+        for ks, present in runs:
+            wrote = max(0, min(len(ks) - present, stored))
+            stored -= wrote
+            out.append((present + wrote, wrote))
+        return out
 
     def poll(self, wait: bool = False) -> None:
-        """Finish the writes that are done (all of them with ``wait``): mark what reached L3
-        (a failed write is retried at the node's next backup or hit) and unpin their pages."""
-        for w in list(self._writes):
-            if not (wait or w.future.done()):
-                continue
-            self._writes.remove(w)  # before its effects: a failure below cannot settle it twice
-            self._queued_pages -= len(w.host_pages)
+        """Finish the writes that are done (all of them, the backlog included, with ``wait``):
+        mark what reached L3, unpin their pages, and hand waiting writes to idle writers."""
+        while True:
+            for job in list(self._jobs):
+                if wait:
+                    job.future.exception()  # waits; a failure is handled below
+                if job.future.done():
+                    self._finish(job)
+            self._pump()
+            if not (wait and (self._jobs or self._backlog)):
+                return
+
+    def _finish(self, job: _Job) -> None:
+        self._jobs.remove(job)  # before its effects: a failure below cannot settle it twice
+        self._queued_pages -= job.pages
+        try:
+            results = job.future.result()
+        except Exception:  # a backend bug: nothing is marked, the pages are unpinned
+            results = [(0, 0)] * len(job.writes)
+        for w, (stored, wrote) in zip(job.writes, results, strict=True):
             self._pending.discard(w.node_id)
-            try:
-                stored, wrote = w.future.result()
-            except Exception:  # a backend bug: nothing is marked, the pages are unpinned
-                stored, wrote = 0, 0
             self.pages_written += wrote
+            self.pages_dropped += len(w.host_pages) - stored
             if self.tree.ledger is not None:
                 self.tree.ledger.settle_storage(w.tenant, len(w.host_pages), w.tokens, wrote)
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)
 
+    def _all_writes(self) -> list[_Write]:
+        return [*self._backlog, *(w for j in self._jobs for w in j.writes)]
+
     def check_integrity(self) -> None:
-        """Raise AssertionError unless the queue count and the tenants' L3 reservations equal
-        what the writes in flight hold."""
-        assert self._queued_pages == sum(len(w.host_pages) for w in self._writes), "write-back: queued pages"
-        assert self._pending == {w.node_id for w in self._writes}, "write-back: pending nodes"
+        """Raise AssertionError unless the page counts, pending nodes, L2 pins and the tenants' L3
+        reservations equal what the waiting and in-flight writes hold."""
+        writes = self._all_writes()
+        assert self._waiting_pages == sum(len(w.host_pages) for w in self._backlog), "write-back: waiting pages"
+        assert self._queued_pages == sum(j.pages for j in self._jobs), "write-back: queued pages"
+        assert all(j.pages == sum(len(w.host_pages) for w in j.writes) for j in self._jobs), "write-back: job pages"
+        assert len(self._jobs) <= self.threads, "write-back: more jobs than writers"
+        assert self._pending == {w.node_id for w in writes}, "write-back: pending nodes"
+        held = Counter(p for w in writes for p in w.host_pages)
+        pins = self.tree._host_pins
+        short = [p for p, k in held.items() if pins.get(p, 0) < k]
+        assert not short, f"write-back: L2 pages of waiting or in-flight writes not pinned: {short[:8]}"
         if self.tree.ledger is not None:
             want: dict[str | None, int] = {}
-            for w in self._writes:
+            for w in writes:
                 want[w.tenant] = want.get(w.tenant, 0) + len(w.host_pages)
             assert self.tree.ledger.storage_reserved == want, (
                 f"write-back: L3 reservations {self.tree.ledger.storage_reserved}, writes in flight {want}")

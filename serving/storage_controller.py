@@ -2,7 +2,8 @@
 
 The tree decides, this controller moves, on background threads; it composes two parts:
 - :class:`serving.l3_writeback.WriteBack`: a node that got an L2 copy (a backup) is written
-  on to L3 under its page keys; its L2 pages are pinned, never its L1 pages.
+  on to L3 under its page keys; its L2 pages are pinned until then (never dropped: over the
+  writers' cap it waits), never its L1 pages.
 - :class:`serving.l3_prefetch.Prefetcher`: a waiting request whose prompt continues past
   L1/L2 in L3 gets a lookup, then a fetch into host pages, committed into the tree as L2
   copies batch by batch as they land, and loaded on to L1 right away when L1 has free room
@@ -69,9 +70,7 @@ class StorageController:
         """Write every L2 page that is not in L3 yet (L1-only nodes are backed up to L2 first
         by the caller's flush); waits for the writes."""
         for node in self.tree.nodes():
-            if not self.writeback.room_for(node):  # a shutdown drops nothing: drain, then queue
-                self.writeback.poll(wait=True)
-            self.writeback.write(node)
+            self.writeback.write(node)  # never dropped: over the cap, it waits for a writer
         self.writeback.poll(wait=True)
 
     # -- prefetch -------------------------------------------------------------------------
@@ -107,6 +106,9 @@ class StorageController:
                   prefetches_revoked=self.prefetches_revoked,
                   pages_loaded_early=self.prefetcher.pages_loaded_early,
                   write_pages_dropped=self.writeback.pages_dropped,
+                  write_pages_waiting=self.writeback.waiting_pages,
+                  write_pages_waiting_max=self.writeback.max_waiting_pages,
+                  l2_backups_skipped_pages=self.tree.backups_skipped_pages,
                   **self.load_policy.stats())
         return st
 

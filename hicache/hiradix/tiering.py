@@ -48,6 +48,9 @@ class TieringMixin:
     # per-tenant accounting (hicache.hiradix.quota.TenantLedger): with quotas, eviction takes
     # nodes of tenants over their quota on the tier first
     ledger = None
+    # L1 pages that got no L2 copy because L2 had no room (every evictable page was locked or
+    # pinned, e.g. waiting for its L3 write-back): skipped backups and demotions that dropped
+    backups_skipped_pages = 0
 
     def add_listener(self, fn: Callable[[str, TreeNode], None]) -> None:
         self._listeners = (*self._listeners, fn)
@@ -289,6 +292,7 @@ class TieringMixin:
         for nd in nodes:
             hp = self._alloc_host(len(nd.device_pages))
             if hp is None:
+                self.backups_skipped_pages += len(nd.device_pages)
                 continue
             nd.host_pages = hp
             self._host_cached += len(hp)
@@ -310,6 +314,8 @@ class TieringMixin:
                 if self._listeners:
                     self._emit("host_add", node)
                 self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
+            else:
+                self.backups_skipped_pages += len(node.device_pages)
         self._drop_device(node)
         if node.host_pages is None:
             self._remove(node)

@@ -14,8 +14,8 @@ Contract of every backend (the cache controller calls it from a background threa
 - **Bounded time**: a backend that talks to a remote store bounds every call with a
   timeout; an abandoned call never writes into memory the caller may reuse (see
   :class:`StagingBuffer`).
-- **Thread-safety**: any number of reader threads and one writer thread may call
-  concurrently (backends may serialise internally).
+- **Thread-safety**: any number of reader and writer threads may call concurrently
+  (backends serialise internally where they must: LMDB commits one write at a time).
 - **Mutation**: ``set``/``batch_set*``/``delete``/``clear`` mutate the store; every other
   method only reads it (a backend may update its own bookkeeping, e.g. recency).
 - ``set`` on an existing key may keep the old value (Mooncake does): equal keys mean

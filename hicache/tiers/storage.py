@@ -41,8 +41,8 @@ class StorageTier:
     module docstring).
 
     Contract:
-    - Thread-safe: the controller's background threads may call concurrently (each
-      thread has its own staging buffer; counters are locked). The host pages named in a
+    - Thread-safe: the controller's background threads may call concurrently, several
+      writers included (each thread has its own staging buffers; counters are locked). The host pages named in a
       call must not be written by anyone else during it (the tree hands out disjoint pages).
     - Never raises because of the store (backends turn failures into misses); raises
       ``ValueError`` for a pool of another layout / page size, or mismatched lengths.
@@ -65,6 +65,7 @@ class StorageTier:
         staging_bytes: int = 64 << 20,
         read_threads: int = 8,
         encoding: str = "raw",
+        write_threads: int = 4,
     ) -> None:
         self.backend = backend
         self.codec = PageCodec(layout, page_size, encoding)  # values in this encoding (kv_codec)
@@ -78,7 +79,10 @@ class StorageTier:
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-l3-read") \
             if self.read_threads > 1 and getattr(backend, "direct_reads", False) else None
         self._local = threading.local()
-        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-frame")
+        # Writers (serving.l3_writeback) that may call batch_set at once; each frames its next batch
+        # on a helper thread of its own while the backend stores the current one.
+        self.write_threads = max(1, write_threads)
+        self._preparer = ThreadPoolExecutor(self.write_threads, thread_name_prefix="hicache-l3-frame")
         self._lock = threading.Lock()
         self._warn = RateLimitedLog(log)  # corrupt values and failed writes are logged, not only counted
         self._views: dict[int, np.ndarray] = {}

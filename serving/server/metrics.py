@@ -77,7 +77,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "pages_prefetched": _event("pages prefetched from L3 into L2"),
     "prefetches_revoked": _event("prefetches revoked"),
     "pages_loaded_early": _event("prefetched pages loaded on to L1 as their batch landed (pipelined)"),
-    "write_pages_dropped": _event("pages whose write-back was dropped (queue full)"),
+    "write_pages_dropped": _event("pages whose write-back did not reach L3 (the store failed it)"),
     # the load-or-recompute policy (serving.cost_model)
     "cost_l3_read_gbps": StorageMetric("gauge", "cost_model_l3_read_bytes_per_second",
                                        "Estimated L3 read bandwidth", 1e9),
