@@ -78,6 +78,11 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "prefetches_revoked": _event("prefetches revoked"),
     "pages_loaded_early": _event("prefetched pages loaded on to L1 as their batch landed (pipelined)"),
     "write_pages_dropped": _event("pages whose write-back did not reach L3 (the store failed it)"),
+    "l2_backups_skipped_pages": _event("L1 pages whose L2 backup found no room (skipped)"),
+    "write_pages_waiting": StorageMetric("gauge", "storage_write_waiting_pages",
+                                         "Pages waiting for an L3 writer (back-pressure)"),
+    "write_pages_waiting_max": StorageMetric("gauge", "storage_write_waiting_max_pages",
+                                             "Most pages ever waiting for an L3 writer"),
     # the load-or-recompute policy (serving.cost_model)
     "cost_l3_read_gbps": StorageMetric("gauge", "cost_model_l3_read_bytes_per_second",
                                        "Estimated L3 read bandwidth", 1e9),
