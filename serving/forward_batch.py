@@ -10,8 +10,8 @@ import torch
 class LayerWaits:
     """GPU events of layered L2 -> L1 loads that a forward pass reads from: before layer ``i``
     touches the KV pool, the current stream waits (on the GPU; the host never blocks) for
-    every load's layer-``i`` event. A CUDA-graph replay, which cannot wait between layers,
-    waits for all of them first (:meth:`before_all`)."""
+    every load's layer-``i`` event. A decode-graph replay waits for all of them first
+    (:meth:`before_all`); an extend-graph replay hands them to its :class:`GraphLayerWaits`."""
 
     __slots__ = ("per_layer",)
 
@@ -25,6 +25,48 @@ class LayerWaits:
 
     def before_all(self) -> None:
         self.before_layer(len(self.per_layer) - 1)  # each load's layers land in order
+
+
+class GraphLayerWaits:
+    """Per-layer waits inside captured CUDA graphs: one static external event per layer
+    (``torch.cuda.Event(external=True)``). Captured, :meth:`before_layer` becomes an event-wait
+    node on layer ``i``'s event; before a replay, :meth:`arm` re-records each event on a relay
+    stream behind that layer's events of the loads the batch reads (:class:`LayerWaits`), so
+    inside the replay layer ``i`` waits only for its own KV.
+
+    Contract: every event is recorded once at construction (PyTorch creates a CUDA event at its
+    first record, and a wait on one never recorded is not captured), so with no load in flight
+    the events are complete. A replay that arms nothing waits on the last arming's records,
+    which an earlier replay on the same stream already waited for: complete by then. Arming
+    happens on the host before the replay's launch; a wait node waits for the record that was
+    the event's latest when the graph was launched (as ``cudaStreamWaitEvent`` does when it is
+    called), so a later arming cannot move an earlier replay's waits (checked on the GPU by
+    tests/test_gpu.py). One user: the scheduler thread."""
+
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.events = [torch.cuda.Event(external=True) for _ in range(num_layers)]
+        self.relay = torch.cuda.Stream(device)
+        stream = torch.cuda.current_stream(device)
+        for ev in self.events:
+            ev.record(stream)
+        self.armed = 0  # replays armed (for tests and stats)
+
+    def before_layer(self, i: int) -> None:
+        torch.cuda.current_stream().wait_event(self.events[i])
+
+    def arm(self, waits: LayerWaits) -> None:
+        """Re-record layer ``i``'s event behind every load's layer-``i`` event (a group of
+        layers shares its load events: each is waited once)."""
+        if len(waits.per_layer) != len(self.events):
+            raise ValueError(f"{len(waits.per_layer)} layers of load events for {len(self.events)} layers")
+        prev: tuple = ()
+        for ev, loads in zip(self.events, waits.per_layer, strict=True):
+            if len(loads) != len(prev) or any(a is not b for a, b in zip(loads, prev, strict=True)):
+                for load in loads:
+                    self.relay.wait_event(load)
+                prev = loads
+            ev.record(self.relay)
+        self.armed += 1
 
 
 @dataclass
@@ -50,10 +92,13 @@ class ForwardBatch:
     extend_lens_list: list[int]
     # decode only: fixed number of KV splits (CUDA graphs fix the grid); None picks per batch
     decode_splits: int | None = None
+    # extend graphs: the captured bucket (tokens, sequences) the extend kernel's launch is sized for,
+    # not this batch's lengths (serving.kernels.triton_extend_split); None: sized for this batch
+    extend_bucket: tuple[int, int] | None = None
     # prompt logprobs (serving.logprobs): rows of T whose logits the model also returns, after the B last ones
     logit_rows: torch.Tensor | None = None
     # L2 -> L1 loads still landing in pages this batch reads (GPU only); see LayerWaits
-    layer_waits: LayerWaits | None = None
+    layer_waits: LayerWaits | GraphLayerWaits | None = None
     # the host buffers ``build`` made (int64 part, int32 part, T, B, width): what tensor parallelism
     # sends the other ranks (serving.parallel), without reading anything back from the device
     host: tuple | None = None

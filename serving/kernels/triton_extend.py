@@ -1,9 +1,15 @@
 """Triton paged extend (prefill) attention: new tokens' queries over prefix + new KV in pages.
 
-Grid ``(batch, kv_heads, query blocks)``. A program holds ``BLOCK_M`` new tokens x the
-``GROUP`` query heads sharing one kv head, flattened into ``R = BLOCK_M * BLOCK_H`` rows, so
-every K/V block loaded from the pages serves the whole group. Keys of the cached prefix are
-visible to every query (no mask); keys among the new tokens take the causal mask.
+:func:`extend_attention` picks the kernel: batches of a captured extend graph and eager
+batches of up to ``SPLIT_MAX_TOKENS`` new tokens take the split-KV kernel
+(``triton_extend_split``: its launch does not depend on the lengths, and a small extend over
+a long prefix fills the GPU; the same kernel eagerly and in a graph, so both give the same
+bits); larger batches the one-pass kernel here, whose tiles alone fill the GPU.
+
+One-pass kernel, grid ``(batch, kv_heads, query blocks)``. A program holds ``BLOCK_M`` new
+tokens x the ``GROUP`` query heads sharing one kv head, flattened into ``R = BLOCK_M * BLOCK_H``
+rows, so every K/V block loaded from the pages serves the whole group. Keys of the cached
+prefix are visible to every query (no mask); keys among the new tokens take the causal mask.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import triton.language as tl
 
 from serving.forward_batch import ForwardBatch
 from serving.kernels.triton_common import attend_block, next_pow2
+from serving.kernels.triton_extend_split import extend_blocks, split_extend_attention
+
+SPLIT_MAX_TOKENS = 512  # eager batches up to this many new tokens take the split-KV kernel
 
 
 @triton.jit
@@ -88,17 +97,27 @@ def extend_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+) -> torch.Tensor:
+    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (any extend lengths >= 0)."""
+    if batch.extend_bucket is not None or q.shape[0] <= SPLIT_MAX_TOKENS:
+        return split_extend_attention(q, k_cache, v_cache, batch, scale)
+    return one_pass_extend_attention(q, k_cache, v_cache, batch, scale)
+
+
+def one_pass_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
     block_n: int = 64,
     rows: int = 64,
 ) -> torch.Tensor:
-    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (any extend lengths >= 0)."""
+    """The one-pass kernel: a program per (sequence, kv head, block of new tokens)."""
     t, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
     group = num_heads // kv_heads
-    block_h = next_pow2(group)
-    block_m = max(rows // block_h, 1)
-    if block_m * block_h < 16:  # tl.dot needs >= 16 rows when compiled
-        block_m = 16 // block_h
+    block_h, block_m = extend_blocks(group, rows)
     o = torch.empty_like(q)
     if t == 0:
         return o
