@@ -27,6 +27,10 @@ class ModelConfig:
     random_seed: int = 0
     disable_cuda_graph: bool = False  # CUDA: decode batches replay captured graphs unless set
     cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
+    # CUDA: extend (prefill) batches of up to this many new tokens replay captured graphs too
+    # (serving/cuda_graph_extend.py; at most cuda_graph_max_bs sequences); disable_cuda_graph turns them off as well
+    cuda_graph_max_extend_tokens: int = 256
+    disable_extend_cuda_graph: bool = False
     tp_size: int = 1  # tensor parallelism (--tp-size / --tensor-parallel-size): one process per rank
     dist_timeout: float = 300.0  # seconds a collective or a rank's reply may take before the engine stops
     kv_cache_dtype: str = "auto"  # L1's KV dtype (vLLM/SGLang flag): auto (the model's) | bf16 | fp8_e4m3
@@ -41,6 +45,8 @@ class ModelConfig:
             raise ValueError("context_length must be positive")
         if self.cuda_graph_max_bs <= 0:
             raise ValueError("cuda_graph_max_bs must be positive")
+        if self.cuda_graph_max_extend_tokens <= 0:
+            raise ValueError("cuda_graph_max_extend_tokens must be positive (disable_extend_cuda_graph turns them off)")
         if self.tp_size < 1:
             raise ValueError("tp_size must be at least 1")
         if not self.dist_timeout > 0:

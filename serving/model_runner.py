@@ -10,6 +10,7 @@ from hicache.tiers.device import DeviceKVPool, KVLayout
 from hicache.tiers.kv_codec import round_trip_encoding
 from serving.config import ModelConfig, SchedulerConfig
 from serving.cuda_graph import CudaGraphRunner, capture_sizes
+from serving.cuda_graph_extend import ExtendGraphRunner, extend_buckets
 from serving.forward_batch import ForwardBatch
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
@@ -77,9 +78,14 @@ class ModelRunner:
             num_pages = int(n.item())
         self.pool = DeviceKVPool(layout, num_pages, page_size, self.device)
         log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
-        self.graphs = None
+        self.graphs: CudaGraphRunner | None = None
+        self.extend_graphs: ExtendGraphRunner | None = None
         if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
             self.graphs = self.make_graph_runner(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
+            if not model.disable_extend_cuda_graph:
+                max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
+                self.extend_graphs = self.make_extend_graph_runner(
+                    extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs))
 
     def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
@@ -88,6 +94,16 @@ class ModelRunner:
             self.device, capture=capture)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables: keep them even if regrown
+            runner.keep_alive = dict(rotary._tables)
+        return runner
+
+    def make_extend_graph_runner(self, buckets: list[tuple[int, int]], capture: bool = True) -> ExtendGraphRunner:
+        """Static extend buffers (and, with ``capture``, CUDA graphs) for (tokens, sequences) ``buckets``."""
+        runner = ExtendGraphRunner(
+            self._forward_eager, buckets, self.context_len, self.pool.page_size, self.arch.num_hidden_layers,
+            self.device, capture=capture)
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
             runner.keep_alive = dict(rotary._tables)
         return runner
 
@@ -105,12 +121,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """``[B, vocab]`` float32 logits. Decode batches replay a CUDA graph when one fits
-        (the result is then the graph's output buffer, valid until the next forward)."""
+        """``[B, vocab]`` float32 logits. Decode and small extend batches replay a CUDA graph when
+        one fits (the result is then the graph's output buffer, valid until the next forward)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             if batch.layer_waits is not None:
                 batch.layer_waits.before_all()
             return self.graphs.run(batch)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+            return self.extend_graphs.run(batch)  # waits per layer inside the replay
         return self._forward_eager(batch)
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:

@@ -170,6 +170,89 @@ def test_graph_runner_static_buffers_in_interpreter():
     _run_interpreted(GRAPH_RUNNER_CODE)
 
 
+EXTEND_GRAPH_CODE = """
+import sys, torch
+from serving.cuda_graph_extend import extend_buckets
+from serving.engine import Engine
+from serving.forward_batch import ForwardBatch
+from tests.model_utils import hf_greedy, tiny_model
+from tests.test_engine import prompts
+path = tiny_model(sys.argv[1])
+eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, attention_backend="triton",
+             context_length=256, device="cpu", dtype="float32", chunked_prefill_size=16)
+runner = eng.core.runner
+# 1. one extend batch over prefixes already in L1, padded 11 -> 16 tokens and 3 -> 4 sequences: the
+#    logits through the static buffers are the eager pass's (GEMMs of 16 rows round like those of 11
+#    only to ~1e-6), and KV is written at the batch's 11 slots and nowhere else
+ext = runner.make_extend_graph_runner(extend_buckets(32, 4), capture=False)
+g = torch.Generator().manual_seed(0)
+seqs, page = [], 1
+for n in (9, 30, 13):
+    pages = list(range(page, page + (n + 8) // 4 + 1))
+    page += len(pages)
+    seqs.append((torch.randint(1, 500, (n,), generator=g).tolist(), pages))
+runner.forward(ForwardBatch.build([(ids, 0, p) for ids, p in seqs], 4))  # the prefixes, into L1
+fb = ForwardBatch.build([(nw, len(ids), p) for nw, (ids, p) in zip([[5, 6, 7], [8], [9, 10, 11, 12, 13, 14, 15]],
+                                                                     seqs)], 4)
+assert ext.can_run(fb) and ext.bucket_for(fb.num_tokens, fb.batch_size) == (16, 4)
+kv0 = runner.pool.kv_buffer.clone()
+got = ext.run(fb).clone()
+kv = runner.pool.kv_buffer  # [2, layers, pages, page size, kv heads, head dim]
+changed = (kv != kv0).view(2, kv.shape[1], -1, kv.shape[-2] * kv.shape[-1]).any(-1).any(0).any(0)  # [slots]
+assert changed.nonzero().flatten().tolist() == sorted(fb.out_cache_loc.tolist())
+runner.pool.kv_buffer.copy_(kv0)
+want = runner._forward_eager(fb)
+err = float((got - want).norm() / want.norm())
+assert got.shape == want.shape == (3, 512) and err < 1e-5, err
+assert torch.equal(got.argmax(-1), want.argmax(-1))
+# 2. the engine with decode and extend graph runners (capture=False): prompts chunked by 16 (extends
+#    mixed with decodes), then longer prompts whose prefixes are cached in L1 (suffix extends)
+runner.graphs = runner.make_graph_runner([1, 2, 4], capture=False)
+runner.extend_graphs = runner.make_extend_graph_runner(extend_buckets(32, 4), capture=False)
+ps = prompts(3, 512, seed=5, lo=10, hi=30)
+params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+outs = eng.generate(input_ids=ps, sampling_params=params)
+assert [o["output_ids"] for o in outs] == hf_greedy(path, ps, 4)
+first = runner.extend_graphs.replays
+assert first > 0
+ps2 = [p + o["output_ids"] + [17 + i, 23, 42] for i, (p, o) in enumerate(zip(ps, outs))]
+outs2 = eng.generate(input_ids=ps2, sampling_params=params)
+assert [o["output_ids"] for o in outs2] == hf_greedy(path, ps2, 4)
+assert all(o["meta_info"]["cached_tokens"] >= len(p) - 4 for o, p in zip(outs2, ps))
+assert runner.extend_graphs.replays > first
+eng.check_integrity()
+print("OK", err)
+"""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="an interpreter test for CPU machines; on CUDA, test_gpu.py captures the graphs")
+def test_extend_graph_runner_in_interpreter(tmp_path):
+    """Extend batches through the extend-graph runner's static buffers (padded to a bucket), with the
+    Triton backend under the interpreter: logits equal the eager pass's, padding writes no KV, and an
+    engine with both graph runners gives HF's greedy tokens, also on prefixes cached in L1."""
+    pytest.importorskip("triton")
+    _run_interpreted(EXTEND_GRAPH_CODE.replace("sys.argv[1]", repr(str(tmp_path))))
+
+
+def test_extend_buckets_round_like_the_token_counts():
+    """Every token count takes a bucket with the same power of two above it (the split-KV kernel's
+    split count depends on that alone, so graphed and eager attention match bit for bit)."""
+    from serving.cuda_graph_extend import extend_buckets
+    from serving.kernels.triton_common import next_pow2
+
+    assert extend_buckets(256, 64) == [(16, 1), (16, 16), (32, 1), (32, 16), (32, 32), (64, 1), (64, 16), (64, 64),
+                                       (128, 1), (128, 16), (128, 64), (256, 1), (256, 16), (256, 64)]
+    assert extend_buckets(8, 4) == [(8, 1), (8, 4)]
+    for budget in (8, 16, 100, 256, 300):
+        buckets = extend_buckets(budget, 8)
+        for t in range(1, budget + 1):
+            bucket = min(b for b, _ in buckets if b >= t)
+            assert next_pow2(t, 16) == next_pow2(bucket, 16), (budget, t, bucket)
+    with pytest.raises(ValueError):
+        extend_buckets(0, 4)
+
+
 FUSED_CODE = """
 import torch
 from serving.kernels import triton_fused as tf

@@ -1,0 +1,185 @@
+"""CUDA graphs for small extend (prefill) batches: a cache hit's suffix, a short prompt, a
+prefill chunk mixed with decodes.
+
+An extend of a few dozen tokens is bound by kernel launches like a decode step (a 16-token
+prompt of the 8B shape took 3.7 decode steps eagerly), so extend batches of up to
+``cuda_graph_max_extend_tokens`` new tokens replay graphs captured per bucket (tokens,
+sequences): tokens 16, 32, 64, ... (powers of two) up to the budget and the budget itself;
+per token size, sequences 1, 16 and ``min(tokens, cuda_graph_max_bs)`` (14 graphs with the
+defaults 256 / 64). A batch takes the smallest bucket that holds it.
+
+Graph-safety, as for decode (``serving.cuda_graph``): every input lives in a static buffer
+overwritten in place by ``run``; intermediates come from the graphs' private pool; the
+rotary table is whole before capture; nothing syncs with the host. The attention launch is
+sized by the bucket, never by prefix or extend lengths (``ForwardBatch.extend_bucket``,
+``serving.kernels.triton_extend_split``). Padding tokens store no KV (slot -1) and are cut;
+padding sequences have no new tokens (no tile of the attention kernel) and their logit rows
+are cut.
+
+L2 -> L1 loads in flight: the graphs wait per layer on static external events
+(``GraphLayerWaits``), armed before each replay from the batch's ``LayerWaits``.
+
+``capture=False`` keeps the buckets, static buffers and padding but runs the forward pass
+eagerly on them: the same code path for tests on a CPU (Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from serving.forward_batch import ForwardBatch, GraphLayerWaits
+
+log = logging.getLogger(__name__)
+
+MIN_TOKENS = 16  # the smallest token bucket
+SEQ_SIZES = (1, 16)  # sequence buckets below the cap min(tokens, max sequences)
+
+
+def extend_buckets(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
+    """Captured (tokens, sequences) pairs for a budget of ``max_tokens`` new tokens and at most
+    ``max_seqs`` sequences. Token sizes are powers of two from 16 and the budget, so that every
+    token count rounds up to the same power of two as its bucket does (the split-KV kernel's
+    split count depends on that only)."""
+    if max_tokens <= 0 or max_seqs <= 0:
+        raise ValueError("max_tokens and max_seqs must be positive")
+    tokens, t = [], MIN_TOKENS
+    while t < max_tokens:
+        tokens.append(t)
+        t *= 2
+    tokens.append(max_tokens)
+    out = []
+    for t in tokens:
+        cap = min(t, max_seqs)
+        out += [(t, s) for s in SEQ_SIZES if s < cap] + [(t, cap)]
+    return out
+
+
+class ExtendGraphRunner:
+    """Static buffers and captured graphs of extend batches (see the module doc). One user:
+    the scheduler thread (or a TP rank's command loop)."""
+
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        buckets: list[tuple[int, int]],
+        context_len: int,
+        page_size: int,
+        num_layers: int,
+        device: torch.device,
+        capture: bool = True,
+        keep_alive: object = None,
+    ) -> None:
+        self.forward = forward
+        self.buckets = sorted(set(buckets))  # by tokens, then sequences: the first fit is the smallest
+        self.max_tokens = max(t for t, _ in self.buckets)
+        self.max_seqs = max(s for _, s in self.buckets)
+        self.context_len = context_len
+        self.page_size = page_size
+        self.max_pages = -(-context_len // page_size)
+        self.device = device
+        self.capture = capture
+        self.keep_alive = keep_alive  # tensors the graphs read that nobody else may free
+        t, n = self.max_tokens, self.max_seqs
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(t, **i64)
+        self.positions = torch.zeros(t, **i64)
+        self.out_cache_loc = torch.full((t,), -1, **i64)
+        self.prefix_lens = torch.zeros(n, **i32)
+        self.extend_lens = torch.zeros(n, **i32)  # zeros: no tile, so warm-up and capture touch no KV
+        self.seq_lens = torch.zeros(n, **i32)
+        self.extend_start = torch.zeros(n, **i32)
+        self.page_table = torch.zeros((n, self.max_pages), **i32)
+        self.waits = GraphLayerWaits(num_layers, device) if device.type == "cuda" else None
+        self.batches = {b: self._static_batch(*b) for b in self.buckets}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays = 0
+        self.capture_s = 0.0
+        if capture:
+            self._capture_all()
+
+    def _static_batch(self, t: int, s: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:t], positions=self.positions[:t], prefix_lens=self.prefix_lens[:s],
+            extend_lens=self.extend_lens[:s], seq_lens=self.seq_lens[:s], extend_start=self.extend_start[:s],
+            page_table=self.page_table[:s], out_cache_loc=self.out_cache_loc[:t], page_size=self.page_size,
+            # the host lists describe the bucket, not a batch: not a decode batch, and max_seq_len =
+            # context_len (the rotary table is built whole before capture)
+            prefix_lens_list=[self.context_len] * s, extend_lens_list=[0] * s,
+            extend_bucket=(t, s), layer_waits=self.waits,
+        )
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool memory
+            fb = self.batches[b]
+            side.wait_stream(main)
+            with torch.cuda.stream(side):  # warm-up: compiles the Triton kernels, fills caches
+                self.forward(fb)
+            main.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self.forward(fb)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - start
+        log.info("captured %d extend CUDA graphs (tokens x sequences: %s) in %.2f s", len(self.graphs),
+                 ", ".join(f"{t}x{s}" for t, s in self.buckets), self.capture_s)
+
+    def bucket_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        for t, s in self.buckets:
+            if t >= tokens and s >= seqs:
+                return t, s
+        return None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            not batch.is_decode  # decode batches have their own graphs
+            and batch.logit_rows is None  # prompt logprobs need more rows than a graph returns
+            and batch.extend_bucket is None
+            and batch.page_size == self.page_size
+            and batch.page_table.shape[1] <= self.max_pages
+            and batch.max_seq_len <= self.context_len
+            and self.bucket_for(batch.num_tokens, batch.batch_size) is not None
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of an extend batch (``can_run`` must hold). The tensor is the
+        graph's output buffer: read it before the next replay."""
+        t, b = batch.num_tokens, batch.batch_size
+        bucket = self.bucket_for(t, b)
+        assert bucket is not None
+        tb, sb = bucket
+        w = batch.page_table.shape[1]
+        for static, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
+                            (self.out_cache_loc, batch.out_cache_loc)):
+            static[:t].copy_(src, non_blocking=True)
+        for static, src in ((self.prefix_lens, batch.prefix_lens), (self.extend_lens, batch.extend_lens),
+                            (self.seq_lens, batch.seq_lens), (self.extend_start, batch.extend_start)):
+            static[:b].copy_(src, non_blocking=True)
+        self.page_table[:b, :w].copy_(batch.page_table, non_blocking=True)
+        if tb > t:  # padding tokens: no KV stored, cut from the output
+            self.input_ids[t:tb].zero_()
+            self.positions[t:tb].zero_()
+            self.out_cache_loc[t:tb].fill_(-1)
+        if sb > b:  # padding sequences: no new tokens (no attention tile); their last row is cut
+            self.prefix_lens[b:sb].zero_()
+            self.extend_lens[b:sb].zero_()
+            self.seq_lens[b:sb].zero_()
+            self.extend_start[b:sb].fill_(tb)
+        if batch.layer_waits is not None and self.waits is not None:
+            self.waits.arm(batch.layer_waits)  # layer i of the replay waits for layer i of the loads
+        self.replays += 1
+        if self.capture:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:b]
+        return self.forward(self.batches[bucket])[:b]
