@@ -10,7 +10,8 @@ such as the warm-up, is served colocated):
    to the prefill server's bootstrap port; the request waits for its room's
    :class:`~serving.disagg.protocol.KVDone` on this role's control server;
 3. on success it joins the scheduler's running batch at ``kv_len == len(prompt)`` with the
-   first token (``Scheduler.start_decoding``); on failure or timeout it finishes with the
+   first token (``Scheduler.start_decoding``) and the prefill side's logprobs of that token and
+   of the prompt, when it asks (serving/disagg/logprob_handoff.py); on failure or timeout it finishes with the
    error's status and its fresh pages go to **quarantine** for ``2 x timeout`` before they
    are freed, so that a transfer that arrives late can never write into reused pages.
 
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
 from serving.disagg.role import PDRole
@@ -192,6 +194,10 @@ class DecodeRole(PDRole):
         req, _ = entry
         if not done.ok:
             self._fail(done.room, done.status or 502, done.error)
+            return
+        why = logprob_handoff.adopt(req.logprob, done.logprobs, done.first_token)
+        if why is not None:  # never answer logprobs this side did not get
+            self._fail(done.room, 502, why)
             return
         del self.registered[done.room]
         reused = req.tree_pages

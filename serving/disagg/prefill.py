@@ -6,7 +6,9 @@ token sampled), :meth:`PrefillRole.on_finish` *parks* it: its L1 pages stay held
 prefix + own pages) while the KV travels. It is sent once its room's
 :class:`~serving.disagg.protocol.DecodeTarget` has arrived on the bootstrap port (before or
 after the prompt is done); the sender thread writes the pages the decode side lacks in one
-batched transport call and POSTs the :class:`~serving.disagg.protocol.KVDone`. Only then are
+batched transport call and POSTs the :class:`~serving.disagg.protocol.KVDone` (with the
+first token's and the prompt's logprobs when the request asks: serving/disagg/logprob_handoff.py;
+a 400 to the decode side when they are more than the control channel carries). Only then are
 the pages released into the tree (:meth:`step` polls the send futures).
 
 Concurrency contract: see :mod:`serving.disagg.role`. ``parked`` / ``targets`` / ``sending``
@@ -17,12 +19,14 @@ are scheduler-thread state. The sender thread reads a parked request's ``pages``
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from serving.disagg.control import ControlServer, post_json
+from serving.disagg import logprob_handoff
+from serving.disagg.control import MAX_BODY, ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
 from serving.disagg.role import PDRole
 from serving.request import Req
@@ -81,7 +85,8 @@ class PrefillRole(PDRole):
         for room in [r for r in self.parked if r in self.targets]:
             req, _ = self.parked.pop(room)
             target, _ = self.targets.pop(room)
-            self.sending[room] = (req, self.sender.submit(self._send, req, target))
+            lp = logprob_handoff.export(req.logprob)  # here: nothing touches the state while the KV travels
+            self.sending[room] = (req, self.sender.submit(self._send, req, target, lp))
         for room, (req, fut) in list(self.sending.items()):
             if fut.done():
                 del self.sending[room]
@@ -146,17 +151,23 @@ class PrefillRole(PDRole):
         self.counters["bytes_sent"] += res.nbytes
         self.counters["transfer_s"] += res.transfer_s
 
-    def _send(self, req: Req, target: DecodeTarget) -> KVDone | None:
+    def _send(self, req: Req, target: DecodeTarget, lp: dict[str, Any] | None) -> KVDone | None:
         """Sender thread: write the pages the decode side lacks, then report. None on failure."""
+        if lp is not None and (size := len(json.dumps(lp))) > MAX_BODY - 64 * 1024:
+            msg = (f"the prompt logprobs of this request take {size} bytes, over what the PD control channel "
+                   f"carries ({MAX_BODY} bytes); ask for fewer (a later logprob_start_len, a smaller "
+                   "top_logprobs_num or token_ids_logprob) or use a colocated server")
+            self._notify(target, KVDone(target.room, False, error=msg, status=400))
+            return None
         try:
-            done = self._write(req, target)
+            done = self._write(req, target, lp)
         except Exception as e:  # noqa: BLE001 - any failure is reported to the decode side
             log.warning("PD room %d: sending KV failed: %s", target.room, e)
             self._notify(target, KVDone(target.room, False, error=f"KV transfer failed: {e}", status=502))
             return None
         return done if self._notify(target, done) else None
 
-    def _write(self, req: Req, target: DecodeTarget) -> KVDone:
+    def _write(self, req: Req, target: DecodeTarget, lp: dict[str, Any] | None) -> KVDone:
         n = len(req.input_ids)
         if target.prompt_len != n or target.prompt_digest != prompt_digest(req.input_ids):
             raise ValueError(f"the decode server tokenized the prompt differently ({target.prompt_len} tokens "
@@ -176,7 +187,7 @@ class PrefillRole(PDRole):
         dt = time.perf_counter() - t0
         return KVDone(target.room, True, first_token=req.output_ids[0], cached_tokens=req.cached_tokens,
                       cached_by_tier=dict(req.cached_by_tier), pages=len(src_pages),
-                      nbytes=len(src) * self.geometry.chunk, transfer_s=dt)
+                      nbytes=len(src) * self.geometry.chunk, transfer_s=dt, logprobs=lp)
 
     def _notify(self, target: DecodeTarget, done: KVDone) -> bool:
         try:

@@ -9,7 +9,8 @@ The handshake (SGLang's shape, one bootstrap room per request):
    its transport endpoint, its pool geometry, the pages to fill and where to report;
 3. the prefill server computes the prompt (through its own HiCache), writes the KV of the
    pages the decode server does not hold straight into them with the transport, then POSTs
-   a :class:`KVDone` (the first token) to the decode server, which decodes from there.
+   a :class:`KVDone` (the first token, and the logprobs only the prefill side could compute:
+   serving/disagg/logprob_handoff.py) to the decode server, which decodes from there.
 
 Both messages travel as JSON; ``from_dict`` validates types so a bad peer gets a 400.
 """
@@ -22,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from serving.disagg.logprob_handoff import check_wire
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -124,6 +127,7 @@ class KVDone:
     pages: int = 0
     nbytes: int = 0
     transfer_s: float = 0.0
+    logprobs: dict[str, Any] | None = None  # the first token's and the prompt's (logprob_handoff); None: not asked
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,7 +136,7 @@ class KVDone:
     def from_dict(cls, d: Any) -> KVDone:
         d = _typed(cls, d)
         try:
-            return cls(**{**d, "room": int(d["room"]), "ok": bool(d["ok"])})
+            return cls(**{**d, "room": int(d["room"]), "ok": bool(d["ok"]), "logprobs": check_wire(d.get("logprobs"))})
         except (KeyError, TypeError) as e:
             raise ValueError(f"KVDone: {e}") from None
 
