@@ -20,15 +20,12 @@ answer in the shape of the path they were asked on.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-log = logging.getLogger("hicache.router")
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -113,6 +110,5 @@ def install(app: FastAPI, unsupported: dict[str, str] | None = None) -> None:
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:  # Starlette logs it (re-raised)
         return error(500, f"internal router error: {type(exc).__name__}: {exc}", request.url.path)
