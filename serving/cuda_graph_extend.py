@@ -94,7 +94,7 @@ class ExtendGraphRunner:
         self.seq_lens = torch.zeros(n, **i32)
         self.extend_start = torch.zeros(n, **i32)
         self.page_table = torch.zeros((n, self.max_pages), **i32)
-        self.waits = GraphLayerWaits(num_layers, device) if device.type == "cuda" else None
+        self.waits = GraphLayerWaits.create(num_layers, device)
         self.batches = {b: self._static_batch(*b) for b in self.buckets}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -176,8 +176,11 @@ class ExtendGraphRunner:
             self.extend_lens[b:sb].zero_()
             self.seq_lens[b:sb].zero_()
             self.extend_start[b:sb].fill_(tb)
-        if batch.layer_waits is not None and self.waits is not None:
-            self.waits.arm(batch.layer_waits)  # layer i of the replay waits for layer i of the loads
+        if batch.layer_waits is not None:
+            if self.waits is not None:
+                self.waits.arm(batch.layer_waits)  # layer i of the replay waits for layer i of the loads
+            else:
+                batch.layer_waits.before_all()
         self.replays += 1
         if self.capture:
             self.graphs[bucket].replay()

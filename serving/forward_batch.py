@@ -43,6 +43,17 @@ class GraphLayerWaits:
     called), so a later arming cannot move an earlier replay's waits (checked on the GPU by
     tests/test_gpu.py). One user: the scheduler thread."""
 
+    @classmethod
+    def create(cls, num_layers: int, device: torch.device) -> GraphLayerWaits | None:
+        """None on a CPU, or with a PyTorch without external events (before 2.9): a replay then
+        waits for every load before it starts (``LayerWaits.before_all``)."""
+        if device.type != "cuda":
+            return None
+        try:
+            return cls(num_layers, device)
+        except TypeError:
+            return None
+
     def __init__(self, num_layers: int, device: torch.device) -> None:
         self.events = [torch.cuda.Event(external=True) for _ in range(num_layers)]
         self.relay = torch.cuda.Stream(device)

@@ -22,13 +22,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # -- kernels, bf16 -------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["decode", "decode_graph_splits", "extend"])
+@pytest.mark.parametrize("kind", ["decode", "decode_graph_splits", "extend", "extend_one_pass", "extend_long_prefix"])
 def test_triton_attention_bf16_vs_torch(kind):
     from serving.kernels.attention import get_attention_backend
     from serving.kernels.attention_triton import TritonAttentionBackend
+    from serving.kernels.triton_extend import one_pass_extend_attention
     from tests.test_kernels import make_case
 
-    lens = [(0, 1), (37, 1), (300, 1), (1000, 1)] if kind != "extend" else [(0, 40), (96, 17), (5, 1), (250, 64)]
+    lens = {"extend": [(0, 40), (96, 17), (5, 1), (250, 64)], "extend_one_pass": [(0, 40), (96, 17), (5, 1), (250, 64)],
+            "extend_long_prefix": [(4096, 16)]}.get(kind, [(0, 1), (37, 1), (300, 1), (1000, 1)])
     case = make_case(lens, 16, heads=32, kv_heads=8, dim=128, seed=3)
     for name in ("q", "k_new", "v_new", "k_cache", "v_cache"):
         setattr(case, name, getattr(case, name).to("cuda", torch.bfloat16))
@@ -44,7 +46,10 @@ def test_triton_attention_bf16_vs_torch(kind):
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
     triton_backend = TritonAttentionBackend()
     triton_backend.store_kv(kc, vc, b.out_cache_loc, case.k_new, case.v_new)
-    out = triton_backend.forward(case.q, kc, vc, b, scale)
+    if kind == "extend_one_pass":
+        out = one_pass_extend_attention(case.q, kc, vc, b, scale)
+    else:  # extend batches of up to 512 new tokens take the split-KV kernel
+        out = triton_backend.forward(case.q, kc, vc, b, scale)
     ref_k = case.k_cache.clone()
     torch_backend.store_kv(ref_k, case.v_cache.clone(), b.out_cache_loc, case.k_new, case.v_new)
     assert torch.equal(kc, ref_k)
