@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from serving.sampling_params import InvalidRequest
+
+PIECE_CHARS = 1 << 15  # a longer text is counted in pieces of about this many characters
+PIECE_SLACK = 8  # tokens a cut between two pieces may add to their sum (a word split in two)
+LARGE_AT_ONCE = 2  # tokenizations of texts over PIECE_CHARS running at once (the rest wait)
 
 
 def has_tokenizer(path: str) -> bool:
@@ -15,14 +22,49 @@ def has_tokenizer(path: str) -> bool:
         os.path.join(path, "tokenizer_config.json"))
 
 
+class TooManyTokens(InvalidRequest):
+    """The text has more than ``limit`` tokens: counting stopped there."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the text has more than {limit} tokens")
+        self.limit = limit
+
+
 class Tokenizer:
+    """A HF tokenizer. Concurrency: ``encode`` may run in many threads at once (the HTTP server
+    runs it in its thread pool); at most LARGE_AT_ONCE of them tokenize a text longer than
+    PIECE_CHARS at a time, the others wait on ``_large``, so a burst of huge prompts holds a
+    bounded amount of the tokenizer's temporary memory."""
+
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.path = path
+        self._large = threading.BoundedSemaphore(LARGE_AT_ONCE)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """The text's token ids. With ``max_tokens``, a text longer than PIECE_CHARS is counted
+        in pieces first (cut before a space where one is near) and TooManyTokens is raised as
+        soon as their sum is over ``max_tokens`` (plus PIECE_SLACK per cut), so a text of any
+        size costs about ``max_tokens`` tokens of work and memory; one within it is then
+        tokenized whole (the ids are always exactly the whole text's, as without the bound)."""
+        if max_tokens is None or len(text) <= PIECE_CHARS:
+            return self._ids(text)
+        with self._large:
+            try:
+                count, start, cuts = 0, 0, 0
+                while start < len(text):
+                    end = _cut(text, start + PIECE_CHARS)
+                    count += len(self._ids(text[start:end]))
+                    if count > max_tokens + PIECE_SLACK * cuts:
+                        raise TooManyTokens(max_tokens)
+                    start, cuts = end, cuts + 1
+                return self._ids(text)
+            finally:
+                release_freed_memory()
+
+    def _ids(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -36,6 +78,26 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+
+def _cut(text: str, end: int) -> int:
+    """Where a piece that should end near ``end`` ends: before the last space in its second
+    half (the space starts the next piece's word, as the whole text's pre-tokenizer splits it)."""
+    if end >= len(text):
+        return len(text)
+    space = text.rfind(" ", end - PIECE_CHARS // 2, end)
+    return space if space > end - PIECE_CHARS // 2 else end
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if os.name == "posix" else None
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim): a large tokenization
+    frees its temporaries in the arena of the pool thread that ran it, where they would stay."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def eos_token_ids(model_path: str, tokenizer: Tokenizer | None) -> list[int]:

@@ -168,8 +168,9 @@ def test_busy_port_fails_before_the_model_loads(server: ServerProcess, tmp_path:
 
 @pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
 def test_tokenizing_a_huge_prompt_does_not_block_other_requests(server: ServerProcess, route: str) -> None:
-    """A 6 MB prompt takes seconds to tokenize (then it is a 400: far over the context); the
-    tokenizer and the chat template run off the event loop, so /health keeps answering."""
+    """A 6 MB prompt is a 400 (far over the context) once the tokenizer, which runs off the event
+    loop, has counted about the context's worth of it (issue 25: it no longer tokenizes it all);
+    /health keeps answering meanwhile."""
     import threading
 
     text = "word " * 1_200_000
@@ -192,5 +193,5 @@ def test_tokenizing_a_huge_prompt_does_not_block_other_requests(server: ServerPr
         time.sleep(0.05)
     t.join()
     assert out["r"].status_code == 400, out["r"].text
-    assert out["s"] > 1.5, out["s"]  # the tokenizer did take long (else this test shows nothing)
+    assert "context length is 256" in out["r"].text, out["r"].text
     assert worst < 1.0, f"/health waited {worst:.2f} s while a huge prompt was tokenized"

@@ -20,7 +20,7 @@ from serving.server.errors import APIError
 from serving.server.metrics import ServerMetrics
 from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT, TenantTable, effective_salt
-from serving.tokenizer import Tokenizer
+from serving.tokenizer import Tokenizer, TooManyTokens
 
 GREEDY_EPS = 1e-6
 
@@ -67,7 +67,11 @@ class ServerContext:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise APIError(400, "the text is not valid unicode (it has a lone surrogate escape)") from None
-        return self.tokenizer.encode(text)
+        try:  # a huge text is refused once it is known to be over the context (serving/tokenizer.py)
+            return self.tokenizer.encode(text, max_tokens=self.context_len - 1)
+        except TooManyTokens:
+            raise APIError(400, f"the prompt has at least {self.context_len} tokens (counting stopped there); "
+                                f"this model's context length is {self.context_len}") from None
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None:
