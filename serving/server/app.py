@@ -1,11 +1,10 @@
-"""The FastAPI application: routers, error handlers, API-key check, cross-origin refusal."""
+"""The FastAPI application: routers, error handlers, API-key check, cross-origin and Host checks."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -16,16 +15,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serving.server import admin_api, anthropic_api, cache_api, errors, native_api, ollama_api, openai_api
 from serving.server.access_log import AccessLogMiddleware
 from serving.server.context import ServerContext
+from serving.server.http_io import asgi_refuse
 from serving.server.tenants import CURRENT, TenantTable
+from serving.server.trusted_hosts import HostPolicy, TrustedHostMiddleware
 
 OPEN_PATHS = frozenset({"/health"})
-
-
-async def _refuse(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = json.dumps(errors.error_body(status, message)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *headers]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def bearer_token(header: bytes) -> bytes | None:
@@ -61,7 +55,7 @@ class APIKeyMiddleware:
                     return await self.app(scope, receive, send)
                 finally:
                     CURRENT.reset(reset)
-        await _refuse(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
+        await asgi_refuse(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
                       ((b"www-authenticate", b"Bearer"),))
 
 
@@ -74,10 +68,12 @@ class SameOriginMiddleware:
 
     The server sends no CORS headers, so no page of another origin can read its answers; but
     a browser sends some POSTs without asking first (a form, or ``fetch`` with no body or a
-    text/plain one), and those would flush the cache or start generations. JSON routes also
-    require ``Content-Type: application/json`` (see http_io.read_json), which such requests
-    cannot carry; this closes the rest (bodyless POSTs such as /flush_cache). Clients that
-    are not browsers (curl, SDKs, the router) send no ``Origin`` and are not affected."""
+    text/plain one), and always with ``Origin``: those would flush the cache or start
+    generations. JSON routes but Ollama's also require ``Content-Type: application/json``
+    (http_io.read_json), which such requests cannot carry. A page whose own name was
+    re-pointed at this server (DNS rebinding) is same-origin by this test: TrustedHostMiddleware
+    (trusted_hosts.py), which runs before this, refuses its ``Host``. Clients that are not
+    browsers (curl, SDKs, the router) send no ``Origin`` and are not affected."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -89,7 +85,7 @@ class SameOriginMiddleware:
         origin = headers.get(b"origin")
         if origin is None or _same_origin(origin, headers.get(b"host", b"")):
             return await self.app(scope, receive, send)
-        await _refuse(send, 403, f"cross-origin request refused (Origin: {origin.decode('latin-1')[:200]})")
+        await asgi_refuse(send, 403, f"cross-origin request refused (Origin: {origin.decode('latin-1')[:200]})")
 
 
 def _same_origin(origin: bytes, host: bytes) -> bool:
@@ -117,6 +113,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         app.include_router(module.router)
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)
-    app.add_middleware(SameOriginMiddleware)  # added last: runs first
+    app.add_middleware(SameOriginMiddleware)  # middleware added later runs earlier: Host before Origin
+    app.add_middleware(TrustedHostMiddleware, policy=HostPolicy(ctx.server.host, ctx.server.allowed_hosts))
     app.add_middleware(AccessLogMiddleware, metrics=ctx.metrics, routes=app.routes, enabled=ctx.server.access_log)
     return app

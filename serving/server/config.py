@@ -40,6 +40,10 @@ class ServerConfig:
     # YAML of tenants (key -> tenant, optional quota_pages per tier): each key's requests run in that
     # tenant's isolated cache space (serving/server/tenants.py); --api-key stays the default tenant
     api_keys_file: str | None = None
+    # names the Host header may give besides IP literals and localhost (and, when listening beyond
+    # loopback, --host and the machine's host name), comma-separated; "*.example.com" takes its
+    # subdomains, "*" any name (serving/server/trusted_hosts.py: the DNS rebinding guard)
+    allowed_hosts: str | None = None
     max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413
     session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
     # open sessions (/open_session) on this server, and per --api-keys-file tenant: 429 past them
@@ -90,6 +94,10 @@ class ServerConfig:
         for name in ("max_sessions", "max_sessions_per_tenant", "max_pin_leases", "max_pin_leases_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.allowed_hosts is not None:
+            from serving.server.trusted_hosts import parse_allowed_hosts
+
+            parse_allowed_hosts(self.allowed_hosts)  # ValueError naming a malformed entry
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.graceful_shutdown_timeout_s < 0:

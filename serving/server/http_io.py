@@ -1,8 +1,11 @@
-"""Reading request bodies safely, server-sent events, and noticing clients that went away.
+"""Reading request bodies safely, server-sent events, refusals from ASGI middleware, and
+noticing clients that went away.
 
 A JSON body must come with ``Content-Type: application/json`` (or ``application/<x>+json``),
 else 415: a browser can send a cross-origin POST without asking first only with a form or
-text/plain type, so this keeps web pages from driving the server. Bodies over the size
+text/plain type, so this is a second guard after the Origin and Host checks (app.py,
+trusted_hosts.py). Ollama's routes take a body of any declared type, as Ollama does
+(``json_type=False``; its clients send none, ``curl -d`` a form type). Bodies over the size
 limit are a 413, nested deeper than ``max_json_depth`` a 400 (checked before parsing), and a
 client that goes away while sending is not an error (499, nothing logged).
 """
@@ -18,6 +21,7 @@ import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
+from starlette.types import Send
 
 from serving.server.errors import APIError, error_body, validation_message
 
@@ -59,10 +63,12 @@ def check_json_type(request: Request) -> None:
                         + (f" (got {declared[:100]!r})" if declared else " (no Content-Type was sent)"))
 
 
-async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
-    """The body as JSON: 415 unless declared JSON, 413 over ``limit`` bytes, 400 for invalid
-    UTF-8 or JSON or nesting deeper than ``max_depth``; 499 if the client leaves meanwhile."""
-    check_json_type(request)
+async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_DEPTH, json_type: bool = True) -> Any:
+    """The body as JSON: 415 unless declared JSON (with ``json_type``), 413 over ``limit`` bytes,
+    400 for invalid UTF-8 or JSON or nesting deeper than ``max_depth``; 499 if the client
+    leaves meanwhile."""
+    if json_type:
+        check_json_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {length} bytes; the limit is {limit}")
@@ -93,8 +99,9 @@ async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_D
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-async def parse_body(request: Request, model: type[M], limit: int, max_depth: int = DEFAULT_MAX_DEPTH) -> M:
-    data = await read_json(request, limit, max_depth)
+async def parse_body(request: Request, model: type[M], limit: int, max_depth: int = DEFAULT_MAX_DEPTH,
+                     json_type: bool = True) -> M:
+    data = await read_json(request, limit, max_depth, json_type)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -102,6 +109,14 @@ async def parse_body(request: Request, model: type[M], limit: int, max_depth: in
     except ValidationError as e:
         msg, param = validation_message(list(e.errors()))
         raise APIError(400, msg, param) from None
+
+
+async def asgi_refuse(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Answer an ASGI request with an error in OpenAI's shape (for middleware, before any route)."""
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def wait_disconnect(request: Request) -> None:
