@@ -8,7 +8,9 @@ sampling options HiCache does not implement only at their neutral value. ``forma
 or a JSON schema (structured output). As Ollama does, ``stream`` defaults to true: NDJSON lines,
 the last one with ``done: true`` and the counts; ``prompt_eval_count`` counts the prompt tokens
 computed, so a prompt served from the cache shows a small one (as Ollama's own cache does).
-A model name may carry Ollama's ``:latest`` tag. Errors are ``{"error": "..."}``.
+A model name may carry Ollama's ``:latest`` tag. Errors are ``{"error": "..."}``. As Ollama does,
+a body is read as JSON whatever its ``Content-Type`` (its clients send none, ``curl -d`` a form
+type); browsers stay out through the Origin and Host checks (app.py, trusted_hosts.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from functools import wraps
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -37,6 +39,7 @@ from serving.server.text import TextStream, final_text
 router = APIRouter()
 OLLAMA_VERSION = "0.6.3"  # the API version these routes follow (the ollama client's)
 ANY = compat_fields.ANY
+B = TypeVar("B", bound=StrictModel)
 
 
 def ollama_errors(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -123,6 +126,12 @@ class ShowRequest(StrictModel):
     name: str | None = None  # the older spelling
 
 
+async def _body(request: Request, model: type[B]) -> B:
+    """The body as ``model``: JSON whatever its declared type, as Ollama reads it."""
+    ctx = get_ctx(request)
+    return await parse_body(request, model, ctx.server.max_request_bytes, ctx.server.max_json_depth, json_type=False)
+
+
 def _model(ctx: ServerContext, name: str) -> str:
     ctx.check_model(name.removesuffix(":latest"))
     return name
@@ -178,7 +187,7 @@ async def _lines(ctx: ServerContext, body: _Base, handle: ReqHandle, key: str, w
 @ollama_errors
 async def chat(request: Request) -> Any:
     ctx = get_ctx(request)
-    body = await parse_body(request, ChatRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    body = await _body(request, ChatRequest)
     _model(ctx, body.model)
     ids = await run_in_threadpool(ctx.chat_ids, [{"role": x.role, "content": x.content} for x in body.messages])
     return await _run(request, ctx, body, ids, "message", lambda t: {"role": "assistant", "content": t})
@@ -188,7 +197,7 @@ async def chat(request: Request) -> Any:
 @ollama_errors
 async def generate(request: Request) -> Any:
     ctx = get_ctx(request)
-    body = await parse_body(request, GenerateRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    body = await _body(request, GenerateRequest)
     _model(ctx, body.model)
     if not body.prompt:  # Ollama: an empty prompt only loads the model
         return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
@@ -220,7 +229,7 @@ async def tags(request: Request) -> Any:
 @ollama_errors
 async def show(request: Request) -> Any:
     ctx = get_ctx(request)
-    body = await parse_body(request, ShowRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
+    body = await _body(request, ShowRequest)
     name = body.model or body.name
     if not name:
         raise APIError(400, "model is required")
