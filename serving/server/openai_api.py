@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+"""OpenAI-compatible routes: /v1/models (+ /v1/models/{model}), /v1/chat/completions, /v1/completions.
 
 ``n > 1``: the prompt is computed once (serving.server.fanout) and each choice decodes from its
 KV; usage counts the prompt once. Logprobs: chat ``logprobs`` / ``top_logprobs``, completions
@@ -51,22 +51,29 @@ def usage(states: list[ReqState], prompts: list[ReqState] | None = None) -> dict
     }
 
 
+def model_card(ctx: ServerContext) -> dict[str, Any]:
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": int(ctx.client.started_at),
+        "owned_by": "hicache",
+        "root": ctx.info["model_path"],
+        "max_model_len": ctx.context_len,
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(get_ctx(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
+    """OpenAI's retrieve-model: the served model by any name a request's ``model`` may give
+    (the model path too, slashes and all); else a 404 with ``model_not_found``."""
     ctx = get_ctx(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": ctx.model_name,
-                "object": "model",
-                "created": int(ctx.client.started_at),
-                "owned_by": "hicache",
-                "root": ctx.info["model_path"],
-                "max_model_len": ctx.context_len,
-            }
-        ],
-    }
+    ctx.check_model(model)
+    return model_card(ctx)
 
 
 def _skip_special(body: OpenAISampling) -> bool:
