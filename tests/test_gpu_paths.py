@@ -251,6 +251,10 @@ def test_extend_buckets_round_like_the_token_counts():
             assert next_pow2(t, 16) == next_pow2(bucket, 16), (budget, t, bucket)
     with pytest.raises(ValueError):
         extend_buckets(0, 4)
+    from serving.config import ModelConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_extend_tokens"):
+        ModelConfig(cuda_graph_max_extend_tokens=0)
 
 
 FUSED_CODE = """
