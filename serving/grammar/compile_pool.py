@@ -1,4 +1,4 @@
-"""Grammar compiles with a time budget, run where the scheduler never waits for them.
+"""Grammar compiles with a time and a memory budget, run where the scheduler never waits for them.
 
 A new grammar goes through two phases, each off the scheduler thread:
 
@@ -6,8 +6,11 @@ A new grammar goes through two phases, each off the scheduler thread:
    worker, ``workers`` of them. A trial that runs past ``timeout_s`` is killed with its
    process (the request fails with :class:`GrammarTimeout`, a 400 naming the budget) and the
    worker is restarted; so is a trial whose every waiting request was aborted. A trial that
-   crashes the process fails its request. Nothing that a grammar does there can hold a
-   thread, a core or memory of the engine process for longer than the budget.
+   crashes the process fails its request. A trial whose worker grows more than
+   ``max_memory_mb`` over its idle size (RSS, read every ``POLL_S``; the worker also sets
+   itself a hard address-space limit above that, see ``compile_worker``) is killed the same
+   way (:class:`GrammarMemoryLimit`, a 400 naming the limit). Nothing that a grammar does
+   there can hold a thread, a core or memory of the engine process beyond the budgets.
 2. **compile**: a grammar that compiled within the budget is compiled again in this process,
    on a thread (xgrammar releases the GIL), which takes about as long as the trial did. The
    compiled grammar is not shipped from the worker because xgrammar's only serialization is
@@ -39,6 +42,7 @@ from typing import Any
 
 from serving.grammar.base import GrammarBackend, GrammarError
 from serving.grammar.compile_worker import read_frame, write_frame
+from serving.grammar.memory_limits import memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,12 @@ class GrammarTimeout(GrammarError):
     """A grammar that did not compile within the time budget. Kept in the compiled-grammar
     cache (``cached``), so the same grammar sent again fails at once instead of costing
     another budget of a worker's time."""
+
+    cached = True
+
+
+class GrammarMemoryLimit(GrammarError):
+    """A grammar whose compile needed more than the memory budget; cached like a timeout."""
 
     cached = True
 
@@ -78,18 +88,19 @@ class CompileJob(Future):
         self.trial_s: float | None = None  # how long the trial compile took
 
 
-_TIMEOUT, _CANCELLED, _CLOSED = object(), object(), object()
+_TIMEOUT, _CANCELLED, _CLOSED, _MEMORY = object(), object(), object(), object()
 
 
 class CompilePool:
     def __init__(self, backend: GrammarBackend, workers: int = 2, timeout_s: float = 10.0,
-                 max_pending: int = 128) -> None:
-        if workers <= 0 or timeout_s <= 0 or max_pending <= 0:
-            raise ValueError("workers, timeout_s and max_pending must be positive")
+                 max_pending: int = 128, max_memory_mb: int = 1024) -> None:
+        if workers <= 0 or timeout_s <= 0 or max_pending <= 0 or max_memory_mb <= 0:
+            raise ValueError("workers, timeout_s, max_pending and max_memory_mb must be positive")
         self.backend = backend
         self.workers = workers
         self.timeout_s = timeout_s
         self.max_pending = max_pending
+        self.max_memory_mb = max_memory_mb
         self._cv = threading.Condition()
         self._queue: deque[CompileJob] = deque()
         self._pending: set[CompileJob] = set()
@@ -98,7 +109,7 @@ class CompilePool:
         self._spec_lock = threading.Lock()
         self._local = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._closed = False
-        self.counts = {"trials": 0, "timeouts": 0, "cancelled": 0, "failed": 0, "crashed": 0,
+        self.counts = {"trials": 0, "timeouts": 0, "over_memory": 0, "cancelled": 0, "failed": 0, "crashed": 0,
                        "compiled": 0, "worker_starts": 0}
 
     # -- the scheduler's side ------------------------------------------------------------
@@ -232,6 +243,7 @@ class _Slot:
     def __init__(self, pool: CompilePool, index: int) -> None:
         self.pool = pool
         self.proc: subprocess.Popen[bytes] | None = None
+        self.idle_rss: int | None = None  # the worker's peak RSS once ready: its trials' memory counts from it
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"grammar-trial-{index}", daemon=True)
         self.thread.start()
@@ -276,15 +288,17 @@ class _Slot:
             self.proc = proc
         self.pool._count("worker_starts")
         assert proc.stdin is not None
-        write_frame(proc.stdin.fileno(), spec)
+        write_frame(proc.stdin.fileno(), {**spec, "max_memory_mb": self.pool.max_memory_mb})
         reply = self._wait(time.monotonic() + START_TIMEOUT_S, None)
         if reply is _TIMEOUT:
             raise RuntimeError(f"not ready after {START_TIMEOUT_S:.0f} s")
         if reply != ["ready"]:
             raise RuntimeError(f"unexpected first message {reply!r}")
+        self.idle_rss = memory_bytes(proc.pid)
 
     def _wait(self, deadline: float, job: CompileJob | None) -> Any:
-        """The worker's next frame, or _TIMEOUT / _CANCELLED / _CLOSED; EOFError if it died."""
+        """The worker's next frame, or _TIMEOUT / _CANCELLED / _CLOSED / _MEMORY (a trial over
+        the memory budget); EOFError if it died."""
         proc = self.proc
         if proc is None or proc.stdout is None:
             raise EOFError("the worker was stopped")
@@ -296,6 +310,8 @@ class _Slot:
                 return _CLOSED
             if job is not None and job.cancel_requested:
                 return _CANCELLED
+            if job is not None and self._grew(proc.pid, self.pool.max_memory_mb):
+                return _MEMORY
             left = deadline - time.monotonic()
             if left <= 0:
                 return _TIMEOUT
@@ -317,8 +333,12 @@ class _Slot:
             pool._count("crashed")
             log.warning("a %s of %d bytes crashed the grammar compile worker (%s, exit code %s)",
                         kind, len(text), type(e).__name__, code)
-            pool._settle(job, error=GrammarError(f"the {kind} crashed the grammar compiler (exit code {code})"))
+            pool._settle(job, error=GrammarError(
+                f"the {kind} crashed the grammar compiler (exit code {code}; its memory limit is "
+                f"{pool.max_memory_mb} MB, grammar_compile_max_memory_mb)"))
             return
+        if isinstance(reply, list) and (reply[3:] == ["memory"] or self._grew(proc.pid, pool.max_memory_mb)):
+            reply = _MEMORY  # its own hard limit stopped it, or it ended with its peak over the budget
         if reply is _TIMEOUT:
             self.kill()
             pool._count("timeouts")
@@ -327,6 +347,14 @@ class _Slot:
             pool._settle(job, error=GrammarTimeout(
                 f"the {kind} did not compile within the time budget of {pool.timeout_s:g} s "
                 f"(grammar_compile_timeout_s); simplify it"))
+        elif reply is _MEMORY:
+            self.kill()
+            pool._count("over_memory")
+            log.warning("a %s of %d bytes needed more than %d MB to compile: its worker was killed",
+                        kind, len(text), pool.max_memory_mb)
+            pool._settle(job, error=GrammarMemoryLimit(
+                f"the {kind} needed more than the memory limit of {pool.max_memory_mb} MB to compile "
+                f"(grammar_compile_max_memory_mb); simplify it"))
         elif reply is _CANCELLED:
             self.kill()  # nobody waits for it any more: stop burning a core on it
             log.info("the compile of a %s of %d bytes was cancelled after %.1f s (its requests left): "
@@ -335,12 +363,19 @@ class _Slot:
         elif reply is _CLOSED:
             pool._settle(job, error=CompileUnavailable("the engine is shutting down"))
         else:
-            _, ok, detail = reply
+            _, ok, detail = reply[:3]
             if ok:
                 pool._trial_passed(job, float(detail))
             else:
                 pool._count("failed")
                 pool._settle(job, error=GrammarError(str(detail)))
+            if self.proc is not None and self._grew(self.proc.pid, pool.max_memory_mb // 2, "VmRSS"):
+                self.kill()  # it kept much of what the trial took: the next trial starts on a fresh one
+
+    def _grew(self, pid: int, limit_mb: int, field: str = "VmHWM") -> bool:
+        """The worker's memory (``field``) is more than ``limit_mb`` over its idle size."""
+        now = memory_bytes(pid, field)
+        return now is not None and self.idle_rss is not None and now - self.idle_rss > limit_mb * 2**20
 
     def kill(self) -> int | None:
         """Kill the worker (if any); its exit code."""

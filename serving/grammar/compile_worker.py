@@ -12,9 +12,17 @@ hundreds of times the grammar's memory (a 22 KB schema of integer ranges: 3.5 MB
 Run as ``python -m serving.grammar.compile_worker PARENT_PID``. The protocol, frames of a
 4-byte big-endian length and a msgpack body, stdin -> worker, worker -> stdout:
 
-- in:  ``{"factory": "module:function", "config": ...}`` once, then ``[job_id, kind, text]``;
+- in:  ``{"factory": "module:function", "config": ..., "max_memory_mb": n}`` once, then
+  ``[job_id, kind, text]``;
 - out: ``["ready"]`` once the factory has built its compile function, then
-  ``[job_id, True, seconds]`` or ``[job_id, False, message]`` per job.
+  ``[job_id, True, seconds]`` or ``[job_id, False, message, reason]`` per job (reason
+  ``"memory"``: the worker ran out of its address space, see below; ``"error"`` otherwise).
+
+Memory: the engine measures the worker's peak RSS against ``max_memory_mb`` over its idle
+size (``compile_pool``). That is read every few ms, so the worker also limits its own address
+space (RLIMIT_AS, once ready) to its size then plus twice ``max_memory_mb`` plus a headroom
+(``memory_limits``): an allocation faster than the engine's reads fails there, the trial is
+answered ``"memory"`` and the engine replaces the worker.
 
 The worker runs at a lower CPU priority than the engine, ignores SIGINT / SIGTERM (the engine
 stops it), and dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and EOF on stdin).
@@ -34,8 +42,10 @@ from typing import Any
 import msgpack
 
 from serving.grammar.base import GrammarError
+from serving.grammar.memory_limits import is_out_of_memory, limit_address_space
 
 NICE = 5  # compiles yield the CPU to the engine's forward passes
+WARM_UP = ("regex", "[0-9]{3}")  # compiled once before "ready": the idle size includes the compiler's threads
 MAX_FRAME = 64 * 2**20  # messages are small (a grammar's text, a config with a tokenizer's vocabulary)
 _LEN = struct.Struct(">I")
 
@@ -94,6 +104,12 @@ def main() -> None:
     os.dup2(2, 1)  # anything printed goes to stderr, never into the reply pipe
     init = read_frame(rx)
     compile_fn = load_factory(init["factory"])(init["config"])
+    try:
+        compile_fn(*WARM_UP)
+    except Exception:
+        pass
+    if init.get("max_memory_mb"):
+        limit_address_space(int(init["max_memory_mb"]))
     write_frame(tx, ["ready"])
     while True:
         try:
@@ -104,8 +120,11 @@ def main() -> None:
         try:
             compile_fn(kind, text)
         except Exception as e:  # GrammarError names the problem; anything else is named by its type
+            if is_out_of_memory(e):
+                write_frame(tx, [job_id, False, "out of memory", "memory"])
+                os._exit(3)  # the engine replaces this worker
             msg = str(e) if isinstance(e, GrammarError) else f"{type(e).__name__}: {e}"
-            write_frame(tx, [job_id, False, msg[:1000]])
+            write_frame(tx, [job_id, False, msg[:1000], "error"])
         else:
             write_frame(tx, [job_id, True, time.perf_counter() - t0])
 
