@@ -76,6 +76,13 @@ class SchedulerConfig:
     grammar_max_bytes: int = 32768  # a json_schema / regex / ebnf text over this is a 400 at once
     grammar_compile_workers: int = 2  # worker processes for trial compiles (started with the first grammar)
     grammar_max_pending_compiles: int = 128  # distinct grammars queued or compiling; beyond: 429
+    # memory (RSS) a trial compile may add to its worker process; past it the worker is killed and
+    # the request fails with a 400 naming the limit (legitimate grammars: a few MB)
+    grammar_compile_max_memory_mb: int = 1024
+    # one jump-forward look-ahead (on the scheduler thread) stops at this many tokens or this long;
+    # the request goes on without it (a grammar may force an infinite string: root ::= "ab" root)
+    grammar_jump_forward_max_tokens: int = 256
+    grammar_jump_forward_max_ms: float = 20.0  # the time budget of one jump-forward look-ahead (above)
     disable_overlap_schedule: bool = False  # CUDA: prepare batch N+1 while the GPU runs batch N
 
     def __post_init__(self) -> None:
@@ -87,7 +94,10 @@ class SchedulerConfig:
             raise ValueError("max_total_tokens must be positive")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
-        for name in ("grammar_max_bytes", "grammar_compile_workers", "grammar_max_pending_compiles"):
+        if not self.grammar_jump_forward_max_ms > 0:
+            raise ValueError("grammar_jump_forward_max_ms must be positive")
+        for name in ("grammar_max_bytes", "grammar_compile_workers", "grammar_max_pending_compiles",
+                     "grammar_compile_max_memory_mb", "grammar_jump_forward_max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.grammar_backend not in ("xgrammar", "none"):

@@ -31,6 +31,12 @@ Per step:
      more: its tokens are then prefilled together in the next step (the request is
      "prefilling" again), one pass instead of one per token, but that step is a mixed batch,
      which costs more than a decode batch (no CUDA graph; the CPU attention loops per sequence).
+   The look-ahead is bounded (``jump_max_tokens``, the request's remaining ``max_new_tokens``,
+   ``jump_max_s``): a grammar may force an infinite string (``root ::= "ab" root``, a JSON
+   schema that requires itself). A look-ahead that stops at a bound is used as any other run
+   (the tokens it found are exact); the request continues, step by step or with the next
+   jump. A run as long as the request's remaining tokens is appended like one that ends the
+   grammar: it ends the request.
    Multi-token strings the tokenizer can split several ways (``": "`` as ``":`` + `` "`` or
    ``:`` + ``" "`` ...) are never skipped: which split the model picks depends on its logits.
    Tokens match step-by-step decoding exactly; the logits after a jump can differ in the last
@@ -60,7 +66,6 @@ from serving.sampling_params import InvalidRequest
 # graphs on GPU, one batched attention on CPU) into a mixed batch that costs more than the few
 # decode steps a short run saves (see bench/structured.py).
 MIN_JUMP_TOKENS = 8
-MAX_JUMP_TOKENS = 256  # look-ahead bound per step
 
 
 @dataclass
@@ -89,6 +94,9 @@ class GrammarStats:
     apply_s: float = 0.0  # masks applied to logits
     jump_s: float = 0.0  # jump-forward checks
     jumped_tokens: int = 0  # tokens appended without their own forward pass
+    jumps: int = 0  # runs appended
+    looked_ahead: int = 0  # tokens the look-aheads accepted (then rolled back)
+    jump_capped: int = 0  # look-aheads stopped by grammar_jump_forward_max_tokens / _max_ms
 
 
 class MaskJob:
@@ -112,16 +120,21 @@ class MaskJob:
 class GrammarRunner:
     def __init__(self, backend: GrammarBackend | None, jump_forward: bool = True,
                  off_reason: str = "", cache_capacity: int = 256, compile_timeout_s: float = 10.0,
-                 max_grammar_bytes: int = 32768, compile_workers: int = 2, max_pending_compiles: int = 128) -> None:
+                 max_grammar_bytes: int = 32768, compile_workers: int = 2, max_pending_compiles: int = 128,
+                 compile_max_memory_mb: int = 1024, jump_max_tokens: int = 256, jump_max_ms: float = 20.0) -> None:
+        if jump_max_tokens <= 0 or not jump_max_ms > 0:
+            raise ValueError("jump_max_tokens and jump_max_ms must be positive")
         self.backend = backend
         self.enable_jump_forward = jump_forward
         self.min_jump_tokens = MIN_JUMP_TOKENS
+        self.jump_max_tokens = jump_max_tokens
+        self.jump_max_s = jump_max_ms / 1000
         self.off_reason = off_reason
         self.max_grammar_bytes = max_grammar_bytes
         self.cache = CompiledGrammarCache(cache_capacity)
         self.stats = GrammarStats()
-        self.compiles = CompilePool(backend, compile_workers, compile_timeout_s, max_pending_compiles) \
-            if backend is not None else None
+        self.compiles = CompilePool(backend, compile_workers, compile_timeout_s, max_pending_compiles,
+                                    compile_max_memory_mb) if backend is not None else None
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._mask = backend.allocate_mask(64) if backend is not None else None
         self._job: MaskJob | None = None
@@ -231,26 +244,37 @@ class GrammarRunner:
 
     def jump_forward(self, r: Any, append: Callable[[Any, int], None]) -> None:
         """Append the tokens the grammar forces after ``r``'s last token (see the module doc):
-        a forced run that ends the grammar always (the request finishes, no pass needed), a
-        run that does not only when it has ``min_jump_tokens`` tokens or more."""
+        a forced run that ends the grammar or the request always (no pass needed), a run that
+        does not only when it has ``min_jump_tokens`` tokens or more. The look-ahead stops at
+        ``jump_max_tokens``, at the request's remaining tokens and after ``jump_max_s``."""
         st: GrammarState | None = r.grammar
         if not self.enable_jump_forward or st is None or st.matcher is None or r.finished:
             return
         assert self.backend is not None
         t0 = time.perf_counter()
         m = st.matcher
+        left = r.sampling.max_new_tokens - len(r.output_ids)
+        limit = min(self.jump_max_tokens, left)
         forced: list[int] = []  # look ahead on the matcher, then roll back
-        while len(forced) < MAX_JUMP_TOKENS:
+        capped = False
+        while len(forced) < limit:
             tok = self.backend.forced_token(m)
             if tok is None or not m.accept_token(tok):
                 break
             forced.append(tok)
             if m.is_terminated():
                 break
-        ends = bool(forced) and m.is_terminated()
+            if time.perf_counter() - t0 > self.jump_max_s:
+                capped = True
+                break
+        capped = capped or (len(forced) == self.jump_max_tokens < left and not m.is_terminated())
+        ends = bool(forced) and (m.is_terminated() or len(forced) >= left)
         if forced:
             m.rollback(len(forced))
+        self.stats.looked_ahead += len(forced)
+        self.stats.jump_capped += capped
         if forced and (ends or len(forced) >= self.min_jump_tokens):
+            self.stats.jumps += 1
             for tok in forced:
                 if r.finished:
                     break
@@ -280,4 +304,6 @@ def make_grammar_runner(config: Any, tokenizer: Any, vocab_size: int, stop_ids: 
     return GrammarRunner(
         make_grammar_backend(config.grammar_backend, hf, vocab_size, stop_ids), config.jump_forward,
         compile_timeout_s=config.grammar_compile_timeout_s, max_grammar_bytes=config.grammar_max_bytes,
-        compile_workers=config.grammar_compile_workers, max_pending_compiles=config.grammar_max_pending_compiles)
+        compile_workers=config.grammar_compile_workers, max_pending_compiles=config.grammar_max_pending_compiles,
+        compile_max_memory_mb=config.grammar_compile_max_memory_mb,
+        jump_max_tokens=config.grammar_jump_forward_max_tokens, jump_max_ms=config.grammar_jump_forward_max_ms)
