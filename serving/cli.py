@@ -3,15 +3,23 @@
 ``hicache serve --config configs/l3.yaml [--flag value ...]``: a flag overrides the file, the
 file overrides the defaults of the frozen config dataclasses. Every dataclass field of a
 simple type gets a flag named after it, SGLang-style (``max_running_requests`` ->
-``--max-running-requests``); defaults are shown from the dataclasses, never repeated here.
+``--max-running-requests``; a mapping such as ``hicache_storage_backend_extra_config`` takes
+JSON). ``--help`` is generated from the dataclasses: each flag's description is its field's
+comment, its allowed values are the field's choices (hicache.config_fields), and its default is
+the effective one: the config file's value under ``--config``, else the dataclass's.
 The API key may also come from the environment, ``HICACHE_API_KEY`` (a flag shows in ``ps``):
 ``--api-key`` wins over the variable, the variable over the config file.
+
+Every configuration error is one line and exit status 2, before anything loads: the values
+(the dataclasses), then what needs the file system or the model's config.json
+(serving.server.preflight).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import types
@@ -19,10 +27,22 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from serving.server.config import SECTIONS, ConfigError, field_types, load_config
+from hicache.config_fields import field_choices, field_docs
+from serving.server.config import SECTIONS, ConfigError, field_types, load_config, read_config_file
 
 _SCALARS = (str, int, float)
 API_KEY_ENV = "HICACHE_API_KEY"
+SERVE_USAGE = "hicache serve [-h] [--config YAML] [--FLAG VALUE ...]"
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
 
 
 def _flag_type(tp: Any) -> Any:
@@ -35,21 +55,39 @@ def _flag_type(tp: Any) -> Any:
     real = [a for a in args if a is not type(None)]
     if len(real) == 1 and (real[0] in _SCALARS or real[0] is bool):
         return real[0]
+    if len(real) == 1 and (real[0] is dict or typing.get_origin(real[0]) is dict):
+        return _json_object
     return None
 
 
 FLAG_ALIASES = {"tp_size": ("--tensor-parallel-size",), "dp_size": ("--data-parallel-size",)}  # SGLang/vLLM
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]]:
-    """Add ``--config`` and one flag per config field; returns ``dest -> (section, field)``."""
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _help(doc: str | None, default: Any, source: str | None) -> str:
+    text = (doc or "").rstrip(".")
+    shown = json.dumps(default) if isinstance(default, dict) else "unset" if default is None else repr(default)
+    where = f" from {source}" if source else ""
+    return (f"{text} (default: {shown}{where})" if text else f"default: {shown}{where}").replace("%", "%%")
+
+
+def add_serve_args(parser: argparse.ArgumentParser, file_values: dict[str, dict[str, Any]] | None = None,
+                   source: str | None = None) -> dict[str, tuple[str, str]]:
+    """Add ``--config`` and one flag per config field; returns ``dest -> (section, field)``.
+    ``file_values``: the config file's sections (``source`` names it), shown as the defaults."""
     parser.add_argument(
-        "--config", metavar="YAML", help="config file (sections model, cache, scheduler, server)"
+        "--config", metavar="YAML", help="config file (sections model, cache, scheduler, server); flags override it"
     )
+    file_values = file_values or {}
     dests: dict[str, tuple[str, str]] = {}
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} (config section '{section}:')")
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        docs = field_docs(cls)
+        in_file = file_values.get(section) if isinstance(file_values.get(section), dict) else {}
         for name, tp in field_types(cls).items():
             kind = _flag_type(tp)
             if kind is None:
@@ -58,24 +96,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]
                 raise RuntimeError(f"config field {name!r} is in both {dests[name][0]} and {section}")
             flag = "--" + name.replace("_", "-")
             flags = (flag, *FLAG_ALIASES.get(name, ()))
-            help_ = f"default: {defaults[name]!r}"
+            default, where = (in_file[name], source) if name in in_file else (_default(fields[name]), None)
+            help_ = _help(docs.get(name), default, where)
+            choices = field_choices(fields[name])
             if kind is bool:
-                group.add_argument(
-                    *flags,
-                    dest=name,
-                    action=argparse.BooleanOptionalAction,
-                    default=argparse.SUPPRESS,
-                    help=help_,
-                )
+                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_)
             else:
-                group.add_argument(
-                    *flags,
-                    dest=name,
-                    type=kind,
-                    default=argparse.SUPPRESS,
-                    metavar=kind.__name__.upper(),
-                    help=help_,
-                )
+                # choices are shown, not enforced here: the dataclass refuses others in one line
+                metavar = "{" + ",".join(choices) + "}" if choices else \
+                    "JSON" if kind is _json_object else kind.__name__.upper()
+                group.add_argument(*flags, dest=name, type=kind, default=argparse.SUPPRESS, metavar=metavar,
+                                   help=help_)
             dests[name] = (section, name)
     return dests
 
@@ -99,23 +131,61 @@ def serve_overrides(
     return out
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, tuple[str, str]]]:
-    from serving import convert
+def _file_values(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
+    """The sections of ``serve``'s ``--config`` file, for --help's defaults ({} when unreadable:
+    the real load reports that)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    path = pre.parse_known_args(list(argv))[0].config
+    if path is None:
+        return {}, None
+    try:
+        return read_config_file(path), path
+    except ConfigError:
+        return {}, None
 
+
+def build_parser(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, dict[str, tuple[str, str]]]:
+    """The parser; ``argv`` (the command line, when known) lets ``serve --help`` show its config
+    file's values as defaults and spares ``serve`` importing the converter (and torch)."""
+    argv = list(argv or [])
+    command = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="hicache", description="LLM serving with a hierarchical KV cache")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,convert,router}")
-    serve = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible and SGLang-native)")
-    dests = add_serve_args(serve)
-    convert.add_convert_args(sub.add_parser("convert", help="convert a GGUF file into a HF model folder"))
-    from router.cli import add_router_args
+    serve = sub.add_parser(
+        "serve", help="run the HTTP server (OpenAI-compatible and SGLang-native)", usage=SERVE_USAGE,
+        description="Run the HTTP server. Flags override the --config file; the defaults shown are the "
+                    "effective ones (the file's value where it sets one).")
+    values, source = _file_values(argv[argv.index("serve") + 1:]) if command == "serve" else ({}, None)
+    dests = add_serve_args(serve, values, source)
+    serve.set_defaults(command_parser=serve)
+    convert_parser = sub.add_parser("convert", help="convert a GGUF file into a HF model folder")
+    convert_parser.set_defaults(command_parser=convert_parser)
+    if command in (None, "convert"):
+        from serving import convert
 
-    add_router_args(sub.add_parser("router", help="cache-aware router over many servers"))
+        convert.add_convert_args(convert_parser)
+    router_parser = sub.add_parser("router", help="cache-aware router over many servers")
+    router_parser.set_defaults(command_parser=router_parser)
+    if command in (None, "router"):
+        from router.cli import add_router_args
+
+        add_router_args(router_parser)
     return parser, dests
 
 
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, tuple[str, str]]]:
+    """Parse ``argv``; an unknown flag is reported by its command's parser (its usage, exit 2)."""
+    parser, dests = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args, dests
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, dests = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, dests = parse(argv)
     if args.command == "convert":
         from serving import convert
 
@@ -127,16 +197,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     try:
         cfg = load_config(args.config, serve_overrides(args, dests))
+        if cfg.engine.model.tp_size > 1 and cfg.server.disaggregation_mode != "null":
+            raise ConfigError("--tp-size > 1 with --disaggregation-mode: PD disaggregation with tensor "
+                              "parallelism is not supported (allowed: --tp-size 1)")
+        from serving.server.preflight import preflight
+
+        preflight(cfg)  # what needs the file system or the model's config.json, before anything loads
     except ConfigError as e:
         print(f"hicache serve: {e}", file=sys.stderr)
-        return 2
-    if cfg.engine.model.tp_size > 1 and cfg.server.disaggregation_mode != "null":
-        print("hicache serve: PD disaggregation with --tp-size > 1 is not supported", file=sys.stderr)
         return 2
     if cfg.server.dp_size > 1:  # N replicas behind the router, started from this same command line
         from serving.parallel.dp import run_dp
 
-        argv = list(sys.argv[1:] if argv is None else argv)
         return run_dp(cfg, argv[argv.index("serve") + 1:])
     from serving.server.launch import run_server
 

@@ -9,38 +9,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hicache.config import CacheConfig
+from hicache.config_fields import check_choices, choice
 
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")  # serving.model_runner.KV_CACHE_DTYPES
 QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # "none" + serving.models.quant.quant_methods()
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto" + serving.model_runner.DTYPES
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FORMATS
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+
+
+def _schedule_policies() -> tuple[str, ...]:
+    from serving.schedule_policy import SCHEDULE_POLICIES  # the registry (torch-free)
+
+    return tuple(SCHEDULE_POLICIES)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_path: str = "models/SmolLM2-135M-Instruct"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
-    load_format: str = "auto"  # auto | dummy (random weights of the config's shape)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    attention_backend: str = "auto"  # auto: triton on CUDA; on CPU cpu (C++, AVX-512) where it builds, else torch
+    model_path: str = "models/SmolLM2-135M-Instruct"  # a Hugging Face model folder (config.json, safetensors)
+    dtype: str = choice("auto", DTYPES)  # auto: float32 on CPU, bfloat16 on CUDA
+    load_format: str = choice("auto", LOAD_FORMATS)  # dummy: random weights of the config's shape
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    # auto: triton on CUDA; on CPU cpu (C++, AVX-512) where it builds, else torch
+    attention_backend: str = choice("auto", ATTENTION_BACKENDS)
     context_length: int | None = None  # default: the model's max_position_embeddings
     tokenizer_path: str | None = None  # default: model_path
-    served_model_name: str | None = None
-    random_seed: int = 0
+    served_model_name: str | None = None  # the name clients pass as "model" (default: the model path)
+    random_seed: int = 0  # seeds sampling and dummy weights
     disable_cuda_graph: bool = False  # CUDA: decode batches replay captured graphs unless set
     cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
     # CUDA: extend (prefill) batches of up to this many new tokens replay captured graphs too
     # (serving/cuda_graph_extend.py; at most cuda_graph_max_bs sequences); disable_cuda_graph turns them off as well
     cuda_graph_max_extend_tokens: int = 256
-    disable_extend_cuda_graph: bool = False
+    disable_extend_cuda_graph: bool = False  # CUDA: extend batches run eagerly (decode graphs stay)
     tp_size: int = 1  # tensor parallelism (--tp-size / --tensor-parallel-size): one process per rank
     dist_timeout: float = 300.0  # seconds a collective or a rank's reply may take before the engine stops
-    kv_cache_dtype: str = "auto"  # L1's KV dtype (vLLM/SGLang flag): auto (the model's) | bf16 | fp8_e4m3
+    kv_cache_dtype: str = choice("auto", KV_CACHE_DTYPES)  # L1's KV dtype (vLLM/SGLang flag); auto: the model's
     quantization: str = "none"  # weights (vLLM/SGLang flag): none | int8 | int4 (CPU) | fp8 (CUDA sm89+)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        check_choices(self)  # dtype, load_format, attention_backend, kv_cache_dtype
+        kind, _, index = self.device.partition(":")
+        if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.context_length is not None and self.context_length <= 0:
             raise ValueError("context_length must be positive")
         if self.cuda_graph_max_bs <= 0:
@@ -51,22 +63,22 @@ class ModelConfig:
             raise ValueError("tp_size must be at least 1")
         if not self.dist_timeout > 0:
             raise ValueError("dist_timeout must be positive")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
+    max_running_requests: int = 64  # requests decoded together at most
     chunked_prefill_size: int = 2048  # prefill tokens per step; -1 disables chunking
-    schedule_policy: str = "lpm"  # lpm (longest prefix match first) | fcfs
-    max_total_tokens: int | None = None  # L1 KV capacity in tokens; default from kv_cache_gb / memory
+    schedule_policy: str = choice("lpm", _schedule_policies)  # lpm: longest cached prefix first
+    # L1 KV capacity in tokens; default from kv_cache_gb, else the GPU's free memory (CPU: 16384 tokens);
+    # more than the GPU (CPU: the host) has free is an error
+    max_total_tokens: int | None = None
     kv_cache_gb: float | None = None  # L1 KV capacity in GiB (alternative to max_total_tokens)
     mem_fraction_static: float = 0.85  # CUDA: share of free GPU memory for weights + KV
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
-    grammar_backend: str = "xgrammar"  # structured output (json_schema / regex / ebnf); none: off
+    grammar_backend: str = choice("xgrammar", GRAMMAR_BACKENDS)  # structured output (json_schema / regex / ebnf)
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
     # Grammar budgets (serving/grammar/compile_pool.py). A grammar compiles off the scheduler thread
     # while its request waits in the queue; past the time budget its trial compile (in a worker process)
@@ -86,12 +98,17 @@ class SchedulerConfig:
     disable_overlap_schedule: bool = False  # CUDA: prepare batch N+1 while the GPU runs batch N
 
     def __post_init__(self) -> None:
+        check_choices(self)  # schedule_policy, grammar_backend
         if self.max_running_requests <= 0:
             raise ValueError("max_running_requests must be positive")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("chunked_prefill_size must be positive or -1 (off)")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("max_total_tokens must be positive")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if not self.grammar_jump_forward_max_ms > 0:
@@ -100,8 +117,6 @@ class SchedulerConfig:
                      "grammar_compile_max_memory_mb", "grammar_jump_forward_max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.grammar_backend not in ("xgrammar", "none"):
-            raise ValueError(f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}")
 
 
 @dataclass(frozen=True)

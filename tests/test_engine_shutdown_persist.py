@@ -99,6 +99,7 @@ def test_stop_waits_shutdown_timeout_then_says_it_kills(tmp_path, caplog):
                                 hicache_storage_backend_extra_config={"path": str(tmp_path)})
     client = EngineClient(engine, ServerConfig(shutdown_timeout_s=7.0), metrics=None)
     client.proc = StuckEngine()
+    client.info = {"model_path": "unused"}  # it was ready (served): it has a cache to persist
     rx, client._tx_http = Pipe(duplex=False)
     with caplog.at_level(logging.INFO, logger="hicache.server"):
         assert client.stop() == -9

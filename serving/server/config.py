@@ -25,15 +25,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from hicache.config import CacheConfig
+from hicache.config_fields import check_choices, choice
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl", "cuda_ipc")  # serving.disagg's transports
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
+    host: str = "127.0.0.1"  # the address to listen on (0.0.0.0: every interface)
+    port: int = 30000  # the HTTP port
     # when set, every route but /health needs "Authorization: Bearer <key>"; `hicache serve` also
     # reads it from the environment variable HICACHE_API_KEY (which, unlike a flag, ps does not show)
     api_key: str | None = None
@@ -48,11 +51,11 @@ class ServerConfig:
     session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
     # open sessions (/open_session) on this server, and per --api-keys-file tenant: 429 past them
     max_sessions: int = 4096
-    max_sessions_per_tenant: int = 1024
+    max_sessions_per_tenant: int = 1024  # open sessions per --api-keys-file tenant: 429 past it
     # pin leases (/cache/pin, and demote_on_idle sessions' idle leases) on this server, and per tenant: 429
     max_pin_leases: int = 4096
-    max_pin_leases_per_tenant: int = 1024
-    log_level: str = "info"
+    max_pin_leases_per_tenant: int = 1024  # pin leases per tenant: 429 past it
+    log_level: str = choice("info", LOG_LEVELS)  # of the server's and the engine's logs
     # one line per HTTP request (method, route, status, duration) on the hicache.access logger at INFO
     # (/health and /metrics at DEBUG); 5xx warnings and hicache_http_requests_total stay either way
     access_log: bool = True
@@ -73,8 +76,8 @@ class ServerConfig:
     # router, in one command (serving/parallel/dp.py); they share the configured L3
     dp_size: int = 1
     # Prefill-decode disaggregation (SGLang's flags; README "PD disaggregation"). null: colocated
-    disaggregation_mode: str = "null"  # null | prefill | decode
-    disaggregation_transfer_backend: str = "mooncake"  # mooncake | nixl | cuda_ipc (GPUs of one host)
+    disaggregation_mode: str = choice("null", DISAGGREGATION_MODES)  # null: prefill and decode colocated
+    disaggregation_transfer_backend: str = choice("mooncake", TRANSFER_BACKENDS)  # cuda_ipc: GPUs of one host
     disaggregation_bootstrap_port: int = 8998  # prefill: where decode servers register their pages
     disaggregation_decode_enable_radix_cache: bool = False  # decode: reuse cached prefixes, fetch the rest
     # address peers reach this server's transport at (Mooncake: its local hostname); default: the
@@ -83,6 +86,7 @@ class ServerConfig:
     disaggregation_bootstrap_timeout_s: float = 60.0  # a room whose other half has not shown up fails
 
     def __post_init__(self) -> None:
+        check_choices(self)  # log_level, disaggregation_mode, disaggregation_transfer_backend
         if self.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
         if not 1 <= self.port <= 65535:
@@ -98,8 +102,6 @@ class ServerConfig:
             from serving.server.trusted_hosts import parse_allowed_hosts
 
             parse_allowed_hosts(self.allowed_hosts)  # ValueError naming a malformed entry
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.graceful_shutdown_timeout_s < 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0")
         if self.shutdown_timeout_s <= 0:
@@ -110,11 +112,6 @@ class ServerConfig:
             raise ValueError("engine_call_timeout_s must be positive")
         if self.max_json_depth < 2:
             raise ValueError("max_json_depth must be at least 2")
-        if self.disaggregation_mode not in ("null", "prefill", "decode"):
-            raise ValueError(f"disaggregation_mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
-        if self.disaggregation_transfer_backend not in ("mooncake", "nixl", "cuda_ipc"):
-            raise ValueError("disaggregation_transfer_backend must be mooncake, nixl or cuda_ipc, "
-                             f"got {self.disaggregation_transfer_backend!r}")
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError("disaggregation_bootstrap_port must be in 1..65535, "
                              f"got {self.disaggregation_bootstrap_port}")
@@ -166,6 +163,13 @@ def _format_errors(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _flag_hint(cls: type, message: str) -> str:
+    """`` (--the-flag)`` when ``message`` starts with a field of ``cls`` (as the dataclasses' checks do)."""
+    first = message.split(" ", 1)[0]
+    names = {f.name for f in dataclasses.fields(cls)}
+    return f" (--{first.replace('_', '-')})" if first in names else ""
+
+
 def build_config(sections: dict[str, Any], source: str = "config") -> AppConfig:
     """Validate ``{"model": {...}, "cache": {...}, ...}`` once and build the frozen configs."""
     if not isinstance(sections, dict):
@@ -181,7 +185,7 @@ def build_config(sections: dict[str, Any], source: str = "config") -> AppConfig:
         try:
             built[name] = cls(**values)
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"{source}: {name}: {e}") from None
+            raise ConfigError(f"{source}: {name}: {e}{_flag_hint(cls, str(e))}") from None
     try:  # checks across sections (e.g. an fp8 kv_cache_dtype with a lossy hicache encoding)
         engine = EngineConfig(model=built["model"], cache=built["cache"], scheduler=built["scheduler"])
     except ValueError as e:

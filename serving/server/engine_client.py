@@ -46,7 +46,11 @@ ACCEPT_POLL_S = 0.25  # how often a request waiting for its acceptance checks th
 
 
 class EngineStartError(RuntimeError):
-    pass
+    """The engine process did not start; ``status`` 400: a flag this machine cannot serve (one line)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineClient:
@@ -97,7 +101,7 @@ class EngineClient:
         except EOFError:
             raise EngineStartError("engine process exited while starting") from None
         if isinstance(first, m.Error):
-            raise EngineStartError(first.message)
+            raise EngineStartError(first.message, first.status)
         assert isinstance(first, m.Ready)
         self.info = first.info
         self.alive = True
@@ -171,7 +175,7 @@ class EngineClient:
                     self._tx_http.send_bytes(m.encode([m.Shutdown()]))
                 except OSError:
                     pass
-            persists = self.engine_config.cache.storage_enabled
+            persists = self.engine_config.cache.storage_enabled and bool(self.info)  # it served: it has a cache
             if persists:
                 log.info("waiting up to %.0f s (shutdown_timeout_s) for the engine to persist its cache to L3",
                          timeout)

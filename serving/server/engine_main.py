@@ -61,12 +61,13 @@ def engine_main(
         core = EngineCore(config)
         make_role(server, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
     except Exception as e:
+        from hicache.sizing import TierSizeError
         from serving.models.quant import QuantizationError
 
-        if isinstance(e, QuantizationError):  # a flag this machine cannot run: the message says it all
-            log.error("engine failed to start: %s", e)
-        else:
-            log.exception("engine failed to start")
+        if isinstance(e, QuantizationError | TierSizeError):  # a flag this machine cannot run: one line
+            tx.send_bytes(m.encode([m.Error(400, str(e))]))  # the HTTP process logs it, exits with status 2
+            return
+        log.exception("engine failed to start")
         tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
         return
     loop = EngineLoop(core, rx, tx, server, heartbeat)

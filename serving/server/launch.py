@@ -144,7 +144,7 @@ def run_server(cfg: AppConfig) -> int:
             return 1
     except EngineStartError as e:
         log.error("%s", e)
-        return 1
+        return 2 if e.status == 400 else 1  # 2: a configuration this machine cannot serve
     except KeyboardInterrupt:
         log.info("interrupted while starting")
         return 130
