@@ -150,6 +150,11 @@ class Engine:
         self.core.check_integrity()
 
     def shutdown(self) -> None:
-        if self.core is not None:
-            self.core.shutdown()
-        self.core = None  # type: ignore[assignment]
+        """Stop the engine and give its memory back (GPU memory, pinned host memory): another
+        Engine in this process then gets the same KV capacity."""
+        core, self.core = self.core, None  # type: ignore[assignment]
+        if core is not None:
+            try:
+                core.shutdown()
+            finally:
+                core.release()

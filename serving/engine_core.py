@@ -6,16 +6,20 @@ one of these and drive ``step()``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
-from hicache import salt
+import torch
+
+from hicache import salt, sizing
 from hicache.hiradix import HiRadixTree
 from hicache.hiradix.quota import TenantLedger
 from hicache.keys import namespace_for
-from hicache.tiers.host import HostKVPool, host_num_pages, make_host_pool
+from hicache.tiers.host import HostKVPool, make_host_pool
 from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache_controller import CacheController
@@ -70,13 +74,8 @@ class EngineCore:
         self.host_pool: HostKVPool | None = None
         self.controller: CacheController | None = None
         if cache.host_enabled:
-            enc = get_encoding(cache.hicache_l2_encoding)
-            n = host_num_pages(pool.num_pages, pool.bytes_per_page, cache.effective_hicache_ratio, cache.hicache_size,
-                               enc.page_nbytes(pool.layout, cache.page_size))
-            self.host_pool = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size, enc.name)
+            self.host_pool = self._make_host_pool()
             self.controller = CacheController(pool, self.host_pool)
-            log.info("L2 host pool: %d pages, %s, %s (%.2f GiB)", n, cache.hicache_mem_layout, enc.name,
-                     self.host_pool.nbytes() / 2**30)
         if self.tp is not None:
             self.tp.setup(self.host_pool.num_pages if self.host_pool else 0)
         self.tree = HiRadixTree.from_config(
@@ -102,9 +101,35 @@ class EngineCore:
             self.scheduler.prefill_observer = self.storage.load_policy.observe_prefill
         self.sessions: set[str] = set()
 
+    def _make_host_pool(self) -> HostKVPool:
+        """L2, sized against the memory the host can pin (hicache.sizing: --hicache-size past it is an
+        error, a ratio is clamped with a warning). Pinned in the background (it grows while the
+        engine serves, see ``step``) unless tensor-parallel ranks must hold the same pages from the start."""
+        cache, pool = self.config.cache, self.runner.pool
+        enc = get_encoding(cache.hicache_l2_encoding)
+        page_bytes = enc.page_nbytes(pool.layout, cache.page_size)
+        nbytes, warning = sizing.plan_l2(cache.hicache_ratio, cache.hicache_size, cache.effective_hicache_ratio,
+                                         pool.num_pages * pool.bytes_per_page, page_bytes,
+                                         share=self.config.model.tp_size)
+        if warning is not None:
+            log.warning("%s", warning)
+        n = max(1, nbytes // page_bytes)
+        t0 = time.perf_counter()
+        host = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size, enc.name,
+                              background=self.tp is None)
+        log.info("L2 host pool: %d pages, %s, %s (%.2f GiB)%s in %.1f s", n, cache.hicache_mem_layout, enc.name,
+                 host.nbytes() / 2**30, " pinned" if host.pin else "", time.perf_counter() - t0)
+        if host.growing:
+            log.info("L2: %d of its %d pages pinned; the rest are pinned in the background and join L2 as they are",
+                     host.allocator.available, n)
+        return host
+
     def _make_storage(self) -> StorageController:
         cache, model = self.config.cache, self.config.model
-        backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
+        extra, warning = sizing.plan_l3(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
+        if warning is not None:  # a default capacity larger than the disk has room for
+            log.warning("%s", warning)
+        backend = make_storage(cache.hicache_storage_backend, extra)
         layout = self.runner.pool.layout
         tier = StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads,
                            encoding=cache.hicache_l3_encoding)
@@ -168,6 +193,8 @@ class EngineCore:
         self.ledger.quotas = TenantLedger(self.config.cache.page_size, quotas).quotas
 
     def step(self) -> list[Req]:
+        if self.host_pool is not None and self.host_pool.growing:  # pages pinned since the last step join L2
+            self.host_pool.take_pinned()
         return self.scheduler.step()
 
     # -- sessions -------------------------------------------------------------------------
@@ -213,19 +240,37 @@ class EngineCore:
             self.tp.check_integrity(self.runner.pool.num_pages, self.host_pool.num_pages if self.host_pool else 0)
 
     def shutdown(self, persist: bool = True) -> None:
-        """Stop background work. With L3 and ``persist``, every cached page is written to
-        L3 first, so a restarted server finds the whole conversation, not only the turns
-        that were hit before."""
-        if self.storage is not None:
-            if persist:
-                for r in [*self.scheduler.waiting, *self.scheduler.running]:
-                    self.scheduler.abort(r.rid)  # their computed pages go into the tree
-                self.tree.backup_all()
-                self.req_cache.flush_transfers()  # runs the backups, then writes them on to L3
-                self.storage.persist_all()
-            self.storage.shutdown()
-        if self.controller is not None:
-            self.controller.shutdown()
-        self.grammar.shutdown()
-        if self.tp is not None:
-            self.tp.shutdown()
+        """Stop background work and unpin L2. With L3 and ``persist``, every cached page is
+        written to L3 first, so a restarted server finds the whole conversation, not only the
+        turns that were hit before. The tree and the counters stay readable; :meth:`release`
+        then gives the memory back."""
+        try:
+            if self.storage is not None:
+                if persist:
+                    for r in [*self.scheduler.waiting, *self.scheduler.running]:
+                        self.scheduler.abort(r.rid)  # their computed pages go into the tree
+                    self.tree.backup_all()
+                    self.req_cache.flush_transfers()  # runs the backups, then writes them on to L3
+                    self.storage.persist_all()
+                self.storage.shutdown()
+            if self.controller is not None:
+                self.controller.shutdown()
+            self.grammar.shutdown()
+            if self.tp is not None:
+                self.tp.shutdown()
+        finally:
+            if self.host_pool is not None:  # pinned pages go back to the host (nothing copies any more)
+                self.host_pool.release()
+
+    def release(self) -> None:
+        """After :meth:`shutdown`: drop every reference this engine holds (the model, L1 and its
+        CUDA graphs, L2, the tree, the scheduler and their caches) and hand the memory back
+        (``gc.collect``, the CUDA caching allocator's free blocks), so that another engine in
+        this process gets the capacity this one had. The object is unusable afterwards."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.release()
+        self.__dict__.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

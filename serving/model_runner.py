@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from hicache import sizing
 from hicache.tiers.device import DeviceKVPool, KVLayout
 from hicache.tiers.kv_codec import round_trip_encoding
 from serving.config import ModelConfig, SchedulerConfig
@@ -16,6 +17,7 @@ from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
 from serving.models.loader import load_model
 from serving.parallel.group import TPGroup
+from serving.startup_log import timed
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +59,18 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # streams, graphs and Triton launches follow the current device
         self.dtype = resolve_dtype(model.dtype, self.device)
         torch.manual_seed(model.random_seed)
-        self.model, self.arch = load_model(
-            model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format, tp=tp,
-            quantization=model.quantization)
+        with timed(f"loading the weights of {model.model_path} ({str(self.dtype).removeprefix('torch.')}, "
+                   f"{self.device}, {model.load_format}, quantization {model.quantization})"):
+            self.model, self.arch = load_model(
+                model.model_path, dtype=self.dtype, device=self.device, load_format=model.load_format, tp=tp,
+                quantization=model.quantization)
         self.model.eval()
         backend = model.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else ("cpu" if cpu_ext.extension() else "torch")
+        if backend == "auto" and self.device.type != "cuda":
+            with timed("building / loading the C++ CPU kernels"):
+                backend = "cpu" if cpu_ext.extension() else "torch"
+        elif backend == "auto":
+            backend = "triton"
         self.attn = get_attention_backend(backend)
         self.kv_dtype = resolve_kv_dtype(model.kv_cache_dtype, self.dtype, backend)
         self.context_len = model.context_length or self.arch.max_position_embeddings
@@ -81,11 +88,13 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
-            self.graphs = self.make_graph_runner(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
-            if not model.disable_extend_cuda_graph:
-                max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
-                self.extend_graphs = self.make_extend_graph_runner(
-                    extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs))
+            with timed("capturing CUDA graphs"):
+                self.graphs = self.make_graph_runner(
+                    capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
+                if not model.disable_extend_cuda_graph:
+                    max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
+                    self.extend_graphs = self.make_extend_graph_runner(
+                        extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs))
 
     def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
@@ -108,16 +117,35 @@ class ModelRunner:
         return runner
 
     def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int) -> int:
-        per_page = layout.bytes_per_token() * page_size
-        if sched.max_total_tokens is not None:
-            return max(1, -(-sched.max_total_tokens // page_size))
-        if sched.kv_cache_gb is not None:
-            return max(1, int(sched.kv_cache_gb * 2**30) // per_page)
+        """L1's pages (hicache.sizing decides): --max-total-tokens / --kv-cache-gb when given (a
+        TierSizeError when the device has less), else the GPU's budget (CPU: CPU_DEFAULT_KV_TOKENS,
+        clamped, with a warning, to what the host has)."""
+        per_token = layout.bytes_per_token()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - sched.mem_fraction_static)
-            return max(1, int(budget) // per_page)
-        return CPU_DEFAULT_KV_TOKENS // page_size
+            budget = int(free - total * (1 - sched.mem_fraction_static))
+            text = sizing.gpu_budget_text(free, total, sched.mem_fraction_static)
+            default, what = budget, "the GPU's budget for the KV cache"
+        else:
+            mem = sizing.HostMemory.probe()
+            budget, text = mem.budget(share=self.tp.size), mem.explain(share=self.tp.size)
+            default = CPU_DEFAULT_KV_TOKENS * per_token
+            what = f"the CPU default of {CPU_DEFAULT_KV_TOKENS} tokens ({sizing.gib(default)})"
+        req = sizing.l1_request(sched.max_total_tokens, sched.kv_cache_gb, per_token, default, what)
+        nbytes, warning = sizing.fit("L1", req, budget, text, minimum=sizing.L1_MIN_TOKENS * per_token)
+        if warning is not None:
+            log.warning("%s", warning)
+        if sched.max_total_tokens is not None:
+            return max(1, -(-sched.max_total_tokens // page_size))
+        return max(1, nbytes // (per_token * page_size))
+
+    def release(self) -> None:
+        """Shutdown: drop the CUDA graphs, the model and L1's buffers (their memory goes back once
+        nothing else holds them; EngineCore.release collects and empties the CUDA cache)."""
+        self.graphs = self.extend_graphs = None
+        self.model = None  # type: ignore[assignment]
+        self.pool.kv_buffer = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        self.pool.k_buffers, self.pool.v_buffers = [], []
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

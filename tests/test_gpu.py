@@ -370,3 +370,48 @@ def test_fp8_checkpoint_serves_with_fp8_weights(tmp_path):
     deq = fp8_checkpoint(src, tmp_path / "fp8", "channel")
     outs = greedy_tokens([tmp_path / "fp8", dequantized_twin(src, tmp_path / "plain", deq)], quantization="fp8")
     assert outs[0] == outs[1] and len(outs[0][0]) == 12
+
+
+
+# -- shutdown gives the device back (issue 27) -----------------------------------------------
+def test_engine_shutdown_frees_the_gpu_and_a_second_engine_gets_the_same_capacity(tmp_path):
+    """L1 sized from the GPU's free memory, L2 pinned in the background: after shutdown() the GPU
+    memory and the pinned pages are back, and a second Engine gets the capacity the first had
+    (it got 16 tokens of L1 before)."""
+    import time
+
+    from hicache.sizing import HostMemory
+    from serving.engine import Engine
+
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+             "intermediate_size": 1024, "num_hidden_layers": 32, "num_attention_heads": 8, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 1024, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(shape))  # 128 KiB of KV per token: ~60k pages of L1
+    prompts = [[(11 * i + j) % 1000 + 3 for j in range(100 + 10 * i)] for i in range(4)]
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    host_before = HostMemory.probe().available
+    caps, outs = [], []
+    for _ in range(2):
+        eng = Engine(model_path=str(tmp_path), load_format="dummy", page_size=16, hicache_size=4.0,
+                     max_running_requests=4, cuda_graph_max_bs=4, grammar_backend="none")
+        host = eng.core.host_pool
+        caps.append((eng.core.runner.pool.num_pages, host.num_pages))
+        outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)])
+        deadline = time.monotonic() + 120
+        while not host.pinner.done:  # the background pinning finishes; its pages join L2 at the next step
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        eng.generate(input_ids=prompts[:1], sampling_params=greedy)
+        assert host.allocator.available == host.num_pages and host.buffer.is_pinned()
+        eng.check_integrity()
+        eng.shutdown()
+        torch.cuda.synchronize()
+        free_after = torch.cuda.mem_get_info()[0]
+        assert free_after >= free_before - 512 * 2**20, (free_before, free_after)  # loaded kernels at most
+        assert HostMemory.probe().available >= host_before - 2 * 2**30  # the 4 GiB of pinned L2 went back
+    (l1_a, l2_a), (l1_b, l2_b) = caps
+    print("capacities (L1 pages, L2 pages):", caps)
+    assert l2_a == l2_b and abs(l1_a - l1_b) <= l1_a // 100, caps
+    assert outs[0] == outs[1]

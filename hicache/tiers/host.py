@@ -2,14 +2,49 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
 
 from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.device import KVLayout
+from hicache.tiers.host_pinning import HOLD_ENV, HostPinner, cuda_register, cuda_unregister, no_register
 from hicache.tiers.kv_codec import get_encoding, storage_dtype
+
+
+class GrowingPageAllocator(PageAllocator):
+    """A PageAllocator of ``num_pages`` ids of which only the first ``available`` exist yet (an
+    L2 still being pinned); :meth:`grow` adds the next ones. Same contract otherwise (one owner:
+    the scheduler thread)."""
+
+    def __init__(self, num_pages: int, available: int) -> None:
+        super().__init__(num_pages)
+        self.available = max(0, min(available, num_pages))
+        self._free = list(range(self.available - 1, -1, -1))
+
+    @property
+    def num_used(self) -> int:
+        return self.available - len(self._free)
+
+    def grow(self, available: int) -> int:
+        """Ids up to ``available`` join the free list (handed out after the older free ones); returns how many."""
+        available = min(available, self.num_pages)
+        if available <= self.available:
+            return 0
+        added = list(range(available - 1, self.available - 1, -1))
+        self._free[:0] = added
+        self.available = available
+        return len(added)
+
+    def check_integrity(self) -> None:
+        assert len(self._free) == len(set(self._free)), "duplicate ids in free list"
+        assert sum(self._allocated) + len(self._free) == self.available, "allocated + free != available"
+        assert not any(self._allocated[self.available:]), "a page not yet available is allocated"
+        for i in self._free:
+            assert i < self.available and not self._allocated[i], f"page {i} free but allocated or not available"
 
 
 class HostKVPool(ABC):
@@ -25,6 +60,10 @@ class HostKVPool(ABC):
       only changes how bytes sit in host memory.
     - Not thread-safe for overlapping page ids: the cache controller never copies into a
       page that another copy is reading (the tree hands out disjoint pages).
+    - Pinned (CUDA) in place by a :class:`HostPinner`; with ``background`` the pool is used while
+      it is still being pinned (``growing``): its allocator then hands out only pinned pages, and
+      the allocator's owner (the scheduler thread) adds the ones pinned since with
+      :meth:`take_pinned`. :meth:`release` (or the pool's collection) unpins before the buffer goes.
     - ``encoding``: how pages sit in ``buffer``; ``raw`` pools hold L1's values in
       :func:`~hicache.tiers.kv_codec.storage_dtype` (uint8 bytes for an fp8 L1), an
       :class:`EncodedHostPool` holds encoded pages (``read_pages`` decodes, ``write_pages`` encodes).
@@ -32,20 +71,58 @@ class HostKVPool(ABC):
 
     layout_name: str
     encoding = "raw"
+    page_dim = 0  # the buffer's dimension of pages
 
-    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, pin_memory: bool | None = None) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, pin_memory: bool | None = None,
+                 background: bool = False) -> None:
+        """``background``: pin all but the first chunk on background threads while the pool is in
+        use (hicache.tiers.host_pinning); its pages join the allocator in :meth:`take_pinned`."""
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.allocator = PageAllocator(num_pages)
-        self.buffer = torch.zeros(self._shape(), dtype=self._buffer_dtype(), pin_memory=self.pin)
+        hold = None if self.pin else os.environ.get(HOLD_ENV) or None  # CPU tests: the same growth, held
+        self.pinner: HostPinner | None = None
+        self.allocator: PageAllocator
+        if self.pin or hold:  # pageable, pinned in place chunk by chunk
+            self.buffer = torch.empty(self._shape(), dtype=self._buffer_dtype())  # each chunk zeroed as pinned
+            rows = self.buffer.shape[0] if self.page_dim == 1 else 1
+            self.pinner = HostPinner(self.buffer, rows, num_pages, cuda_register if self.pin else no_register,
+                                     cuda_unregister if self.pin else (lambda ptr: None), hold=hold)
+            # a pool dropped without release() still unpins before its buffer is freed: freed memory that
+            # stays registered would make the next registration (or cudaHostAlloc) there fail
+            self._unpin = weakref.finalize(self, self.pinner.close)
+            self.pinner.start(background or hold is not None)
+            self.allocator = GrowingPageAllocator(num_pages, self.pinner.ready_pages())
+        else:
+            self.buffer = torch.zeros(self._shape(), dtype=self._buffer_dtype())
+            self.allocator = PageAllocator(num_pages)
         # CUDA event of the last GPU-side write into ``buffer`` (a backup kernel writing pinned
         # memory directly); host-side accessors wait for it first. The scheduler thread sets
         # it, any thread (the L3 writer, the loader) waits for it: ``_pending_lock`` makes the
         # clear-after-wait atomic with respect to a newer event being set meanwhile.
         self.pending_write: torch.cuda.Event | None = None
         self._pending_lock = threading.Lock()
+
+    @property
+    def growing(self) -> bool:
+        """Pages are still being pinned (and will join the allocator)."""
+        return isinstance(self.allocator, GrowingPageAllocator) and self.allocator.available < self.num_pages \
+            and self.pinner is not None and self.pinner.error is None
+
+    def take_pinned(self) -> int:
+        """Hand the pages pinned since the last call to the allocator; returns how many joined.
+        The allocator's owner (the scheduler thread) calls it."""
+        if not isinstance(self.allocator, GrowingPageAllocator) or self.pinner is None:
+            return 0
+        return self.allocator.grow(self.pinner.ready_pages())
+
+    def release(self) -> None:
+        """Unpin and drop the buffer (the pool is unusable afterwards); waits for the pinning threads."""
+        if self.pinner is not None:
+            self._unpin()  # pinner.close(), once
+            self.pinner = None
+        self.buffer = torch.empty(0, dtype=self.buffer.dtype)
 
     def add_pending_write(self, event: torch.cuda.Event) -> None:
         with self._pending_lock:
@@ -109,6 +186,7 @@ class LayerFirstHostPool(HostKVPool):
     """``[2 * layers, pages, row_elems]``: the device pool's own layout."""
 
     layout_name = "layer_first"
+    page_dim = 1
 
     def _shape(self) -> tuple[int, ...]:
         return (self.rows, self.num_pages, self.row_elems)
@@ -164,10 +242,10 @@ class EncodedHostPool(HostKVPool):
     (decode / encode on the calling thread), never the GPU page-move kernel."""
 
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, encoding: str,
-                 layout_name: str = "page_first", pin_memory: bool | None = None) -> None:
+                 layout_name: str = "page_first", pin_memory: bool | None = None, background: bool = False) -> None:
         self.encoding = get_encoding(encoding).name
         self.layout_name = layout_name
-        super().__init__(layout, num_pages, page_size, pin_memory)
+        super().__init__(layout, num_pages, page_size, pin_memory, background)
 
     def _buffer_dtype(self) -> torch.dtype:
         return torch.uint8
@@ -223,11 +301,13 @@ def host_num_pages(device_pages: int, device_bytes_per_page: int, ratio: float, 
 
 
 def make_host_pool(name: str, layout: KVLayout, num_pages: int, page_size: int,
-                   encoding: str = "raw") -> HostKVPool:
+                   encoding: str = "raw", background: bool = False) -> HostKVPool:
+    """``background``: pin in the background (see HostKVPool); only for a pool whose pages no
+    other process follows (tensor-parallel ranks pin theirs whole before serving)."""
     try:
         cls = HOST_LAYOUTS[name]
     except KeyError:
         raise ValueError(f"unknown hicache_mem_layout {name!r}; choose from {sorted(HOST_LAYOUTS)}") from None
     if get_encoding(encoding).lossy:
-        return EncodedHostPool(layout, num_pages, page_size, encoding, name)
-    return cls(layout, num_pages, page_size)
+        return EncodedHostPool(layout, num_pages, page_size, encoding, name, background=background)
+    return cls(layout, num_pages, page_size, background=background)
