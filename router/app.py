@@ -11,7 +11,9 @@ Every answer that came from a worker names it in ``x-hicache-worker``. The route
 (and unknown routes) answer in the shape of the path's API, as the workers do (router/errors.py).
 The KV control API (/cache/lookup, /cache/prefetch, /cache/pin) goes to the worker that holds
 the prefix (router/kv_routes.py). With ``api_keys_file``, tenant keys are accepted and routing
-keys on each request's tenant + cache_salt scope (router/tenancy.py).
+keys on each request's tenant + cache_salt scope (router/tenancy.py). A ``Host`` the router
+does not answer to (DNS rebinding) and a cross-origin state-changing request are 403s, as on
+the workers (router/trusted_hosts.py; ``allowed_hosts`` adds names).
 With ``pd_disaggregation``, router/pd.py forwards and router/pd_app.py has the admin routes.
 """
 
@@ -37,6 +39,7 @@ from router.kv_routes import add_kv_routes
 from router.policies import RouteRequest, make_policy
 from router.proxy import Forwarder, json_object
 from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_prefix, session_key
+from router.trusted_hosts import BrowserGuardMiddleware, HostPolicy
 from router.workers import WorkerPool
 
 log = logging.getLogger("hicache.router")
@@ -185,6 +188,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                                  request.url.path)
                 request.state.tenant = tenant
             return await call_next(request)
+
+    # added last, so it runs first: a rebinding page or a cross-origin POST never reaches the key check
+    app.add_middleware(BrowserGuardMiddleware, policy=HostPolicy(cfg.host, cfg.allowed_hosts))
 
     async def generation(request: Request) -> Response:
         raw = await request.body()

@@ -27,6 +27,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 30100
+    # more Host names the router answers to (comma-separated; *.domain takes subdomains, * any name):
+    # IP literals and localhost always pass, the --host name too off loopback (router/trusted_hosts.py)
+    allowed_hosts: str | None = None
     worker_urls: tuple[str, ...] = ()
     policy: str = "cache_aware"  # cache_aware | round_robin | random | power_of_two
     # cache_aware (SGLang's meanings): route to the best prefix match when its match rate is
@@ -77,6 +80,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         from router.policies import POLICIES  # late: policies import this module
+        from router.trusted_hosts import parse_allowed_hosts  # late: it imports the app's error shapes
 
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
@@ -103,6 +107,7 @@ class RouterConfig:
                 raise ValueError(f"{f.name} must be positive")
         for url in self.worker_urls:
             check_url(url)
+        parse_allowed_hosts(self.allowed_hosts)  # ValueError naming a malformed entry
         check_pd(self)  # PD mode's workers (router/pd_config.py)
 
 

@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto" + serving.model_ru
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FORMATS
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # serving.speculative.ALGORITHMS
 
 
 def _schedule_policies() -> tuple[str, ...]:
@@ -96,9 +97,28 @@ class SchedulerConfig:
     grammar_jump_forward_max_tokens: int = 256
     grammar_jump_forward_max_ms: float = 20.0  # the time budget of one jump-forward look-ahead (above)
     disable_overlap_schedule: bool = False  # CUDA: prepare batch N+1 while the GPU runs batch N
+    # Speculative decoding (SGLang's flags; serving/speculative). NGRAM: each running request's last
+    # tokens are matched against the token sequences the HiRadixTree holds (any tier) and its own prompt
+    # and output; the continuation is verified in one forward pass (unset: off)
+    speculative_algorithm: str | None = choice(None, SPECULATIVE_ALGORITHMS, optional=True)
+    # tokens verified per request and step, as in SGLang: its last token and up to this many minus one drafts
+    speculative_num_draft_tokens: int = 9
+    speculative_ngram_min_match_window_size: int = 2  # the shortest suffix of a request that drafts
+    speculative_ngram_max_match_window_size: int = 12  # suffix tokens compared to rank the matches
+    # which match drafts: BFS the most recent one, PROB the continuation seen most often
+    speculative_ngram_match_type: str = choice("BFS", ("BFS", "PROB"))
+    # positions the tree's n-gram index holds (about 100 bytes each); the least recently used go first
+    speculative_ngram_capacity: int = 1 << 20
 
     def __post_init__(self) -> None:
-        check_choices(self)  # schedule_policy, grammar_backend
+        check_choices(self)  # schedule_policy, grammar_backend, speculative_algorithm, speculative_ngram_match_type
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("speculative_num_draft_tokens must be at least 2 (the last token and one draft)")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("speculative_ngram_min_match_window_size must be in [1, "
+                             "speculative_ngram_max_match_window_size]")
+        if self.speculative_ngram_capacity <= 0:
+            raise ValueError("speculative_ngram_capacity must be positive")
         if self.max_running_requests <= 0:
             raise ValueError("max_running_requests must be positive")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:

@@ -130,7 +130,7 @@ def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config
         log.info("data parallelism: %d replicas at %s behind the router on %s:%d", n, " ".join(urls),
                  cfg.server.host, cfg.server.port)
         rcfg = RouterConfig(host=cfg.server.host, port=cfg.server.port, worker_urls=tuple(urls),
-                            api_key=key, log_level=cfg.server.log_level)
+                            api_key=key, log_level=cfg.server.log_level, allowed_hosts=cfg.server.allowed_hosts)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own handler
         return serve(rcfg)
     except KeyboardInterrupt:
