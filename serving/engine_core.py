@@ -97,6 +97,13 @@ class EngineCore:
         self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
                                            self.eos_ids)
         self.scheduler.grammar = self.grammar
+        if config.scheduler.speculative_algorithm is not None:  # NGRAM: drafts from the tree (serving/speculative)
+            from serving.speculative.worker import SpeculativeWorker
+
+            self.scheduler.attach_speculative(SpeculativeWorker(
+                config.scheduler, self.req_cache, self.scheduler.sampler, self.runner.context_len,
+                self.runner.device,
+                overlap=not config.scheduler.disable_overlap_schedule and self.runner.device.type == "cuda"))
         if self.storage is not None:  # the load-vs-recompute model learns the prefill rate
             self.scheduler.prefill_observer = self.storage.load_policy.observe_prefill
         self.sessions: set[str] = set()

@@ -153,6 +153,15 @@ class ReqCache:
         req.pages.extend(pages)
         return True
 
+    def trim(self, req: Req, keep_len: int) -> None:
+        """Give back the request's own pages past those positions ``< keep_len`` need (speculative
+        decoding: the pages of rejected drafts)."""
+        keep = max(req.tree_pages, -(-keep_len // self.page_size))
+        if len(req.pages) > keep:
+            extra = req.pages[keep:]
+            del req.pages[keep:]
+            self.allocator.free(extra)
+
     def release(self, req: Req) -> None:
         """Give the request's pages back: full computed pages go into the tree (cached,
         unlocked), the rest to the free list. The request keeps its tokens."""

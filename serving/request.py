@@ -45,6 +45,7 @@ class Req:
     stop_scan_from: int = 0  # output text offset already checked for stop strings
     grammar: Any = None  # serving.grammar.runner.GrammarState: structured output (None: unconstrained)
     logprob: Any = None  # serving.logprobs.LogprobState of a request asking for logprobs (None: it does not)
+    spec: Any = None  # serving.speculative.policy.SpecState once it decodes with speculation (None: it does not)
     # Overlap scheduling: row of the previous step's on-GPU token tensor that holds this
     # request's next token, not yet on the host (-1: none). While set, ``fill_ids`` ends with
     # the placeholder ``-1 - pending`` (substituted on the GPU when fed to the model) and

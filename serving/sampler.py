@@ -63,7 +63,8 @@ class Sampler:
             counts = torch.bincount(ids, minlength=row.numel())[: row.numel()].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _generator(self, rid: str, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+    def generator(self, rid: str, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        """The request's own generator (None: unseeded, the global one); kept until ``forget``."""
         if p.seed is None:
             return None
         g = self._generators.get(rid)
@@ -74,6 +75,13 @@ class Sampler:
         return g
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, rid: str) -> int:
+        probs = self.probs(row, p)
+        return int(torch.multinomial(probs, 1, generator=self.generator(rid, p, row.device)).item())
+
+    @staticmethod
+    def probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The distribution a non-greedy row is sampled from (temperature, top-k, min-p, top-p
+        applied to penalized logits): what speculative rejection sampling accepts drafts against."""
         row = row / p.temperature
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
@@ -87,5 +95,4 @@ class Sampler:
             drop = (cum - sorted_p) > p.top_p  # keep the smallest set reaching top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p, row.device)).item())
+        return probs / probs.sum()

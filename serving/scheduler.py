@@ -2,7 +2,9 @@
 
 Each ``step()`` runs one forward pass over a ragged batch that mixes decode tokens of
 running requests with prefill chunks (of a partly prefilled request first, then of
-newly admitted ones, in the schedule policy's order).
+newly admitted ones, in the schedule policy's order). With speculative decoding (``spec``,
+serving.speculative.worker) a decode row also carries its request's drafts, verified in the
+same pass.
 """
 
 from __future__ import annotations
@@ -63,11 +65,16 @@ class Scheduler:
         self._step_prefill = 0
         self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
         self.pd = None  # serving.disagg.role.PDRole of a prefill / decode server (None: colocated)
+        self.spec = None  # serving.speculative.worker.SpeculativeWorker (None: no speculative decoding)
         self._pd_emitted = False  # the last step returned PD first tokens without a forward pass
         if not config.disable_overlap_schedule and self.device.type == "cuda":
             from serving.overlap import OverlapScheduler
 
             self._overlap = OverlapScheduler(self)
+
+    def attach_speculative(self, worker) -> None:  # noqa: ANN001 - serving.speculative.worker.SpeculativeWorker
+        self.spec = worker
+        worker.grammar = self.grammar
 
     def attach_role(self, role) -> None:  # noqa: ANN001 - serving.disagg.role.PDRole
         self.pd = role
@@ -137,6 +144,8 @@ class Scheduler:
         out = self._step()
         if self._step_prefill and self.prefill_observer is not None:
             self.prefill_observer(self._step_prefill, time.perf_counter() - t0)
+        if self.spec is not None:  # what a draft costs, from the decode steps' times
+            self.spec.observe(time.perf_counter() - t0)
         for r in self.waiting:  # lookups that finished during the forward pass start their fetch now,
             self.cache.advance_prefetch(r)  # not a whole step later
         return out
@@ -144,8 +153,10 @@ class Scheduler:
     def _step(self) -> list[Req]:
         if self._overlap is not None and (
                 (self.grammar is not None and self.grammar.active(self.running + self.waiting))
-                or any(r.logprob is not None for r in self.running + self.waiting)):
-            overlap, early = False, self._overlap.resolve()  # grammar masks / logprobs need every token on the host
+                or any(r.logprob is not None for r in self.running + self.waiting)
+                or (self.spec is not None and self.spec.speculating(self.running))):
+            # grammar masks / logprobs / drafts need every token on the host
+            overlap, early = False, self._overlap.resolve()
         else:
             overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
         self.cache.poll()
@@ -163,28 +174,41 @@ class Scheduler:
         decode = self._reserve_decode()
         chunks = self._schedule_prefill()
         self._step_prefill = sum(n for _, n in chunks)
-        batch_reqs = [(r, 1) for r in decode] + chunks
+        spec = self.spec if decode and not overlap else None
+        if spec is not None:
+            spec.propose(decode, prefill=bool(chunks))  # drafts: verified as extra new tokens of their rows
+        batch_reqs = [(r, 1 + len(spec.drafts(r)) if spec else 1) for r in decode] + chunks
         updated, self._finished_outside_step = self._finished_outside_step, []
         updated = early + updated
         if not batch_reqs:
             return updated + (self._overlap.resolve() if overlap else [])
-        seqs = [(r.model_ids(r.kv_len, r.kv_len + n), r.kv_len, r.pages) for r, n in batch_reqs]
+        seqs = [(r.model_ids(r.kv_len, r.kv_len + n) if n == 1 or spec is None or not spec.drafts(r)
+                 else r.model_ids(r.kv_len, r.kv_len + 1) + spec.drafts(r), r.kv_len, r.pages)
+                for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
         fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])
         prompt_rows = plan_prompt_rows(batch_reqs)  # prompt logprobs: logits of more positions than the last
-        if prompt_rows:
-            fb.logit_rows = torch.tensor([row for _, rows, _ in prompt_rows for row in rows], device=self.device)
+        extra = [row for _, rows, _ in prompt_rows for row in rows]
+        verify_at = len(batch_reqs) + len(extra)  # the drafts' rows follow the prompt-logprob rows
+        verify = spec.verify_rows(batch_reqs) if spec is not None else []
+        if extra or verify:
+            fb.logit_rows = torch.tensor(extra + verify, dtype=torch.int64, device=self.device)
         if overlap:
             fb = self._overlap.prepare(fb)
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
         if self.grammar is not None:
             masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
-        logits = self.forward(fb)  # [B, vocab]
+        all_logits = logits = self.forward(fb)  # [B, vocab] (+ the extra rows)
         self.stats.forward_passes += 1
-        if prompt_rows:
+        if prompt_rows or verify:
             logits = record_prompt_rows(prompt_rows, logits, len(batch_reqs))
         done_rows: list[int] = []
+        drafted: list[tuple[Req, int, int]] = []  # (request, its last-token row, its first verify row)
         for i, (r, n) in enumerate(batch_reqs):
+            if spec is not None and n > 1 and spec.drafts(r):
+                drafted.append((r, i, verify_at))
+                verify_at += n - 1
+                continue
             r.kv_len += n
             if r.kv_len == r.seq_len:
                 done_rows.append(i)
@@ -204,6 +228,8 @@ class Scheduler:
                 if r.grammar is not None:  # tokens the grammar forces: appended now, prefilled next step
                     self.grammar.jump_forward(r, self._append_token)
                 updated.append(r)
+        if drafted:
+            updated += spec.accept(drafted, all_logits, self._append_token)
         return updated
 
     def _append_token(self, r: Req, tok: int) -> None:
@@ -224,6 +250,8 @@ class Scheduler:
             self.cache.release(r)
         self.sampler.forget(r.rid)
         self._release_grammar(r)
+        if self.spec is not None:
+            self.spec.forget(r)
 
     # -- structured output: requests wait in the queue until their grammar compiled -------
     def _release_grammar(self, r: Req) -> None:
