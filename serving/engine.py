@@ -76,6 +76,7 @@ def output_dict(core: EngineCore, r: Req) -> dict[str, Any]:
             "cached_tokens_details": dict(r.cached_by_tier),
             "finish_reason": r.finish_reason,
             **({"l3_decision": r.l3_decision} if r.l3_decision else {}),
+            **(r.spec.meta() if r.spec is not None else {}),  # speculative decoding (SGLang's spec_* fields)
         },
     }
 

@@ -204,6 +204,7 @@ class EngineLoop:
                     l3_decision=r.l3_decision,
                     finish_reason=r.finish_reason,
                     logprobs=r.logprob.take_new(r.output_ids) if r.logprob is not None else None,
+                    spec=r.spec.meta() if r.spec is not None else None,
                 )
             )
             live.sent = n
@@ -357,6 +358,7 @@ class EngineLoop:
             "tenants": self.core.ledger.snapshot(),
             "bytes_per_page": self._bytes_per_page(),
             **({"pd": self.core.scheduler.pd.stats()} if self.core.scheduler.pd is not None else {}),
+            **({"speculative": self.core.scheduler.spec.stats_dict()} if self.core.scheduler.spec is not None else {}),
         }
 
     def _bytes_per_page(self) -> dict[str, int]:

@@ -134,6 +134,7 @@ class TokenOut:
     finish_reason: dict[str, Any] | None = None  # SGLang's shape; None while running
     l3_decision: dict[str, Any] | None = None  # load vs recompute of its L3 pages (see cost_model.py)
     logprobs: dict[str, Any] | None = None  # new since the last TokenOut (LogprobState.take_new)
+    spec: dict[str, Any] | None = None  # speculative decoding's meta_info fields (SpecState.meta); None: off
 
 
 @dataclass

@@ -28,7 +28,10 @@ engine's L3 stats (``EngineCore.storage_stats()``) map key by key (``STORAGE_MET
   ``hicache_cost_model_l3_refusals_total``, ``hicache_cost_model_recomputed_cached_tokens_total``.
 
 A key without an entry (a new backend's) is still exposed, untyped, as ``hicache_storage_stat{key}``.
-KV pools: ``hicache_pool_pages{pool,state}`` (state ``used`` or ``free``).
+KV pools: ``hicache_pool_pages{pool,state}`` (state ``used`` or ``free``). Speculative decoding
+(when on): counters ``hicache_spec_verify_steps_total``, ``hicache_spec_draft_tokens_total``,
+``hicache_spec_accepted_tokens_total``, ``hicache_spec_auto_off_total``; gauge
+``hicache_spec_index_positions`` (the tree's n-gram index).
 """
 
 from __future__ import annotations
@@ -140,6 +143,21 @@ def storage_families(stats: dict[str, float]) -> Iterator[Metric]:
         yield unknown
 
 
+SPEC_COUNTERS = (  # (metric, key of the engine's "speculative" stats, doc)
+    ("spec_verify_steps", "verify_steps", "Request decode steps that verified drafts (speculative decoding)"),
+    ("spec_draft_tokens", "draft_tokens", "Draft tokens proposed (speculative decoding)"),
+    ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted (speculative decoding)"),
+    ("spec_auto_off", "auto_off", "Times a request's drafting turned off for low acceptance"),
+)
+
+
+def speculative_families(spec: dict[str, Any]) -> Iterator[Metric]:
+    for name, key, doc in SPEC_COUNTERS:
+        yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=spec.get(key, 0))
+    yield GaugeMetricFamily(f"{PREFIX}_spec_index_positions", "Positions held by the tree's n-gram index",
+                            value=spec.get("index_positions", 0))
+
+
 def tenant_families(tenants: dict[str, Any], bytes_per_page: dict[str, int]) -> Iterator[Metric]:
     """Per-tenant metrics (hicache.hiradix.quota.TenantLedger.snapshot; the label set is bounded:
     tenants of --api-keys-file, "default", "_other"): pages and bytes held per tier, quotas,
@@ -221,6 +239,8 @@ class EngineCollector(Collector):
             yield from storage_families(storage)
         if s.get("tenants"):
             yield from tenant_families(s["tenants"], s.get("bytes_per_page", {}))
+        if s.get("speculative"):
+            yield from speculative_families(s["speculative"])
         yield GaugeMetricFamily(f"{PREFIX}_num_running_reqs", "Requests running", value=s["running"])
         yield GaugeMetricFamily(f"{PREFIX}_num_waiting_reqs", "Requests waiting", value=s["waiting"])
         yield GaugeMetricFamily(f"{PREFIX}_num_sessions", "Open sessions", value=s["sessions"])

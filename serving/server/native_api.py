@@ -37,6 +37,7 @@ def meta_info(st: ReqState, logprobs: tuple[LogprobOptions, Any, bool] | None = 
         "cached_tokens_details": dict(st.cached_by_tier),
         "finish_reason": st.finish_reason,
         **({"l3_decision": st.l3_decision} if st.l3_decision else {}),
+        **(st.spec or {}),  # speculative decoding: spec_verify_ct, spec_accept_length, ... (SGLang's)
     }
 
 

@@ -31,6 +31,7 @@ class ReqState:
     last_token_time: float | None = None
     # logprobs so far (serving.logprobs): input, output (+ _top, _ids), each a list of [logprob, token_id]
     logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    spec: dict[str, Any] | None = None  # speculative decoding's meta_info fields (None: off)
 
     @property
     def finished(self) -> bool:
@@ -46,6 +47,7 @@ class ReqState:
         self.cached_by_tier = out.cached_by_tier
         self.l3_decision = out.l3_decision
         self.finish_reason = out.finish_reason
+        self.spec = out.spec
         for key, entries in (out.logprobs or {}).items():
             self.logprobs.setdefault(key, []).extend(entries)
 
