@@ -1,7 +1,8 @@
 """``--attention-backend cpu`` (serving/kernels/csrc/paged_attention.cpp): the dense causal
 reference within float tolerance, on ragged extend and decode batches with GQA; and batch
 invariance bit for bit -- a token's output alone, in a decode batch and inside a prefill chunk
-are the same bits (which is what keeps KV from prefill and from decode identical)."""
+are the same bits (which is what keeps KV from prefill and from decode identical); and every C++
+variant this CPU runs gives the portable scalar variant's bits (the same tokens on every machine)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,32 @@ import pytest
 import torch
 
 from serving.forward_batch import ForwardBatch
+from serving.kernels import attention_cpu, cpu_ext, cpu_fused
 from serving.kernels.attention import get_attention_backend
 from serving.kernels.cpu_ext import extension
+from tests.cpu_variants import ext  # noqa: F401 - the fixture
 from tests.test_kernels import EXTEND_CASES, dense_reference, make_case, run_backend
 
-pytestmark = pytest.mark.skipif(extension() is None, reason="needs AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(extension() is None, reason="needs g++ (the C++ CPU ops)")
+
+
+@pytest.mark.parametrize("heads,dim", [((9, 3), 64), ((16, 1), 128)])
+def test_every_variant_gives_the_scalar_bits(ext, monkeypatch, heads, dim):  # noqa: F811 - the fixture
+    scalar = cpu_ext.build("scalar")
+    if scalar is None:
+        pytest.skip("the scalar variant did not build")
+    case = make_case(EXTEND_CASES["mixed_ragged"], 16, heads=heads[0], kv_heads=heads[1], dim=dim, seed=4)
+    outs = []
+    for mod in (scalar, ext):
+        monkeypatch.setattr(attention_cpu, "extension", lambda m=mod: m)
+        outs.append(run_backend(get_attention_backend("cpu"), case, 0.125))
+    assert torch.equal(outs[0], outs[1])
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(9, (heads[0] + 2 * heads[1]) * dim, generator=g)
+    pos = torch.randint(0, 64, (9,), generator=g)
+    cos, sin = torch.rand(64, dim, generator=g), torch.rand(64, dim, generator=g)
+    ropes = [m.rope_qk(qkv, pos, cos, sin, heads[0], heads[1], dim) for m in (scalar, ext)]
+    assert torch.equal(ropes[0], ropes[1])
 
 
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 1)])
@@ -64,7 +86,6 @@ def test_a_token_has_the_same_bits_in_prefill_decode_and_alone():
 
 
 def test_rope_qk_has_the_bits_of_apply_rope():
-    from serving.kernels import cpu_fused
     from serving.models.rope import apply_rope
 
     g = torch.Generator().manual_seed(3)

@@ -1,15 +1,14 @@
-"""The int8 W8A8 CPU kernel (serving/kernels/cpu_int8.cpp): the same bits as its torch-op reference
-on awkward shapes and activations, each row independent of its batch; and the math it claims
-(dequantized codes times dequantized weights) within float rounding."""
+"""The int8 W8A8 CPU kernel (serving/kernels/csrc/int8_linear.cpp), every variant this CPU runs: the
+same bits as its torch-op reference on awkward shapes and activations, each row independent of its
+batch; and the math it claims (dequantized codes times dequantized weights) within float rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from serving.kernels import cpu_ext, cpu_int8
-
-pytestmark = pytest.mark.skipif(cpu_ext.extension() is None, reason="needs AVX-512 VNNI and a C++ compiler")
+from serving.kernels import cpu_int8
+from tests.cpu_variants import ext  # noqa: F401 - the fixture
 
 
 def case(m: int, n: int, k: int, seed: int):
@@ -25,14 +24,14 @@ def case(m: int, n: int, k: int, seed: int):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 576), (1, 576, 1536), (3, 5, 100), (7, 1001, 576), (40, 260, 1536),
-                                   (2, 4, 64), (5, 9, 17)])
-def test_kernel_equals_reference_bit_for_bit(m, n, k):
+                                   (2, 4, 64), (5, 9, 17), (67, 8, 40)])
+def test_kernel_equals_reference_bit_for_bit(ext, m, n, k):  # noqa: F811 - the fixture
     for seed in range(3):
         x, w, wsum, ws = case(m, n, k, seed)
-        y = cpu_ext.extension().int8_linear(x, w, wsum, ws)
+        y = ext.int8_linear(x, w, wsum, ws)
         assert torch.equal(y, cpu_int8.int8_linear_ref(x, w, wsum, ws))
         for r in range(m):  # a row alone gives the bits it gave in the batch
-            assert torch.equal(cpu_ext.extension().int8_linear(x[r:r + 1], w, wsum, ws), y[r:r + 1])
+            assert torch.equal(ext.int8_linear(x[r:r + 1], w, wsum, ws), y[r:r + 1])
 
 
 def test_reference_is_the_dequantized_product():

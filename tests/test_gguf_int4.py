@@ -113,4 +113,4 @@ def test_a_gguf_cut_short_is_named_and_int4_quantizes_the_weights_instead(smol, 
     with caplog.at_level("WARNING"):
         m, _ = load_model(model, quantization="int4")
     assert "cut.gguf: cannot read its GGUF tensor table" in caplog.text
-    assert m.quant_tag == "int4v2"  # the recovered codes, not the file's blocks
+    assert m.quant_tag == "int4v3"  # the recovered codes, not the file's blocks

@@ -1,17 +1,25 @@
-"""The int4 W4A8 linear of ``--quantization int4`` on CPU: one call per projection.
+"""The int4 linear of ``--quantization int4`` on CPU (W4A16): one call per projection.
 
 Weights are GGUF Q4_1 blocks: 4-bit codes ``c`` in groups of 32 input channels, ``w = d * c + m``
 with a half-float ``d`` and ``m`` per (output row, group). Activations are quantized per row and
-group of 32, symmetric (llama.cpp's Q8_1): ``dx = amax / 127``, ``q = clamp(round(x * (1 / dx)),
--127, 127)`` (``1 / dx`` is 0 when ``dx`` is 0 or subnormal: the group counts as zeros),
-``sx = sum(q)``. Each group adds ``dx * (d * dot + m * sx)`` with ``dot = sum(c * q)`` exact in
-int32, groups in order.
+group of 32 to 16-bit codes, symmetric: ``dx = amax / 32512``, ``q = clamp(round(x * (1 / dx)),
+-32512, 32512)`` (``1 / dx`` is 0 when ``dx`` is 0 or subnormal: the group counts as zeros),
+``sx = sum(q)``; ``32512 = 127 * 256``, so ``q = 256 qh + ql`` with a signed byte ``qh`` and an
+unsigned ``ql``, and byte products (``vpmaddubsw``, ``vpdpbusd``) carry ``c * q`` exactly. Each
+group adds ``dx * (d * dot + m * sx)`` with ``dot = sum(c * q)`` exact in int32, groups in order.
+
+Why 16-bit activations: SmolLM2's int4 weights are its GGUF's own blocks, which the fp32 model
+is converted from, so with exact activations int4 is fp32 (the same weights); llama.cpp's 8-bit
+activations (Q8_1, this kernel's first form) cost +1.9 % perplexity and turned the README's "What
+is the capital of France?" into "L'Étoile, la Marseillaise..." where fp32 names Paris. 16-bit
+codes cost about twice the byte products of 8-bit ones, still a fraction of fp32's work.
 
 Two implementations give the same bits (tests/test_cpu_int4.py):
-- ``csrc/int4_linear.cpp``, AVX-512 VNNI: the codes are the unsigned operand of ``vpdpbusd``,
-  unpacked from nibbles in registers, so the weights stream at 0.625 bytes per weight;
-- ``int4_linear_ref`` in torch ops, where nothing can be built (4x slower than fp32 ``F.linear``
-  at one token: it keeps the codes unpacked, one byte per weight, and multiplies them as floats).
+- ``csrc/group_linear.cpp``, every variant of serving.kernels.cpu_ext (AVX-512 VNNI, AVX-VNNI,
+  AVX2, scalar): the codes are unpacked from nibbles in registers, so the weights stream at 0.625
+  bytes per weight;
+- ``int4_linear_ref`` in torch ops, where nothing can be built (it keeps the codes unpacked, one
+  byte per weight, and multiplies them as floats).
 
 ``pack`` lays out a layer's codes and scales as the kernel reads them (see the C++ file): per block
 of 16 output rows and group, 256 bytes of nibbles then ``d[16]`` and ``m[16]``.
@@ -56,13 +64,22 @@ def unpack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return codes.to(torch.int32), floats(256), floats(256 + 2 * ROWS)
 
 
+QMAX = 127 * 256
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q ``[M, G, 32]`` as floats, dx ``[M, G]``, sx ``[M, G]``) of ``x [M, K]`` (module doc)."""
     xg = x.float().reshape(x.shape[0], -1, GROUP)
-    dx = xg.abs().amax(dim=-1) / 127
+    dx = xg.abs().amax(dim=-1) / QMAX
     inv = torch.where(dx >= torch.finfo(torch.float32).tiny, 1 / dx, torch.zeros_like(dx))  # 1 / subnormal: inf
-    q = torch.round(xg * inv[..., None]).clamp_(-127, 127)
-    return q, dx, q.sum(dim=-1)  # the sums are small integers: exact in any order
+    q = torch.round(xg * inv[..., None]).clamp_(-QMAX, QMAX)
+    return q, dx, q.sum(dim=-1)  # the sums are integers below 2^24: exact in any order
+
+
+def split_codes(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qh, ql) with ``q = 256 qh + ql``, ``qh`` in -127..127, ``ql`` in 0..255 (as floats)."""
+    qh = torch.floor(q / 256)
+    return qh, q - 256 * qh
 
 
 def ref_operands(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +100,9 @@ def int4_linear_ref(x: torch.Tensor, w: torch.Tensor,
         return torch.cat([int4_linear_ref(x[i:i + REF_ROWS], w, (codes, d, m))
                           for i in range(0, x.shape[0], REF_ROWS)])
     q, dx, sx = quantize_activations(x)
-    dot = torch.bmm(q.transpose(0, 1), codes.float())  # [G, M, N]; integers < 2^24: exact
+    qh, ql = split_codes(q.transpose(0, 1))
+    c = codes.float()
+    dot = 256 * torch.bmm(qh, c) + torch.bmm(ql, c)  # [G, M, N]; every partial an integer < 2^24: exact
     u = dx.t()[..., None] * (d[:, None, :] * dot + m[:, None, :] * sx.t()[..., None])
     acc = torch.zeros(x.shape[0], d.shape[1])
     for g in range(u.shape[0]):  # in order, as the kernel adds them

@@ -9,6 +9,7 @@ embedding and LM head vocab-split (serving.parallel.shard says which rows).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from hicache.tiers.device import DeviceKVPool
 from serving.forward_batch import ForwardBatch
-from serving.kernels import cpu_fused
+from serving.kernels import cpu_decoder, cpu_fused
 from serving.kernels.attention import AttentionBackend
 from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
@@ -26,6 +27,8 @@ from serving.models.rope import RotaryEmbedding, apply_rope
 from serving.parallel.group import TPGroup
 from serving.parallel.layers import RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from serving.parallel.shard import ShardPlan, narrow
+
+log = logging.getLogger(__name__)
 
 _FUSED = None  # serving.kernels.triton_fused, imported on first CUDA use (CPU never imports Triton here)
 
@@ -181,6 +184,20 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg)
         self.logits_matmul = None  # a quantized LM head's matmul (serving.models.quant); None: float
+        self._fused: cpu_decoder.FusedDecoder | None | bool = False  # False: not decided yet
+
+    def fused_decoder(self) -> cpu_decoder.FusedDecoder | None:
+        """The layers as one C++ call on CPU (serving.kernels.cpu_decoder), decided at the first
+        forward (after quantization); ``HICACHE_CPU_FUSED=0`` keeps the modules."""
+        if self._fused is False:
+            import os
+
+            fused, why = (None, "HICACHE_CPU_FUSED=0") if os.environ.get("HICACHE_CPU_FUSED", "1") == "0" \
+                else cpu_decoder.FusedDecoder.build(self)
+            if self.lm_head_weight.device.type == "cpu":
+                log.info("CPU decoder: %s", "fused C++ layers" if fused else f"torch modules ({why})")
+            self._fused = fused
+        return self._fused
 
     @classmethod
     def attention_biases(cls, cfg: ModelArchConfig) -> tuple[bool, bool]:
@@ -195,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend) -> torch.Tensor:
         """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits
         (``[B + R, vocab]`` with R ``batch.logit_rows``)."""
+        fused = self.fused_decoder() if batch.positions.device.type == "cpu" else None
+        if fused is not None and cpu_decoder.usable(attn, kv.k_buffers[0].dtype, batch):
+            return self._forward_fused(fused, batch, kv)
         attn.init_forward(batch)
         if _rope_kernel(batch.positions.device, self.lm_head_weight.dtype) is not None:  # [L, D] tables
             cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
@@ -218,6 +238,16 @@ class LlamaForCausalLM(nn.Module):
         if batch.logit_rows is not None:  # prompt logprobs: these rows' logits too, after the B last ones
             last = torch.cat([last, batch.logit_rows])
         h = self.model.norm(h[last])  # [B, hidden]
+        return parallel_logits(h, self.lm_head_weight, self.plan, self.tp, self.logits_matmul)
+
+    def _forward_fused(self, fused: cpu_decoder.FusedDecoder, batch: ForwardBatch, kv: DeviceKVPool) -> torch.Tensor:
+        cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
+        h = self.model.embed_tokens(batch.input_ids).contiguous()
+        h = h + fused.forward(h, batch, kv.k_buffers, kv.v_buffers, cos, sin, self.model.layers[0].self_attn.scale)
+        last = batch.extend_start.to(torch.int64) + batch.extend_lens.to(torch.int64) - 1  # [B]
+        if batch.logit_rows is not None:
+            last = torch.cat([last, batch.logit_rows])
+        h = fused.norm(h[last], self.model.norm.weight)
         return parallel_logits(h, self.lm_head_weight, self.plan, self.tp, self.logits_matmul)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:

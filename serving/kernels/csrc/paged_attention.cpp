@@ -1,13 +1,15 @@
-// Causal GQA attention over paged float32 KV for CPUs with AVX-512 (serving/kernels/attention_cpu.py).
+// Causal GQA attention over paged float32 KV for every variant of vec.h
+// (serving/kernels/attention_cpu.py).
 //
 // Each (token, kv head) pair is computed on its own, from its query and the keys it may see:
 // scores s_j = dot(q, k_j) * scale, p_j = exp(s_j - max s), out = sum_j p_j v_j / sum_j p_j, every
-// sum in key order. So a token's output has the same bits in a decode batch, in a prefill chunk
-// and alone: prefill and decode compute identical KV for the same token.
+// sum in key order (a dot over head_dim: 16 lanes fused-multiply-added chunk by chunk, then one
+// fixed 16-lane tree). So a token's output has the same bits in a decode batch, in a prefill chunk
+// and alone -- prefill and decode compute identical KV for the same token -- and on every variant.
 #include "ops.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,27 +18,20 @@
 
 namespace {
 
-constexpr int kMaxGroup = 16;  // q heads per kv head
+using namespace hv;
+
+constexpr int kMaxGroup = 16;   // q heads per kv head
 constexpr int kMaxChunks = 16;  // head_dim / 16
 
-// e^x for x <= 0 (x >= -87.3 keeps the result normal; below it the result is flushed to 0).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2, high part
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);      // low part
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+inline F16 mul16(const F16& a, const F16& b) {
+  F16 r;
+  for (int i = 0; i < 16 / W; ++i) r.p[i] = mul(a.p[i], b.p[i]);
+  return r;
+}
+inline F16 fmadd16(const F16& a, const F16& b, const F16& c) {
+  F16 r;
+  for (int i = 0; i < 16 / W; ++i) r.p[i] = fmadd(a.p[i], b.p[i], c.p[i]);
+  return r;
 }
 
 // One (token, kv head): G query heads of D floats at q (stride D), n keys at k_rows[j] / v_rows[j].
@@ -45,42 +40,67 @@ void attend(const float* q, int G, int D, const float* k, const float* v, const 
   const int chunks = D / 16;
   const int64_t padded = (n + 15) / 16 * 16;
   scores.assign(static_cast<size_t>(G * padded), -INFINITY);
-  __m512 qv[kMaxGroup][kMaxChunks];
+  F16 qv[kMaxGroup][kMaxChunks];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + c * 16);
+    for (int c = 0; c < chunks; ++c) qv[g][c] = load16(q + g * D + c * 16);
   for (int64_t j = 0; j < n; ++j) {
     const float* kr = k + slots[j] * row_stride;
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kr));
-      for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kr + c * 16), acc);
-      scores[g * padded + j] = _mm512_reduce_add_ps(acc) * scale;
+      F16 acc = mul16(qv[g][0], load16(kr));
+      for (int c = 1; c < chunks; ++c) acc = fmadd16(qv[g][c], load16(kr + c * 16), acc);
+      scores[g * padded + j] = reduce_add16(acc) * scale;
     }
   }
   for (int g = 0; g < G; ++g) {
     float* s = scores.data() + g * padded;
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
+    V vmx = splat(-INFINITY);
+    for (int64_t j = 0; j < padded; j += W) vmx = vmax(vmx, load(s + j));
+    const V m = splat(reduce_max(vmx));  // exact in any order
+    F16 vsum = splat16(0.0f);
     for (int64_t j = 0; j < padded; j += 16) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));  // padding: -inf -> 0
-      _mm512_storeu_ps(s + j, e);
-      vsum = _mm512_add_ps(vsum, e);
+      for (int i = 0; i < 16 / W; ++i) {
+        const V e = exp_nonpositive(sub(load(s + j + i * W), m));  // padding: -inf -> 0
+        store(s + j + i * W, e);
+        vsum.p[i] = add(vsum.p[i], e);
+      }
     }
-    const float inv_sum = 1.0f / _mm512_reduce_add_ps(vsum);
-    __m512 acc[kMaxChunks];
-    for (int c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+    const float inv_sum = 1.0f / reduce_add16(vsum);
+    F16 acc[kMaxChunks];
+    for (int c = 0; c < chunks; ++c) acc[c] = splat16(0.0f);
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 pj = _mm512_set1_ps(s[j]);
+      const F16 pj = splat16(s[j]);
       const float* vr = v + slots[j] * row_stride;
-      for (int c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + c * 16), acc[c]);
+      for (int c = 0; c < chunks; ++c) acc[c] = fmadd16(pj, load16(vr + c * 16), acc[c]);
     }
-    const __m512 is = _mm512_set1_ps(inv_sum);
-    for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[c], is));
+    const F16 is = splat16(inv_sum);
+    for (int c = 0; c < chunks; ++c) store16(out + g * D + c * 16, mul16(acc[c], is));
   }
 }
 
 }  // namespace
+
+void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float* k, const float* v, int64_t KH,
+                    const int64_t* slots, int64_t L, const int64_t* seq, const int64_t* nkeys, float scale, float* out) {
+  const int G = static_cast<int>(H / KH);
+  const int64_t work = T * KH;
+  int64_t keys = 0;
+  for (int64_t t = 0; t < T; ++t) keys += nkeys[t];
+  const int64_t grain = std::max<int64_t>(1, work * 4096 / std::max<int64_t>(1, keys * H * D));
+  at::parallel_for(0, work, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w / KH, h = w % KH, n = nkeys[t];
+      TORCH_CHECK(n >= 1 && n <= L, "a token must see 1 to L keys");
+      attend(q + (t * H + h * G) * D, G, static_cast<int>(D), k + h * D, v + h * D, slots + seq[t] * L, n, KH * D, scale,
+             out + (t * H + h * G) * D, scores);
+    }
+  });
+}
+
+void check_attention_shape(int64_t H, int64_t KH, int64_t D) {
+  TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks, "head_dim must be 16..256, a multiple of 16");
+  TORCH_CHECK(H % KH == 0 && H / KH <= kMaxGroup, "q heads must be a multiple of kv heads (at most 16 per kv head)");
+}
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                               torch::Tensor seq, torch::Tensor nkeys, double scale) {
@@ -92,29 +112,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   seq = seq.to(torch::kInt64).contiguous();
   nkeys = nkeys.to(torch::kInt64).contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), L = slots.size(1);
-  TORCH_CHECK(k.size(2) == D && D % 16 == 0 && D / 16 <= kMaxChunks, "head_dim must be 16..256, a multiple of 16");
-  TORCH_CHECK(H % KH == 0 && H / KH <= kMaxGroup, "q heads must be a multiple of kv heads (at most 16 per kv head)");
-  const int G = static_cast<int>(H / KH);
+  TORCH_CHECK(k.size(2) == D, "q and k disagree on head_dim");
+  check_attention_shape(H, KH, D);
   auto out = torch::empty({T, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* seqp = seq.data_ptr<int64_t>();
-  const int64_t* np = nkeys.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t work = T * KH;
-  int64_t keys = 0;
-  for (int64_t t = 0; t < T; ++t) keys += np[t];
-  const int64_t grain = std::max<int64_t>(1, work * 4096 / std::max<int64_t>(1, keys * H * D));
-  at::parallel_for(0, work, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t t = w / KH, h = w % KH, n = np[t];
-      TORCH_CHECK(n >= 1 && n <= L, "a token must see 1 to L keys");
-      attend(qp + (t * H + h * G) * D, G, static_cast<int>(D), kp + h * D, vp + h * D, sp + seqp[t] * L, n, KH * D,
-             static_cast<float>(scale), op + (t * H + h * G) * D, scores);
-    }
-  });
+  attention_rows(q.data_ptr<float>(), T, H, D, k.data_ptr<float>(), v.data_ptr<float>(), KH, slots.data_ptr<int64_t>(), L,
+                 seq.data_ptr<int64_t>(), nkeys.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }

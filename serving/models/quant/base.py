@@ -29,6 +29,7 @@ class QuantMethod:
     description: str = ""
     head_method: str | None = None  # another registered method for the LM head (None: this one)
     kv_tag: str = ""  # the L3 namespace's tag for KV computed under this method ("": its name)
+    head_only: bool = False  # only another method's head_method, not a --quantization value
 
     def check_device(self, device: torch.device) -> None:
         """Raise QuantizationError unless this method runs on ``device``."""
@@ -61,8 +62,8 @@ def register_quant(cls: type[QuantMethod]) -> type[QuantMethod]:
 
 
 def quant_methods() -> list[str]:
-    """Names ``--quantization`` accepts besides ``none``."""
-    return sorted(_METHODS)
+    """Names ``--quantization`` accepts besides ``none`` (and ``auto``)."""
+    return sorted(name for name, m in _METHODS.items() if not m.head_only)
 
 
 def get_quant_method(name: str) -> QuantMethod:

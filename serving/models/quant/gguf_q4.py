@@ -7,7 +7,7 @@ Rows come back in HF order (the GGUF stores q/k rows permuted
 for llama.cpp's rope: ``reverse_permute``), q/k/v and gate/up are stacked as the fused layers are.
 The float weights converted from the same file give the same codes (tests/test_quant.py), so this
 changes where the codes come from, not which they are; the scales are the file's own half floats
-(the recovered ones can differ in the last bits, hence the L3 tag ``int4v2:gguf``).
+(the recovered ones can differ in the last bits, hence the L3 tag ``int4v3:gguf``).
 """
 
 from __future__ import annotations

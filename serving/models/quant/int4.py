@@ -1,11 +1,13 @@
-"""``--quantization int4`` (CPU): W4A8 in llama.cpp's Q4_1 x Q8_1 form -- 4-bit weight codes in
-groups of 32 input channels with a half-float scale ``d`` and minimum ``m`` per group and output
-channel (``w = d * c + m``), activations quantized per token and group of 32 to int8, integer
-products accumulated in int32 (serving.kernels.cpu_int4: AVX-512 VNNI C++, or its torch-op twin).
+"""``--quantization int4`` (CPU): GGUF Q4_1 weights -- 4-bit codes in groups of 32 input channels
+with a half-float scale ``d`` and minimum ``m`` per group and output channel (``w = d * c + m``) --
+times activations quantized per token and group of 32 to 16-bit codes, integer products exact in
+int32 (serving.kernels.cpu_int4: C++ for every CPU variant, or its torch-op twin).
 It needs the output size to be a multiple of 16 and the input size a multiple of GROUP.
 
-The LM head goes through int8 (``head_method``), as llama.cpp's Q4 files keep the embedding /
-output table in Q8_0: 4-bit logits cost far more accuracy than 4-bit projections. On the default
+The LM head goes through q8_0 (``head_method``: int8 in groups of 32 x per-group int8 activations,
+serving.models.quant.q8), as llama.cpp's Q4 files keep the embedding / output table in Q8_0: 4-bit
+logits cost far more accuracy than 4-bit projections, and per-token activation scales (the int8
+mode's) made SmolLM2 miss Paris in the README's first example. On the default
 model the groups coincide with the GGUF's own Q4_1 blocks (32 input channels, min/max), so the
 codes this recovers from the converted fp32 weights are exactly the file's (README); where the
 folder's GGUF source is at hand its blocks are packed directly (serving.models.quant.gguf_q4).
@@ -41,10 +43,11 @@ def quantize_int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torc
 @register_quant
 class Int4W4A8(QuantMethod):
     name = "int4"
-    kv_tag = "int4v2"  # L3 namespace: v1 (float activations, torch's int4 kernel) computed other KV
+    # L3 namespace: v1 (float activations, torch's int4 kernel) and v2 (8-bit activations) computed other KV
+    kv_tag = "int4v3"
     devices = ("cpu",)
-    description = f"int4 weights (groups of {GROUP}: scale + min) x int8 activations (per token and group)"
-    head_method = "int8"
+    description = f"int4 weights (groups of {GROUP}: scale + min) x 16-bit activations (per token and group)"
+    head_method = "q8_0"
 
     def check_shape(self, name: str, out_features: int, in_features: int) -> None:
         if out_features % N_MULTIPLE or in_features % GROUP:

@@ -1,0 +1,245 @@
+// A Llama-family decoder's layers in one C++ call per forward (serving/kernels/cpu_decoder.py):
+// per layer, residual add + RMSNorm, the qkv projection (+ bias), RoPE on q and k with k and v
+// stored straight into the paged caches, attention over the pages (paged_attention.cpp), o_proj,
+// residual add + RMSNorm, gate_up, SiLU(gate) * up, down -- no Python between the ops.
+//
+// Every step is the same bits on every variant of vec.h: the projections are the ops of
+// int8_linear.cpp / group_linear.cpp (or ATen's fp32 linear), RoPE is rope_store.cpp's formula,
+// RMSNorm sums squares in 16 lanes then vec.h's fixed tree, SiLU is vec.h's silu_mul. A token's
+// result never depends on the other tokens of its batch (each step is per token or per
+// (token, kv head)), so prefill, decode and cache hits compute the same KV.
+#include "ops.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using namespace hv;
+
+enum Kind : int64_t { kF32 = 0, kInt4 = 1, kInt8 = 2, kQ8 = 3 };
+
+struct Linear {
+  int64_t kind = kF32;
+  std::vector<torch::Tensor> w;  // f32: weight; int4 / q8: packed; int8: codes, wsum, scale
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    switch (kind) {
+      case kF32:
+        return at::linear(x, w[0], bias);
+      case kInt4:
+        y = int4_linear(x, w[0]);
+        break;
+      case kInt8:
+        y = int8_linear(x, w[0], w[1], w[2]);
+        break;
+      case kQ8:
+        y = q8_linear(x, w[0]);
+        break;
+      default:
+        TORCH_CHECK(false, "unknown linear kind ", kind);
+    }
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor norm1, norm2;
+  Linear qkv, o, gate_up, down;
+};
+
+// y = w * (x * r), r = 1 / sqrt(sum(x^2) / K + eps), the sum in 16 lanes then the fixed tree.
+void rmsnorm_rows(const float* x, const float* w, float eps, int64_t T, int64_t K, float* y) {
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = x + t * K;
+      F16 acc = splat16(0.0f);
+      for (int64_t k = 0; k < K; k += 16) {
+        const F16 v = load16(xr + k);
+        for (int i = 0; i < 16 / W; ++i) acc.p[i] = add(acc.p[i], mul(v.p[i], v.p[i]));
+      }
+      const float r = 1.0f / std::sqrt(reduce_add16(acc) / static_cast<float>(K) + eps);
+      const V vr = splat(r);
+      for (int64_t k = 0; k < K; k += W) store(y + t * K + k, mul(load(w + k), mul(load(xr + k), vr)));
+    }
+  });
+}
+
+void add_rows(float* h, const float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store(h + i, add(load(h + i), load(d + i)));
+  for (; i < n; ++i) h[i] = h[i] + d[i];
+}
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inter_(inter),
+        eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(hidden % 16 == 0 && inter % 16 == 0 && head_dim % 2 == 0, "hidden and intermediate sizes must be multiples of 16");
+    check_attention_shape(heads, kv_heads, head_dim);
+  }
+
+  void add_layer(torch::Tensor norm1, torch::Tensor norm2, int64_t qkv_kind, std::vector<torch::Tensor> qkv,
+                 c10::optional<torch::Tensor> qkv_bias, int64_t o_kind, std::vector<torch::Tensor> o,
+                 c10::optional<torch::Tensor> o_bias, int64_t gu_kind, std::vector<torch::Tensor> gu,
+                 c10::optional<torch::Tensor> gu_bias, int64_t down_kind, std::vector<torch::Tensor> down,
+                 c10::optional<torch::Tensor> down_bias) {
+    TORCH_CHECK(norm1.numel() == hidden_ && norm2.numel() == hidden_, "norm weights");
+    layers_.push_back(Layer{norm1.contiguous(), norm2.contiguous(), Linear{qkv_kind, std::move(qkv), qkv_bias},
+                            Linear{o_kind, std::move(o), o_bias}, Linear{gu_kind, std::move(gu), gu_bias},
+                            Linear{down_kind, std::move(down), down_bias}});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Layers [first, last) on the residual stream h [T, hidden] (updated in place); delta: the
+  // previous layer's output not yet added (None before layer 0). Returns this call's last delta.
+  torch::Tensor forward(torch::Tensor h, c10::optional<torch::Tensor> delta, const std::vector<torch::Tensor>& k_caches,
+                        const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor positions, torch::Tensor loc, torch::Tensor page_table, int64_t page_size,
+                        torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, int64_t first, int64_t last) {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous() && h.scalar_type() == torch::kFloat32, "h");
+    TORCH_CHECK(0 <= first && first < last && last <= num_layers(), "layer range");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() && v_caches.size() == k_caches.size(), "caches");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim_, "rope tables");
+    const int64_t T = h.size(0), H = heads_, KH = kv_heads_, D = head_dim_, qw = H * D, kw = KH * D;
+    positions = positions.to(torch::kInt64).contiguous();
+    loc = loc.to(torch::kInt64).contiguous();
+    const Meta meta = make_meta(T, page_table, page_size, prefix_lens, extend_lens);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* lp = loc.data_ptr<int64_t>();
+    const int64_t slots = k_caches[0].numel() / kw, rows = cos.size(0);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < rows, "position outside the rope table");
+      TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "slot outside the cache");
+    }
+    for (int64_t s : meta.slots) TORCH_CHECK(s >= 0 && s < slots, "page table outside the cache");
+    float* hp = h.data_ptr<float>();
+    auto x = torch::empty({T, hidden_}, h.options());
+    auto q = torch::empty({T, H, D}, h.options());
+    auto attn = torch::empty({T, qw}, h.options());
+    torch::Tensor d = delta.has_value() ? delta->contiguous() : torch::Tensor();
+    for (int64_t i = first; i < last; ++i) {
+      const Layer& L = layers_[i];
+      const torch::Tensor& kc = k_caches[i];
+      const torch::Tensor& vc = v_caches[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
+                      vc.scalar_type() == torch::kFloat32 && kc.numel() == slots * kw && vc.numel() == kc.numel(),
+                  "KV caches must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
+      if (d.defined()) add_rows(hp, d.data_ptr<float>(), T * hidden_);
+      rmsnorm_rows(hp, L.norm1.data_ptr<float>(), eps_, T, hidden_, x.data_ptr<float>());
+      const torch::Tensor qkv = L.qkv(x).contiguous();
+      TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "qkv width");
+      rope_store(qkv.data_ptr<float>(), pos, lp, cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.data_ptr<float>(),
+                 kc.data_ptr<float>(), vc.data_ptr<float>());
+      attention_rows(q.data_ptr<float>(), T, H, D, kc.data_ptr<float>(), vc.data_ptr<float>(), KH, meta.slots.data(),
+                     meta.width, meta.seq.data(), meta.nkeys.data(), static_cast<float>(scale), attn.data_ptr<float>());
+      d = L.o(attn).contiguous();
+      add_rows(hp, d.data_ptr<float>(), T * hidden_);
+      rmsnorm_rows(hp, L.norm2.data_ptr<float>(), eps_, T, hidden_, x.data_ptr<float>());
+      const torch::Tensor gu = L.gate_up(x).contiguous();
+      TORCH_CHECK(gu.size(1) == 2 * inter_, "gate_up width");
+      auto act = torch::empty({T, inter_}, h.options());
+      silu_rows(gu.data_ptr<float>(), T, act.data_ptr<float>());
+      d = L.down(act).contiguous();
+    }
+    return d;
+  }
+
+ private:
+  struct Meta {
+    std::vector<int64_t> slots, seq, nkeys;  // slots [B, width]: flat slot of every position
+    int64_t width;
+  };
+
+  static Meta make_meta(int64_t T, torch::Tensor page_table, int64_t ps, torch::Tensor prefix_lens,
+                        torch::Tensor extend_lens) {
+    page_table = page_table.to(torch::kInt64).contiguous();
+    prefix_lens = prefix_lens.to(torch::kInt64).contiguous();
+    extend_lens = extend_lens.to(torch::kInt64).contiguous();
+    const int64_t B = page_table.size(0), P = page_table.size(1);
+    const int64_t* tab = page_table.data_ptr<int64_t>();
+    const int64_t* pre = prefix_lens.data_ptr<int64_t>();
+    const int64_t* ext = extend_lens.data_ptr<int64_t>();
+    Meta m;
+    m.width = 1;
+    for (int64_t b = 0; b < B; ++b) m.width = std::max(m.width, pre[b] + ext[b]);
+    TORCH_CHECK(m.width <= P * ps, "sequences longer than their page table");
+    m.slots.assign(static_cast<size_t>(B * m.width), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t p = 0; p < pre[b] + ext[b]; ++p) m.slots[b * m.width + p] = tab[b * P + p / ps] * ps + p % ps;
+      for (int64_t j = 0; j < ext[b]; ++j) {
+        m.seq.push_back(b);
+        m.nkeys.push_back(pre[b] + j + 1);
+      }
+    }
+    TORCH_CHECK(static_cast<int64_t>(m.seq.size()) == T, "extend_lens do not add up to the tokens");
+    return m;
+  }
+
+  // q rotated into qo [T, H, D]; k rotated and v copied into the caches' slots loc[t]
+  // (x1 c1 + (-x2) s1 and x2 c2 + x1 s2: rope_store.cpp's bits).
+  void rope_store(const float* qkv, const int64_t* pos, const int64_t* loc, const float* ct, const float* st, int64_t T,
+                  float* qo, float* kc, float* vc) const {
+    const int64_t H = heads_, KH = kv_heads_, D = head_dim_, half = D / 2, width = (H + 2 * KH) * D;
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* c = ct + pos[t] * D;
+        const float* s = st + pos[t] * D;
+        const float* xt = qkv + t * width;
+        for (int64_t hh = 0; hh < H + KH; ++hh) {
+          const float* xi = xt + hh * D;
+          float* oi = hh < H ? qo + (t * H + hh) * D : kc + (loc[t] * KH + hh - H) * D;
+          for (int64_t j = 0; j < half; ++j) {
+            const float x1 = xi[j], x2 = xi[half + j];
+            const float a1 = x1 * c[j], b1 = (-x2) * s[j];
+            const float a2 = x2 * c[half + j], b2 = x1 * s[half + j];
+            oi[j] = a1 + b1;
+            oi[half + j] = a2 + b2;
+          }
+        }
+        std::memcpy(vc + loc[t] * KH * D, xt + (H + KH) * D, static_cast<size_t>(KH * D) * sizeof(float));
+      }
+    });
+  }
+
+  void silu_rows(const float* gu, int64_t T, float* out) const {
+    const int64_t I = inter_;
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < I; j += W) store(out + t * I + j, silu_mul(load(gu + t * 2 * I + j), load(gu + t * 2 * I + I + j)));
+    });
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, inter_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+// y = w * (x * r) per row (the final norm of the fused path)
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 16 == 0, "x must be [T, K] float32, K % 16 == 0");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = torch::empty_like(x);
+  rmsnorm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), x.size(0), x.size(1), y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+void bind_decoder(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of rows in the fused decoder's order");
+}
