@@ -4,14 +4,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 MODEL  := models/SmolLM2-135M-Instruct
 CONFIG ?= configs/l3.yaml
-# make serve's weights on this CPU build of torch: the fastest mode that keeps answers sensible (README "Quantized weights")
-QUANTIZATION ?= int4
+# make serve's weights: auto = int4 where the C++ CPU ops run (AVX2 / AVX-512), else fp32; the server
+# logs which and why (serving/models/quant/auto.py, README "Quantized weights")
+QUANTIZATION ?= auto
 
 .PHONY: setup serve test lint bench-smoke clean-venv
 
 setup: $(VENV)/.installed
 	$(PY) -m serving.convert --default $(MODEL)
-	@# The C++ CPU ops (serving/kernels/csrc; g++ + ninja; skipped without AVX-512 VNNI), built once here
+	@# The C++ CPU ops (serving/kernels/csrc; g++ + ninja): every ISA variant this CPU runs, built once here
 	$(PY) -m serving.kernels.cpu_ext
 
 $(VENV)/.installed: pyproject.toml

@@ -12,7 +12,7 @@ from hicache.config import CacheConfig
 from hicache.config_fields import check_choices, choice
 
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")  # serving.model_runner.KV_CACHE_DTYPES
-QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # "none" + serving.models.quant.quant_methods()
+QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")  # none, auto + serving.models.quant.quant_methods()
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto" + serving.model_runner.DTYPES
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FORMATS
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS

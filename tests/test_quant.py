@@ -27,9 +27,34 @@ def tiny(tmp_path_factory):
 
 
 def test_config_names_the_registry_and_refuses_others():
-    assert sorted(QUANTIZATIONS) == sorted(["none", *quant_methods()])
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, fp8, got 'int3'"):
+    assert sorted(QUANTIZATIONS) == sorted(["none", "auto", *quant_methods()])
+    assert "q8_0" not in quant_methods()  # int4's head, not a mode of its own
+    with pytest.raises(ValueError, match="quantization must be one of none, auto, int8, int4, fp8, got 'int3'"):
         ModelConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("variant,want", [("avx2", "int4"), ("avx512vnni", "int4"), ("avxvnni", "int4"),
+                                          ("scalar", "none"), (None, "none")])
+def test_auto_follows_the_cpu_ops_that_run_here(monkeypatch, caplog, variant, want):
+    from serving.kernels import cpu_ext
+    from serving.models.quant.auto import resolve_quantization
+
+    monkeypatch.setattr(cpu_ext, "variant", lambda: variant)
+    monkeypatch.setattr(cpu_ext, "why_not", "HICACHE_CPU_KERNELS=0" if variant is None else "")
+    with caplog.at_level("INFO", logger="serving.models.quant.auto"):
+        assert resolve_quantization("auto", "cpu") == want
+        assert resolve_quantization("int8", "cpu") == "int8"  # an explicit mode is taken as it is
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"--quantization auto: {'fp32' if want == 'none' else want} (")
+    assert (variant or "HICACHE_CPU_KERNELS=0") in lines[0]
+
+
+def test_auto_model_records_the_mode_it_resolved_to(tiny):
+    from serving.kernels import cpu_ext
+
+    model, _ = load_model(tiny[0], quantization="auto")
+    assert model.quantization == ("int4" if cpu_ext.variant() not in (None, "scalar") else "none")
+    assert model.quant_tag == ("int4v3" if model.quantization == "int4" else "none")
 
 
 @pytest.mark.parametrize("name", [*CPU_METHODS, "int8-torch-ops"])
@@ -68,7 +93,8 @@ def test_int4_refuses_a_shape_the_kernel_cannot_take(tmp_path):
 def test_every_projection_and_the_head_are_quantized(tiny, name):
     model, _ = load_model(tiny[0], quantization=name)
     assert not any(isinstance(m, torch.nn.Linear) for n, m in model.named_modules() if n != "lm_head")
-    assert model.logits_matmul.__self__.method.name == "int8"  # int4's head is int8, as in llama.cpp's Q4 files
+    # int4's head is q8_0 (the Q8_0 table of llama.cpp's Q4 files, with int4's 16-bit activations)
+    assert model.logits_matmul.__self__.method.name == {"int8": "int8", "int4": "q8_0"}[name]
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert names >= {"qkv_proj", "gate_up_proj", "linear"}  # linear: inside o_proj / down_proj
 

@@ -16,6 +16,7 @@ import serving.models  # noqa: F401 - registers the model classes
 from serving.models.config import ModelArchConfig
 from serving.models.fp8_checkpoint import dequantizing
 from serving.models.quant import quantize_model
+from serving.models.quant.auto import resolve_quantization
 from serving.models.registry import get_model_class
 from serving.parallel.group import TPGroup
 
@@ -81,8 +82,11 @@ def load_model(
     ``device`` (built on the meta device first, so nothing big is made on the CPU) and
     filled with seeded random values. ``tp``: build and load only this tensor-parallel
     rank's shard (serving.parallel). ``quantization``: a serving.models.quant method applied to the
-    loaded (sharded) weights; QuantizationError names what cannot run. Returns ``(model, config)``.
+    loaded (sharded) weights (``auto``: serving.models.quant.auto picks one for the device; the
+    model's ``quantization`` says which); QuantizationError names what cannot run. Returns
+    ``(model, config)``.
     """
+    quantization = resolve_quantization(quantization, device)
     fill = LOAD_FORMATS.get(load_format)
     if fill is None:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {sorted(LOAD_FORMATS)}")

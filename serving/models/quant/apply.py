@@ -82,6 +82,7 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device | s
     method name; ``none`` leaves it as it is). Raises QuantizationError naming what cannot run.
     ``prequantized``: {module name: the method's tensors} taken as they are (serving.models.quant.gguf_q4)."""
     if quantization == "none":
+        model.quantization = model.quant_tag = "none"
         return model
     method = get_quant_method(quantization)
     _check(method, model, torch.device(device))
