@@ -1,22 +1,29 @@
-"""CPU decode speed and accuracy of each ``--quantization`` mode, against HF transformers fp32 and
-llama.cpp (llama-cpp-python) on the very GGUF file ``make setup`` converts, in one run.
+"""CPU decode and prefill speed and accuracy of each ``--quantization`` mode, against HF
+transformers fp32 and llama.cpp (llama-cpp-python, the optional ``bench-cpu`` extra:
+``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e '.[bench-cpu]'``) on the very GGUF file ``make setup``
+converts, in one run, with the CPU's flags and the C++ variant in use recorded.
 
-    .venv/bin/python bench/cpu_decode.py [--modes none,int8,int4] [--new-tokens 64] [--json PATH]
+    .venv/bin/python bench/cpu_decode.py [--modes none,int8,int4] [--repeats 3] [--json PATH]
 
 Decode tok/s: a chat prompt (batch 1) or 8 different ones (batch 8), greedy, ``ignore_eos``;
 the time of ``1 + N`` new tokens minus the time of 1 new token (so prefill is not counted),
-with the prefix cache flushed before each. llama-cpp-python's high-level API decodes one
-sequence, so llama.cpp has no batch-8 figure.
+with the prefix cache flushed before each; ``--repeats`` samples, the median reported (min and
+max beside it: on a shared machine the spread is the noise). llama-cpp-python's high-level API
+decodes one sequence, so llama.cpp has no batch-8 figure. Prefill tok/s: one prompt of
+``--prefill-tokens`` tokens (TEXT repeated), one new token, the cache flushed.
 
 Accuracy on TEXT (the opening paragraph of Dickens' *A Tale of Two Cities*, 1859, public domain),
 teacher-forced: perplexity, and top-1 agreement with HF transformers fp32 (the share of positions
-whose argmax next token is the same).
+whose argmax next token is the same). ``paris``: whether the mode's greedy answer to the README's
+first question ("What is the capital of France?", 32 tokens) names Paris -- the rule for the
+default mode (serving/models/quant/auto.py), whose row is marked ``default``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -60,11 +67,28 @@ def score(logits: torch.Tensor, ids: list[int], ref_top1: torch.Tensor | None) -
     return {"perplexity": math.exp(nll), "top1_agreement": agree, "top1": top1}
 
 
+def cpu_info() -> dict:
+    from serving.kernels import cpu_ext
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    flags = cpu_ext.cpu_flags()
+    keep = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx_vnni")
+    return {"model_name": name, "nproc": os.cpu_count(), "flags": [f for f in keep if f in flags],
+            "variants_runnable": [v.name for v in cpu_ext.runnable()], "variant_in_use": cpu_ext.variant()}
+
+
 def ours_logits(mode: str, ids: list[int]) -> torch.Tensor:
-    """``[T, vocab]`` logits of our model in ``mode`` over ``ids`` in one prefill."""
+    """``[T, vocab]`` logits of our model in ``mode`` over ``ids`` in one prefill, through the attention
+    backend (and so the fused C++ decoder) the engine uses on this machine."""
     from hicache.tiers.device import DeviceKVPool
     from serving.forward_batch import ForwardBatch
     from serving.kernels.attention import get_attention_backend
+    from serving.kernels.cpu_ext import extension
     from serving.models.loader import load_model
 
     model, cfg = load_model(MODEL, quantization=mode)
@@ -74,7 +98,7 @@ def ours_logits(mode: str, ids: list[int]) -> torch.Tensor:
     batch = ForwardBatch.build([(ids, 0, list(range(1, pages + 1)))], page)
     batch.logit_rows = torch.arange(len(ids))
     with torch.inference_mode():
-        return model(batch, pool, get_attention_backend("torch"))[1:]
+        return model(batch, pool, get_attention_backend("cpu" if extension() else "torch"))[1:]
 
 
 def register_fp8_emulated() -> str:
@@ -100,21 +124,44 @@ def register_fp8_emulated() -> str:
     return Fp8Emulated.name
 
 
-def ours_decode(mode: str, prompts: list[list[int]], n: int) -> float:
+def stats(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": samples}
+
+
+def ours_engine(mode: str, tok, args) -> dict:
+    """Decode (bs 1, bs 8), prefill and the README's first answer of one engine in ``mode``."""
     from serving.engine import Engine
 
-    eng = Engine(model_path=MODEL, quantization=mode, max_total_tokens=8192)
+    eng = Engine(model_path=MODEL, quantization=mode, max_total_tokens=max(8192, args.prefill_tokens + 64))
+    greedy = {"temperature": 0, "ignore_eos": True}
     try:
-        return _timed_decode(lambda k: eng.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": k, "ignore_eos": True}), eng.flush_cache, len(prompts), n)
+        def gen(prompts):
+            return lambda k: eng.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": k})
+
+        out = {"decode_bs1": stats(_timed_decode(gen(chat_ids(tok, 1)), eng.flush_cache, 1, args.new_tokens,
+                                                 args.repeats))}
+        if mode in args.bs8_modes.split(","):
+            out["decode_bs8"] = stats(_timed_decode(gen(chat_ids(tok, 8)), eng.flush_cache, 8, args.new_tokens,
+                                                    args.repeats))
+        long = (tok(TEXT)["input_ids"] * (args.prefill_tokens // 100 + 1))[: args.prefill_tokens]
+        samples = []
+        for _ in range(args.prefill_repeats):
+            eng.flush_cache()
+            t0 = time.perf_counter()
+            gen([long])(1)
+            samples.append(len(long) / (time.perf_counter() - t0))
+        out["prefill"] = stats(samples)
+        answer = eng.generate(input_ids=chat_ids(tok, 1), sampling_params={"temperature": 0, "max_new_tokens": 32})
+        out["answer"] = answer[0]["text"]
+        return out
     finally:
         eng.shutdown()
 
 
-def _timed_decode(gen, flush, batch: int, n: int, repeats: int = 2) -> float:
-    """Best of ``repeats``: batch * n / (t(1 + n new) - t(1 new))."""
+def _timed_decode(gen, flush, batch: int, n: int, repeats: int) -> list[float]:
+    """``repeats`` samples of batch * n / (t(1 + n new) - t(1 new))."""
     gen(2)
-    best = 0.0
+    samples = []
     for _ in range(repeats):
         flush()
         t0 = time.perf_counter()
@@ -123,8 +170,8 @@ def _timed_decode(gen, flush, batch: int, n: int, repeats: int = 2) -> float:
         flush()
         gen(1 + n)
         t2 = time.perf_counter()
-        best = max(best, batch * n / max((t2 - t1) - (t1 - t0), 1e-9))
-    return best
+        samples.append(batch * n / max((t2 - t1) - (t1 - t0), 1e-9))
+    return samples
 
 
 def hf_model():
@@ -133,7 +180,7 @@ def hf_model():
     return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
 
 
-def hf_decode(model, tok, prompts: list[list[int]], n: int) -> float:
+def hf_decode(model, tok, prompts: list[list[int]], n: int, repeats: int) -> list[float]:
     width = max(len(p) for p in prompts)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -144,7 +191,7 @@ def hf_decode(model, tok, prompts: list[list[int]], n: int) -> float:
             model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                            pad_token_id=pad)
 
-    return _timed_decode(gen, lambda: None, len(prompts), n)
+    return _timed_decode(gen, lambda: None, len(prompts), n, repeats)
 
 
 def llama_cpp():
@@ -158,36 +205,64 @@ def llama_cpp():
     return Llama, str(smollm2_gguf_path())
 
 
-def llama_rows(Llama, gguf: str, ids: list[int], prompt: list[int], n: int) -> tuple[torch.Tensor, float]:
+def llama_rows(Llama, gguf: str, ids: list[int], prompt: list[int], tok, args) -> tuple[torch.Tensor, dict]:
     import numpy as np
 
     threads = torch.get_num_threads()
-    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads, logits_all=True,
-                verbose=False)
+    llm = Llama(model_path=gguf, n_ctx=max(1024, args.prefill_tokens + 64), n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
     llm.reset()
     llm.eval(ids)
     logits = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
-    best = 0.0
-    for _ in range(2):
+
+    def greedy(n: int) -> list[int]:
         llm.reset()
         llm.eval(prompt)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        for _ in range(n - 1):
+            llm.eval([out[-1]])
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        return out
+
+    samples = []
+    for _ in range(args.repeats):
         t0 = time.perf_counter()
-        for _ in range(n):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        best = max(best, n / (time.perf_counter() - t0))
-    return logits, best
+        greedy(1)
+        t1 = time.perf_counter()
+        greedy(1 + args.new_tokens)
+        t2 = time.perf_counter()
+        samples.append(args.new_tokens / max((t2 - t1) - (t1 - t0), 1e-9))
+    long = (tok(TEXT)["input_ids"] * (args.prefill_tokens // 100 + 1))[: args.prefill_tokens]
+    prefill = []
+    for _ in range(args.prefill_repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(long)
+        prefill.append(len(long) / (time.perf_counter() - t0))
+    answer = tok.decode(greedy(32), skip_special_tokens=True)
+    return logits, {"decode_bs1": stats(samples), "prefill": stats(prefill), "answer": answer}
+
+
+def row(engine: str, mode: str, s: dict, res: dict) -> dict:
+    med = {k: res[k]["median"] if k in res else None for k in ("decode_bs1", "decode_bs8", "prefill")}
+    return {"engine": engine, "mode": mode, "perplexity": s["perplexity"], "top1_agreement": s["top1_agreement"],
+            "decode_bs1_tok_s": med["decode_bs1"], "decode_bs8_tok_s": med["decode_bs8"],
+            "prefill_tok_s": med["prefill"], "paris": "Paris" in res.get("answer", "") if "answer" in res else None,
+            "answer": res.get("answer"), "samples": {k: v for k, v in res.items() if k != "answer"}}
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--modes", default="none,int8,int4")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="decode samples per figure (the median is reported)")
+    p.add_argument("--prefill-tokens", type=int, default=1024)
+    p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--bs8-modes", default="none,int8,int4", help="modes also timed at batch 8")
     p.add_argument("--threads", type=int, default=0,
                    help="torch and llama.cpp threads (0: torch's default); 1 is robust on a shared machine, "
                         "where 2 OpenMP threads wait for each other's time slices")
+    p.add_argument("--skip-hf", action="store_true", help="no HF transformers speed rows (its accuracy stays)")
     p.add_argument("--no-fp8-accuracy", action="store_true",
                    help="skip the fp8 row (W8A8 e4m3 emulated in float32: accuracy on real weights, no speed)")
     args = p.parse_args()
@@ -195,53 +270,58 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
+    from serving.models.quant.auto import resolve_quantization
+
     tok = AutoTokenizer.from_pretrained(MODEL)
     ids = tok(TEXT)["input_ids"]
-    one, eight = chat_ids(tok, 1), chat_ids(tok, 8)
     load0 = os.getloadavg()
+    default_mode = resolve_quantization("auto", "cpu")
     hf = hf_model()
     with torch.inference_mode():
         ref = score(hf(torch.tensor([ids])).logits[0], ids, None)
     log(f"HF fp32: perplexity {ref['perplexity']:.3f}")
-    rows = [{"engine": "hf-transformers", "mode": "fp32", "perplexity": ref["perplexity"], "top1_agreement": 1.0,
-             "decode_bs1_tok_s": hf_decode(hf, tok, one, args.new_tokens),
-             "decode_bs8_tok_s": hf_decode(hf, tok, eight, args.new_tokens)}]
+    hf_res = {} if args.skip_hf else {
+        "decode_bs1": stats(hf_decode(hf, tok, chat_ids(tok, 1), args.new_tokens, args.repeats)),
+        "decode_bs8": stats(hf_decode(hf, tok, chat_ids(tok, 8), args.new_tokens, args.repeats))}
+    rows = [row("hf-transformers", "fp32", {**ref, "top1_agreement": 1.0}, hf_res)]
     del hf
     for mode in args.modes.split(","):
         s = score(ours_logits(mode, ids), ids, ref["top1"])
-        rows.append({"engine": "hicache", "mode": mode, "perplexity": s["perplexity"],
-                     "top1_agreement": s["top1_agreement"],
-                     "decode_bs1_tok_s": ours_decode(mode, one, args.new_tokens),
-                     "decode_bs8_tok_s": ours_decode(mode, eight, args.new_tokens)
-                     if mode in args.bs8_modes.split(",") else None})
-        log(f"hicache {mode}: {rows[-1]}")
+        rows.append(row("hicache", mode, s, ours_engine(mode, tok, args)))
+        rows[-1]["default"] = mode == default_mode
+        log(f"hicache {mode}: " + ", ".join(f"{k} {rows[-1][k]}" for k in ("decode_bs1_tok_s", "decode_bs8_tok_s",
+                                                                           "prefill_tok_s", "perplexity", "paris")))
     if not args.no_fp8_accuracy:  # accuracy only: no CPU fp8 kernel to time
         s = score(ours_logits(register_fp8_emulated(), ids), ids, ref["top1"])
-        rows.append({"engine": "hicache", "mode": "fp8 (emulated, accuracy only)", "perplexity": s["perplexity"],
-                     "top1_agreement": s["top1_agreement"], "decode_bs1_tok_s": None, "decode_bs8_tok_s": None})
+        rows.append(row("hicache", "fp8 (emulated, accuracy only)", s, {}))
     Llama, gguf = llama_cpp()
     notes = []
     if Llama is None:
         notes.append(gguf)
         print(gguf)
     else:
-        logits, speed = llama_rows(Llama, gguf, ids, one[0], args.new_tokens)
-        s = score(logits, ids, ref["top1"])
-        rows.append({"engine": "llama.cpp", "mode": "gguf Q4_1/Q8_0", "perplexity": s["perplexity"],
-                     "top1_agreement": s["top1_agreement"], "decode_bs1_tok_s": speed, "decode_bs8_tok_s": None})
+        logits, res = llama_rows(Llama, gguf, ids, chat_ids(tok, 1)[0], tok, args)
+        rows.append(row("llama.cpp", "gguf Q4_1/Q8_0", score(logits, ids, ref["top1"]), res))
     llama_bs1 = next((r["decode_bs1_tok_s"] for r in rows if r["engine"] == "llama.cpp"), None)
+    fp32_prefill = next((r["prefill_tok_s"] for r in rows if r["engine"] == "hicache" and r["mode"] == "none"), None)
     for r in rows:
         r["perplexity_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
         r["bs1_vs_llama_cpp"] = (None if llama_bs1 is None or r["decode_bs1_tok_s"] is None
                                  else r["decode_bs1_tok_s"] / llama_bs1)
-    headers = ["engine", "mode", "decode_bs1_tok_s", "decode_bs8_tok_s", "bs1_vs_llama_cpp", "perplexity",
-               "perplexity_delta_pct", "top1_agreement"]
-    print_table(headers, [[r[h] if r[h] is not None else "-" for h in headers] for r in rows])
-    print(f"text: {len(ids)} tokens; load average {load0} -> {os.getloadavg()}; "
-          f"torch threads {torch.get_num_threads()}")
+        r["prefill_vs_fp32"] = (None if fp32_prefill is None or r["prefill_tok_s"] is None
+                                else r["prefill_tok_s"] / fp32_prefill)
+    headers = ["engine", "mode", "decode_bs1_tok_s", "bs1_vs_llama_cpp", "decode_bs8_tok_s", "prefill_tok_s",
+               "prefill_vs_fp32", "perplexity", "perplexity_delta_pct", "top1_agreement", "paris"]
+    print_table(headers, [[r[h] if r.get(h) is not None else "-" for h in headers] for r in rows])
+    cpu = cpu_info()
+    print(f"text: {len(ids)} tokens; load average {load0} -> {os.getloadavg()}; torch threads "
+          f"{torch.get_num_threads()}; CPU {cpu['model_name']} {cpu['flags']}, C++ variant {cpu['variant_in_use']}; "
+          f"default mode {default_mode}")
     write_json(args.json, {"bench": "cpu_decode", "model": MODEL, "new_tokens": args.new_tokens,
-                           "text_tokens": len(ids), "text": TEXT, "torch_threads": torch.get_num_threads(),
-                           "loadavg_start": load0, "loadavg_end": os.getloadavg(), "notes": notes, "rows": rows})
+                           "repeats": args.repeats, "prefill_tokens": args.prefill_tokens, "text_tokens": len(ids),
+                           "text": TEXT, "torch_threads": torch.get_num_threads(), "cpu": cpu,
+                           "default_mode": default_mode, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                           "notes": notes, "rows": rows})
 
 
 if __name__ == "__main__":
