@@ -19,6 +19,13 @@ are cut.
 L2 -> L1 loads in flight: the graphs wait per layer on static external events
 (``GraphLayerWaits``), armed before each replay from the batch's ``LayerWaits``.
 
+Batches that ask for the logits of more rows than each sequence's last (``ForwardBatch.logit_rows``:
+speculative verification, prompt logprobs) replay a second set of graphs, captured only for
+``row_buckets`` (the engine asks for them when speculative decoding is on: buckets up to 128
+tokens and 16 sequences): their static batch asks for every token row of the bucket
+(``logit_rows`` a static buffer, the batch's rows first, the rest pointing at row 0), so the
+output is ``[sequences + tokens, vocab]`` and the batch's rows are cut from it.
+
 ``capture=False`` keeps the buckets, static buffers and padding but runs the forward pass
 eagerly on them: the same code path for tests on a CPU (Triton's interpreter).
 """
@@ -72,6 +79,7 @@ class ExtendGraphRunner:
         device: torch.device,
         capture: bool = True,
         keep_alive: object = None,
+        row_buckets: list[tuple[int, int]] = (),
     ) -> None:
         self.forward = forward
         self.buckets = sorted(set(buckets))  # by tokens, then sequences: the first fit is the smallest
@@ -94,16 +102,20 @@ class ExtendGraphRunner:
         self.seq_lens = torch.zeros(n, **i32)
         self.extend_start = torch.zeros(n, **i32)
         self.page_table = torch.zeros((n, self.max_pages), **i32)
+        self.logit_rows = torch.zeros(t, **i64)  # the extra rows of a row graph's batch (then row 0)
         self.waits = GraphLayerWaits.create(num_layers, device)
-        self.batches = {b: self._static_batch(*b) for b in self.buckets}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.row_buckets = sorted(set(row_buckets) & set(self.buckets))
+        # key (tokens, sequences, rows?): the row graphs ask for every token row besides the last ones
+        self.batches = {(*b, False): self._static_batch(*b) for b in self.buckets}
+        self.batches.update({(*b, True): self._static_batch(*b, rows=True) for b in self.row_buckets})
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.replays = 0
         self.capture_s = 0.0
         if capture:
             self._capture_all()
 
-    def _static_batch(self, t: int, s: int) -> ForwardBatch:
+    def _static_batch(self, t: int, s: int, rows: bool = False) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.input_ids[:t], positions=self.positions[:t], prefix_lens=self.prefix_lens[:s],
             extend_lens=self.extend_lens[:s], seq_lens=self.seq_lens[:s], extend_start=self.extend_start[:s],
@@ -111,7 +123,7 @@ class ExtendGraphRunner:
             # the host lists describe the bucket, not a batch: not a decode batch, and max_seq_len =
             # context_len (the rotary table is built whole before capture)
             prefix_lens_list=[self.context_len] * s, extend_lens_list=[0] * s,
-            extend_bucket=(t, s), layer_waits=self.waits,
+            extend_bucket=(t, s), layer_waits=self.waits, logit_rows=self.logit_rows[:t] if rows else None,
         )
 
     @torch.inference_mode()
@@ -120,7 +132,7 @@ class ExtendGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         main = torch.cuda.current_stream(self.device)
-        for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool memory
+        for b in sorted(self.batches, reverse=True):  # largest first: the smaller graphs reuse its pool memory
             fb = self.batches[b]
             side.wait_stream(main)
             with torch.cuda.stream(side):  # warm-up: compiles the Triton kernels, fills caches
@@ -132,11 +144,12 @@ class ExtendGraphRunner:
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
-        log.info("captured %d extend CUDA graphs (tokens x sequences: %s) in %.2f s", len(self.graphs),
-                 ", ".join(f"{t}x{s}" for t, s in self.buckets), self.capture_s)
+        log.info("captured %d extend CUDA graphs (tokens x sequences: %s; with every row: %s) in %.2f s",
+                 len(self.graphs), ", ".join(f"{t}x{s}" for t, s in self.buckets),
+                 ", ".join(f"{t}x{s}" for t, s in self.row_buckets) or "none", self.capture_s)
 
-    def bucket_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
-        for t, s in self.buckets:
+    def bucket_for(self, tokens: int, seqs: int, rows: bool = False) -> tuple[int, int] | None:
+        for t, s in self.row_buckets if rows else self.buckets:
             if t >= tokens and s >= seqs:
                 return t, s
         return None
@@ -144,19 +157,19 @@ class ExtendGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return (
             not batch.is_decode  # decode batches have their own graphs
-            and batch.logit_rows is None  # prompt logprobs need more rows than a graph returns
             and batch.extend_bucket is None
             and batch.page_size == self.page_size
             and batch.page_table.shape[1] <= self.max_pages
             and batch.max_seq_len <= self.context_len
-            and self.bucket_for(batch.num_tokens, batch.batch_size) is not None
+            and self.bucket_for(batch.num_tokens, batch.batch_size, batch.logit_rows is not None) is not None
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``[B, vocab]`` of an extend batch (``can_run`` must hold). The tensor is the
         graph's output buffer: read it before the next replay."""
         t, b = batch.num_tokens, batch.batch_size
-        bucket = self.bucket_for(t, b)
+        rows = batch.logit_rows
+        bucket = self.bucket_for(t, b, rows is not None)
         assert bucket is not None
         tb, sb = bucket
         w = batch.page_table.shape[1]
@@ -171,6 +184,9 @@ class ExtendGraphRunner:
             self.input_ids[t:tb].zero_()
             self.positions[t:tb].zero_()
             self.out_cache_loc[t:tb].fill_(-1)
+        if rows is not None:  # the batch's extra rows, then row 0 (computed, cut)
+            self.logit_rows[: rows.shape[0]].copy_(rows, non_blocking=True)
+            self.logit_rows[rows.shape[0]: tb].zero_()
         if sb > b:  # padding sequences: no new tokens (no attention tile); their last row is cut
             self.prefix_lens[b:sb].zero_()
             self.extend_lens[b:sb].zero_()
@@ -182,7 +198,12 @@ class ExtendGraphRunner:
             else:
                 batch.layer_waits.before_all()
         self.replays += 1
+        key = (*bucket, rows is not None)
         if self.capture:
-            self.graphs[bucket].replay()
-            return self.outputs[bucket][:b]
-        return self.forward(self.batches[bucket])[:b]
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        else:
+            out = self.forward(self.batches[key])
+        if rows is None:
+            return out[:b]
+        return torch.cat([out[:b], out[sb: sb + rows.shape[0]]])

@@ -93,8 +93,10 @@ class ModelRunner:
                     capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
                 if not model.disable_extend_cuda_graph:
                     max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
-                    self.extend_graphs = self.make_extend_graph_runner(
-                        extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs))
+                    buckets = extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs)
+                    # speculative verification asks for every position's logits: small buckets get graphs for that too
+                    rows = [(t, s) for t, s in buckets if t <= 128 and s <= 16] if sched.speculative_algorithm else []
+                    self.extend_graphs = self.make_extend_graph_runner(buckets, row_buckets=rows)
 
     def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
@@ -106,11 +108,13 @@ class ModelRunner:
             runner.keep_alive = dict(rotary._tables)
         return runner
 
-    def make_extend_graph_runner(self, buckets: list[tuple[int, int]], capture: bool = True) -> ExtendGraphRunner:
-        """Static extend buffers (and, with ``capture``, CUDA graphs) for (tokens, sequences) ``buckets``."""
+    def make_extend_graph_runner(self, buckets: list[tuple[int, int]], capture: bool = True,
+                                 row_buckets: list[tuple[int, int]] = ()) -> ExtendGraphRunner:
+        """Static extend buffers (and, with ``capture``, CUDA graphs) for (tokens, sequences) ``buckets``
+        (``row_buckets``: also for batches asking the logits of every position, see ExtendGraphRunner)."""
         runner = ExtendGraphRunner(
             self._forward_eager, buckets, self.context_len, self.pool.page_size, self.arch.num_hidden_layers,
-            self.device, capture=capture)
+            self.device, capture=capture, row_buckets=row_buckets)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
             runner.keep_alive = dict(rotary._tables)
