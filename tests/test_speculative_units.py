@@ -26,10 +26,12 @@ def tree_and_index(pages: int = 64, capacity: int = 1 << 16, levels=(2,)):
     return tree, alloc, TreeNgramIndex(tree, levels, capacity)
 
 
-def insert(tree: HiRadixTree, alloc: PageAllocator, tokens: list[int]) -> None:
+def insert(tree: HiRadixTree, alloc: PageAllocator, tokens: list[int], index: TreeNgramIndex | None = None) -> None:
     n = len(tokens) // PS
     pages = alloc.alloc(n)
     alloc.free(tree.insert(tokens, pages))
+    if index is not None:
+        index.catch_up(1 << 30)
 
 
 def conts(matches):
@@ -39,12 +41,12 @@ def conts(matches):
 def test_index_finds_continuations_across_nodes_and_splits():
     tree, alloc, index = tree_and_index()
     a = list(range(100, 124))  # 6 pages
-    insert(tree, alloc, a)
+    insert(tree, alloc, a, index)
     assert conts(index.find((), [7, 104, 105], 12, 5)) == [[106, 107, 108, 109, 110]]
     size = index.size
     # a sequence sharing 2 pages splits the first node; the split-off upper part is not indexed again
     b = a[:8] + list(range(200, 208))
-    insert(tree, alloc, b)
+    insert(tree, alloc, b, index)
     assert tree.num_nodes == 3 and index.stats()["index_nodes"] == 2  # the split's upper part had no event
     assert index.size == size + 8  # the new node's positions (its first key spans the boundary)
     # positions recorded before the split still resolve (the lower part now starts at depth 8)
@@ -61,13 +63,13 @@ def test_index_finds_continuations_across_nodes_and_splits():
 
 def test_index_forgets_nodes_the_tree_drops_and_resets():
     tree, alloc, index = tree_and_index(pages=8)
-    insert(tree, alloc, list(range(100, 116)))
+    insert(tree, alloc, list(range(100, 116)), index)
     assert index.find((), [105, 106], 12, 2)
     tree.evict_device(4)  # no L2: the node leaves the tree
     assert tree.num_nodes == 0
     assert index.find((), [105, 106], 12, 2) == []
     assert index.size < 16  # the stale positions met were dropped
-    insert(tree, alloc, list(range(300, 316)))
+    insert(tree, alloc, list(range(300, 316)), index)
     assert index.find((), [301, 302], 12, 1) == [(2, [303])]
     tree.reset()
     assert index.size == 0 and index.find((), [301, 302], 12, 1) == []
@@ -77,7 +79,7 @@ def test_index_partitions_by_cache_salt():
     tree, alloc, index = tree_and_index()
     tags = salt.salt_tags("tenant-a")
     seq = list(range(100, 116))
-    insert(tree, alloc, salt.apply(seq, tags))
+    insert(tree, alloc, salt.apply(seq, tags), index)
     assert index.find((), [101, 102], 12, 2) == []  # unsalted requests never see a salted sequence
     assert conts(index.find(tags, [101, 102], 12, 2)) == [[103, 104]]
     # the salted first tokens come back raw (a match at the very start)
@@ -88,7 +90,7 @@ def test_index_partitions_by_cache_salt():
 def test_index_capacity_bounds_positions():
     tree, alloc, index = tree_and_index(pages=256, capacity=50)
     for i in range(8):
-        insert(tree, alloc, list(range(1000 * i, 1000 * i + 16)))
+        insert(tree, alloc, list(range(1000 * i, 1000 * i + 16)), index)
     assert index.size <= 50
     assert index.evicted > 0
     assert index.find((), [7001, 7002], 12, 1) == [(2, [7003])]  # the latest survive
@@ -177,3 +179,31 @@ def test_config_validates_the_flags():
                 {"speculative_ngram_match_type": "DFS"}, {"speculative_ngram_capacity": 0}):
         with pytest.raises(ValueError, match="speculative"):
             SchedulerConfig(**bad)
+
+
+def test_index_catches_up_in_bounded_steps_across_a_split():
+    tree, alloc, index = tree_and_index(pages=256)
+    seq = list(range(1000, 1200))  # 50 pages
+    pages = alloc.alloc(50)
+    tree.insert(seq, pages)
+    assert index.pending == 1 and index.find((), [1100, 1101], 12, 1) == []
+    index.catch_up(64)
+    assert index.indexed_tokens == 64 and index.pending == 1
+    # a split above the queued node before it is indexed: its upper part is still indexed
+    alloc.free(tree.insert(seq[:40] + list(range(5000, 5008)), alloc.alloc(12)))
+    while index.pending:
+        index.catch_up(64)
+    assert index.indexed_tokens == 200 + 8
+    for a in (1001, 1050, 1150):
+        assert index.find((), [a, a + 1], 12, 2) == [(2, [a + 2, a + 3])]
+
+
+def test_history_indexes_a_window_in_chunks():
+    h = RequestHistory((2,), window=100, chunk=30)
+    seq = list(range(500)) + [480, 481]
+    h.update(seq)
+    assert h.find(seq, 12, 2) == []  # only 402..431 indexed so far
+    for _ in range(3):
+        h.update(seq)
+    assert h.find(seq, 12, 2) == [(2, [482, 483])]
+    assert h.find([*range(500), 10, 11], 12, 2) == []  # older than the window: not indexed

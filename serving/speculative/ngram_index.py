@@ -9,11 +9,12 @@ positions that follow its latest occurrences in the tree, packed as ``node id <<
 split puts a new node above the recorded one; the position is found by walking up).
 
 Fed by the tree's events (``HiRadixTree.add_listener``): a node that appears (``device_add`` or
-``host_add`` of a node not seen before and without children: an insert, an L3 prefetch) has its
-positions indexed; a node that leaves (``remove``) is forgotten at once, and its positions are
-dropped when a lookup meets them (or by the capacity bound); ``reset`` clears the index. A node
-not seen before that has children is the upper part of a split: its tokens are indexed already,
-under the lower part's id.
+``host_add`` of a node not seen before and without children: an insert, an L3 prefetch) is queued
+and its positions are indexed by :meth:`catch_up`, at most ``tokens`` per call (the worker calls
+it once a step, so a long sequence never stalls a step); a node that leaves (``remove``) is
+forgotten at once, and its positions are dropped when a lookup meets them (or by the capacity
+bound); ``reset`` clears the index. A node not seen before that has children is the upper part
+of a split: its tokens are indexed already (or queued), under the lower part's id.
 
 Bounded: at most ``per_key`` positions per key (the latest) and ``capacity`` positions in all
 (the keys used least recently go first). A lookup is O(levels + per_key x path length).
@@ -24,6 +25,7 @@ thread makes). It reads nodes' keys, children and access ticks, and never change
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from hicache import salt
@@ -32,6 +34,7 @@ from hicache.hiradix.node import TreeNode
 _DEPTH_BITS = 32
 _DEPTH_MASK = (1 << _DEPTH_BITS) - 1
 _TOKEN_MOD = 1 << 32
+MAX_QUEUED = 65536  # nodes waiting to be indexed
 
 
 def raw_tokens(tokens: list[int], depth: int) -> list[int]:
@@ -87,6 +90,7 @@ class TreeNgramIndex:
         self.rank_child = rank_child or (lambda n: n.last_access)
         self._map: dict[tuple, list[int]] = {}
         self._nodes: dict[int, TreeNode] = {}
+        self._queue: deque[list] = deque()  # [node, next depth to index] of nodes not yet (fully) indexed
         self.size = 0  # positions held (stale ones too, until met or evicted)
         self.indexed_tokens = 0
         self.evicted = 0
@@ -99,18 +103,41 @@ class TreeNgramIndex:
         elif kind == "reset":
             self._map.clear()
             self._nodes.clear()
+            self._queue.clear()
             self.size = 0
         elif kind in ("device_add", "host_add") and node.id not in self._nodes:
             self._nodes[node.id] = node
-            if not node.children:  # else the upper part of a split: indexed already
-                self._index(node)
+            if not node.children:  # else the upper part of a split: indexed already (or queued)
+                start = sum(len(n.key) for n in node.path_to_root()[1:])  # a split later puts the rest above
+                self._queue.append([node, start])
+                if len(self._queue) > MAX_QUEUED:  # inserts faster than catch_up: the oldest go unindexed
+                    self._queue.popleft()
 
-    def _index(self, node: TreeNode) -> None:
-        path = _Path(node)
-        start = path.starts[-1]
+    def catch_up(self, tokens: int) -> None:
+        """Index queued nodes, about ``tokens`` positions' worth at most."""
+        while self._queue and tokens > 0:
+            item = self._queue[0]
+            node = item[0]
+            if node.removed or node.id not in self._nodes:
+                self._queue.popleft()
+                continue
+            path = _Path(node)
+            end = min(path.end, item[1] + tokens)
+            self._index(node, path, item[1], end)
+            tokens -= end - item[1]
+            item[1] = end
+            if end >= path.end:
+                self._queue.popleft()
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def _index(self, node: TreeNode, path: _Path, start: int, end: int) -> None:
+        """Positions of the tokens at depths ``start .. end - 1`` (on ``node``'s path)."""
         part = partition_of(path.nodes[0])
         ctx = max(0, start - (self.levels[0] - 1))
-        toks = path.tokens(ctx, path.end)
+        toks = path.tokens(ctx, end)
         tag = node.id << _DEPTH_BITS
         m, per_key, added = self._map, self.per_key, 0
         for w in self.levels:
@@ -126,7 +153,7 @@ class TreeNgramIndex:
                     del lst[0]
                     added -= 1
         self.size += added
-        self.indexed_tokens += len(node.key)
+        self.indexed_tokens += end - start
         while self.size > self.capacity:
             oldest = next(iter(m))
             n = len(m.pop(oldest))
@@ -180,4 +207,4 @@ class TreeNgramIndex:
 
     def stats(self) -> dict[str, int]:
         return {"index_positions": self.size, "index_keys": len(self._map), "index_nodes": len(self._nodes),
-                "indexed_tokens": self.indexed_tokens, "index_evicted": self.evicted}
+                "indexed_tokens": self.indexed_tokens, "index_evicted": self.evicted, "index_queued": len(self._queue)}

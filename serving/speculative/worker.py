@@ -50,6 +50,7 @@ from serving.speculative.verify import accept_greedy, accept_sampled
 # SmolLM2-135M fp32 / int4 at batch 1 on the 2-core machine; CUDA: the verify-step table)
 TOKEN_COST = {"cpu": 0.25, "cuda": 0.02}
 MISS_LIMIT = 8  # CUDA: steps without a match before a request's drafting turns off (its steps overlap again)
+INDEX_TOKENS_PER_STEP = 8192  # the tree's new sequences indexed per step at most (serving.speculative.ngram_index)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class SpeculativeWorker:
         """Set ``r.spec.drafts`` of each decode row's request (and reserve their slots);
         ``prefill``: the step also runs prefill chunks (its time says nothing of the drafts')."""
         drafted: list[Req] = []
+        self.index.catch_up(INDEX_TOKENS_PER_STEP)
         probe = not prefill and self.cost.wants_plain(len(decode))  # a plain step to measure
         cost = self.cost.terms(len(decode))
         for r in decode:
