@@ -107,8 +107,8 @@ class SchedulerConfig:
     speculative_ngram_max_match_window_size: int = 12  # suffix tokens compared to rank the matches
     # which match drafts: BFS the most recent one, PROB the continuation seen most often
     speculative_ngram_match_type: str = choice("BFS", ("BFS", "PROB"))
-    # positions the tree's n-gram index holds (about 100 bytes each); the least recently used go first
-    speculative_ngram_capacity: int = 1 << 20
+    # positions the tree's n-gram index holds (~220 bytes each, 3 per token: ~110 MiB); least recently used go first
+    speculative_ngram_capacity: int = 1 << 19
 
     def __post_init__(self) -> None:
         check_choices(self)  # schedule_policy, grammar_backend, speculative_algorithm, speculative_ngram_match_type
