@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ HOST_LAYOUTS = ("layer_first", "page_first")  # hicache.tiers.host.HOST_LAYOUTS
 STORAGE_BACKENDS = ("lmdb", "mooncake")  # hicache.tiers.storage.STORAGE_BACKENDS
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # serving.l3_prefetch.PREFETCH_POLICIES
 LOAD_POLICIES = ("cost_model", "always_load")  # serving.cost_model.LOAD_POLICIES
+_READ_THREADS = max(1, min(16, os.cpu_count() or 1))  # hicache.tiers.storage.default_read_threads
 
 
 def _write_policies() -> tuple[str, ...]:
@@ -60,7 +62,7 @@ class CacheConfig:
     # whether an L3 hit is loaded (this and the three below are not SGLang flags; serving/cost_model.py,
     # l3_writeback.py): cost_model (only when loading is faster than recomputing) | always_load
     hicache_storage_load_policy: str = choice("cost_model", LOAD_POLICIES)
-    hicache_storage_read_threads: int = 8  # reader threads of a direct (page_first + LMDB) read
+    hicache_storage_read_threads: int = _READ_THREADS  # L3 reader threads (default: one per CPU, at most 16)
     hicache_storage_write_queue_pages: int = 16384  # pages handed to the L3 writers at once; the rest wait (pinned)
     hicache_storage_write_rate_mb_s: float = 0.0  # write-back bandwidth cap (0: none)
     # How pages sit in L2 / L3 (hicache.tiers.kv_codec): raw (L1's bytes) | fp8 | int8 (one byte per

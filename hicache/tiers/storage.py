@@ -2,19 +2,24 @@
 :class:`~hicache.tiers.base.StorageBackend`, each value verified on read (format:
 :mod:`hicache.tiers.page_codec`); and the registry of backends.
 
-Two data paths, chosen per call:
+Reads run on the tier's ``read_threads`` reader threads as read jobs (:class:`ReadJob`)
+(:meth:`StorageTier.start_read`; :meth:`StorageTier.batch_get` starts one and waits): a job's
+pages are cut into groups, queued in order behind earlier jobs, and its landed, verified
+prefix grows while it runs. Two data paths, chosen per call:
 - **direct** (a ``page_first`` host pool and a backend with ``direct_reads``, i.e. LMDB):
-  a read copies each value's payload straight from the store into its L2 page (one copy)
-  and its trailer into a side buffer; the keys are split over ``read_threads`` reader
-  threads, each with its own read transaction. A write copies the page once into staging
-  (payload + trailer, one contiguous value) and hands that to the backend.
+  a group copies each value's payload straight from the store into its L2 page (one copy)
+  and its trailer into a side buffer, in its own read transaction, and verifies the page
+  right after its copy (the XXH3 drops the GIL, :mod:`hicache.tiers.native_hash`). A
+  write copies the page once into staging (payload + trailer, one contiguous value) and
+  hands that to the backend.
 - **staged** (any other pool or backend, e.g. Mooncake with its registered buffers): values
-  land in a reused staging buffer and are scattered into the pool's layout.
+  land in a staging buffer of the reader thread and are scattered into the pool's layout.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,9 +36,18 @@ from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb_store import LMDBStore
 from hicache.tiers.mooncake_store import MooncakeStore
 from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
+from hicache.tiers.storage_read import ReadJob
 
-__all__ = ["TRAILER_SIZE", "PageCodec", "StorageTier", "STORAGE_BACKENDS", "make_storage"]
+__all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
+           "default_read_threads"]
 log = logging.getLogger("hicache.storage")
+READ_GROUP_BYTES = 4 << 20  # a direct read's group: about this many bytes (at most 8 pages), one task
+
+
+def default_read_threads() -> int:
+    """Reader threads when none are configured: one per CPU, at most 16 (LMDB's page-cache
+    reads scale to about that many; measured 33-38 GB/s with 16 on the H200 host)."""
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 class StorageTier:
@@ -47,8 +61,9 @@ class StorageTier:
     - Never raises because of the store (backends turn failures into misses); raises
       ``ValueError`` for a pool of another layout / page size, or mismatched lengths.
     - ``batch_get`` returns ``n``: host pages ``host_pages[:n]`` hold verified pages; pages
-      past ``n`` may have been written (the direct path reads ahead in parallel) and hold
-      nothing usable: the caller frees them.
+      past ``n`` may have been written (reads run ahead in parallel) and hold nothing
+      usable: the caller frees them. :meth:`start_read` never blocks: its job's contract
+      (:class:`ReadJob`) says when which pages may be used or reused.
     - Stats (pages): ``hits`` loaded and verified, ``misses`` asked for and not loaded,
       ``corrupt`` rejected by the trailer check, ``stored`` / ``store_failed`` by batch_set,
       ``bytes_read`` / ``bytes_written`` (values, trailers included), ``read_s`` / ``write_s``
@@ -63,7 +78,7 @@ class StorageTier:
         page_size: int,
         max_batch_pages: int = 64,
         staging_bytes: int = 64 << 20,
-        read_threads: int = 8,
+        read_threads: int = 0,
         encoding: str = "raw",
         write_threads: int = 4,
     ) -> None:
@@ -75,9 +90,12 @@ class StorageTier:
         # Slots are 64-byte aligned so that payloads view cleanly as the KV dtype.
         self.slot = (self.codec.value_nbytes + 63) // 64 * 64
         self.batch_pages = max(1, min(max_batch_pages, staging_bytes // self.slot))
-        self.read_threads = max(1, read_threads)
-        self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-l3-read") \
-            if self.read_threads > 1 and getattr(backend, "direct_reads", False) else None
+        self.read_threads = read_threads if read_threads > 0 else default_read_threads()
+        self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-l3-read")
+        # staged reads: a 64 MiB staging buffer per thread (registered with Mooncake, whose read lane
+        # serialises them anyway), so two threads, not one per reader
+        self._staged_readers = ThreadPoolExecutor(min(2, self.read_threads), thread_name_prefix="hicache-l3-sread")
+        self.read_group = max(1, min(8, READ_GROUP_BYTES // self.codec.value_nbytes))
         self._local = threading.local()
         # Writers (serving.l3_writeback) that may call batch_set at once; each frames its next batch
         # on a helper thread of its own while the backend stores the current one.
@@ -98,22 +116,35 @@ class StorageTier:
     def batch_get(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
         """Load the values of ``keys`` into host pages ``host_pages`` (same length), in order.
         Returns how many leading pages were loaded and verified (stops at the first miss or
-        corrupt value)."""
+        corrupt value). Waits for :meth:`start_read`'s job."""
+        return self.start_read(keys, host_pool, host_pages).result()
+
+    def start_read(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int],
+                   on_done: Callable[[ReadJob], None] | None = None) -> ReadJob:
+        """Queue the read of ``keys`` into ``host_pages`` on the reader threads; returns at once.
+        ``on_done(job)`` runs on a reader thread once every group has ended (see :class:`ReadJob`)."""
         self._check(keys, host_pool, host_pages)
-        if not keys:
-            return 0
-        t0 = time.perf_counter()
-        host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
-        if self._direct(host_pool):
-            done = self._get_direct(list(keys), host_pool, list(host_pages))
-        else:
-            done = self._get_staged(list(keys), host_pool, list(host_pages))
-        with self._lock:
-            self._stats["hits"] += done
-            self._stats["misses"] += len(keys) - done
-            self._stats["bytes_read"] += done * self.codec.value_nbytes
-            self._stats["read_s"] += time.perf_counter() - t0
-        return done
+        keys, pages = list(keys), list(host_pages)
+        direct = self._direct(host_pool)
+        view = self._pool_view(host_pool) if direct else None
+
+        def run_group(lo: int, hi: int) -> int:
+            host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
+            if direct:
+                return self._read_chunk(keys[lo:hi], view, pages[lo:hi])
+            return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
+
+        def finished(job: ReadJob) -> None:
+            with self._lock:
+                self._stats["hits"] += job.loaded
+                self._stats["misses"] += 0 if job.cancelled else job.n - job.loaded
+                self._stats["bytes_read"] += job.loaded * self.codec.value_nbytes
+                self._stats["read_s"] += job.read_s
+            if on_done is not None:
+                on_done(job)
+
+        job = ReadJob(len(keys), self.fetch_batch_pages(host_pool), run_group, finished)
+        return job.submit(self._readers if direct else self._staged_readers)
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
         """Store host pages ``host_pages`` under ``keys`` (same length), in order. Returns how
@@ -181,16 +212,15 @@ class StorageTier:
         return out
 
     def close(self) -> None:
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._staged_readers.shutdown(wait=True)
         self._preparer.shutdown(wait=True)
         self.backend.close()
 
     def fetch_batch_pages(self, pool: HostKVPool) -> int:
-        """Pages worth asking for in one :meth:`batch_get` into ``pool``: on the direct path
-        a few per reader thread (each batch is committed -- and its L1 copy started -- while
-        the next one is read); staged, one staging buffer."""
-        return self.read_threads * 8 if self._direct(pool) else self.batch_pages
+        """Pages of one reader task into ``pool`` (a read job's group): on the direct path
+        about ``READ_GROUP_BYTES`` (at most 8 pages); staged, one staging buffer."""
+        return self.read_group if self._direct(pool) else self.batch_pages
 
     # ------------------------------------------------------------------ direct path
     def _direct(self, pool: HostKVPool) -> bool:
@@ -203,23 +233,6 @@ class StorageTier:
         if view is None:
             view = self._views[id(pool)] = host_page_bytes(pool)
         return view
-
-    def _get_direct(self, keys: list[str], pool: HostKVPool, pages: list[int]) -> int:
-        view = self._pool_view(pool)
-        n = len(keys)
-        parts = 1 if self._readers is None else min(self.read_threads, max(1, n // 2))
-        bounds = [n * i // parts for i in range(parts + 1)]
-        if parts == 1:
-            return self._read_chunk(keys, view, pages)
-        futs = [self._readers.submit(self._read_chunk, keys[a:b], view, pages[a:b])
-                for a, b in zip(bounds, bounds[1:], strict=False)]
-        done, whole = 0, True
-        for a, b, fut in zip(bounds, bounds[1:], futs, strict=False):
-            got = fut.result()  # every reader finishes before we return: they write into pages
-            if whole:
-                done += got
-                whole = got == b - a
-        return done
 
     def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int]) -> int:
         """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread).

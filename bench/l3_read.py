@@ -1,0 +1,154 @@
+"""L3 read path against LMDB's raw multi-thread read, on this machine (CPU; pinned L2 with CUDA).
+
+    python3 bench/l3_read.py [--shape 8b|small] [--pages 256] [--threads 2,8,16] [--json PATH]
+
+A store of ``--pages`` page values (the tier's own format: payload + verified trailer) is
+written once. Each round then reads every page twice, alternating, with ``N`` threads:
+
+- **raw**: LMDB alone, as ``bench/gpu_tiers.py``'s ceiling measures it: ``N`` threads, each
+  with its own read transaction, copy every value (a view into the map) into a host page
+  (the payload) and a side buffer (the trailer) -- no check, no bookkeeping;
+- **tier**: ``StorageTier.batch_get`` with ``read_threads=N`` into a ``page_first`` host pool
+  (the engine's L2): the same copies plus the trailer check and the XXH3 of every payload;
+- **stream**: ``StorageTier.start_read`` (what a prefetch uses): the same, read as a job
+  whose landed prefix grows while it runs.
+
+Before each read the store is reopened, so the map is cold and every page faults in as
+after an engine restart (the data file stays in the page cache: a warm L3 hit). ``--busy``
+adds a thread that runs Python the whole time (a scheduler thread busy with other
+requests: readers that need the GIL often fall behind). Reported: GB/s of each, the best of
+``--rounds``, and ``tier / raw`` -- the ratio the L3 read goal is stated in (>= 0.8).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import parser, print_table, write_json  # noqa: E402
+from hicache.tiers.device import KVLayout  # noqa: E402
+from hicache.tiers.host import PageFirstHostPool  # noqa: E402
+from hicache.tiers.lmdb_store import LMDBStore  # noqa: E402
+from hicache.tiers.lmdb_support import LMDBConfig  # noqa: E402
+from hicache.tiers.page_codec import TRAILER_SIZE, host_page_bytes  # noqa: E402
+from hicache.tiers.storage import StorageTier  # noqa: E402
+
+SHAPES = {"8b": KVLayout(32, 8, 128, torch.bfloat16), "small": KVLayout(4, 4, 64, torch.bfloat16)}
+PAGE_SIZE = 16
+
+
+def raw_read(store: LMDBStore, keys: list[bytes], view: np.ndarray, pages: list[int], threads: int) -> float:
+    """Seconds for ``threads`` threads to copy every value into its page row + a trailer buffer."""
+    nb = view.shape[1]
+    trailers = np.empty((len(keys), TRAILER_SIZE), np.uint8)
+
+    def reader(i: int) -> None:
+        with store._env.begin(buffers=True, db=store._data) as txn:
+            for j in range(i, len(keys), threads):
+                src = np.frombuffer(txn.get(keys[j]), np.uint8)
+                np.copyto(view[pages[j]], src[:nb])
+                trailers[j] = src[nb:]
+
+    ts = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def busy_python(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x += i * i
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--pages", type=int, default=256, help="pages read per round (8b: 2 MiB each)")
+    p.add_argument("--threads", default=f"{min(16, os.cpu_count() or 1)}", help="comma list of thread counts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--busy", action="store_true", help="a thread runs Python during every read")
+    p.add_argument("--workdir", default=None)
+    args = p.parse_args(argv)
+    layout = SHAPES[args.shape]
+    work = tempfile.mkdtemp(prefix="hicache-l3read-", dir=args.workdir)
+    path = os.path.join(work, "l3")
+    n = args.pages
+    pool = PageFirstHostPool(layout, n, PAGE_SIZE)  # pinned (whole, before it returns) with CUDA
+    view = host_page_bytes(pool)
+    page_nbytes = view.shape[1]
+    gib = n * page_nbytes / 2**30
+    cfg = LMDBConfig(path=path, capacity_gb=max(1.0, 3 * gib), sync=False)
+    keys = [f"{i:032x}" for i in range(n)]
+    pages = list(range(n))
+    rng = np.random.default_rng(0)
+    for i in range(n):  # random payloads (a compressible page would flatter nothing here, but be honest)
+        view[i] = rng.integers(0, 255, page_nbytes, dtype=np.uint8)
+    store = LMDBStore(cfg)
+    StorageTier(store, layout, PAGE_SIZE, read_threads=1).batch_set(keys, pool, pages)
+    store.close()
+    res: dict = {"shape": args.shape, "pages": n, "page_bytes": page_nbytes, "gib": gib, "busy": args.busy,
+                 "cpus": os.cpu_count(), "pinned": pool.buffer.is_pinned(), "date": time.strftime("%Y-%m-%d")}
+    rows = []
+    stop = threading.Event()
+    spin = threading.Thread(target=busy_python, args=(stop,), daemon=True) if args.busy else None
+    if spin is not None:
+        spin.start()
+    try:
+        for threads in [int(t) for t in args.threads.split(",")]:
+            best = {"raw": [], "tier": [], "stream": []}
+            for _ in range(args.rounds):
+                for kind in best:
+                    store = LMDBStore(cfg)  # a cold map: every page faults in, as after a restart
+                    tier = StorageTier(store, layout, PAGE_SIZE, read_threads=threads)
+                    view[:] = 0
+                    if kind == "raw":
+                        dt = raw_read(store, [k.encode() for k in keys], view, pages, threads)
+                    elif kind == "tier":
+                        t0 = time.perf_counter()
+                        got = tier.batch_get(keys, pool, pages)
+                        dt = time.perf_counter() - t0
+                        assert got == n, f"the tier read {got} of {n} pages"
+                    else:
+                        if not hasattr(tier, "start_read"):
+                            tier.close()
+                            continue
+                        t0 = time.perf_counter()
+                        job = tier.start_read(keys, pool, pages)
+                        got = job.result()
+                        dt = time.perf_counter() - t0
+                        assert got == n, f"the stream read {got} of {n} pages"
+                    best[kind].append(n * page_nbytes / dt / 1e9)
+                    tier.close()
+            row = {k: max(v) for k, v in best.items() if v}
+            row.update({f"{k}_median": statistics.median(v) for k, v in best.items() if v})
+            row["tier_over_raw"] = row["tier"] / row["raw"]
+            if "stream" in row:
+                row["stream_over_raw"] = row["stream"] / row["raw"]
+            res[f"{threads}t"] = row
+            rows.append([threads, row["raw"], row["tier"], row.get("stream", 0.0), row["tier_over_raw"]])
+            print(f"{threads} threads: {row}", flush=True)
+    finally:
+        stop.set()
+        shutil.rmtree(work, ignore_errors=True)
+    print_table(["threads", "raw GB/s", "tier GB/s", "stream GB/s", "tier/raw"], rows)
+    write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

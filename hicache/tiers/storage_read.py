@@ -1,0 +1,124 @@
+"""A direct L3 read in flight: :class:`ReadJob`, started by ``StorageTier.start_read``.
+
+The job's pages are cut into groups of a few pages, each one task for the tier's reader
+threads (one read transaction, each value copied straight into its L2 page and verified
+right after, see ``StorageTier._read_chunk``). Every group of a job is queued at once, behind
+the groups of jobs started earlier (first come, first served: an earlier request's prefix
+lands first), so N readers stream a job with no barrier between batches, and several jobs
+are in flight at once without a thread of their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+
+class ReadJob:
+    """One read of ``n`` pages in groups of ``group``; ``run_group(lo, hi)`` reads pages
+    ``[lo, hi)`` and returns how many leading ones landed verified (on a reader thread).
+
+    Contract:
+    - ``loaded``: leading pages that have landed and been verified. It only grows; any
+      thread may read it (an int). Pages below it are never written again by this job.
+    - A group that comes back short (a miss, a corrupt value) ends the job there: groups
+      after it that have not started are skipped, and ``loaded`` never passes it.
+      :meth:`cancel` skips every group not started yet.
+    - ``future`` resolves to the final ``loaded`` once every group has ended: only then may
+      the caller reuse the pages past ``loaded`` (a group may still be writing them before).
+      ``on_done(job)`` runs just before, on the last reader thread.
+    - ``read_s``: seconds from the first group's start to the last one's end (the job's
+      own read time, not the queueing behind earlier jobs).
+    """
+
+    def __init__(self, n: int, group: int, run_group: Callable[[int, int], int],
+                 on_done: Callable[[ReadJob], None] | None = None) -> None:
+        self.n = n
+        self.group = max(1, group)
+        self.loaded = 0
+        self.read_s = 0.0
+        self.cancelled = False
+        self.future: Future = Future()
+        self._run_group = run_group
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._ngroups = -(-n // self.group)
+        self._got: list[int | None] = [None] * self._ngroups
+        self._next = 0  # first group not yet counted into ``loaded``
+        self._end = n  # pages past this are not read (a short group, or cancel)
+        self._pending = self._ngroups
+        self._t0 = 0.0
+
+    def submit(self, pool: Executor) -> ReadJob:
+        """Queue every group on ``pool``. A pool that refuses (shut down) ends the groups it
+        did not take as read nothing, so the job still finishes."""
+        if not self._ngroups:
+            self._finish()
+            return self
+        for g in range(self._ngroups):
+            try:
+                pool.submit(self._task, g)
+            except RuntimeError:
+                self.cancel()
+                for h in range(g, self._ngroups):
+                    lo = h * self.group
+                    self._landed(h, lo, min(self.n, lo + self.group), 0)
+                break
+        return self
+
+    def cancel(self) -> None:
+        """Groups not started yet are skipped (``loaded`` stops where it is then)."""
+        self.cancelled = True
+        with self._lock:
+            self._end = min(self._end, self.loaded)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> int:
+        return self.future.result()
+
+    # -- reader threads ---------------------------------------------------------------
+    def _task(self, g: int) -> None:
+        lo = g * self.group
+        hi = min(self.n, lo + self.group)
+        got = 0
+        try:
+            with self._lock:
+                run = lo < self._end
+                if run and not self._t0:
+                    self._t0 = time.perf_counter()
+            if run:
+                got = self._run_group(lo, hi)
+        finally:
+            self._landed(g, lo, hi, got)
+
+    def _landed(self, g: int, lo: int, hi: int, got: int) -> None:
+        with self._lock:
+            self._got[g] = got
+            if got < hi - lo:
+                self._end = min(self._end, lo + got)
+            while self._next < self._ngroups and self._got[self._next] is not None:
+                a = self._next * self.group
+                b = min(self.n, a + self.group)
+                if self.loaded != a:
+                    break  # an earlier group was short: nothing after it counts
+                self.loaded = min(a + self._got[self._next], self._end)
+                if self.loaded < b:
+                    break
+                self._next += 1
+            self._pending -= 1
+            last = self._pending == 0
+            if last and self._t0:
+                self.read_s = time.perf_counter() - self._t0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self._on_done is not None:
+                self._on_done(self)
+        finally:
+            self.future.set_result(self.loaded)
