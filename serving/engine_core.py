@@ -45,7 +45,7 @@ class EngineCore:
         """What the weights' --quantization makes of the KV: ``none`` or the method's tag (``:gguf``
         when int4 took a GGUF's blocks as they are: scales that differ in the last bits), which
         quantize_model recorded on the model."""
-        return "none" if self.config.model.quantization == "none" else self.runner.model.quant_tag
+        return getattr(self.runner.model, "quant_tag", "none")  # "none" too where auto resolved to fp32
 
     @property
     def kv_model_tag(self) -> str:
@@ -144,7 +144,7 @@ class EngineCore:
             tier = self.tp.wrap_tier(tier)
         model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
         namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size) + cache.kv_namespace_suffix
-        if model.quantization != "none":  # KV of quantized weights is another model's KV: keys apart
+        if self.weights_tag != "none":  # KV of quantized weights is another model's KV: keys apart
             namespace += f"|q:{self.weights_tag}"
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)

@@ -36,6 +36,7 @@ def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
         "device": str(core.runner.device),
         "pid": os.getpid(),
         "dtype": str(core.runner.dtype).removeprefix("torch."),
+        "quantization": getattr(core.runner.model, "quantization", "none"),  # what --quantization auto resolved to
     }
 
 
