@@ -95,24 +95,43 @@ class _IOThread:
 
 
 class _Client:
-    """One set-up ``MooncakeDistributedStore`` with its I/O thread and registered buffers."""
+    """One set-up ``MooncakeDistributedStore`` with its two I/O lanes and registered buffers:
+    ``io`` runs reads (and setup, probes, removals of single keys' values), ``io_write`` runs
+    writes and removals, so a read never queues behind a write-back's large ``batch_put_from``
+    (the client takes calls from several threads at once, as SGLang's prefetch and backup
+    threads make them)."""
 
-    def __init__(self, store: Any, io: _IOThread) -> None:
+    def __init__(self, store: Any, io: _IOThread, io_write: _IOThread | None = None) -> None:
         self.store = store
         self.io = io
-        self.registered: dict[int, int] = {}  # ptr -> size (touched on the I/O thread only)
+        self.io_write = io_write or _IOThread("mooncake-write")
+        self.registered: dict[int, int] = {}  # ptr -> size (under reg_lock: both lanes register)
+        self.reg_lock = threading.Lock()
         self.stuck = 0  # calls that timed out and have not ended yet
+
+    def lane(self, write: bool) -> _IOThread:
+        return self.io_write if write else self.io
 
     def retire(self) -> None:
         """Close in the background (a close can take seconds when the master is gone)."""
+        self.close_later()
+
+    def close_later(self) -> Future:
+        """Stop both lanes; the store is closed on the read lane once the writes queued before
+        have ended (so no transfer runs on a closed client). Returns the close's future."""
+        writes_done = self.io_write.submit(lambda: None)
+        self.io_write.stop()
+
         def close():
+            writes_done.exception()  # waits for the write lane's earlier calls
             try:
                 self.store.close()
             except Exception:  # noqa: BLE001
                 pass
 
-        self.io.submit(close)
+        fut = self.io.submit(close)
         self.io.stop()
+        return fut
 
 
 class _MooncakeConnection:
@@ -133,9 +152,9 @@ class _MooncakeConnection:
         with self._lock:
             self._counts[name] += n
 
-    def _call(self, fn: Callable[[_Client], Any], buf: StagingBuffer | None = None) -> Any:
-        """Run ``fn(client)`` on the I/O thread, waiting at most ``timeout_s``; None when
-        down, failed or timed out (counted)."""
+    def _call(self, fn: Callable[[_Client], Any], buf: StagingBuffer | None = None, write: bool = False) -> Any:
+        """Run ``fn(client)`` on the client's read lane (``write``: its write lane), waiting at
+        most ``timeout_s``; None when down, failed or timed out (counted)."""
         with self._lock:
             client = self._client if self._healthy else None
         if client is None:
@@ -144,8 +163,10 @@ class _MooncakeConnection:
 
         def job():
             try:
-                if buf is not None and client.registered.get(buf.ptr) != buf.nbytes:
-                    self._register(client, buf)
+                if buf is not None:
+                    with client.reg_lock:
+                        if client.registered.get(buf.ptr) != buf.nbytes:
+                            self._register(client, buf)
                 return fn(client)
             finally:
                 if buf is not None:
@@ -153,7 +174,7 @@ class _MooncakeConnection:
 
         if buf is not None:
             buf.acquire()
-        fut = client.io.submit(job)
+        fut = client.lane(write).submit(job)
         try:
             return fut.result(timeout=self.config.timeout_s)
         except FutureTimeout:
@@ -171,7 +192,8 @@ class _MooncakeConnection:
             client.stuck -= 1
 
     def _register(self, client: _Client, buf: StagingBuffer) -> None:
-        """On the I/O thread: register ``buf`` with ``client`` (once), unregister when it dies."""
+        """On an I/O lane, under ``client.reg_lock``: register ``buf`` with ``client`` (once),
+        unregister when it dies."""
         old = client.registered.pop(buf.ptr, None)
         if old is not None:  # a dead buffer's address reused with another size
             client.store.unregister_buffer(buf.ptr)
@@ -296,7 +318,8 @@ def _unregister_later(client_ref: weakref.ref, ptr: int) -> None:
         return
 
     def job():
-        if client.registered.pop(ptr, None) is not None:
-            client.store.unregister_buffer(ptr)
+        with client.reg_lock:
+            if client.registered.pop(ptr, None) is not None:
+                client.store.unregister_buffer(ptr)
 
     client.io.submit(job)

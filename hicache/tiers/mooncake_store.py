@@ -21,8 +21,9 @@ nothing -- the store is a cache, never the only copy. ``put`` on an existing key
 keeps the old value (equal keys mean equal values; corrupt values are deleted by the
 tier before a rewrite). Errors are return codes; a missing key reads as ``b''``.
 
-Faults: every call runs on this backend's I/O thread (the data calls release the GIL)
-and is waited for at most
+Faults: every call runs on one of this backend's two I/O lanes (threads; the data calls
+release the GIL): reads on one, writes and removals on the other, so a read never waits for
+a write-back's transfer. A call is waited for at most
 ``timeout_s``. A failed or timed-out call counts an error, marks the backend down and
 returns misses / ``False``; while down, calls return at once (counted ``unavailable``)
 and a background thread probes the master (``health_check``) with exponential backoff
@@ -35,7 +36,8 @@ it can never write into memory reused meanwhile. Nothing raises into the serving
 only the constructor raises (``ImportError`` without the package, ``ValueError`` for bad
 options) -- a master that is down at construction is not an error (the backend starts down).
 
-Thread-safety: any number of threads may call; calls are serialised on the I/O thread.
+Thread-safety: any number of threads may call; reads are serialised on the read lane, writes
+on the write lane.
 """
 
 from __future__ import annotations
@@ -109,15 +111,15 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         return self.batch_set([key], [value])[0]
 
     def delete(self, key: str) -> bool:
-        res = self._call(lambda c: c.store.batch_remove([self._prefix + key], True))
+        res = self._call(lambda c: c.store.batch_remove([self._prefix + key], True), write=True)
         return bool(res) and res[0] == 0
 
     def clear(self) -> None:
         if self._prefix:
             pattern = "^" + re.escape(self._prefix)
-            self._call(lambda c: c.store.remove_by_regex(pattern, True))
+            self._call(lambda c: c.store.remove_by_regex(pattern, True), write=True)
         else:
-            self._call(lambda c: c.store.remove_all(True))
+            self._call(lambda c: c.store.remove_all(True), write=True)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -150,7 +152,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
             return []
         full = [self._prefix + k for k in keys]
         vals = [memoryview(v).cast("B") for v in values]
-        res = self._call(lambda c: [c.store.put(k, v) for k, v in zip(full, vals, strict=True)])
+        res = self._call(lambda c: [c.store.put(k, v) for k, v in zip(full, vals, strict=True)], write=True)
         return self._set_results(res, len(keys))
 
     def _zero_copy_args(
@@ -191,7 +193,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         if not keys:
             return []
         full, ptrs, sizes = self._zero_copy_args(keys, buf, spans)
-        res = self._call(lambda c: c.store.batch_put_from(full, ptrs, sizes), buf)
+        res = self._call(lambda c: c.store.batch_put_from(full, ptrs, sizes), buf, write=True)
         return self._set_results(res, len(keys))
 
     def stats(self) -> dict[str, float]:
@@ -206,8 +208,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
             client, self._client, self._healthy = self._client, None, False
         self._wake.set()
         if client is not None:
-            fut = client.io.submit(client.store.close)
-            client.io.stop()
+            fut = client.close_later()
             try:
                 fut.result(timeout=self.config.timeout_s)
             except Exception:  # noqa: BLE001 - closing is best effort
