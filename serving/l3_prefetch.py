@@ -2,29 +2,32 @@
 
 A prefetch runs in two background phases, so the scheduler never waits on the store:
 
-1. **lookup** (lookup thread): the prompt's L3 page keys and ``batch_exists`` -- how many
+1. **lookup** (lookup threads): the prompt's L3 page keys and ``batch_exists`` -- how many
    of the pages after the cached prefix the store holds;
-2. **fetch** (fetch thread), started by the scheduler once the lookup is in: host pages
-   are allocated for those pages and filled batch by batch, stopping at the first miss.
+2. **fetch**, started by the scheduler once the lookup is in: host pages are allocated for
+   those pages and read by the storage tier's reader threads (serving/l3_fetch.py), stopping
+   at the first miss. Many fetches are in flight at once (first come, first served). A
+   request whose pages another request's fetch is already reading *follows* that fetch
+   (the same keys are never read twice at once); once it has what that fetch had of its
+   prefix, it looks up the rest, if any, from there.
 
 Concurrency contract (the class owns it):
 - Scheduler thread only: :meth:`Prefetcher.advance`, :meth:`ready`, :meth:`finish`,
   :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
-  (thread-safe) and write the host pages handed to the op, which belong to nobody else.
-- Before the fetch starts, the node where the cached prefix ends is locked and L2 room is
+  (thread-safe) and write the host pages of a fetch, which belong to nobody else.
+- Before a fetch starts, the node where the cached prefix ends is locked and L2 room is
   made (eviction cannot touch the locked path; L2 backups of pages on L1 may go); the page
   count is then capped at what is free, so the allocation cannot fail. When other fetches
-  hold the L2 it needs, the op waits (retried each step) while waiting and loading would
-  still beat recomputing, instead of giving up at once.
-- ``op.loaded`` is written by the fetch thread after a batch has fully landed. The
-  scheduler commits landed pages into the tree as they arrive (:meth:`advance`, so the
-  read is *pipelined*): each commit moves the op's lock down to the new end, and -- when
-  L1 has that many free pages -- loads the committed chain on to L1 at once (an ordinary
-  tree ``load_back``, whose lock :meth:`poll` releases once the copy has landed), so the
-  L2 -> L1 copy of batch k overlaps the read of batch k+1, and the request finds its
+  hold the L2 it needs, the request waits (retried each step) while waiting and loading
+  would still beat recomputing, instead of giving up at once.
+- Landed, verified pages are committed into the tree as they arrive (:meth:`advance`, so
+  the read is *pipelined*): each commit moves the fetch's lock down to the new end, and --
+  when L1 has that many free pages -- loads the committed chain on to L1 at once (an
+  ordinary tree ``load_back``, whose lock :meth:`poll` releases once the copy has landed),
+  so the L2 -> L1 copy of chunk k overlaps the read of chunk k+1, and the request finds its
   prefix on L1 (its forward pass waiting per layer for the last copy, on the GPU).
-  :meth:`finish` never blocks: it commits what has landed since, and pages of a batch
-  still in flight are freed by :meth:`poll` once the fetch thread is done with them.
+  :meth:`finish` never blocks: it commits what has landed; a fetch no request holds any more
+  stops, and its pages still in flight are freed by :meth:`poll` once its readers are done.
 """
 
 from __future__ import annotations
@@ -36,35 +39,44 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hicache.hiradix import HiRadixTree
-from hicache.hiradix.match import PendingLoad
-from hicache.hiradix.node import TreeNode
 from hicache.keys import page_keys
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
 from serving.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
+from serving.l3_fetch import Fetches, FetchOp
 from serving.request import Req
 
 
 @dataclass
 class PrefetchOp:
+    """A request's prefetch: its lookup, then the fetch it holds (its own or one it follows)."""
+
     start_page: int  # first prompt page looked for in L3 (the cached prefix ends here)
     tokens: list[int]  # the prompt's full pages
     deadline: float
     lookup: Future | None = None  # -> pages present in L3 from start_page on
     keys: list[str] = field(default_factory=list)  # set by the lookup thread
-    node: TreeNode | None = None  # locked from the fetch's start until finish
-    host_pages: list[int] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
-    loaded: int = 0  # leading host pages filled (written by the fetch thread)
-    future: Future | None = None  # the fetch
-    read_s: float = 0.0  # time inside the store's reads so far (written by the fetch thread)
+    fetch: FetchOp | None = None  # held from the fetch's start until finish
+    offset: int = 0  # index of keys[0] in the fetch's keys (0 unless it follows another request's)
+    need: int = 0  # leading keys of this request the fetch reads
     room_wait_since: float = 0.0  # when it first found L2 full (0: never)
-    committed: int = 0  # leading host pages handed to the tree (scheduler thread)
-    new_pages: int = 0  # of those, pages the tree did not hold already
+
+    @property
+    def future(self) -> FetchOp | None:  # started or not (kept for callers that check this)
+        return self.fetch
+
+    @property
+    def loaded(self) -> int:
+        """Of this request's pages, how many leading ones have landed."""
+        if self.fetch is None:
+            return 0
+        return max(0, min(self.fetch.loaded - self.offset, self.need))
 
     @property
     def fetched(self) -> bool:
-        return self.future is not None and self.future.done()
+        """Its part of the fetch is in (or the fetch has ended)."""
+        return self.fetch is not None and (self.fetch.done or self.loaded >= self.need)
 
 
 class PrefetchPolicy:
@@ -116,30 +128,55 @@ class Prefetcher:
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.load_policy = load_policy or AlwaysLoad()
-        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-lookup")
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-fetch")
-        self._draining: list[tuple[Future, list[int]]] = []  # host pages a cancelled fetch may still write
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-l3-lookup")
+        self.fetches = Fetches(tree, host_pool, tier, self.load_policy.observe_read)
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
-        self._fetching = 0  # fetches started and not finished: they hold L2 pages
-        self.run_transfers: Callable[[], None] | None = None  # executes the tree's moves (ReqCache)
-        self._l1_loads: list[tuple[TreeNode, PendingLoad]] = []  # early L2 -> L1 loads to finish
-        self.pages_loaded_early = 0
+        self._fetching = 0  # requests holding a fetch (their own or one they follow)
+
+    @property
+    def run_transfers(self) -> Callable[[], None] | None:
+        return self.fetches.run_transfers
+
+    @run_transfers.setter
+    def run_transfers(self, run: Callable[[], None] | None) -> None:
+        self.fetches.run_transfers = run  # executes the tree's moves (ReqCache)
+
+    @property
+    def pages_loaded_early(self) -> int:
+        return self.fetches.pages_loaded_early
+
+    @property
+    def _draining(self) -> list:
+        return self.fetches.draining
 
     # -- scheduler side -----------------------------------------------------------------
     def advance(self, req: Req) -> None:
-        """Called for every waiting request each step: start its lookup once, start the fetch
-        once the lookup is in. Never waits."""
+        """Called for every waiting request each step: start its lookup once, start (or
+        follow) the fetch once the lookup is in, commit what has landed. Never waits."""
         op: PrefetchOp | None = req.prefetch
         if op is None:
             if not req.prefetch_checked:
                 req.prefetch_checked = True
                 self._start_lookup(req)
             return
-        if op.future is None and op.lookup.done():
-            self._start_fetch(req, op)
-        elif op.future is not None:
-            self._commit(op, op.loaded)
+        if op.fetch is None:
+            if op.lookup.done():
+                self._start_fetch(req, op)
+            return
+        f = op.fetch
+        self.fetches.advance(f, self._commit_pages(f))
+        if op.need < len(op.keys) and f.loaded >= op.offset + op.need:
+            # it followed a fetch that has all it had in common, and the store holds more of its
+            # prompt: those pages come with a lookup from the new end of its cached prefix
+            req.storage_hit_tokens += self._drop(op) * self.page_size
+            req.prefetch = None
+            self._start_lookup(req)
+
+    def _commit_pages(self, f: FetchOp) -> int:
+        """Commit in chunks of an eighth of the fetch (at least a reader task's pages): each
+        commit is tree work and an L1 copy launch on the scheduler thread."""
+        return max(self.tier.fetch_batch_pages(self.host_pool), len(f.keys) // 8)
 
     def _start_lookup(self, req: Req) -> None:
         ps = self.page_size
@@ -172,6 +209,13 @@ class Prefetcher:
         if not d.load:
             req.prefetch = None  # recomputing them is faster than loading them
             return
+        op.keys = op.keys[:n]
+        followed = self.fetches.follow(op.keys)
+        if followed is not None:  # another request's fetch reads these pages already: wait for it
+            op.fetch, op.offset, op.need = followed
+            op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * op.need * ps / 1000
+            self._fetching += 1
+            return
         tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
@@ -185,21 +229,20 @@ class Prefetcher:
             return
         pages = host.alloc(n)  # cannot fail: n <= num_free
         try:
-            op.node, op.host_pages, op.keys = node, pages, op.keys[:n]
-            op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
-            op.future = self._fetcher.submit(self._fetch, op)
-        except BaseException:  # (a shut-down executor) nothing started: give the pages and the lock back
-            op.node, op.host_pages = None, []
+            op.fetch = self.fetches.start(op.start_page, op.tokens, op.keys[:n], node, pages)
+        except BaseException:  # (a shut-down pool) nothing started: give the pages and the lock back
             host.free(pages)
             tree.unlock(node)
             raise
+        op.keys, op.need = op.keys[:n], n
+        op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
         self._fetching += 1  # counted once the fetch exists: finish() uncounts it
 
     def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
         """Wait for L2 room while other fetches hold it, as long as waiting and then loading would
         still beat recomputing (the cost model's estimates; without them, until the op's deadline)."""
         now = time.monotonic()
-        if not self._fetching or now >= op.deadline:
+        if not self.fetches.active or now >= op.deadline:
             return False
         if not op.room_wait_since:
             op.room_wait_since = now
@@ -215,121 +258,66 @@ class Prefetcher:
         return req.prefetch is None or self.policy.ready(req.prefetch, time.monotonic())
 
     def finish(self, req: Req) -> int:
-        """Stop the request's prefetch and commit what has landed into L2; returns pages
-        committed. Never waits: host pages of a batch still in flight are freed later."""
+        """Stop the request's prefetch and commit what has landed into L2; returns the pages
+        of its prefix that came from L3 with it. Never waits: host pages of a read still in
+        flight are freed later."""
         op: PrefetchOp | None = req.prefetch
         if op is None:
             return 0
         req.prefetch = None
         op.cancel.set()
-        if op.future is None:  # still looking up (or waiting for L2 room): nothing allocated yet
+        if op.fetch is None:  # still looking up (or waiting for L2 room): nothing allocated yet
             return 0
-        self._fetching -= 1
-        loaded = op.loaded  # pages below this have landed; the thread may still fill the rest
-        if loaded:
-            self.load_policy.observe_read(loaded * self.tier.codec.value_nbytes, op.read_s)
-        self._commit(op, loaded, to_l1=False)  # the request matches right after: it loads the rest
-        committed, rest = op.new_pages, op.host_pages[op.committed:]
-        if rest:
-            if op.future.done():
-                self.tree.host.free(rest)
-            else:
-                self._draining.append((op.future, rest))
-        self.prefetches_revoked += int(committed == 0)
-        self.tree.unlock(op.node)
-        self.pages_prefetched += committed
-        return committed
+        return self._drop(op)
 
-    def _commit(self, op: PrefetchOp, loaded: int, to_l1: bool = True) -> None:
-        """Hand host pages ``[op.committed, loaded)`` to the tree, move the op's lock to the
-        new end and (``to_l1``, room permitting) start loading the chain on to L1."""
-        if loaded <= op.committed or op.node.removed:
-            return
-        tree, ps = self.tree, self.page_size
-        upto = (op.start_page + loaded) * ps
-        dup = tree.insert_host(op.tokens[:upto], op.host_pages[op.committed:loaded],
-                               start_page=op.start_page + op.committed)
-        tree.host.free(list(dup))
-        op.new_pages += loaded - op.committed - len(dup)
-        fresh, op.committed = loaded - op.committed, loaded
-        node, matched = tree.lookup(op.tokens[:upto])
-        if matched == upto:
-            tree.lock(node)
-            tree.unlock(op.node)
-            op.node = node
-        if to_l1 and self.run_transfers is not None and tree.device.num_free >= fresh:
-            m = tree.match_prefix(op.tokens[:upto])
-            loaded_m = tree.load_back(m)  # no eviction: L1 has the room
-            self.run_transfers()  # backups the match asked for; binds the load's PendingLoad
-            if loaded_m is not m:
-                self._l1_loads.append((loaded_m.last_device_node, loaded_m.pending_loads[-1]))
-                self.pages_loaded_early += m.host_hit_tokens // ps
+    def _drop(self, op: PrefetchOp) -> int:
+        """Commit what has landed, release the request's hold; its pages that came from L3."""
+        f = op.fetch
+        self._fetching -= 1
+        self.fetches.commit(f, f.loaded, to_l1=False)  # the request matches right after: it loads the rest
+        got = f.new_pages(op.offset, op.offset + op.need)
+        self.fetches.release(f)
+        op.fetch = None
+        self.prefetches_revoked += int(got == 0)
+        self.pages_prefetched += got
+        return got
 
     def poll(self, wait: bool = False) -> None:
-        """Release early L1 loads that have landed; free host pages of cancelled fetches once
-        their thread is done with them."""
-        loads = []
-        for end, pending in self._l1_loads:
-            if wait:
-                pending.wait()
-            if pending.done():
-                self.tree.finish_load(end)
-            else:
-                loads.append((end, pending))
-        self._l1_loads = loads
-        keep = []
-        for fut, pages in self._draining:
-            if wait:
-                fut.exception()
-            if fut.done():
-                self.tree.host.free(pages)
-            else:
-                keep.append((fut, pages))
-        self._draining = keep
+        """Commit landed pages of every fetch, release early L1 loads that have landed, free
+        host pages of released fetches once their readers are done with them."""
+        for f in self.fetches.active:
+            self.fetches.advance(f, self._commit_pages(f))
+        self.fetches.poll(wait)
 
     def in_flight_host_pages(self, reqs: list[Req]) -> int:
-        """Host pages held by uncommitted prefetches (for integrity checks)."""
-        held = sum(len(r.prefetch.host_pages) - r.prefetch.committed for r in reqs if r.prefetch is not None)
-        return held + sum(len(p) for _, p in self._draining)
+        """Host pages held by uncommitted fetches and drains (for integrity checks)."""
+        return len(self.fetches.held_host_pages())
 
     def check_integrity(self, reqs: list[Req]) -> None:
         """Raise AssertionError unless ``reqs`` (every waiting and running request) hold exactly the
-        fetches counted as started, each with its node locked and ``committed <= loaded``, and the
-        host pages held by fetches and drains are allocated, none held twice."""
-        started = [r.prefetch for r in reqs if r.prefetch is not None and r.prefetch.future is not None]
+        fetches counted as held, each fetch's users match, its node is locked and ``committed <=
+        loaded``, and the host pages held by fetches and drains are allocated, none held twice."""
+        started = [r.prefetch for r in reqs if r.prefetch is not None and r.prefetch.fetch is not None]
         assert self._fetching == len(started), f"prefetch: {self._fetching} fetches counted, {len(started)} held"
-        held: list[int] = []
+        holds: dict[int, int] = {}
         for op in started:
-            assert op.node is not None and (op.node.parent is None or op.node.lock_ref > 0), (
-                f"prefetch: the node of a fetch is not locked ({op.node})")
-            assert 0 <= op.committed <= op.loaded <= len(op.host_pages), (
-                f"prefetch: committed {op.committed}, loaded {op.loaded} of {len(op.host_pages)} pages")
-            held += op.host_pages[op.committed:]
-        for _, pages in self._draining:
-            held += pages
-        assert len(held) == len(set(held)), "prefetch: a host page is held twice"
-        assert all(self.tree.host.is_allocated(p) for p in held), "prefetch: a held host page is free"
+            holds[id(op.fetch)] = holds.get(id(op.fetch), 0) + 1
+            assert 0 <= op.offset and op.offset + op.need <= len(op.fetch.keys), (
+                f"prefetch: a request holds pages {op.offset}..{op.offset + op.need} of a "
+                f"{len(op.fetch.keys)}-page fetch")
+        self.fetches.check_integrity(holds)
+
+    def stats(self) -> dict[str, int]:
+        f = self.fetches
+        return {"pages_loaded_early": f.pages_loaded_early, "fetches_in_flight": len(f.active),
+                "fetches_followed": f.fetches_followed, "pages_deduplicated": f.pages_deduplicated}
 
     def shutdown(self) -> None:
-        self.poll(wait=True)
         self._lookups.shutdown(wait=True)
-        self._fetcher.shutdown(wait=True)
+        self.fetches.shutdown()
 
     # -- background threads ---------------------------------------------------------------
     def _lookup(self, op: PrefetchOp) -> int:
         keys = page_keys(op.tokens, self.page_size, self.namespace)[op.start_page:]
         op.keys = keys
         return 0 if op.cancel.is_set() else self.tier.batch_exists(keys)
-
-    def _fetch(self, op: PrefetchOp) -> None:
-        step = self.tier.fetch_batch_pages(self.host_pool)
-        for lo in range(0, len(op.keys), step):
-            if op.cancel.is_set():
-                return
-            hi = min(len(op.keys), lo + step)
-            t0 = time.perf_counter()
-            got = self.tier.batch_get(op.keys[lo:hi], self.host_pool, op.host_pages[lo:hi])
-            op.read_s += time.perf_counter() - t0
-            op.loaded += got
-            if got < hi - lo:
-                return

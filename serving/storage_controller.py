@@ -104,7 +104,7 @@ class StorageController:
         st = dict(self.tier.stats())
         st.update(pages_written=self.pages_written, pages_prefetched=self.pages_prefetched,
                   prefetches_revoked=self.prefetches_revoked,
-                  pages_loaded_early=self.prefetcher.pages_loaded_early,
+                  **self.prefetcher.stats(),
                   write_pages_dropped=self.writeback.pages_dropped,
                   write_pages_waiting=self.writeback.waiting_pages,
                   write_pages_waiting_max=self.writeback.max_waiting_pages,

@@ -3,18 +3,25 @@
 Registered in the storage registry under a test-local name, so an engine is built with it
 exactly like with ``lmdb``: ``hicache_storage_backend="slow_lmdb"`` and the usual LMDB
 options plus ``delay_s`` (sleep before each batch call) and ``read_mb_s`` (throttle reads
-to that many MB/s, 0 = unthrottled).
+to that many MB/s, 0 = unthrottled); ``slow_calls`` names the calls slowed (``exists``,
+``get``: staged reads, ``set``; ``pages``: direct reads, not slowed unless named).
+
+Deterministic holds: :meth:`SlowLMDBStore.hold` makes every value read (staged or direct)
+wait at its start until :meth:`release`; ``held`` lists the keys of the reads waiting there,
+``keys_read`` counts how often each key's value was read.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 
+from hicache import config_fields
 from hicache.tiers import storage
 from hicache.tiers.lmdb_store import LMDBConfig, LMDBStore
 
@@ -26,9 +33,35 @@ class SlowLMDBStore(LMDBStore):
         self.delay_s = delay_s
         self.read_mb_s = read_mb_s
         self.slow_calls = frozenset(slow_calls)
-        self.calls: dict[str, int] = {"exists": 0, "get": 0, "set": 0}  # started
-        self.finished: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
+        self.calls: dict[str, int] = {"exists": 0, "get": 0, "set": 0, "pages": 0}  # started
+        self.finished: dict[str, int] = {"exists": 0, "get": 0, "set": 0, "pages": 0}
         self.in_call = threading.Event()  # set while any slowed call sleeps (tests watch it)
+        self.keys_read: Counter[str] = Counter()  # values read, per key
+        self.held: list[list[str]] = []  # keys of the reads waiting in a hold
+        self._gate = threading.Event()
+        self._gate.set()
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        """From now on every value read waits at its start (listed in ``held``) until :meth:`release`."""
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def _enter_read(self, keys: Sequence[str]) -> None:
+        if self._gate.is_set():
+            return
+        entry = list(keys)
+        with self._lock:
+            self.held.append(entry)
+        self._gate.wait()
+        with self._lock:
+            self.held.remove(entry)
+
+    def _count_reads(self, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        with self._lock:
+            self.keys_read.update(k for k, n in zip(keys, sizes, strict=True) if n >= 0)
 
     def busy(self, call: str) -> bool:
         """A call of this kind started and has not returned yet."""
@@ -57,16 +90,28 @@ class SlowLMDBStore(LMDBStore):
             self.finished["exists"] += 1
 
     def batch_get_into(self, keys, buf, spans):
+        self._enter_read(keys)
         self._slow("get")
         try:
             t0 = time.monotonic()
             out = super().batch_get_into(keys, buf, spans)
+            self._count_reads(keys, out)
             if self.read_mb_s > 0:
                 nbytes = sum(s for s in out if s > 0)
                 time.sleep(max(0.0, nbytes / (self.read_mb_s * 1e6) - (time.monotonic() - t0)))
             return out
         finally:
             self.finished["get"] += 1
+
+    def batch_get_pages(self, keys, dsts, trailers, check=None):
+        self._enter_read(keys)
+        self._slow("pages")
+        try:
+            out = super().batch_get_pages(keys, dsts, trailers, check)
+            self._count_reads(keys, out)
+            return out
+        finally:
+            self.finished["pages"] += 1
 
     def batch_set_from(self, keys, buf, spans):
         self._slow("set")
@@ -78,6 +123,14 @@ class SlowLMDBStore(LMDBStore):
 
 @pytest.fixture
 def slow_lmdb(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Registers ``slow_lmdb`` for the test; returns the backend name."""
+    """Registers ``slow_lmdb`` for the test (in the backend registry and among the names the
+    config accepts for ``hicache_storage_backend``); returns the backend name."""
     monkeypatch.setitem(storage.STORAGE_BACKENDS, "slow_lmdb", SlowLMDBStore.from_config)
+    allowed = config_fields.field_choices
+
+    def with_slow_lmdb(f):
+        names = allowed(f)
+        return (*names, "slow_lmdb") if names is not None and f.name == "hicache_storage_backend" else names
+
+    monkeypatch.setattr(config_fields, "field_choices", with_slow_lmdb)
     return "slow_lmdb"
