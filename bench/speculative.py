@@ -6,7 +6,7 @@
 
 CPU (SmolLM2-135M; ``--modes``: ``none`` is fp32, ``serve`` is the ``make serve`` mode, the
 Makefile's ``QUANTIZATION`` as ``--quantization`` resolves it): three workloads at batch 1 and 8,
-greedy, each run once with speculation off and once on, alternated, ``--repeats`` times:
+greedy, each run once with speculation off and once on, ``--repeats`` times (off-on, on-off, ...):
 
 - ``code``: prompt = a source file of this repository and "rename X to Y, reply with the whole
   file" (the answer opened with the code fence), so the answer is the file with one change;
@@ -176,8 +176,12 @@ def cpu_main(args) -> dict:
             for batch in [int(b) for b in args.batches.split(",")]:
                 ratios, offs, ons, same, summ = [], [], [], True, []
                 for rep in range(args.repeats):
-                    a, ra = run(off, tok, workload, batch)
-                    b, rb = run(on, tok, workload, batch)
+                    if rep % 2 == 0:  # off-on, then on-off: a machine getting slower or faster favours neither
+                        a, ra = run(off, tok, workload, batch)
+                        b, rb = run(on, tok, workload, batch)
+                    else:
+                        b, rb = run(on, tok, workload, batch)
+                        a, ra = run(off, tok, workload, batch)
                     same = same and [r.output_ids for r in ra] == [r.output_ids for r in rb]
                     offs.append(a)
                     ons.append(b)
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default="none,serve", help="--quantization values; serve: the Makefile's")
     p.add_argument("--workloads", default="code,agent,chat")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (0: its default); 1 is robust on a shared machine, where two OpenMP "
                         "threads wait for each other's time slices")

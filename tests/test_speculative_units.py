@@ -114,8 +114,8 @@ def test_drafter_prefers_longer_matches_and_ranks():
     d = NgramDrafter(None, 2, 12, "BFS")
     h = d.new_history()
     seq = [5, 6, 7, 8, 1, 2, 3, 9, 9, 5, 6, 7]
-    assert d.draft(seq, h, (), 4) == [8, 1, 2, 3]
-    assert d.draft([1, 2, 3, 4], d.new_history(), (), 4) == []  # no earlier occurrence
+    assert d.draft(seq, h, (), 4) == ([8, 1, 2, 3], 3)
+    assert d.draft([1, 2, 3, 4], d.new_history(), (), 4) == ([], 0)  # no earlier occurrence
     # PROB: the continuation most occurrences agree on
     assert rank_prob([(3, [1, 2, 3]), (3, [4, 5]), (3, [1, 2, 7]), (3, [1, 9])]) == [1, 2, 3]
     assert levels_for(2, 12) == (8, 4, 2) and levels_for(1, 3) == (1,) and levels_for(5, 6) == (5,)
@@ -157,6 +157,8 @@ def test_step_cost_measures_fixed_and_per_draft_terms():
         c.observe(1, k, 1.0 + 0.5 + 0.1 * k)
     c0, c1 = c.terms(1)
     assert c0 == pytest.approx(0.5, abs=0.02) and c1 == pytest.approx(0.1, abs=0.01)
+    # an unmeasured batch size borrows the nearest one's seconds, its step taken as growing with its rows
+    assert c.terms(8) == pytest.approx((0.5 / 8, 0.1), abs=0.01)
     # a batch of 8: a draft's share of the step is 8 times larger
     for _ in range(10):
         c.observe(8, 0, 2.0)

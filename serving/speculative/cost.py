@@ -14,16 +14,21 @@ bucket (1, 2-3, 4-7, ...): ``a_B`` an exponential moving average of the steps wi
 their draft count, exponentially weighted (a line needs counts that vary; until they do, the
 whole excess is ``b``). Where a bucket has had no step without drafts for ``probe_every`` steps,
 :meth:`wants_plain` asks for one, so the estimate follows the machine (its load, the
-quantization, the device) rather than a constant. Until measured, ``prior`` (as ``c1``) stands in.
+quantization, the device) rather than a constant. A bucket with fewer than ``MIN_SAMPLES`` steps
+of each kind borrows the nearest measured bucket's terms (``c1`` scaled by the batch sizes);
+with none measured, ``prior`` (as ``c1``) stands in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+MIN_SAMPLES = 3  # steps with drafts (and one without) before a bucket's own terms are used
+
 
 @dataclass
 class _Bucket:
+    batch: int = 1  # the last batch size observed in it
     plain: float = 0.0  # EMA of a plain decode step's seconds (0: none yet)
     # exponentially weighted sums over steps with drafts: weight, x = drafts, y = excess seconds
     s0: float = 0.0
@@ -58,11 +63,17 @@ class StepCost:
 
     def terms(self, batch: int) -> tuple[float, float]:
         """(c0, c1) for a request in a decode step of ``batch`` rows (see the module doc)."""
-        b = self._bucket(batch)
-        if not self.adaptive or not b.plain or b.s0 <= 0:
+        if not self.adaptive:
             return 0.0, self.prior
-        f, per = b.line()
-        return min(4.0, f / b.plain), min(4.0, max(0.001, per * batch / b.plain))
+        key = batch.bit_length()
+        measured = [k for k, b in self._buckets.items() if b.plain and b.s0 >= MIN_SAMPLES * 0.9]
+        if not measured:
+            return 0.0, self.prior
+        ref = self._buckets[min(measured, key=lambda k: abs(k - key))]  # itself when measured
+        own = self._buckets.get(key)
+        a = own.plain if own is not None and own.plain else ref.plain * batch / ref.batch  # a step ~ its rows
+        f, per = ref.line()  # seconds: about the same whatever the batch
+        return min(4.0, f / a), min(4.0, max(0.001, per * batch / a))
 
     def wants_plain(self, batch: int) -> bool:
         """Whether this step should run without drafts to measure a plain step."""
@@ -74,6 +85,7 @@ class StepCost:
     def observe(self, batch: int, drafts: int, seconds: float) -> None:
         """A decode step of ``batch`` rows and ``drafts`` drafts in all took ``seconds``."""
         b = self._bucket(batch)
+        b.batch = batch
         if drafts == 0:
             b.plain = seconds if not b.plain else b.plain + 0.1 * (seconds - b.plain)
             b.since_plain = 0

@@ -64,14 +64,14 @@ class NgramDrafter:
     def new_history(self) -> RequestHistory:
         return RequestHistory(self.levels)
 
-    def draft(self, seq: list[int], history: RequestHistory, part: tuple[int, ...], k: int) -> list[int]:
-        """Up to ``k`` drafts to follow ``seq`` (the request's raw ids; ``history`` indexes them and
-        is brought up to date here); ``part``: the request's cache partition."""
+    def draft(self, seq: list[int], history: RequestHistory, part: tuple[int, ...], k: int) -> tuple[list[int], int]:
+        """(up to ``k`` drafts to follow ``seq``, the match's length): ``seq`` is the request's raw
+        ids (``history`` indexes them and is brought up to date here), ``part`` its cache partition."""
         history.update(seq)
         local = history.find(seq, self.max_window, k)
         tree = self.index.find(part, seq, self.max_window, k) if self.index is not None else []
         best = max((n for n, _ in local + tree), default=0)
         if best < self.min_window:
-            return []
+            return [], 0
         matches = [m for m in local + tree if m[0] == best and m[1]]
-        return self.rank(matches)[:k] if matches else []
+        return (self.rank(matches)[:k], best) if matches else ([], 0)

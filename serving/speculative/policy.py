@@ -7,11 +7,12 @@ before it were), one pass yields ``E(k) = 1 + a + .. + a^k`` tokens on average. 
 the ``k`` in ``0 .. max_drafts`` that maximizes ``E(k) / (1 + c0 + c1 k)`` (``k = 0``: 1), with
 ``a`` estimated from the request's last 8 verifications (accepted drafts over accepted + first
 rejections, with a uniform prior). ``k = 0`` (no draft pays) turns the request's drafting off
-for ``backoff`` decode steps, which doubles each time (up to ``max_backoff``) and halves back
-after verifications that pay; a request without recent verifications (new, or back from an
-auto-off) gets ``PROBE_DRAFTS`` drafts whatever their estimated cost, so the estimates stay
-current. A request whose drafts keep missing decodes almost exactly like plain decoding, and
-one whose text turns repetitive later gets drafts again.
+for ``backoff`` decode steps (32 first), which doubles each time (up to ``max_backoff``) and
+halves back after verifications that pay; a request without recent verifications (new, or back
+from an auto-off) gets ``PROBE_DRAFTS`` drafts whatever their estimated cost (the worker asks a
+match of 4 tokens at least for those), so the estimates stay current. A request whose drafts
+keep missing decodes almost exactly like plain decoding, and one whose text turns repetitive
+later gets drafts again.
 
 ``miss_limit`` (set where a step without drafts is cheaper than a speculative one, e.g. a CUDA
 step that can be overlapped): that many consecutive steps without any match turn drafting off
@@ -60,7 +61,7 @@ class SpecState:
 
 
 class DraftPolicy:
-    def __init__(self, max_drafts: int, min_backoff: int = 16, max_backoff: int = 1024,
+    def __init__(self, max_drafts: int, min_backoff: int = 32, max_backoff: int = 1024,
                  miss_limit: int | None = None) -> None:
         self.max_drafts = max_drafts
         self.min_backoff = min_backoff

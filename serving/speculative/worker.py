@@ -50,6 +50,7 @@ from serving.speculative.verify import accept_greedy, accept_sampled
 # SmolLM2-135M fp32 / int4 at batch 1 on the 2-core machine; CUDA: the verify-step table)
 TOKEN_COST = {"cpu": 0.25, "cuda": 0.02}
 MISS_LIMIT = 8  # CUDA: steps without a match before a request's drafting turns off (its steps overlap again)
+PROBE_MIN_MATCH = 4  # a request without recent verifications drafts from a match this long at least
 INDEX_TOKENS_PER_STEP = 8192  # the tree's new sequences indexed per step at most (serving.speculative.ngram_index)
 
 
@@ -108,7 +109,9 @@ class SpeculativeWorker:
             self.stats.auto_off += st.auto_off - off
             if k <= 0:
                 continue
-            drafts = self.drafter.draft(r.input_ids + r.output_ids, st.history, r.salt_tags, k)
+            drafts, matched = self.drafter.draft(r.input_ids + r.output_ids, st.history, r.salt_tags, k)
+            if not st.recent and matched < PROBE_MIN_MATCH:  # a probe needs some evidence: a short match is not
+                drafts = []
             if not drafts:
                 off = st.auto_off
                 self.policy.on_miss(st)
