@@ -182,6 +182,7 @@ def test_sessions_many_turns(tiny):
         outs[spec] = got
         if spec:
             assert eng.core.scheduler.spec.stats.accepted_tokens > 0
+            assert eng.core.scheduler.spec._sessions["s"]  # the next turn starts from this acceptance
     assert outs[True] == outs[False]
 
 

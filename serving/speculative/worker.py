@@ -30,6 +30,7 @@ tree's listener, called inside the tree operations that thread makes.
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,6 +53,7 @@ TOKEN_COST = {"cpu": 0.25, "cuda": 0.02}
 MISS_LIMIT = 8  # CUDA: steps without a match before a request's drafting turns off (its steps overlap again)
 PROBE_MIN_MATCH = 4  # a request without recent verifications drafts from a match this long at least
 INDEX_TOKENS_PER_STEP = 8192  # the tree's new sequences indexed per step at most (serving.speculative.ngram_index)
+MAX_SESSIONS = 4096  # sessions whose last request's acceptance a new turn starts from
 
 
 @dataclass
@@ -82,6 +84,9 @@ class SpeculativeWorker:
         self._step: tuple[int, int] | None = None  # (decode rows, drafts) of the step being run
         self.grammar = None
         self.stats = SpecStats()
+        # session id -> its last request's recent verifications: the next turn starts from them (an
+        # agent's tool calls repeat across turns), not from the prior
+        self._sessions: OrderedDict[str, deque] = OrderedDict()
         self._mask: torch.Tensor | None = None
 
     # -- before the forward pass -------------------------------------------------------------
@@ -100,6 +105,8 @@ class SpeculativeWorker:
             st = r.spec
             if st is None:
                 st = r.spec = SpecState(self.drafter.new_history())
+                if r.session_id is not None and r.session_id in self._sessions:
+                    st.recent.extend(self._sessions[r.session_id])
             st.drafts = []
             if r.pending >= 0 or st.history is None or probe:
                 continue
@@ -252,10 +259,16 @@ class SpeculativeWorker:
             self.grammar.jump_forward(r, append)  # as after a plainly sampled token
 
     def forget(self, r: Req) -> None:
-        """A request left (finished, aborted): drop its history."""
-        if r.spec is not None:
-            r.spec.drafts = []
-            r.spec.history = None
+        """A request left (finished, aborted): drop its history (a session keeps its acceptance)."""
+        if r.spec is None:
+            return
+        r.spec.drafts = []
+        r.spec.history = None
+        if r.session_id is not None and r.spec.recent:
+            self._sessions[r.session_id] = deque(r.spec.recent, maxlen=r.spec.recent.maxlen)
+            self._sessions.move_to_end(r.session_id)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
 
     def stats_dict(self) -> dict[str, Any]:
         return {**asdict(self.stats), **self.index.stats(), **self.cost.snapshot()}
