@@ -160,10 +160,16 @@ def test_step_cost_measures_fixed_and_per_draft_terms():
     # an unmeasured batch size borrows the nearest one's seconds, its step taken as growing with its rows
     assert c.terms(8) == pytest.approx((0.5 / 8, 0.1), abs=0.01)
     # a batch of 8: a draft's share of the step is 8 times larger
-    for _ in range(10):
+    for i in range(10):
         c.observe(8, 0, 2.0)
-        c.observe(8, 4, 2.4)
-    assert c.terms(8)[1] == pytest.approx(0.1 * 8 / 2.0, rel=0.05)
+        c.observe(8, 2 + 4 * (i % 2), 2.0 + 0.1 * (2 + 4 * (i % 2)))
+    assert c.terms(8) == pytest.approx((0.0, 0.1 * 8 / 2.0), abs=0.01)
+    # counts that never vary: the excess split with c1 at most the prior, the rest fixed
+    c2 = StepCost(prior=0.3)
+    for _ in range(10):
+        c2.observe(1, 0, 1.0)
+        c2.observe(1, 2, 1.8)
+    assert c2.terms(1) == pytest.approx((0.2, 0.3))
     # without plain steps for a while, one is asked for
     assert not c.wants_plain(1)
     for _ in range(64):

@@ -11,12 +11,15 @@ with the batch.
 Measured from the steps themselves (wall time of decode steps without prefill chunks), per batch
 bucket (1, 2-3, 4-7, ...): ``a_B`` an exponential moving average of the steps without drafts;
 ``f`` and ``b`` a least-squares line through the excess time of the steps with drafts against
-their draft count, exponentially weighted (a line needs counts that vary; until they do, the
-whole excess is ``b``). Where a bucket has had no step without drafts for ``probe_every`` steps,
-:meth:`wants_plain` asks for one, so the estimate follows the machine (its load, the
-quantization, the device) rather than a constant. A bucket with fewer than ``MIN_SAMPLES`` steps
-of each kind borrows the nearest measured bucket's terms (``c1`` scaled by the batch sizes);
-with none measured, ``prior`` (as ``c1``) stands in.
+their draft count, exponentially weighted. A line needs counts that vary; until they do, the
+excess is split with ``c1`` at most ``prior`` and the rest fixed, which keeps the drafts of a
+request whose drafts are accepted long (so its counts grow and the line gets measured) instead
+of locking speculation off after a few short probes on a noisy machine. Where a bucket has had
+no step without drafts for ``probe_every`` steps, :meth:`wants_plain` asks for one, so the
+estimate follows the machine (its load, the quantization, the device) rather than a constant. A
+bucket with fewer than ``MIN_SAMPLES`` steps of each kind borrows the nearest measured bucket's
+seconds (its step taken as growing with its rows); with none measured, ``prior`` (as ``c1``)
+stands in.
 """
 
 from __future__ import annotations
@@ -38,15 +41,18 @@ class _Bucket:
     sxy: float = 0.0
     since_plain: int = 0  # steps with drafts since the last plain one
 
-    def line(self) -> tuple[float, float]:
-        """(f, b): fixed and per-draft seconds."""
+    def line(self) -> tuple[float, float, float] | None:
+        """(f, b, mean drafts): fixed and per-draft seconds; None while the counts hardly vary
+        (then ``(mean excess, mean drafts)`` from :meth:`means`)."""
         mx, my = self.sx / self.s0, self.sy / self.s0
         var = self.sxx / self.s0 - mx * mx
-        if var < 0.25 or mx <= 0:  # the counts hardly vary: all of it per draft
-            return 0.0, max(0.0, my / mx) if mx > 0 else 0.0
+        if var < 0.25 or mx <= 0:
+            return None
         b = max(0.0, (self.sxy / self.s0 - mx * my) / var)
-        f = max(0.0, my - b * mx)
-        return f, b
+        return max(0.0, my - b * mx), b, mx
+
+    def means(self) -> tuple[float, float]:
+        return self.sy / self.s0, self.sx / self.s0
 
 
 class StepCost:
@@ -72,7 +78,12 @@ class StepCost:
         ref = self._buckets[min(measured, key=lambda k: abs(k - key))]  # itself when measured
         own = self._buckets.get(key)
         a = own.plain if own is not None and own.plain else ref.plain * batch / ref.batch  # a step ~ its rows
-        f, per = ref.line()  # seconds: about the same whatever the batch
+        line = ref.line()  # seconds: about the same whatever the batch
+        if line is None:
+            my, mx = ref.means()
+            c1 = min(self.prior, my * batch / (a * mx)) if mx > 0 else self.prior
+            return min(4.0, max(0.0, my / a - c1 * mx / batch)), max(0.001, c1)
+        f, per, _ = line
         return min(4.0, f / a), min(4.0, max(0.001, per * batch / a))
 
     def wants_plain(self, batch: int) -> bool:
