@@ -146,13 +146,20 @@ class Fetches:
             tree.lock(node)
             tree.unlock(op.node)
             op.node = node
-        if to_l1 and self.run_transfers is not None and tree.device.num_free >= fresh:
+        if to_l1 and self.run_transfers is not None and tree.device.num_free >= fresh and \
+                self._l2_only(node) <= tree.device.num_free:  # never evict L1 for an early load
             m = tree.match_prefix(op.tokens[:upto])
             loaded_m = tree.load_back(m)  # no eviction: L1 has the room
             self.run_transfers()  # backups the match asked for; binds the load's PendingLoad
             if loaded_m is not m:
                 self.l1_loads.append((loaded_m.last_device_node, loaded_m.pending_loads[-1]))
                 self.pages_loaded_early += m.host_hit_tokens // ps
+
+    @staticmethod
+    def _l2_only(node: TreeNode) -> int:
+        """Pages on the path to ``node`` that are on L2 only (what a load back would copy)."""
+        return sum(len(nd.host_pages) for nd in node.path_to_root()
+                   if nd.device_pages is None and nd.host_pages is not None)
 
     def _observe(self, op: FetchOp) -> None:
         op.observed = True

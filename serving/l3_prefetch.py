@@ -49,18 +49,25 @@ from serving.request import Req
 
 @dataclass
 class PrefetchOp:
-    """A request's prefetch: its lookup, then the fetch it holds (its own or one it follows)."""
+    """A request's prefetch while it waits: the L2 pages of its cached prefix it pins, its
+    lookup, then the fetch it holds (its own or one it follows). Without a lookup it only
+    keeps its cached prefix in L2 (``watching``)."""
 
     start_page: int  # first prompt page looked for in L3 (the cached prefix ends here)
     tokens: list[int]  # the prompt's full pages
     deadline: float
-    lookup: Future | None = None  # -> pages present in L3 from start_page on
+    lookup: Future | None = None  # -> pages present in L3 from start_page on (None: watching)
+    pinned: list[int] = field(default_factory=list)  # L2 pages of the cached prefix pinned until finish
     keys: list[str] = field(default_factory=list)  # set by the lookup thread
     cancel: threading.Event = field(default_factory=threading.Event)
     fetch: FetchOp | None = None  # held from the fetch's start until finish
     offset: int = 0  # index of keys[0] in the fetch's keys (0 unless it follows another request's)
     need: int = 0  # leading keys of this request the fetch reads
     room_wait_since: float = 0.0  # when it first found L2 full (0: never)
+
+    @property
+    def watching(self) -> bool:
+        return self.lookup is None and self.fetch is None
 
     @property
     def future(self) -> FetchOp | None:  # started or not (kept for callers that check this)
@@ -107,6 +114,10 @@ class Timeout(PrefetchPolicy):
 
 PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
     "best_effort": BestEffort, "wait_complete": WaitComplete, "timeout": Timeout}
+# Share of L2 that waiting requests may pin for their cached prefixes: the rest takes L3 fetches
+# and demotions from L1. Without pins, a turn of many returning requests thrashes: each one run
+# demotes its pages into L2 and evicts (LRU) the prefixes of requests still waiting for L1.
+PIN_SHARE = 0.5
 
 
 class Prefetcher:
@@ -133,6 +144,8 @@ class Prefetcher:
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
         self._fetching = 0  # requests holding a fetch (their own or one they follow)
+        self.pin_budget = int(PIN_SHARE * host_pool.num_pages)
+        self._pinned = 0  # L2 pages pinned by waiting requests (a page pinned twice counts twice)
 
     @property
     def run_transfers(self) -> Callable[[], None] | None:
@@ -160,6 +173,9 @@ class Prefetcher:
                 req.prefetch_checked = True
                 self._start_lookup(req)
             return
+        if op.watching:
+            self._recheck(req, op)
+            return
         if op.fetch is None:
             if op.lookup.done():
                 self._start_fetch(req, op)
@@ -170,6 +186,7 @@ class Prefetcher:
             # it followed a fetch that has all it had in common, and the store holds more of its
             # prompt: those pages come with a lookup from the new end of its cached prefix
             req.storage_hit_tokens += self._drop(op) * self.page_size
+            self._unpin(op)
             req.prefetch = None
             self._start_lookup(req)
 
@@ -179,27 +196,49 @@ class Prefetcher:
         return max(self.tier.fetch_batch_pages(self.host_pool), len(f.keys) // 8)
 
     def _start_lookup(self, req: Req) -> None:
+        """Pin the L2 part of the request's cached prefix (within the budget) and, when its prompt
+        continues past it by enough, look the rest up in L3."""
         ps = self.page_size
         prompt = req.fill_ids[: req.seq_len - 1]
         full = len(prompt) // ps
         cached = self.tree.peek_prefix_len(prompt) // ps
-        if (full - cached) * ps < self.threshold_tokens:
+        lookup = (full - cached) * ps >= self.threshold_tokens
+        if lookup:
+            d = self.load_policy.decide(full - cached)
+            req.l3_decision = self._decision(full - cached, d, looked_up=False)
+            lookup = d.load  # else even if the store held every page, recomputing would be faster: no lookup
+        if not lookup and cached * ps < self.threshold_tokens:
             return
-        d = self.load_policy.decide(full - cached)
-        req.l3_decision = self._decision(full - cached, d, looked_up=False)
-        if not d.load:  # even if the store held every page, recomputing would be faster: no lookup
-            return
-        now = time.monotonic()
-        op = PrefetchOp(cached, prompt[: full * ps], now + self.timeout_base_s)
-        op.lookup = self._lookups.submit(self._lookup, op)
+        op = PrefetchOp(cached, prompt[: full * ps], time.monotonic() + self.timeout_base_s)
+        op.pinned = self._pin(prompt[: cached * ps])
+        if lookup:
+            op.lookup = self._lookups.submit(self._lookup, op)
         req.prefetch = op
+
+    def _pin(self, tokens: list[int]) -> list[int]:
+        """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget)."""
+        if not tokens:
+            return []
+        node, _ = self.tree.lookup(tokens)
+        pages = [p for nd in node.path_to_root() if nd.host_pages is not None for p in nd.host_pages]
+        if not pages or self._pinned + len(pages) > self.pin_budget:
+            return []
+        self.tree.pin_host(pages)
+        self._pinned += len(pages)
+        return pages
+
+    def _unpin(self, op: PrefetchOp) -> None:
+        if op.pinned:
+            self.tree.unpin_host(op.pinned)
+            self._pinned -= len(op.pinned)
+            op.pinned = []
 
     def _start_fetch(self, req: Req, op: PrefetchOp) -> None:
         ps, tree = self.page_size, self.tree
         n = op.lookup.result() if op.lookup.exception() is None else 0
         node, matched = tree.lookup(op.tokens[: op.start_page * ps])
         if n * ps < self.threshold_tokens or matched < op.start_page * ps:
-            req.prefetch = None  # nothing worth fetching, or the prefix it hangs below is gone
+            self._watch(req, op)  # nothing worth fetching, or the prefix it hangs below is gone
             return
         first = req.l3_decision  # made before the lookup, for every page the prompt could have
         d = self.load_policy.decide(n, explore=False)
@@ -207,7 +246,7 @@ class Prefetcher:
             d = Decision(True, d.load_s, d.recompute_s, EXPLORE)  # an exploration stays one
         req.l3_decision = self._decision(n, d, looked_up=True)
         if not d.load:
-            req.prefetch = None  # recomputing them is faster than loading them
+            self._watch(req, op)  # recomputing them is faster than loading them
             return
         op.keys = op.keys[:n]
         followed = self.fetches.follow(op.keys)
@@ -224,8 +263,8 @@ class Prefetcher:
         if n * ps < self.threshold_tokens:
             tree.unlock(node)
             if self._worth_waiting(op, d):
-                return  # other prefetches hold L2; their pages become evictable once committed: retry
-            req.prefetch = None
+                return  # other requests hold L2; their pages become evictable once they run: retry
+            self._watch(req, op)
             return
         pages = host.alloc(n)  # cannot fail: n <= num_free
         try:
@@ -238,11 +277,18 @@ class Prefetcher:
         op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
         self._fetching += 1  # counted once the fetch exists: finish() uncounts it
 
+    def _watch(self, req: Req, op: PrefetchOp) -> None:
+        """Nothing to fetch: the request keeps only its pins (if any) while it waits."""
+        op.lookup = None
+        if not op.pinned:
+            req.prefetch = None
+
     def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
-        """Wait for L2 room while other fetches hold it, as long as waiting and then loading would
-        still beat recomputing (the cost model's estimates; without them, until the op's deadline)."""
+        """Wait for L2 room while other fetches or waiting requests hold it (they give it back once
+        committed / run), as long as waiting and then loading would still beat recomputing (the
+        cost model's estimates; without them, until the op's deadline)."""
         now = time.monotonic()
-        if not self.fetches.active or now >= op.deadline:
+        if not (self.fetches.active or self._pinned > len(op.pinned)) or now >= op.deadline:
             return False
         if not op.room_wait_since:
             op.room_wait_since = now
@@ -255,7 +301,19 @@ class Prefetcher:
                 "reason": d.reason, "est_load_s": d.load_s, "est_recompute_s": d.recompute_s}
 
     def ready(self, req: Req) -> bool:
-        return req.prefetch is None or self.policy.ready(req.prefetch, time.monotonic())
+        op = req.prefetch
+        if op is not None and op.watching:  # (the requests admitted before it may have evicted pages)
+            op = self._recheck(req, op)
+        return op is None or op.watching or self.policy.ready(op, time.monotonic())
+
+    def _recheck(self, req: Req, op: PrefetchOp) -> PrefetchOp | None:
+        """A watching request whose cached prefix lost pages (not pinned, or on L1 only) looks
+        them up in L3; returns its prefetch now."""
+        if self.tree.peek_prefix_len(op.tokens) < op.start_page * self.page_size:
+            self._unpin(op)
+            req.prefetch = None
+            self._start_lookup(req)
+        return req.prefetch
 
     def finish(self, req: Req) -> int:
         """Stop the request's prefetch and commit what has landed into L2; returns the pages
@@ -266,7 +324,8 @@ class Prefetcher:
             return 0
         req.prefetch = None
         op.cancel.set()
-        if op.fetch is None:  # still looking up (or waiting for L2 room): nothing allocated yet
+        self._unpin(op)  # the request matches right after: its prefix is locked from then on
+        if op.fetch is None:  # watching, looking up or waiting for L2 room: nothing allocated
             return 0
         return self._drop(op)
 
@@ -299,6 +358,9 @@ class Prefetcher:
         loaded``, and the host pages held by fetches and drains are allocated, none held twice."""
         started = [r.prefetch for r in reqs if r.prefetch is not None and r.prefetch.fetch is not None]
         assert self._fetching == len(started), f"prefetch: {self._fetching} fetches counted, {len(started)} held"
+        pinned = [p for r in reqs if r.prefetch is not None for p in r.prefetch.pinned]
+        assert self._pinned == len(pinned), f"prefetch: {self._pinned} L2 pins counted, {len(pinned)} held"
+        assert all(self.tree.host.is_allocated(p) for p in pinned), "prefetch: a pinned L2 page is free"
         holds: dict[int, int] = {}
         for op in started:
             holds[id(op.fetch)] = holds.get(id(op.fetch), 0) + 1

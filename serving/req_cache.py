@@ -6,6 +6,7 @@ consistent with it and hands tier moves to the cache controller.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -26,7 +27,15 @@ class ReqCache:
     request started itself *and* every load still filling pages it found as L1 hits
     (``Req.wait_loads``, the match's pending loads). Nothing here blocks on a copy except a
     release, which commits its own load (an in-memory copy, never storage I/O).
+
+    Waiting for L1 room: a new request whose L2 hit (one the tree would load back) cannot be
+    loaded because other admitted requests hold L1 is not admitted yet (:meth:`reserve`
+    refuses it, so the scheduler puts it back and its L2 prefix is pinned again) rather than
+    recomputing its whole prefix, for at most ``L1_WAIT_S`` seconds; it is admitted with its
+    load once they give L1 back. Without other holders it never waits (nothing would free L1).
     """
+
+    L1_WAIT_S = 1.0
 
     def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
                  run_transfers: TransferSink | None = None, storage: StorageController | None = None) -> None:
@@ -37,6 +46,9 @@ class ReqCache:
         self.storage = storage
         if storage is not None:
             storage.attach_transfers(self.flush_transfers)
+        self._holders: set[str] = set()  # admitted requests not released yet (they hold L1)
+        self._l1_waits: dict[str, float] = {}  # rid -> when it first waited for L1 room
+        self._refuse: set[str] = set()  # admitted this step only to be put back (see the class docstring)
 
     # -- moving data -----------------------------------------------------------------
     def flush_transfers(self) -> None:
@@ -68,7 +80,17 @@ class ReqCache:
         return req.fill_ids[: end if limit is None else min(end, limit)]
 
     def peek_prefix_len(self, req: Req) -> int:
-        return self.tree.peek_prefix_len(self._matchable(req))
+        """The admission order's key (``lpm``): cached prefix tokens, those on L1 counting twice
+        (SGLang's lpm ranks by the L1 prefix: a request that runs on its L1 pages goes before
+        one that must load them, whose load would evict them first)."""
+        tokens = self._matchable(req)
+        node, matched = self.tree.lookup(tokens)
+        device = 0
+        for nd in reversed(node.path_to_root()):
+            if nd.device_pages is None:
+                break
+            device += len(nd.key)
+        return min(device, matched) + matched
 
     def match(self, req: Req) -> MatchResult:
         m = self.tree.match_prefix(self._matchable(req))
@@ -85,6 +107,9 @@ class ReqCache:
             self.flush_transfers()  # the controller binds the load's PendingLoad
             if m is not match:
                 req.load_node = m.last_device_node
+            elif not req.admitted and self._wait_for_l1(req, match):
+                self._refuse.add(req.rid)
+        self._holders.add(req.rid)
         req.wait_loads = m.pending_loads
         self.tree.lock(m.last_device_node)
         req.lock_node = m.last_device_node
@@ -100,6 +125,17 @@ class ReqCache:
             storage = min(req.storage_hit_tokens, req.kv_len)
             device = min(match.device_hit_tokens, req.kv_len - storage)
             req.cached_by_tier = {"device": device, "host": req.kv_len - device - storage, "storage": storage}
+
+    def _wait_for_l1(self, req: Req, match: MatchResult) -> bool:
+        """Whether ``req`` should wait for L1 room rather than recompute its L2 hit now."""
+        pages = match.host_hit_tokens // self.page_size
+        if pages < max(1, self.tree.load_back_threshold) or not self._holders - {req.rid}:
+            return False
+        if pages + len(match.device_pages) > self.allocator.num_pages:
+            return False  # it could never fit
+        now = time.monotonic()
+        since = self._l1_waits.setdefault(req.rid, now)
+        return now - since < self.L1_WAIT_S
 
     def poll_load(self, req: Req, wait: bool = False) -> bool:
         """True when the request may run a forward pass over its pages: every load filling
@@ -144,6 +180,8 @@ class ReqCache:
 
     def reserve(self, req: Req, upto_len: int) -> bool:
         """Make ``req.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
+        if req.rid in self._refuse:
+            return False  # it waits for L1 room (admit): the scheduler releases it and stops admitting
         need = -(-upto_len // self.page_size) - len(req.pages)
         if need <= 0:
             return True
@@ -167,6 +205,12 @@ class ReqCache:
         unlocked), the rest to the free list. The request keeps its tokens."""
         self.finish_prefetch(req)
         self.poll_load(req, wait=True)
+        self._holders.discard(req.rid)
+        if req.rid in self._refuse:  # put back to wait for L1 room: its prefix is pinned again
+            self._refuse.discard(req.rid)
+            req.prefetch_checked = False
+        else:
+            self._l1_waits.pop(req.rid, None)
         if req.lock_node is None and not req.pages:
             return
         full = req.kv_len // self.page_size
