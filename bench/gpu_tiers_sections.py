@@ -1,8 +1,10 @@
-"""Section 1 of bench/gpu_tiers.py (the ceilings) and its helpers; see that file."""
+"""Helpers and sections 1 (ceilings) and 3 (multi-turn) of bench/gpu_tiers.py; see that file."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import statistics
 import threading
 import time
 
@@ -10,7 +12,10 @@ import lmdb
 import numpy as np
 import torch
 
+from bench.gpu_model import rand_prompts
+
 CHUNK = 2 << 20  # one 8B-shape page (16 tokens x 128 KiB)
+ONE = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1}
 
 
 def sync() -> None:
@@ -43,6 +48,56 @@ def in_threads(n: int, fn, total: int) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+# -- engines ----------------------------------------------------------------------------------
+def make_engine(args, model_dir, l3_dir: str | None, **kw):
+    """An offline Engine with the engine's default graph and overlap settings (what a user
+    serves with; ``--eager`` turns both off for a comparison)."""
+    from serving.engine import Engine
+
+    base = dict(model_path=model_dir, load_format="dummy", dtype=args.dtype, device=args.device, page_size=16,
+                hicache_mem_layout="page_first", chunked_prefill_size=8192, max_running_requests=16)
+    if args.eager:
+        base.update(disable_cuda_graph=True, disable_overlap_schedule=True)
+    if l3_dir is not None:
+        base.update(hicache_storage_backend="lmdb", hicache_storage_prefetch_policy="wait_complete",
+                    hicache_storage_prefetch_timeout_base=60.0, hicache_storage_prefetch_threshold=256,
+                    hicache_storage_read_threads=args.read_threads,
+                    hicache_storage_backend_extra_config={"path": l3_dir, "capacity_gb": args.l3_gb, "sync": False})
+    base.update(kw)
+    t0 = time.perf_counter()
+    eng = Engine(**base)
+    args.engine_init_s.append(round(time.perf_counter() - t0, 2))
+    return eng
+
+
+def close(eng, persist: bool = False) -> None:
+    """Shut an engine down; ``persist``: write every cached page to L3 first (as a server's
+    shutdown does), else skip that (a bench engine whose store is thrown away)."""
+    core, eng.core = eng.core, None
+    try:
+        core.shutdown(persist=persist)
+    finally:
+        core.release()
+
+
+def timed(eng, ids) -> tuple[float, dict]:
+    sync()
+    t0 = time.perf_counter()
+    out = eng.generate(input_ids=ids, sampling_params=ONE)
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def tier_gbps(eng, before: dict, kind: str) -> float:
+    """GB/s inside the tier's reads (``kind="read"``) or writes (``"write"``) since ``before``."""
+    st = eng.core.storage.tier.stats()
+    nbytes_key = "bytes_read" if kind == "read" else "bytes_written"
+    nbytes = st[nbytes_key] - before.get(nbytes_key, 0)
+    secs = st[f"{kind}_s"] - before.get(f"{kind}_s", 0)
+    return nbytes / secs / 1e9 if secs > 0 else 0.0
+
+
+# -- 1. ceilings ------------------------------------------------------------------------------
 def ceilings(res: dict, args, work: str) -> None:
     nbytes = int(args.ceiling_gb * 2**30) // CHUNK * CHUNK
     chunks = nbytes // CHUNK
@@ -81,8 +136,13 @@ def ceilings(res: dict, args, work: str) -> None:
     res["disk_read_gbps"] = in_threads(threads, file_reader, nbytes)
     os.unlink(path)
     # LMDB raw: one write transaction of page-sized values, then view reads copied into pinned memory
-    env = lmdb.open(os.path.join(work, "ceiling-lmdb"), map_size=2 * nbytes + (64 << 20), sync=False,
-                    metasync=False, readahead=False, max_readers=256)
+    db = os.path.join(work, "ceiling-lmdb")
+
+    def open_env():
+        return lmdb.open(db, map_size=2 * nbytes + (64 << 20), sync=False, metasync=False, readahead=False,
+                         max_readers=256)
+
+    env = open_env()
     keys = [f"{i:032x}".encode() for i in range(chunks)]
     t0 = time.perf_counter()
     with env.begin(write=True) as txn:
@@ -100,4 +160,83 @@ def ceilings(res: dict, args, work: str) -> None:
     res[f"lmdb_read_{threads}t_gbps"] = in_threads(threads, lmdb_reader, nbytes)
     res["lmdb_read_16t_gbps"] = in_threads(16, lmdb_reader, nbytes)
     env.close()
+    env = open_env()  # a cold map (as after an engine restart): every page faults in again
+    res[f"lmdb_read_{threads}t_cold_map_gbps"] = in_threads(threads, lmdb_reader, nbytes)
+    env.close()
+    res["l3_read_threads"] = threads
+    res["lmdb_raw_read_gbps"] = res[f"lmdb_read_{threads}t_gbps"]  # the L3 read goal's reference
     print(f"ceilings: { {k: round(v, 2) for k, v in res.items() if k.endswith('gbps')} }", flush=True)
+
+
+# -- 3. multi-turn ----------------------------------------------------------------------------
+def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent: bool) -> dict:
+    """One setup, one mode. Serial: conversations take turns one request at a time (a user
+    waits for the answer) and every returning request's TTFT is timed. Concurrent: each turn
+    sends all conversations at once (one batch) and its wall time is timed. Throughput =
+    prompt tokens of returning turns over the time they took (sum of TTFTs / of turn walls)."""
+    vocab, convs, turns = args.vocab, args.conversations, args.turns
+    eng = make_engine(args, model_dir, l3, max_total_tokens=args.mt_l1_tokens, **extra)
+    hist = rand_prompts(convs, args.context, vocab, seed=31)
+    more = rand_prompts(convs * turns, args.mt_user + args.mt_answer, vocab, seed=32)
+    for p in rand_prompts(4, 1024, vocab, 33):
+        eng.generate(input_ids=p, sampling_params=ONE)
+    times, tokens, hits = [], 0, {"device": 0, "host": 0, "storage": 0}
+    for t in range(turns):
+        if concurrent:
+            dt, outs = timed(eng, hist)
+            per = [(dt, o) for o in outs]
+            if t > 0:
+                times.append(dt)
+        else:
+            per = [timed(eng, hist[c]) for c in range(convs)]
+            if t > 0:
+                times.extend(dt for dt, _ in per)
+        for c, (_, o) in enumerate(per):
+            if t > 0:
+                tokens += len(hist[c])
+                for k, v in o["meta_info"]["cached_tokens_details"].items():
+                    hits[k] += v
+            hist[c] = hist[c] + o["output_ids"] + more[c * turns + t]
+        if eng.core.storage is not None:  # the users think; write-backs drain (not timed)
+            eng.core.storage.poll(wait=True)
+    out = {"prompt_tok_s": tokens / sum(times), "hit_tokens": hits, "prompt_tokens": tokens,
+           "hit_share": sum(hits.values()) / tokens if tokens else 0.0}
+    if not concurrent:
+        out.update(ttft_p50_s=statistics.median(times), ttft_mean_s=statistics.mean(times))
+    else:
+        out["turn_wall_p50_s"] = statistics.median(times)
+    if eng.core.storage is not None:
+        st = eng.core.storage_stats()
+        out["storage"] = {k: st.get(k, 0) for k in (
+            "pages_written", "hits", "pages_prefetched", "read_s", "write_pages_dropped", "cost_l3_refusals",
+            "cost_l3_read_gbps", "cost_prefill_tok_s", "fetches_followed", "pages_loaded_early",
+            "l2_backups_skipped_pages")}
+    eng.check_integrity()
+    close(eng)
+    return out
+
+
+def multiturn_section(res: dict, args, model_dir: str, work: str) -> None:
+    """The modes of ``--mt-modes`` (concurrent: the goal's; serial: returning-turn TTFT) for L1
+    only / L1+L2 / L1+L2+L3."""
+    modes = [m for m in ("serial", "concurrent") if m in args.mt_modes]
+    out: dict = {m: {} for m in modes}
+    setups = {"l1_only": ({}, False), "l1_l2": ({"hicache_size": args.mt_l2_gb}, False),
+              "l1_l2_l3": ({"hicache_size": args.mt_l2_gb}, True)}
+    for mode in modes:
+        for name, (extra, with_l3) in setups.items():
+            l3 = os.path.join(work, f"mt-{mode}-{name}") if with_l3 else None
+            t0 = time.perf_counter()
+            out[mode][name] = _multiturn_run(args, model_dir, l3, dict(extra), mode == "concurrent")
+            out[mode][name]["wall_s"] = round(time.perf_counter() - t0, 1)
+            print(f"multi-turn {mode} {name}: {out[mode][name]}", flush=True)
+            if l3:
+                shutil.rmtree(l3, ignore_errors=True)
+    res["multiturn"] = {"conversations": args.conversations, "turns": args.turns, "context": args.context,
+                        "l1_tokens": args.mt_l1_tokens, "l2_gb": args.mt_l2_gb, **out}
+    for name, key in (("l1_only", "l1"), ("l1_l2", "l2"), ("l1_l2_l3", "l3")):
+        if "concurrent" in out:
+            res[f"multiturn_tput_{key}_tok_s"] = out["concurrent"][name]["prompt_tok_s"]
+        if "serial" in out:
+            res[f"multiturn_serial_tput_{key}_tok_s"] = out["serial"][name]["prompt_tok_s"]
+            res[f"multiturn_serial_ttft_p50_{key}_s"] = out["serial"][name]["ttft_p50_s"]

@@ -41,7 +41,7 @@ from hicache.tiers.storage_read import ReadJob
 __all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
            "default_read_threads"]
 log = logging.getLogger("hicache.storage")
-READ_GROUP_BYTES = 4 << 20  # a direct read's group: about this many bytes (at most 8 pages), one task
+READ_GROUP_BYTES = 8 << 20  # a direct read's group: about this many bytes (at most 8 pages), one task
 
 
 def default_read_threads() -> int:
