@@ -174,7 +174,8 @@ class Prefetcher:
                 self._start_lookup(req)
             return
         if op.watching:
-            self._recheck(req, op)
+            if not op.pinned:  # (a pinned prefix keeps its L2 pages; ready() checks it once more)
+                self._recheck(req, op)
             return
         if op.fetch is None:
             if op.lookup.done():
