@@ -423,9 +423,9 @@ def _private_uses(mod: Module) -> Iterator[str]:
                     yield f"{where}:{node.lineno}: from {source} import {alias.name}"
 
 
-def _by_line(row: str) -> tuple[str, int]:
+def _by_line(row: str) -> tuple[str, int, str]:
     path, line = row.split(":")[:2]
-    return path, int(line)
+    return path, int(line), row
 
 
 def test_no_module_touches_another_modules_private_attributes():
