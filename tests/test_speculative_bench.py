@@ -38,6 +38,7 @@ def test_gpu_sections_on_a_cpu(tmp_path, monkeypatch):
     eng.shutdown()
     assert [(r["batch"], r["k"]) for r in rows] == [(b, k) for b in (1, 2) for k in speculative_gpu.KS]
     assert all(r["verify_ms"] > 0 and r["decode_ms"] > 0 and r["graphed"] is False for r in rows)
+    assert all(r["verify_last_ms"] > 0 and r["graphed_last"] is False for r in rows)
     exact = speculative_gpu.exactness(str(model), "float32", 2048, n=2, length=40)
     assert exact["identical"], exact
     regen = speculative_gpu.regenerate(str(model), 2048, "float32", new=8)
