@@ -132,7 +132,7 @@ class StorageBackend(ABC):
         return [self.get(k) for k in keys]
 
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        _same_len(keys, values)
+        same_len(keys, values)
         return [self.set(k, v) for k, v in zip(keys, values, strict=True)]
 
     # ------------------------------------------------------------------ zero-copy batches
@@ -145,7 +145,7 @@ class StorageBackend(ABC):
         :data:`MISSING`, :data:`ERROR`, :data:`TOO_LARGE`. Bytes of a span past the
         value (or of a failed key) are undefined.
         """
-        _same_len(keys, spans)
+        same_len(keys, spans)
         out = []
         for (off, size), val in zip(spans, self.batch_get(keys), strict=True):
             if val is None:
@@ -172,7 +172,7 @@ class StorageBackend(ABC):
         per key the value's size, or :data:`MISSING` / :data:`ERROR`; a value whose size is
         not ``len(dsts[i]) + t`` is left uncopied and reported by its size (the caller
         rejects it)."""
-        _same_len(keys, dsts)
+        same_len(keys, dsts)
         out: list[int] = []
         t = trailers.shape[1]
         for i, val in enumerate(self.batch_get(keys)):
@@ -194,10 +194,10 @@ class StorageBackend(ABC):
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
     ) -> list[bool]:
         """Store each key's value, the bytes of ``buf`` at its ``(offset, size)`` span."""
-        _same_len(keys, spans)
+        same_len(keys, spans)
         return self.batch_set(keys, [buf.view(off, size) for off, size in spans])
 
 
-def _same_len(a: Sequence, b: Sequence) -> None:
+def same_len(a: Sequence, b: Sequence) -> None:
     if len(a) != len(b):
         raise ValueError(f"{len(a)} keys but {len(b)} values/spans")

@@ -49,7 +49,7 @@ from hicache.tiers.base import (
     Buffer,
     StagingBuffer,
     StorageBackend,
-    _same_len,
+    same_len,
 )
 from hicache.tiers.lmdb_support import _MIB, _U64, LMDBConfig, _LMDBBookkeeping, _RWLock
 
@@ -134,7 +134,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
     def batch_get_into(
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
     ) -> list[int]:
-        _same_len(keys, spans)
+        same_len(keys, spans)
 
         def run(txn):
             res = []
@@ -157,7 +157,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
                         check: Callable[[int], bool] | None = None) -> list[int]:
-        _same_len(keys, dsts)
+        same_len(keys, dsts)
         t = trailers.shape[1]
 
         def run(txn):
@@ -189,7 +189,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         return self.batch_set([key], [value])[0]
 
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        _same_len(keys, values)
+        same_len(keys, values)
         items = []
         ok = []
         for k, v in zip(keys, values, strict=True):

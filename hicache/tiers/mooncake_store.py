@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hicache.tiers.base import ERROR, MISSING, TOO_LARGE, Buffer, StagingBuffer, StorageBackend, _same_len
+from hicache.tiers.base import ERROR, MISSING, TOO_LARGE, Buffer, StagingBuffer, StorageBackend, same_len
 from hicache.tiers.mooncake_conn import MooncakeConfig, _Client, _MooncakeConnection
 
 # Return codes of the Mooncake client that are answers, not failures.
@@ -147,7 +147,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         return [bytes(v) if len(v) else None for v in res]
 
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        _same_len(keys, values)
+        same_len(keys, values)
         if not keys:
             return []
         full = [self._prefix + k for k in keys]
@@ -159,7 +159,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
     ) -> tuple[list[str], list[int], list[int]]:
         """Full keys, pointers into the registered staging buffer, and sizes, checked."""
-        _same_len(keys, spans)
+        same_len(keys, spans)
         self._check_spans(buf, spans)
         return [self._prefix + k for k in keys], [buf.ptr + off for off, _ in spans], [n for _, n in spans]
 
