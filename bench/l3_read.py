@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from bench.common import parser, print_table, write_json  # noqa: E402
 from hicache.tiers.device import KVLayout  # noqa: E402
 from hicache.tiers.host import PageFirstHostPool  # noqa: E402
-from hicache.tiers.lmdb_store import LMDBStore  # noqa: E402
-from hicache.tiers.lmdb_support import LMDBConfig  # noqa: E402
+from hicache.tiers.lmdb.config import LMDBConfig  # noqa: E402
+from hicache.tiers.lmdb.store import LMDBStore  # noqa: E402
 from hicache.tiers.page_codec import TRAILER_SIZE, host_page_bytes  # noqa: E402
 from hicache.tiers.storage import StorageTier  # noqa: E402
 
@@ -53,7 +53,7 @@ def raw_read(store: LMDBStore, keys: list[bytes], view: np.ndarray, pages: list[
     trailers = np.empty((len(keys), TRAILER_SIZE), np.uint8)
 
     def reader(i: int) -> None:
-        with store._env.begin(buffers=True, db=store._data) as txn:
+        with store.handles.env.begin(buffers=True, db=store.handles.data) as txn:
             for j in range(i, len(keys), threads):
                 src = np.frombuffer(txn.get(keys[j]), np.uint8)
                 np.copyto(view[pages[j]], src[:nb])

@@ -28,7 +28,7 @@ import httpx
 from bench.trace_data import BlockTokens, TraceRequest
 from bench.trace_policy import PolicyConfig, PolicyReplay, output_tokens
 
-# LMDB's defaults (hicache.tiers.lmdb_support.LMDBConfig) and per-entry cost (_LMDBBookkeeping._cost)
+# LMDB's defaults (hicache.tiers.lmdb.config.LMDBConfig) and per-entry cost (LMDBAccounting.cost)
 _LMDB_HIGH, _LMDB_LOW, _KEY_LEN, _OS_PAGE = 0.85, 0.75, 32, 4096
 
 

@@ -23,7 +23,8 @@ import pytest
 
 from hicache import config_fields
 from hicache.tiers import storage
-from hicache.tiers.lmdb_store import LMDBConfig, LMDBStore
+from hicache.tiers.lmdb.config import LMDBConfig
+from hicache.tiers.lmdb.store import LMDBStore
 
 
 class SlowLMDBStore(LMDBStore):

@@ -21,7 +21,7 @@ import torch
 from hicache.keys import namespace_for, page_keys
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
-from hicache.tiers.lmdb_store import LMDBStore
+from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.storage import StorageTier, make_storage
 
 PS = 16
@@ -291,8 +291,8 @@ def test_direct_reads_on_threads_stop_at_the_first_bad_page(tmp_path):
     assert torch.equal(dst.buffer[:37], src.buffer[:37])
     import lmdb
 
-    env = store._env
-    with env.begin(write=True, db=store._data) as txn:  # flip one payload byte of page 10
+    env = store.handles.env
+    with env.begin(write=True, db=store.handles.data) as txn:  # flip one payload byte of page 10
         bad = bytearray(txn.get(keys[10].encode()))
         bad[100] ^= 0x01
         txn.put(keys[10].encode(), bytes(bad))

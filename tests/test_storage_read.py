@@ -19,7 +19,7 @@ import xxhash
 
 from hicache.tiers import native_hash
 from hicache.tiers.host import make_host_pool
-from hicache.tiers.lmdb_store import LMDBStore
+from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.storage import ReadJob, StorageTier
 from tests.test_storage_lmdb import PS, SMALL, fill, keys_for, open_store
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.keys import page_keys, tp_shard_key
-from hicache.tiers.lmdb_store import LMDBStore
+from hicache.tiers.lmdb.store import LMDBStore
 from serving.engine import Engine
 from tests.model_utils import tiny_model
 from tests.test_engine import GREEDY, ids_of, prompts, tier_prompts

@@ -101,7 +101,7 @@ def _check_storage(backend: str, extra: dict[str, Any]) -> None:
     flag = "--hicache-storage-backend-extra-config"
     if backend != "lmdb":
         return
-    from hicache.tiers.lmdb_support import LMDBConfig  # torch-free
+    from hicache.tiers.lmdb.config import LMDBConfig  # torch-free
 
     try:
         options = LMDBConfig.from_mapping(extra)

@@ -1,163 +1,106 @@
-"""Support of the LMDB storage backend (split out of lmdb_store.py to keep files small):
-its config, the reader/writer lock around map resizes, and the bookkeeping mixin
-(counters, recency stamps, logical size accounting, map growth, LRU eviction).
-
-See lmdb_store.py for the layout, capacity, eviction and crash-safety rules.
-"""
+"""Bookkeeping of the LMDB storage backend: counters, recency stamps, the logical size,
+map growth and LRU eviction (the rules are in :mod:`hicache.tiers.lmdb.store`)."""
 
 from __future__ import annotations
 
-import struct
 import threading
-from collections.abc import Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Iterable
 
 import lmdb
 
-_U64 = struct.Struct(">Q")
-_MIB = 1 << 20
+from hicache.tiers.base import Buffer
+from hicache.tiers.lmdb.config import U64, LMDBConfig, MapGeometry
+from hicache.tiers.lmdb.handles import LMDBHandles
 
 
-@dataclass(frozen=True)
-class LMDBConfig:
-    """Options of :class:`LMDBStore` (the keys of its config mapping)."""
+class LMDBAccounting:
+    """What one :class:`hicache.tiers.lmdb.store.LMDBStore` knows about its contents besides
+    the values: the logical size ``used`` (values plus an estimate of LMDB's per-entry
+    overhead, persisted in ``meta``), the next recency stamp, the keys reads hit since the last
+    write (re-stamped by the next write), counters, and the capacity.
 
-    path: str
-    capacity_gb: float = 64.0
-    initial_map_mb: float = 0.0  # 0: map the whole capacity up front (sparse; no resize under load)
-    sync: bool = True
-    high_watermark: float = 0.85
-    low_watermark: float = 0.75
-    max_readers: int = 126
-    touch_buffer: int = 65536
+    Contract (the store's threads: any number of readers and writers):
+    - ``used`` and the stamp sequence change only inside write transactions, and every write
+      path (the ``txn`` methods, :meth:`make_room`, :meth:`evict`, :meth:`grow_map`) runs with
+      the store's ``_wlock`` held, so they have one writer at a time. A write whose transaction
+      aborted puts ``used`` back (the store's ``_write``); :meth:`evict` does so itself.
+      ``stats`` reads ``used`` without a lock (an int: at worst one write stale).
+    - ``_touch_lock`` guards the touch buffer ``_touched`` (filled by readers, taken by the
+      next writer) and ``_counts``; it is held only for dict updates, never across I/O.
+    - :meth:`grow_map` takes the handles' :class:`RWLock` exclusively (waits until every
+      transaction of this process ended); :meth:`evict` opens its own write transaction under
+      the shared side. Neither may be called inside a transaction.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("lmdb storage needs a path")
-        if self.capacity_gb <= 0 or self.initial_map_mb < 0:
-            raise ValueError("capacity_gb must be positive and initial_map_mb >= 0")
-        if not 0 < self.low_watermark <= self.high_watermark < 1:
-            raise ValueError("need 0 < low_watermark <= high_watermark < 1")
+    def __init__(self, handles: LMDBHandles, config: LMDBConfig, geometry: MapGeometry) -> None:
+        self.h = handles
+        self.config = config
+        self.capacity = geometry.capacity
+        self._psize = geometry.page
+        self._touch_lock = threading.Lock()
+        self._touched: dict[bytes, None] = {}
+        self._counts = {"errors": 0, "evicted": 0, "map_grows": 0, "deleted": 0}
+        with handles.env.begin() as txn:
+            raw = txn.get(b"used", db=handles.meta)
+            self.used = U64.unpack(raw)[0] if raw else 0
+            cur = txn.cursor(db=handles.order)
+            self._seq = U64.unpack(cur.key())[0] + 1 if cur.last() else 1
 
-    @classmethod
-    def from_mapping(cls, config: Mapping[str, Any]) -> LMDBConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(config) - known
-        if unknown:
-            raise ValueError(f"unknown lmdb storage options {sorted(unknown)}; known: {sorted(known)}")
-        if "path" not in config:
-            raise ValueError("lmdb storage needs a path")
-        return cls(**config)
-
-
-class _RWLock:
-    """Shared (transactions) / exclusive (``set_mapsize``) lock."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-
-    @contextmanager
-    def shared(self):
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._writer = True
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
-class _LMDBBookkeeping:
-    """Internals of :class:`hicache.tiers.lmdb_store.LMDBStore`; the attributes below are set
-    by ``LMDBStore.__init__``."""
-
-    config: LMDBConfig
-    capacity: int
-    _psize: int
-    _env: Any
-    _data: Any
-    _kseq: Any
-    _order: Any
-    _meta: Any
-    _rw: _RWLock
-    _touch_lock: threading.Lock
-    _touched: dict[bytes, None]
-    _counts: dict[str, int]
-    _used: int
-    _seq: int
-
-    def _count(self, name: str, n: int = 1) -> None:
+    # ------------------------------------------------------------------ counters, recency
+    def count(self, name: str, n: int = 1) -> None:
         with self._touch_lock:
             self._counts[name] += n
 
-    def _cost(self, klen: int, vlen: int) -> int:
+    def counts(self) -> dict[str, float]:
+        with self._touch_lock:
+            return dict(self._counts)
+
+    def cost(self, klen: int, vlen: int) -> int:
         """Estimated bytes an entry takes: its value (overflow pages when large) plus the
         key in three databases and node headers."""
         ps = self._psize
         vbytes = (vlen + 16 + ps - 1) // ps * ps if vlen > ps // 2 else vlen + 16
         return vbytes + 3 * klen + 96
 
-    def _touch(self, keys) -> None:
+    def touch(self, keys: Iterable[str]) -> None:
+        """Remember keys a read hit (up to ``touch_buffer``), for the next write to re-stamp."""
         with self._touch_lock:
             for k in keys:
                 if len(self._touched) >= self.config.touch_buffer:
                     break
                 self._touched[k.encode()] = None
 
-    def _grow_map(self, need: int = 0) -> bool:
-        cur = self._env.info()["map_size"]
+    def take_touched(self) -> list[bytes]:
+        with self._touch_lock:
+            touched, self._touched = list(self._touched), {}
+        return touched
+
+    def clear_touched(self) -> None:
+        with self._touch_lock:
+            self._touched.clear()
+
+    # ------------------------------------------------------------------ size, map, eviction
+    def make_room(self, incoming: int) -> None:
+        """Before a write of ``incoming`` bytes: evict down to the low watermark when it would
+        cross the high one, and grow the map to what the write needs."""
+        high = self.capacity * self.config.high_watermark
+        if self.used + incoming > high:
+            self.evict(int(self.used + incoming - self.capacity * self.config.low_watermark))
+        need = int((self.used + incoming) / self.config.high_watermark)
+        if need > self.h.env.info()["map_size"]:
+            self.grow_map(need)
+
+    def grow_map(self, need: int = 0) -> bool:
+        cur = self.h.env.info()["map_size"]
         if cur >= self.capacity:
             return False
         new = min(self.capacity, max(2 * cur, need) // self._psize * self._psize + self._psize)
-        with self._rw.exclusive():
-            self._env.set_mapsize(new)
-        self._count("map_grows")
+        with self.h.rw.exclusive():
+            self.h.env.set_mapsize(new)
+        self.count("map_grows")
         return True
 
-    def _stamp(self, txn, kb: bytes) -> None:
-        seq = _U64.pack(self._seq)
-        self._seq += 1
-        txn.put(kb, seq, db=self._kseq)
-        txn.put(seq, kb, db=self._order)
-
-    def _put_used(self, txn) -> None:
-        txn.put(b"used", _U64.pack(max(0, self._used)), db=self._meta)
-
-    def _delete_key(self, txn, kb: bytes) -> bool:
-        with txn.cursor(db=self._data) as cur:
-            if not cur.set_key(kb):
-                return False
-            self._used -= self._cost(len(kb), len(cur.value()))
-            cur.delete()
-        seq = txn.pop(kb, db=self._kseq)
-        if seq is not None:
-            txn.delete(bytes(seq), db=self._order)
-        return True
-
-    def _evict(self, nbytes: int) -> bool:
+    def evict(self, nbytes: int) -> bool:
         """Delete least recently used entries worth at least ``nbytes`` (own transaction)."""
         if nbytes <= 0:
             return True
@@ -165,26 +108,72 @@ class _LMDBBookkeeping:
 
         def run(txn):
             freed = 0
-            cur = txn.cursor(db=self._order)
+            cur = txn.cursor(db=self.h.order)
             victims = []
             for seq, kb in cur:
                 if freed >= nbytes:
                     break
                 victims.append((bytes(seq), bytes(kb)))
-                val = txn.get(kb, db=self._data)  # a view (buffers): only its length is read
-                freed += self._cost(len(kb), len(val)) if val is not None else 0
+                val = txn.get(kb, db=self.h.data)  # a view (buffers): only its length is read
+                freed += self.cost(len(kb), len(val)) if val is not None else 0
             for seq, kb in victims:
-                self._delete_key(txn, kb)
-                txn.delete(seq, db=self._order)  # already gone unless data/kseq were missing
-            self._put_used(txn)
+                self.delete_key(txn, kb)
+                txn.delete(seq, db=self.h.order)  # already gone unless data/kseq were missing
+            self.put_used(txn)
             evicted.append(len(victims))
 
-        used_before = self._used
+        used_before = self.used
         try:
-            with self._rw.shared(), self._env.begin(write=True, buffers=True) as txn:
+            with self.h.rw.shared(), self.h.env.begin(write=True, buffers=True) as txn:
                 run(txn)
         except lmdb.Error:
-            self._used = used_before
+            self.used = used_before
             return False
-        self._count("evicted", evicted[0])
+        self.count("evicted", evicted[0])
         return evicted[0] > 0
+
+    # ------------------------------------------------------------------ inside a write txn
+    def restamp(self, txn, keys: Iterable[bytes]) -> None:
+        """Give the keys that still exist a fresh stamp (reads' recency, applied by a write)."""
+        for kb in keys:
+            old = txn.get(kb, db=self.h.kseq)
+            if old is not None:
+                txn.delete(bytes(old), db=self.h.order)
+                self._stamp(txn, kb)
+
+    def put(self, txn, kb: bytes, value: Buffer) -> None:
+        """Write (or overwrite) one value with a fresh stamp, keeping ``used`` in step."""
+        h = self.h
+        old = txn.get(kb, db=h.data)
+        if old is not None:
+            self.used -= self.cost(len(kb), len(old))
+            txn.delete(bytes(txn.get(kb, db=h.kseq)), db=h.order)
+        txn.put(kb, value, db=h.data)
+        self._stamp(txn, kb)
+        self.used += self.cost(len(kb), len(value))
+
+    def delete_key(self, txn, kb: bytes) -> bool:
+        with txn.cursor(db=self.h.data) as cur:
+            if not cur.set_key(kb):
+                return False
+            self.used -= self.cost(len(kb), len(cur.value()))
+            cur.delete()
+        seq = txn.pop(kb, db=self.h.kseq)
+        if seq is not None:
+            txn.delete(bytes(seq), db=self.h.order)
+        return True
+
+    def drop_all(self, txn) -> None:
+        for db in (self.h.data, self.h.kseq, self.h.order):
+            txn.drop(db, delete=False)
+        self.used = 0
+        self.put_used(txn)
+
+    def put_used(self, txn) -> None:
+        txn.put(b"used", U64.pack(max(0, self.used)), db=self.h.meta)
+
+    def _stamp(self, txn, kb: bytes) -> None:
+        seq = U64.pack(self._seq)
+        self._seq += 1
+        txn.put(kb, seq, db=self.h.kseq)
+        txn.put(seq, kb, db=self.h.order)

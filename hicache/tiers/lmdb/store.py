@@ -51,14 +51,30 @@ from hicache.tiers.base import (
     StorageBackend,
     same_len,
 )
-from hicache.tiers.lmdb_support import _MIB, _U64, LMDBConfig, _LMDBBookkeeping, _RWLock
+from hicache.tiers.lmdb.accounting import LMDBAccounting
+from hicache.tiers.lmdb.config import LMDBConfig, MapGeometry
+from hicache.tiers.lmdb.handles import LMDBHandles
 
 
-class LMDBStore(_LMDBBookkeeping, StorageBackend):
-    """See the module docstring. Values up to the capacity; keys up to 500 bytes (UTF-8).
+class LMDBStore(StorageBackend):
+    """The LMDB backend (rules in the module docstring). Values up to the capacity; keys up to
+    500 bytes (UTF-8).
 
-    Counters, recency stamps, size accounting, map growth and eviction live in
-    :class:`_LMDBBookkeeping` (lmdb_support.py).
+    Parts: ``handles`` (:class:`LMDBHandles`: the environment, its databases and the
+    :class:`~hicache.tiers.lmdb.rwlock.RWLock`), ``acct`` (:class:`LMDBAccounting`: size,
+    recency stamps, the touch buffer, counters, map growth, eviction).
+
+    Threads: any number of callers at once (the storage tier's readers and writers). What each
+    lock protects:
+    - ``_wlock``: one writer at a time (``batch_set``, ``delete``, ``clear``, ``close``): the
+      write transaction and everything ``acct`` changes with it (``used``, stamps, eviction,
+      map growth). LMDB would serialise write transactions anyway; holding it first keeps the
+      eviction and growth decisions in step with the write that needs them.
+    - the handles' ``RWLock``: every transaction (read or write) holds it shared; a map resize
+      (``acct.grow_map``, or ``set_mapsize(0)`` after another process resized) holds it alone,
+      as LMDB requires that no transaction of this process be open then. Readers never take
+      ``_wlock``: a read waits only for a resize.
+    - ``acct``'s ``_touch_lock``: the touch buffer readers fill and counters (dict updates only).
     """
 
     name = "lmdb"
@@ -66,36 +82,14 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
 
     def __init__(self, config: LMDBConfig) -> None:
         self.config = config
-        os.makedirs(config.path, exist_ok=True)
-        self._psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self.capacity = max(16 * self._psize, int(config.capacity_gb * 2**30) // self._psize * self._psize)
-        init = self.capacity if config.initial_map_mb <= 0 else \
-            min(self.capacity, max(_MIB, int(config.initial_map_mb * _MIB)) // self._psize * self._psize)
-        self._env = lmdb.open(
-            config.path,
-            map_size=init,  # the whole capacity unless initial_map_mb says otherwise: no resize under load
-            max_dbs=4,
-            max_readers=config.max_readers,
-            sync=config.sync,
-            metasync=config.sync,
-            writemap=False,
-            readahead=False,
-            lock=True,
-        )
-        self._data = self._env.open_db(b"data")
-        self._kseq = self._env.open_db(b"kseq")
-        self._order = self._env.open_db(b"order")
-        self._meta = self._env.open_db(b"meta")
-        self._rw = _RWLock()
+        geometry = MapGeometry.of(config)
+        self.handles = LMDBHandles.open(config, geometry.initial)
+        self.acct = LMDBAccounting(self.handles, config, geometry)
         self._wlock = threading.Lock()  # one writer at a time (LMDB would block anyway)
-        self._touch_lock = threading.Lock()
-        self._touched: dict[bytes, None] = {}
-        self._counts = {"errors": 0, "evicted": 0, "map_grows": 0, "deleted": 0}
-        with self._env.begin() as txn:
-            raw = txn.get(b"used", db=self._meta)
-            self._used = _U64.unpack(raw)[0] if raw else 0
-            cur = txn.cursor(db=self._order)
-            self._seq = _U64.unpack(cur.key())[0] + 1 if cur.last() else 1
+
+    @property
+    def capacity(self) -> int:
+        return self.acct.capacity
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | LMDBConfig) -> LMDBStore:
@@ -110,7 +104,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         def run(txn):
-            cur = txn.cursor(db=self._data)
+            cur = txn.cursor(db=self.handles.data)
             n = 0
             for k in keys:
                 if not cur.set_key(k.encode()):
@@ -123,12 +117,12 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         def run(txn):
-            return [txn.get(k.encode(), db=self._data) for k in keys]
+            return [txn.get(k.encode(), db=self.handles.data) for k in keys]
 
         out = self._read(run)
         if out is None:
             return [None] * len(keys)
-        self._touch(k for k, v in zip(keys, out, strict=True) if v is not None)
+        self.acct.touch(k for k, v in zip(keys, out, strict=True) if v is not None)
         return out
 
     def batch_get_into(
@@ -139,7 +133,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         def run(txn):
             res = []
             for k, (off, size) in zip(keys, spans, strict=True):
-                val = txn.get(k.encode(), db=self._data)  # a view into the map, valid in txn
+                val = txn.get(k.encode(), db=self.handles.data)  # a view into the map, valid in txn
                 if val is None:
                     res.append(MISSING)
                 elif len(val) > size:
@@ -152,7 +146,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         out = self._read(run, buffers=True)
         if out is None:
             return [ERROR] * len(keys)
-        self._touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
+        self.acct.touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
         return out
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
@@ -163,7 +157,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         def run(txn):
             res = []
             for i, k in enumerate(keys):
-                val = txn.get(k.encode(), db=self._data)  # a view into the map, valid in txn
+                val = txn.get(k.encode(), db=self.handles.data)  # a view into the map, valid in txn
                 if val is None:
                     res.append(MISSING)
                     continue
@@ -181,7 +175,7 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         out = self._read(run, buffers=True)
         if out is None:
             return [ERROR] * len(keys)
-        self._touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
+        self.acct.touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
         return out
 
     # ------------------------------------------------------------------ writes
@@ -194,16 +188,16 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         ok = []
         for k, v in zip(keys, values, strict=True):
             kb = k.encode()
-            fits = 0 < len(kb) <= 500 and self._cost(len(kb), len(v)) <= self.capacity * self.config.low_watermark
+            fits = 0 < len(kb) <= 500 and self.acct.cost(len(kb), len(v)) <= self.capacity * self.config.low_watermark
             ok.append(fits)
             if fits:
                 items.append((kb, v))
         if not items:
             return ok
-        incoming = sum(self._cost(len(k), len(v)) for k, v in items)
+        incoming = sum(self.acct.cost(len(k), len(v)) for k, v in items)
         with self._wlock:
             if not self._store_items(items, incoming):
-                self._count("errors")
+                self.acct.count("errors")
                 return [False] * len(keys)
         return ok
 
@@ -213,66 +207,57 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
             found = []
 
             def run(txn):
-                found.append(self._delete_key(txn, kb))
-                self._put_used(txn)
+                found.append(self.acct.delete_key(txn, kb))
+                self.acct.put_used(txn)
 
             if not self._write(run):
-                self._count("errors")
+                self.acct.count("errors")
                 return False
         if found and found[0]:
-            self._count("deleted")
+            self.acct.count("deleted")
             return True
         return False
 
     def clear(self) -> None:
         with self._wlock:
-
-            def run(txn):
-                for db in (self._data, self._kseq, self._order):
-                    txn.drop(db, delete=False)
-                self._used = 0
-                self._put_used(txn)
-
-            if not self._write(run):
-                self._count("errors")
-            with self._touch_lock:
-                self._touched.clear()
+            if not self._write(self.acct.drop_all):
+                self.acct.count("errors")
+            self.acct.clear_touched()
 
     def stats(self) -> dict[str, float]:
         try:
-            with self._rw.shared(), self._env.begin() as txn:
-                entries = txn.stat(self._data)["entries"]
+            with self.handles.rw.shared(), self.handles.env.begin() as txn:
+                entries = txn.stat(self.handles.data)["entries"]
             file_bytes = os.path.getsize(os.path.join(self.config.path, "data.mdb"))
         except (lmdb.Error, OSError):
             entries = file_bytes = -1
-        with self._touch_lock:
-            out: dict[str, float] = dict(self._counts)
+        out = self.acct.counts()
         out.update(
             entries=entries,
-            used_bytes=self._used,
+            used_bytes=self.acct.used,
             capacity_bytes=self.capacity,
-            map_size=self._env.info()["map_size"],
+            map_size=self.handles.env.info()["map_size"],
             file_bytes=file_bytes,
         )
         return out
 
     def close(self) -> None:
-        with self._wlock, self._rw.exclusive():
-            self._env.close()
+        with self._wlock, self.handles.rw.exclusive():
+            self.handles.env.close()
 
     # ------------------------------------------------------------------ internals
     def _read(self, fn, buffers: bool = False):
         """Run ``fn(txn)`` in a read transaction; None (error counted) on an LMDB failure."""
         for _ in range(2):
             try:
-                with self._rw.shared(), self._env.begin(buffers=buffers) as txn:
+                with self.handles.rw.shared(), self.handles.env.begin(buffers=buffers) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:  # another process grew the map
-                with self._rw.exclusive():
-                    self._env.set_mapsize(0)
+                with self.handles.rw.exclusive():
+                    self.handles.env.set_mapsize(0)
             except lmdb.Error:
                 break
-        self._count("errors")
+        self.acct.count("errors")
         return None
 
     def _write(self, fn) -> bool:
@@ -280,15 +265,15 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
         or evicting on ``MapFullError``. False when it could not commit."""
         stalls = 0
         for _ in range(12):
-            used_before = self._used
+            used_before = self.acct.used
             try:
                 # buffers: values read inside writes (sizes of old values) are views, never copies
-                with self._rw.shared(), self._env.begin(write=True, buffers=True) as txn:
+                with self.handles.rw.shared(), self.handles.env.begin(write=True, buffers=True) as txn:
                     fn(txn)
                 return True
             except lmdb.MapFullError:
-                self._used = used_before  # the transaction was aborted
-                if not self._grow_map() and not self._evict(self.capacity // 10):
+                self.acct.used = used_before  # the transaction was aborted
+                if not self.acct.grow_map() and not self.acct.evict(self.capacity // 10):
                     # nothing left to evict: the free pages are still pinned by readers'
                     # snapshots; give them a moment to end their transactions
                     if stalls >= 5:
@@ -296,38 +281,22 @@ class LMDBStore(_LMDBBookkeeping, StorageBackend):
                     time.sleep(0.005 * 2**stalls)
                     stalls += 1
             except lmdb.MapResizedError:
-                self._used = used_before
-                with self._rw.exclusive():
-                    self._env.set_mapsize(0)
+                self.acct.used = used_before
+                with self.handles.rw.exclusive():
+                    self.handles.env.set_mapsize(0)
             except lmdb.Error:
-                self._used = used_before
+                self.acct.used = used_before
                 return False
         return False
 
     def _store_items(self, items: list[tuple[bytes, Buffer]], incoming: int) -> bool:
-        high = self.capacity * self.config.high_watermark
-        if self._used + incoming > high:
-            self._evict(int(self._used + incoming - self.capacity * self.config.low_watermark))
-        need = int((self._used + incoming) / self.config.high_watermark)
-        if need > self._env.info()["map_size"]:
-            self._grow_map(need)
-        with self._touch_lock:
-            touched, self._touched = list(self._touched), {}
+        self.acct.make_room(incoming)
+        touched = self.acct.take_touched()
 
         def run(txn):
-            for kb in touched:
-                old = txn.get(kb, db=self._kseq)
-                if old is not None:
-                    txn.delete(bytes(old), db=self._order)
-                    self._stamp(txn, kb)
+            self.acct.restamp(txn, touched)
             for kb, v in items:
-                old = txn.get(kb, db=self._data)
-                if old is not None:
-                    self._used -= self._cost(len(kb), len(old))
-                    txn.delete(bytes(txn.get(kb, db=self._kseq)), db=self._order)
-                txn.put(kb, v, db=self._data)
-                self._stamp(txn, kb)
-                self._used += self._cost(len(kb), len(v))
-            self._put_used(txn)
+                self.acct.put(txn, kb, v)
+            self.acct.put_used(txn)
 
         return self._write(run)

@@ -1,0 +1,62 @@
+"""Options of the LMDB storage backend, and the constants its modules share."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+U64 = struct.Struct(">Q")  # sequence numbers and the ``used`` counter: u64 big-endian
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LMDBConfig:
+    """Options of :class:`hicache.tiers.lmdb.store.LMDBStore` (the keys of its config mapping)."""
+
+    path: str
+    capacity_gb: float = 64.0
+    initial_map_mb: float = 0.0  # 0: map the whole capacity up front (sparse; no resize under load)
+    sync: bool = True
+    high_watermark: float = 0.85
+    low_watermark: float = 0.75
+    max_readers: int = 126
+    touch_buffer: int = 65536
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("lmdb storage needs a path")
+        if self.capacity_gb <= 0 or self.initial_map_mb < 0:
+            raise ValueError("capacity_gb must be positive and initial_map_mb >= 0")
+        if not 0 < self.low_watermark <= self.high_watermark < 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark < 1")
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any]) -> LMDBConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(config) - known
+        if unknown:
+            raise ValueError(f"unknown lmdb storage options {sorted(unknown)}; known: {sorted(known)}")
+        if "path" not in config:
+            raise ValueError("lmdb storage needs a path")
+        return cls(**config)
+
+
+@dataclass(frozen=True)
+class MapGeometry:
+    """Sizes derived from a config once: the OS page size, the capacity (a whole number of pages,
+    at least 16) and the initial map size (the capacity unless ``initial_map_mb`` is set)."""
+
+    page: int
+    capacity: int
+    initial: int
+
+    @classmethod
+    def of(cls, config: LMDBConfig) -> MapGeometry:
+        page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        capacity = max(16 * page, int(config.capacity_gb * 2**30) // page * page)
+        initial = capacity if config.initial_map_mb <= 0 else \
+            min(capacity, max(MIB, int(config.initial_map_mb * MIB)) // page * page)
+        return cls(page, capacity, initial)
