@@ -28,8 +28,7 @@ class Req:
     lock_node: Any = None  # tree node locked for this request (None: nothing locked)
     load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
     wait_loads: tuple = ()  # PendingLoads still filling pages this request reads (see ReqCache.poll_load)
-    page_keys: list[str] = field(default_factory=list)  # L3 keys of full pages (computed lazily)
-    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.storage_controller.PrefetchOp)
+    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.l3_prefetch.PrefetchOp)
     prefetch_checked: bool = False
     storage_hit_tokens: int = 0  # prompt tokens that came from L3 (through L2)
     l3_decision: dict[str, Any] | None = None  # the load-vs-recompute choice for its L3 pages, if any
@@ -42,7 +41,6 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_retractions: int = 0
-    stop_scan_from: int = 0  # output text offset already checked for stop strings
     grammar: Any = None  # serving.grammar.runner.GrammarState: structured output (None: unconstrained)
     logprob: Any = None  # serving.logprobs.LogprobState of a request asking for logprobs (None: it does not)
     spec: Any = None  # serving.speculative.policy.SpecState once it decodes with speculation (None: it does not)

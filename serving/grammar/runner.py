@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -281,10 +281,6 @@ class GrammarRunner:
                 append(r, tok)  # stop checks and accept(), exactly as for a sampled token
                 self.stats.jumped_tokens += 1
         self.stats.jump_s += time.perf_counter() - t0
-
-    def stats_dict(self) -> dict[str, Any]:
-        compiles = self.compiles.stats() if self.compiles is not None else {}
-        return {**asdict(self.stats), "cache": self.cache.stats(), "compiles": compiles}
 
 
 def _failure(message: str, status: int) -> dict[str, Any]:

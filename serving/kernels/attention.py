@@ -80,8 +80,3 @@ def get_attention_backend(name: str) -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)()
-
-
-def default_attention_backend(device: torch.device | str) -> str:
-    """``"triton"`` on CUDA, ``"torch"`` elsewhere."""
-    return "triton" if torch.device(device).type == "cuda" else "torch"

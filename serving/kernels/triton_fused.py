@@ -24,10 +24,6 @@ import triton.language as tl
 ENABLED = True
 
 
-def use_fused(x: torch.Tensor) -> bool:
-    return ENABLED and x.is_cuda
-
-
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
