@@ -88,7 +88,7 @@ class KVControl:
         n = len(tokens) - len(tokens) % ps
         device = host = 0
         on_device = True
-        for node, _pos, m in self.tree._touched(tokens, n):
+        for node, _pos, m in self.tree.walk(tokens, n):
             on_device = on_device and node.device_pages is not None
             if on_device:
                 device += m
@@ -155,7 +155,7 @@ class KVControl:
         self.tree.backup_prefix(tokens[:n])
         self.core.req_cache.flush_transfers()  # the backups run before anything reads those pages
         pages: list[int] = []
-        for node, _pos, m in self.tree._touched(tokens, n):
+        for node, _pos, m in self.tree.walk(tokens, n):
             if node.host_pages is None:
                 break  # no L2 room for its backup: the lease covers what is on L2
             pages += node.host_pages[: m // ps]
@@ -221,8 +221,8 @@ class KVControl:
         for lease in self.leases.values():
             held.update(lease.pages)
             per_tenant.setdefault(lease.tenant, Counter()).update(lease.pages)
-        pins = self.tree._host_pins
-        bad = [p for p, k in held.items() if pins.get(p, 0) < k]
+        pins = self.tree.pins
+        bad = [p for p, k in held.items() if pins.count(p) < k]
         assert not bad, f"KV control: leased L2 pages not pinned in the tree: {bad[:8]}"
         assert per_tenant == self._pinned, "KV control: per-tenant pinned pages disagree with the leases"
         over = [t for t, pages in per_tenant.items() if len(pages) > self._pin_limit(t)]

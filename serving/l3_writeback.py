@@ -226,8 +226,8 @@ class WriteBack:
         assert len(self._jobs) <= self.threads, "write-back: more jobs than writers"
         assert self._pending == {w.node_id for w in writes}, "write-back: pending nodes"
         held = Counter(p for w in writes for p in w.host_pages)
-        pins = self.tree._host_pins
-        short = [p for p, k in held.items() if pins.get(p, 0) < k]
+        pins = self.tree.pins
+        short = [p for p, k in held.items() if pins.count(p) < k]
         assert not short, f"write-back: L2 pages of waiting or in-flight writes not pinned: {short[:8]}"
         if self.tree.ledger is not None:
             want: dict[str | None, int] = {}

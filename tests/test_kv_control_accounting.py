@@ -41,7 +41,7 @@ def test_a_prefix_pinned_many_times_counts_once(engine):
     assert ctl.pinned_pages == 8  # the last lease still holds them
     ctl.expire(now=float("inf"))
     assert ctl.pinned_pages == 0 and not ctl.leases
-    assert engine.core.tree._host_pins == {}  # every tree pin released
+    assert not engine.core.tree.pins.held()  # every tree pin released
     ctl.check_integrity()
 
 

@@ -8,8 +8,10 @@ Checks, raising AssertionError with a message naming the culprit:
   children keyed by their first page and pointing back to the parent; not removed;
 - refs: lock_ref and session_ref >= 0 and a parent's >= the sum of its children's;
   session refs equal what the open sessions imply; loading nodes are locked and on both tiers;
-- the tree's counters and its lazy eviction-candidate sets are up to date;
-- pinned L2 pages are in the tree or deferred; deferred pages are pinned and counted as used.
+- then each part checks its own state against the nodes: the counters and lazy eviction-candidate
+  sets (:meth:`Residency.check_integrity`), the loads in flight (:meth:`Tiering.check_integrity`),
+  pinned L2 pages in the tree or deferred, deferred ones pinned and counted as used
+  (:meth:`HostPins.check_integrity`), and the tenant ledger's counts.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
     assert root.parent is None and not root.key and root.lock_ref == 0, "root corrupted"
     dev_ids: set[int] = set()
     host_ids: set[int] = set()
-    dev_count = host_count = locked_dev = num_nodes = 0
+    num_nodes = 0
     expected_sess: dict[int, int] = {}
     for node in tree.sessions.attachments():
         for nd in node.path_to_root():
@@ -68,18 +70,9 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
                     assert p not in ids, f"{tier}: page {p} appears twice in the tree ({where})"
                     ids.add(p)
             if nd.device_pages is not None:
-                dev_count += len(nd.device_pages)
-                if nd.lock_ref:
-                    locked_dev += len(nd.device_pages)
                 assert parent is root or parent.device_pages is not None, (
                     f"L1 node under a non-L1 parent: {where}"
                 )
-                if not any(c.device_pages is not None for c in nd.children.values()):
-                    assert nd in tree._dev_leaves, f"L1 leaf missing from the candidate set: {where}"
-            if nd.host_pages is not None:
-                host_count += len(nd.host_pages)
-                if nd.device_pages is None and not nd.children:
-                    assert nd in tree._host_leaves, f"L2 leaf missing from the candidate set: {where}"
             assert 0 <= nd.storage_pages <= klen // ps, f"storage_pages {nd.storage_pages} out of range: {where}"
             assert nd.lock_ref >= 0, f"negative lock_ref: {where}"
             assert nd.session_ref >= 0, f"negative session_ref: {where}"
@@ -103,21 +96,9 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
             )
 
     assert num_nodes == tree.num_nodes, f"node counter {tree.num_nodes} != {num_nodes} nodes"
-    assert dev_count == tree.cached_pages("device"), (
-        f"device counter {tree.cached_pages('device')} != {dev_count}"
-    )
-    assert host_count == tree.cached_pages("host"), (
-        f"host counter {tree.cached_pages('host')} != {host_count}"
-    )
-    assert locked_dev == tree._device_locked, f"locked device counter {tree._device_locked} != {locked_dev}"
-    for end, top in tree._loads.items():
-        assert end.loading and end.lock_ref > 0 and not end.removed, f"load in flight on a bad node: {end!r}"
-        assert not top.removed, f"load in flight under a removed node: {top!r}"
-    deferred = tree._host_deferred
-    assert not deferred & host_ids, f"deferred L2 pages still in the tree: {sorted(deferred & host_ids)[:8]}"
-    stray = [p for p in tree._host_pins if p not in host_ids and p not in deferred]
-    assert not stray, f"pinned L2 pages neither in the tree nor deferred: {stray[:8]}"
-    assert all(p in tree._host_pins for p in deferred), "a deferred L2 page is not pinned"
+    tree.residency.check_integrity()
+    tree.tiering.check_integrity()
+    deferred = tree.pins.check_integrity(host_ids)
     _check_pool("device", tree.device, dev_ids, device_in_use)
     _check_pool("host", tree.host, host_ids | deferred, host_in_use)
     if tree.ledger is not None:

@@ -1,8 +1,10 @@
-"""Moving pages between tiers: L1 eviction (demote or drop), L2 eviction, backup, load-back.
+"""Tiering: moving pages between tiers: L1 eviction (demote or drop), L2 eviction, backup, load-back.
 
-A mixin of :class:`hicache.hiradix.tree.HiRadixTree` (split out to keep files small); it
-uses the tree's state (allocators, counters, lazy candidate sets, outbox) directly.
-See tree.py for the invariants and the transfer ordering contract.
+Owns the transfer outbox (the ordered :class:`~hicache.hiradix.match.Transfer` orders a
+controller executes; see tree.py for the ordering contract), the loads in flight, the write
+and eviction policies and the load-back threshold. It decides and allocates; every change of
+a node's copies goes through :class:`~hicache.hiradix.residency.Residency`. See tree.py for
+the invariants.
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
+from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
 from hicache.hiradix.node import TreeNode
+from hicache.hiradix.pins import HostPins
 from hicache.hiradix.policies import EvictionPolicy, WritePolicy
+from hicache.hiradix.residency import Residency, has_device_child
+from hicache.hiradix.shape import TreeShape
 from hicache.hiradix.unbounded import UnboundedAllocator
 from hicache.tiers.allocator import PageAllocator
 
@@ -21,51 +27,46 @@ class StaleMatch(ValueError):
     """load_back got a MatchResult that no longer describes the tree."""
 
 
-class TieringMixin:
-    """Tier moves of the HiRadixTree; the attributes below are set by ``HiRadixTree.__init__``."""
+class Tiering:
+    """Tier moves of one tree.
 
-    page_size: int
-    device: PageAllocator | UnboundedAllocator
-    host: PageAllocator | None
-    root: TreeNode
-    write_policy: WritePolicy
-    eviction_policy: EvictionPolicy
-    load_back_threshold: int
-    _outbox: list[Transfer]
-    _loads: dict[TreeNode, TreeNode]
-    _host_pins: dict[int, int]
-    _host_deferred: set[int]
-    _dev_leaves: set[TreeNode]
-    _host_leaves: set[TreeNode]
-    _device_cached: int
-    _host_cached: int
-    _num_nodes: int
-    # Cache-event listeners, ``fn(kind, node)``, called synchronously right after a change:
-    # "device_add" (the node got L1 pages), "device_evict" (it lost them), "host_add" (it got
-    # an L2 copy), "remove" (it leaves the tree; ``host_pages`` still tells whether it had an
-    # L2 copy), "reset" (flush; node = root). Listeners must not raise nor touch the tree.
-    _listeners: tuple[Callable[[str, TreeNode], None], ...] = ()
-    # per-tenant accounting (hicache.hiradix.quota.TenantLedger): with quotas, eviction takes
-    # nodes of tenants over their quota on the tier first
-    ledger = None
-    # L1 pages that got no L2 copy because L2 had no room (every evictable page was locked or
-    # pinned, e.g. waiting for its L3 write-back): skipped backups and demotions that dropped
-    backups_skipped_pages = 0
+    Concurrency contract: not thread-safe; the thread that owns the tree (the scheduler thread)
+    makes every call, and drains :meth:`Tiering.take` (``HiRadixTree.take_transfers``) on it.
+    """
 
-    def add_listener(self, fn: Callable[[str, TreeNode], None]) -> None:
-        self._listeners = (*self._listeners, fn)
+    def __init__(self, shape: TreeShape, residency: Residency, pins: HostPins, events: TreeEvents,
+                 device: PageAllocator | UnboundedAllocator, host: PageAllocator | None,
+                 write_policy: WritePolicy, eviction_policy: EvictionPolicy, load_back_threshold: int) -> None:
+        self.shape = shape
+        self.residency = residency
+        self.pins = pins
+        self.events = events
+        self.device = device
+        self.host = host
+        self.write_policy = write_policy
+        self.eviction_policy = eviction_policy
+        self.load_back_threshold = load_back_threshold
+        self._outbox: list[Transfer] = []
+        self._loads: dict[TreeNode, TreeNode] = {}  # end of a loading chain -> node above the chain
+        # L1 pages that got no L2 copy because L2 had no room (every evictable page was locked or
+        # pinned, e.g. waiting for its L3 write-back): skipped backups and demotions that dropped
+        self.backups_skipped_pages = 0
 
-    def set_ledger(self, ledger) -> None:  # noqa: ANN001 - hicache.hiradix.quota.TenantLedger
-        self.ledger = ledger
-        self.add_listener(ledger.on_tree_event)
+    def take(self) -> list[Transfer]:
+        """Drain the outbox (see the ordering contract in tree.py)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def discard_transfers(self) -> None:
+        self._outbox.clear()
+
+    @property
+    def loading(self) -> bool:
+        """Whether a load is in flight."""
+        return bool(self._loads)
 
     def _evict_key(self, tier: str) -> Callable[[TreeNode], tuple]:
-        base = self.eviction_policy.key
-        return base if self.ledger is None else self.ledger.eviction_key(tier, base)
-
-    def _emit(self, kind: str, node: TreeNode) -> None:
-        for fn in self._listeners:
-            fn(kind, node)
+        return self.events.evict_key(tier, self.eviction_policy.key)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(self, num_pages: int) -> int:
@@ -78,13 +79,9 @@ class TieringMixin:
         if num_pages <= 0:
             return 0
         key = self._evict_key("device")
-        heap = []
-        for nd in list(self._dev_leaves):
-            if nd.removed or nd.device_pages is None or self._has_device_child(nd):
-                self._dev_leaves.discard(nd)
-            elif nd.lock_ref == 0:
-                heap.append((key(nd), nd.id, nd))
+        heap = [(key(nd), nd.id, nd) for nd in self.residency.device_leaves()]
         heapq.heapify(heap)
+        root = self.shape.root
         freed = 0
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
@@ -94,10 +91,10 @@ class TieringMixin:
             parent = nd.parent
             self._evict_device_node(nd)
             if (
-                parent is not self.root
+                parent is not root
                 and parent.device_pages is not None
                 and parent.lock_ref == 0
-                and not self._has_device_child(parent)
+                and not has_device_child(parent)
             ):
                 heapq.heappush(heap, (key(parent), parent.id, parent))
         return freed
@@ -109,23 +106,20 @@ class TieringMixin:
         if self.host is None or num_pages <= 0:
             return 0
         key = self._evict_key("host")
-        heap = []
-        for nd in list(self._host_leaves):
-            if nd.removed or nd.host_pages is None or nd.device_pages is not None or nd.children:
-                self._host_leaves.discard(nd)
-            elif nd.lock_ref == 0 and not self._host_pinned(nd):
-                heap.append((key(nd), nd.id, nd))
+        heap = [(key(nd), nd.id, nd) for nd in self.residency.host_leaves()]
         heapq.heapify(heap)
+        root, pins = self.shape.root, self.pins
         freed = 0
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
-            if nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None or self._host_pinned(nd):
+            if (nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None
+                    or pins.any_pinned(nd.host_pages)):
                 continue
             freed += len(nd.host_pages)
             parent = nd.parent
-            self._remove(nd)
+            self.residency.remove(nd)
             if (
-                parent is not self.root
+                parent is not root
                 and parent.device_pages is None
                 and not parent.children
                 and parent.lock_ref == 0
@@ -139,24 +133,16 @@ class TieringMixin:
         """Free the L2 copies of nodes that are on L1 too (policy order) until ``num_pages`` are
         freed: the L1 copy stays, and an eviction from L1 backs the node up again. Locked, loading
         and write-pinned nodes keep theirs."""
-        cands = [nd for nd in self.nodes() if nd.host_pages is not None and nd.device_pages is not None
-                 and nd.lock_ref == 0 and nd.load is None and not self._host_pinned(nd)]
+        pins = self.pins
+        cands = [nd for nd in self.shape.nodes() if nd.host_pages is not None and nd.device_pages is not None
+                 and nd.lock_ref == 0 and nd.load is None and not pins.any_pinned(nd.host_pages)]
         cands.sort(key=self._evict_key("host"))
         freed = 0
         for nd in cands:
             if freed >= num_pages:
                 break
-            if self._listeners:
-                self._emit("host_evict", nd)
-            pages, nd.host_pages = nd.host_pages, None
-            self._host_cached -= len(pages)
-            self.host.free(pages)
-            freed += len(pages)
+            freed += self.residency.drop_host(nd)
         return freed
-
-    def _host_pinned(self, node: TreeNode) -> bool:
-        pins = self._host_pins
-        return bool(pins) and any(p in pins for p in node.host_pages)
 
     # ------------------------------------------------------------------ load-back
     def load_back(self, match: MatchResult) -> MatchResult:
@@ -174,7 +160,7 @@ class TieringMixin:
         """
         if match.host_hit_tokens <= 0 or self.host is None:
             return match
-        npages = match.host_hit_tokens // self.page_size
+        npages = match.host_hit_tokens // self.shape.page_size
         if npages < self.load_back_threshold:
             return match
         top, end = match.last_device_node, match.last_host_node
@@ -193,12 +179,12 @@ class TieringMixin:
         if top.removed or top.device_pages is None or sum(len(c.host_pages) for c in chain) != npages:
             raise StaleMatch("the tree changed since this match")
         chain.reverse()
-        self.lock(end)
+        self.residency.lock(end)
         device = self.device
         if device.num_free < npages:
             self.evict_device(npages - device.num_free)
         if device.num_free < npages:
-            self.unlock(end)
+            self.residency.unlock(end)
             return match
         pages = device.alloc(npages)
         pending = PendingLoad()
@@ -207,13 +193,13 @@ class TieringMixin:
         for nd in chain:
             k = len(nd.host_pages)
             src += nd.host_pages
-            self._set_device(nd, pages[i : i + k])
+            self.residency.set_device(nd, pages[i : i + k])
             nd.load = pending
             i += k
         self._outbox.append(Transfer("load", src, list(pages), pending=pending))
         self._loads[end] = top
         prefix = [p for n in reversed(top.path_to_root()) for p in n.device_pages]
-        return MatchResult(prefix + pages, (len(prefix) + npages) * self.page_size, 0, end, end,
+        return MatchResult(prefix + pages, (len(prefix) + npages) * self.shape.page_size, 0, end, end,
                            (*match.pending_loads, pending))
 
     def finish_load(self, node: TreeNode) -> None:
@@ -227,33 +213,7 @@ class TieringMixin:
         while nd is not top:
             nd.load = None
             nd = nd.parent
-        self.unlock(node)
-
-    @staticmethod
-    def _has_device_child(node: TreeNode) -> bool:
-        return any(c.device_pages is not None for c in node.children.values())
-
-    def _drop_device(self, node: TreeNode) -> None:
-        pages, node.device_pages = node.device_pages, None
-        self._device_cached -= len(pages)
-        self.device.free(pages)
-        if self._listeners:
-            self._emit("device_evict", node)
-        self._dev_leaves.discard(node)
-        if node.parent is not self.root:
-            self._dev_leaves.add(node.parent)
-        if node.host_pages is not None and not node.children:
-            self._host_leaves.add(node)
-
-    def _drop_subtree_device(self, node: TreeNode) -> None:
-        stack = [node]
-        while stack:
-            nd = stack.pop()
-            stack.extend(nd.children.values())
-            if nd.device_pages is not None:
-                self._device_cached -= len(nd.device_pages)
-                self.device.free(nd.device_pages)
-                nd.device_pages = None
+        self.residency.unlock(node)
 
     def _alloc_host(self, n: int) -> list[int] | None:
         host = self.host
@@ -266,10 +226,10 @@ class TieringMixin:
         shutdown that persists the cache); emits backup transfers; returns pages backed up."""
         if self.host is None:
             return 0
-        nodes = [n for n in self.nodes() if n.device_pages is not None and n.host_pages is None]
-        before = self._host_cached
-        self._backup(nodes, protect=self.root)
-        return self._host_cached - before
+        nodes = [n for n in self.shape.nodes() if n.device_pages is not None and n.host_pages is None]
+        before = self.residency.cached_pages("host")
+        self.backup(nodes, protect=self.shape.root)
+        return self.residency.cached_pages("host") - before
 
     def backup_prefix(self, tokens: list[int]) -> int:
         """Give the L1 nodes on ``tokens``' path an L2 copy now (and so, with L3, a write-back),
@@ -277,15 +237,15 @@ class TieringMixin:
         returns pages backed up."""
         if self.host is None:
             return 0
-        path, _ = self._walk(tokens)
+        path, _ = self.shape.match_path(tokens)
         nodes = [n for n in path if n.device_pages is not None and n.host_pages is None]
-        before = self._host_cached
-        self._backup(nodes, protect=path[-1] if path else self.root)
-        return self._host_cached - before
+        before = self.residency.cached_pages("host")
+        self.backup(nodes, protect=path[-1] if path else self.shape.root)
+        return self.residency.cached_pages("host") - before
 
-    def _backup(self, nodes: list[TreeNode], protect: TreeNode) -> None:
+    def backup(self, nodes: list[TreeNode], protect: TreeNode) -> None:
         """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped."""
-        self.lock(protect)  # evict_host must not drop the path being matched
+        self.residency.lock(protect)  # evict_host must not drop the path being matched
         src: list[int] = []
         dst: list[int] = []
         done: list[TreeNode] = []
@@ -294,14 +254,11 @@ class TieringMixin:
             if hp is None:
                 self.backups_skipped_pages += len(nd.device_pages)
                 continue
-            nd.host_pages = hp
-            self._host_cached += len(hp)
-            if self._listeners:
-                self._emit("host_add", nd)
+            self.residency.set_host(nd, hp)
             src += nd.device_pages
             dst += hp
             done.append(nd)
-        self.unlock(protect)
+        self.residency.unlock(protect)
         if src:
             self._outbox.append(Transfer("backup", src, dst, tuple(done)))
 
@@ -309,40 +266,16 @@ class TieringMixin:
         if self.host is not None and node.host_pages is None and self.write_policy.backup_on_evict:
             hp = self._alloc_host(len(node.device_pages))
             if hp is not None:
-                node.host_pages = hp
-                self._host_cached += len(hp)
-                if self._listeners:
-                    self._emit("host_add", node)
+                self.residency.set_host(node, hp)
                 self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
             else:
                 self.backups_skipped_pages += len(node.device_pages)
-        self._drop_device(node)
+        self.residency.drop_device(node)
         if node.host_pages is None:
-            self._remove(node)
+            self.residency.remove(node)
 
-    def _remove(self, node: TreeNode) -> None:
-        """Detach ``node`` and its subtree (no L1 copies left, unlocked); free their L2 pages
-        (pinned ones once they are unpinned)."""
-        parent = node.parent
-        del parent.children[tuple(node.key[: self.page_size])]
-        stack = [node]
-        while stack:
-            nd = stack.pop()
-            assert nd.lock_ref == 0 and nd.device_pages is None, f"removing {nd!r}"
-            stack.extend(nd.children.values())
-            if self._listeners:
-                self._emit("remove", nd)
-            nd.children = {}
-            if nd.host_pages is not None:
-                self._host_cached -= len(nd.host_pages)
-                pins = self._host_pins
-                self.host.free([p for p in nd.host_pages if p not in pins])
-                self._host_deferred.update(p for p in nd.host_pages if p in pins)
-                nd.host_pages = None
-            nd.removed = True
-            self._num_nodes -= 1
-            self._dev_leaves.discard(nd)
-            self._host_leaves.discard(nd)
-        if parent is not self.root:
-            self._dev_leaves.add(parent)
-            self._host_leaves.add(parent)
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every load in flight ends on a locked, loading node."""
+        for end, top in self._loads.items():
+            assert end.loading and end.lock_ref > 0 and not end.removed, f"load in flight on a bad node: {end!r}"
+            assert not top.removed, f"load in flight under a removed node: {top!r}"

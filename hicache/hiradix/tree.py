@@ -16,6 +16,14 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
   node meanwhile, the pages wait in a deferred set until :meth:`unpin_host` frees them.
   Pins do not lock: a pinned node may still lose its L1 copy (write-back never pins L1).
 
+Parts (each owns its state; the tree composes them and is the one face callers use):
+:class:`~hicache.hiradix.shape.TreeShape` (nodes, keys, walks, splits),
+:class:`~hicache.hiradix.residency.Residency` (tier copies, counters, locks, eviction candidates),
+:class:`~hicache.hiradix.pins.HostPins` (``tree.pins``: L2 pages read outside the tree),
+:class:`~hicache.hiradix.events.TreeEvents` (listeners, tenant ledger),
+:class:`~hicache.hiradix.tiering.Tiering` (eviction, backup, load-back, the transfer outbox),
+:class:`~hicache.hiradix.l3_marks.L3Marks` (pages from and to L3).
+
 Transfer ordering contract: the caller drains :meth:`take_transfers` right after each
 tree operation and executes the transfers in the order given, and it must execute
 (or at least order on its copy stream) the drained backups before it writes to any
@@ -42,27 +50,36 @@ Typical request (scheduler)::
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from hicache.config import CacheConfig
+from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.integrity import check_tree
+from hicache.hiradix.l3_marks import L3Marks
 from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
 from hicache.hiradix.node import TreeNode
-from hicache.hiradix.policies import make_eviction_policy, make_write_policy
+from hicache.hiradix.pins import HostPins
+from hicache.hiradix.policies import EvictionPolicy, WritePolicy, make_eviction_policy, make_write_policy
+from hicache.hiradix.residency import Residency
 from hicache.hiradix.sessions import SessionTable
-from hicache.hiradix.storage_ops import StorageOpsMixin
-from hicache.hiradix.tiering import TieringMixin
+from hicache.hiradix.shape import TreeShape
+from hicache.hiradix.tiering import Tiering
 from hicache.hiradix.unbounded import UnboundedAllocator
 from hicache.tiers.allocator import PageAllocator
 
+if TYPE_CHECKING:
+    from hicache.hiradix.quota import TenantLedger
 
-class HiRadixTree(TieringMixin, StorageOpsMixin):
-    """See the module docstring. Not thread-safe: the scheduler thread owns it.
 
-    Eviction, backup and load-back live in :class:`TieringMixin` (tiering.py); the L3
-    support (insert_host, mark_stored, path helpers) in :class:`StorageOpsMixin`
-    (storage_ops.py).
+class HiRadixTree:
+    """See the module docstring.
+
+    Concurrency contract: not thread-safe; the scheduler thread owns the tree and every part
+    (callers that read L2 pages on other threads pin them first: :meth:`pin_host`).
+
+    Eviction, backup and load-back are :class:`Tiering`'s (``self.tiering``); the L3 inserts
+    and stored marks :class:`L3Marks`' (``self.l3``); the methods below are the public API.
     """
 
     def __init__(
@@ -84,26 +101,15 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         self.pool_less = device is None
         self.device: PageAllocator | UnboundedAllocator = UnboundedAllocator() if device is None else device
         self.host = host
-        self.write_policy = make_write_policy(write_policy, write_through_threshold)
-        self.eviction_policy = make_eviction_policy(eviction_policy)
-        self.load_back_threshold = load_back_threshold
         self.sessions = SessionTable(session_timeout)
-        self._ids = itertools.count(1)
-        self.root = TreeNode(0, [], device_pages=[], host_pages=[])
-        self._tick = 0
-        self._outbox: list[Transfer] = []
-        self._loads: dict[TreeNode, TreeNode] = {}  # end of a loading chain -> node above the chain
-        # L2 pages an L3 write-back is reading (page id -> readers), and pages the tree dropped
-        # while they were pinned: freed into the host pool when their last reader is done.
-        self._host_pins: dict[int, int] = {}
-        self._host_deferred: set[int] = set()
-        # Lazy supersets of eviction candidates; entries are re-validated when evicting.
-        self._dev_leaves: set[TreeNode] = set()
-        self._host_leaves: set[TreeNode] = set()
-        self._device_cached = 0
-        self._host_cached = 0
-        self._device_locked = 0
-        self._num_nodes = 0
+        self.shape = TreeShape(page_size)
+        self.events = TreeEvents()
+        self.pins = HostPins(host)  # L2 pages readers outside the tree hold (pin_host)
+        self.residency = Residency(self.shape, self.device, host, self.pins, self.events)
+        self.tiering = Tiering(self.shape, self.residency, self.pins, self.events, self.device, host,
+                               make_write_policy(write_policy, write_through_threshold),
+                               make_eviction_policy(eviction_policy), load_back_threshold)
+        self.l3 = L3Marks(self.shape, self.residency, host)
 
     @classmethod
     def from_config(
@@ -119,6 +125,27 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
             eviction_policy=config.eviction_policy,
         )
 
+    @property
+    def root(self) -> TreeNode:
+        return self.shape.root
+
+    @property
+    def write_policy(self) -> WritePolicy:
+        return self.tiering.write_policy
+
+    @property
+    def eviction_policy(self) -> EvictionPolicy:
+        return self.tiering.eviction_policy
+
+    @property
+    def load_back_threshold(self) -> int:
+        return self.tiering.load_back_threshold
+
+    @property
+    def backups_skipped_pages(self) -> int:
+        """L1 pages that got no L2 copy because L2 had no room."""
+        return self.tiering.backups_skipped_pages
+
     # ------------------------------------------------------------------ match / insert
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix of the full pages of ``tokens``.
@@ -128,14 +155,13 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         policy says so (skipped silently when L2 has no room).
         """
         tokens = tokens if isinstance(tokens, list) else list(tokens)
-        path, pos = self._walk(tokens)
-        self._tick += 1
-        tick = self._tick
+        path, pos = self.shape.match_path(tokens)
+        tick = self.shape.next_tick()
         dev_pages: list[int] = []
-        dev_node = host_node = self.root
+        dev_node = host_node = self.shape.root
         to_backup = []
         loads: dict[int, PendingLoad] = {}
-        should_backup = self.write_policy.should_backup_on_hit
+        should_backup = self.tiering.write_policy.should_backup_on_hit
         for nd in path:
             nd.hit_count += 1
             nd.last_access = tick
@@ -148,7 +174,7 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
                     to_backup.append(nd)
             host_node = nd
         if to_backup:
-            self._backup(to_backup, protect=host_node)
+            self.tiering.backup(to_backup, protect=host_node)
         dev_tokens = len(dev_pages) * self.page_size
         return MatchResult(dev_pages, dev_tokens, pos - dev_tokens, dev_node, host_node, tuple(loads.values()))
 
@@ -157,25 +183,16 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         pages of ``tokens`` reach (one they end inside included; the root if none) and the
         number of matched tokens (on L1 or L2)."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
-        last, end = self.root, 0
-        for child, pos, m in self._touched(tokens, len(tokens) - len(tokens) % self.page_size):
+        last, end = self.shape.root, 0
+        for child, pos, m in self.shape.walk(tokens, len(tokens) - len(tokens) % self.page_size):
             last, end = child, pos + m
         return last, end
 
-    def _touched(self, tokens: list[int], n: int) -> Iterator[tuple[TreeNode, int, int]]:
+    def walk(self, tokens: list[int], n: int) -> Iterator[tuple[TreeNode, int, int]]:
         """Read-only walk over ``tokens[:n]`` (page-aligned ``n``): each node it reaches with
-        the position it starts at and how many of its tokens match (the last may match part)."""
-        ps = self.page_size
-        node, pos = self.root, 0
-        while pos < n:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
-            if child is None:
-                return
-            m = self._common(child.key, tokens, pos, n)
-            yield child, pos, m
-            if m < len(child.key):
-                return
-            node, pos = child, pos + m
+        the position it starts at and how many of its tokens match (the last may match part).
+        A generator: finish or drop it before the tree changes."""
+        return self.shape.walk(tokens, n)
 
     def peek_prefix_len(self, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens`` cached on L1 or L2, without touching the tree: for ordering a
@@ -191,60 +208,103 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         only adopt the given pages. New nodes get ``hit_count == 0``.
         """
         tokens = tokens if isinstance(tokens, list) else list(tokens)
+        shape, residency = self.shape, self.residency
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         if len(device_pages) < n // ps:
             raise ValueError(f"{n // ps} full pages but only {len(device_pages)} device pages")
-        self._tick += 1
-        tick = self._tick
-        node, pos, dup = self.root, 0, []
+        tick = shape.next_tick()
+        node, pos, dup = shape.root, 0, []
         while pos < n:
-            first = tuple(tokens[pos : pos + ps])
-            child = node.children.get(first)
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
-                new = TreeNode(next(self._ids), tokens[pos:n], parent=node)
-                new.last_access = tick
-                node.children[first] = new
-                self._num_nodes += 1
-                self._set_device(new, list(device_pages[pos // ps : n // ps]))
+                new = shape.add_child(node, tokens[pos:n], tick)
+                residency.set_device(new, list(device_pages[pos // ps : n // ps]))
                 break
-            child, end = self._descend(child, tokens, pos, n)
+            child, end = shape.descend(child, tokens, pos, n)
             given = list(device_pages[pos // ps : end // ps])
             if child.device_pages is None:
-                self._set_device(child, given)
+                residency.set_device(child, given)
             elif child.device_pages != given:
                 dup.extend(b for a, b in zip(child.device_pages, given, strict=True) if a != b)
             child.last_access = tick
             node, pos = child, end
         return dup
 
-    # ------------------------------------------------------------------ locks
+    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int], start_page: int = 0) -> list[int]:
+        """Insert pages that arrived from L3 into L2 (see :meth:`L3Marks.insert_host`)."""
+        return self.l3.insert_host(tokens, host_pages, start_page)
+
+    def mark_stored(self, tokens: Sequence[int], lo: int, hi: int) -> int:
+        """Pages ``lo <= i < hi`` of ``tokens``' path are on L3 (see :meth:`L3Marks.mark_stored`)."""
+        return self.l3.mark_stored(tokens, lo, hi)
+
+    # ------------------------------------------------------------------ locks, pins
     def lock(self, node: TreeNode) -> None:
         """``lock_ref += 1`` on the path root→node (no-op for the root)."""
-        if node.removed:
-            raise ValueError(f"cannot lock a removed node: {node!r}")
-        while node.parent is not None:
-            if node.lock_ref == 0 and node.device_pages is not None:
-                self._device_locked += len(node.device_pages)
-            node.lock_ref += 1
-            node = node.parent
+        self.residency.lock(node)
 
     def unlock(self, node: TreeNode) -> None:
         """``lock_ref -= 1`` on the path root→node; raises if the node is not locked."""
-        if node.parent is None and not node.removed:
-            return
-        if node.lock_ref <= 0:
-            raise RuntimeError(f"unlock of a node that is not locked: {node!r}")
-        while node.parent is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0 and node.device_pages is not None:
-                self._device_locked -= len(node.device_pages)
-            node = node.parent
+        self.residency.unlock(node)
+
+    def pin_host(self, pages: Sequence[int]) -> None:
+        """A reader outside the tree (an L3 write-back) reads L2 ``pages`` until
+        :meth:`unpin_host`: they are not dropped by L2 eviction and never reused meanwhile
+        (a node removed while pinned leaves them deferred). Pins nothing on L1."""
+        self.pins.pin(pages)
+
+    def unpin_host(self, pages: Sequence[int]) -> None:
+        """End one pin of each page; frees pages the tree dropped meanwhile."""
+        self.pins.unpin(pages)
+
+    @property
+    def host_pinned(self) -> int:
+        """Distinct L2 pages pinned now (for tests and stats)."""
+        return len(self.pins)
+
+    # ------------------------------------------------------------------ tier moves
+    def evict_device(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` L1 pages if possible (see :meth:`Tiering.evict_device`)."""
+        return self.tiering.evict_device(num_pages)
+
+    def evict_host(self, num_pages: int, drop_backups: bool = False) -> int:
+        """Free ``num_pages`` L2 pages if possible (see :meth:`Tiering.evict_host`)."""
+        return self.tiering.evict_host(num_pages, drop_backups)
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring the L2-only part of ``match`` back to L1 (see :meth:`Tiering.load_back`)."""
+        return self.tiering.load_back(match)
+
+    def finish_load(self, node: TreeNode) -> None:
+        """The load ending at ``node`` is done (see :meth:`Tiering.finish_load`)."""
+        self.tiering.finish_load(node)
+
+    def backup_all(self) -> int:
+        """Give every L1 node an L2 copy as far as L2 has room (see :meth:`Tiering.backup_all`)."""
+        return self.tiering.backup_all()
+
+    def backup_prefix(self, tokens: list[int]) -> int:
+        """Give the L1 nodes on ``tokens``' path an L2 copy now (see :meth:`Tiering.backup_prefix`)."""
+        return self.tiering.backup_prefix(tokens)
 
     def take_transfers(self) -> list[Transfer]:
         """Drain the outbox (see the ordering contract in the module docstring)."""
-        out, self._outbox = self._outbox, []
-        return out
+        return self.tiering.take()
+
+    # ------------------------------------------------------------------ events
+    @property
+    def ledger(self) -> TenantLedger | None:
+        """The per-tenant ledger (:meth:`set_ledger`), or None."""
+        return self.events.ledger
+
+    def add_listener(self, fn: Callable[[str, TreeNode], None]) -> None:
+        """Call ``fn(kind, node)`` after each change (kinds: :mod:`hicache.hiradix.events`)."""
+        self.events.add_listener(fn)
+
+    def set_ledger(self, ledger: TenantLedger) -> None:
+        """Count pages per tenant, and evict tenants over their quota first."""
+        self.events.set_ledger(ledger)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session_id: str, now: float | None = None) -> None:
@@ -265,43 +325,33 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
 
         Pending transfers are discarded and sessions stay open but detached.
         """
-        if any(c.lock_ref for c in self.root.children.values()) or self._loads:
+        root = self.shape.root
+        if any(c.lock_ref for c in root.children.values()) or self.tiering.loading:
             raise RuntimeError("cannot reset the tree while requests hold locks")
-        for child in list(self.root.children.values()):
-            if child.device_pages is not None:
-                self._drop_subtree_device(child)
-            self._remove(child)
-        self._outbox.clear()
-        self._dev_leaves.clear()
-        self._host_leaves.clear()
+        self.residency.clear()
+        self.tiering.discard_transfers()
         self.sessions.detach_all()
-        if self._listeners:
-            self._emit("reset", self.root)
+        self.events.emit("reset", root)
 
     def cached_pages(self, tier: str) -> int:
         """Pages held by the tree on ``tier`` ("device" or "host")."""
-        return {"device": self._device_cached, "host": self._host_cached}[tier]
+        return self.residency.cached_pages(tier)
 
     def evictable_pages(self, tier: str) -> int:
         """Pages on ``tier`` that eviction could free now (host: L2-only unlocked nodes; O(tree))."""
-        if tier == "device":
-            return self._device_cached - self._device_locked
-        if tier != "host":
-            raise KeyError(tier)
-        return sum(len(n.host_pages) for n in self.nodes() if n.lock_ref == 0 and n.device_pages is None)
+        return self.residency.evictable_pages(tier)
 
     @property
     def num_nodes(self) -> int:
-        return self._num_nodes
+        return self.shape.num_nodes
 
     def nodes(self) -> list[TreeNode]:
         """All nodes except the root (DFS order)."""
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            nd = stack.pop()
-            out.append(nd)
-            stack.extend(nd.children.values())
-        return out
+        return self.shape.nodes()
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        """The tokens of the path root→node."""
+        return self.shape.path_tokens(node)
 
     def check_integrity(self, device_in_use: int = 0, host_in_use: int = 0) -> None:
         """Raise AssertionError unless the tree and its pools are consistent.
@@ -311,67 +361,3 @@ class HiRadixTree(TieringMixin, StorageOpsMixin):
         insert and not freed yet). Pages of matched prefixes belong to the tree.
         """
         check_tree(self, device_in_use, host_in_use)
-
-    # ------------------------------------------------------------------ internals
-    def _walk(self, tokens: list[int]) -> tuple[list[TreeNode], int]:
-        """Matched path and length; a match ending mid-node splits that node."""
-        ps = self.page_size
-        n = len(tokens) - len(tokens) % ps
-        node, pos, path = self.root, 0, []
-        while pos < n:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
-            if child is None:
-                break
-            end = pos + len(child.key)
-            if end <= n and tokens[pos:end] == child.key:
-                path.append(child)
-                node, pos = child, end
-                continue
-            path.append(self._split(child, self._common(child.key, tokens, pos, n)))
-            pos += len(path[-1].key)
-            break
-        return path, pos
-
-    def _descend(self, child: TreeNode, tokens: list[int], pos: int, n: int) -> tuple[TreeNode, int]:
-        """Step into ``child`` while inserting ``tokens[:n]`` from ``pos``: split it where the
-        tokens diverge from (or end inside) its key; returns the node taken and its end."""
-        end = pos + len(child.key)
-        if end <= n and tokens[pos:end] == child.key:
-            return child, end
-        m = self._common(child.key, tokens, pos, n)
-        return self._split(child, m), pos + m
-
-    def _common(self, key: list[int], tokens: list[int], pos: int, n: int) -> int:
-        """Matched length (page-aligned, >= one page) of ``key`` against ``tokens[pos:n]``."""
-        ps = self.page_size
-        m, lim = ps, min(len(key), n - pos)
-        while m < lim and key[m : m + ps] == tokens[pos + m : pos + m + ps]:
-            m += ps
-        return m
-
-    def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Split ``node`` after ``at`` tokens; returns the new upper part (``node`` keeps the lower)."""
-        ps, k = self.page_size, at // self.page_size
-        upper = TreeNode(next(self._ids), node.key[:at], parent=node.parent)
-        if node.device_pages is not None:
-            upper.device_pages, node.device_pages = node.device_pages[:k], node.device_pages[k:]
-        if node.host_pages is not None:
-            upper.host_pages, node.host_pages = node.host_pages[:k], node.host_pages[k:]
-        upper.storage_pages, node.storage_pages = min(node.storage_pages, k), max(0, node.storage_pages - k)
-        upper.lock_ref, upper.session_ref = node.lock_ref, node.session_ref
-        upper.hit_count, upper.last_access, upper.load = node.hit_count, node.last_access, node.load
-        node.parent.children[tuple(node.key[:ps])] = upper
-        node.key = node.key[at:]
-        upper.children[tuple(node.key[:ps])] = node
-        node.parent = upper
-        self._num_nodes += 1
-        return upper
-
-    def _set_device(self, node: TreeNode, pages: list[int]) -> None:
-        node.device_pages = pages
-        self._device_cached += len(pages)
-        if node.lock_ref:
-            self._device_locked += len(pages)
-        self._dev_leaves.add(node)
-        if self._listeners:
-            self._emit("device_add", node)
