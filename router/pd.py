@@ -266,7 +266,7 @@ class PDForwarder(Forwarder):
 
     @staticmethod
     def _pd_headers(up: httpx.Response, p: Worker, d: Worker) -> dict[str, str]:
-        h = Forwarder._headers(up, d)
+        h = Forwarder.headers(up, d)
         h[PREFILL_HEADER] = p.url
         return h
 

@@ -190,7 +190,7 @@ class Forwarder:
                 return StreamingResponse(
                     self._relay(up, w, path),
                     status_code=200,
-                    headers=self._headers(up, w),
+                    headers=self.headers(up, w),
                     media_type=up.headers.get("content-type"),
                 )
             content = await self._read(up)
@@ -215,13 +215,14 @@ class Forwarder:
             await up.aclose()
 
     @staticmethod
-    def _headers(up: httpx.Response, w: Worker) -> dict[str, str]:
+    def headers(up: httpx.Response, w: Worker) -> dict[str, str]:
+        """The response headers a client sees: the worker's passed-through ones and which worker answered."""
         h = {k: up.headers[k] for k in PASS_HEADERS if k in up.headers}
         h[WORKER_HEADER] = w.url
         return h
 
     def _response(self, up: httpx.Response, content: bytes, w: Worker) -> Response:
-        return Response(content, status_code=up.status_code, headers=self._headers(up, w))
+        return Response(content, status_code=up.status_code, headers=self.headers(up, w))
 
     async def _relay(self, up: httpx.Response, w: Worker, path: str) -> AsyncIterator[bytes]:
         """The worker's stream; if it breaks, the API's error event and terminator

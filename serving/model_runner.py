@@ -105,7 +105,7 @@ class ModelRunner:
             self.device, capture=capture)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables: keep them even if regrown
-            runner.keep_alive = dict(rotary._tables)
+            runner.keep_alive = rotary.built_tables()
         return runner
 
     def make_extend_graph_runner(self, buckets: list[tuple[int, int]], capture: bool = True,
@@ -117,7 +117,7 @@ class ModelRunner:
             self.device, capture=capture, row_buckets=row_buckets)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
-            runner.keep_alive = dict(rotary._tables)
+            runner.keep_alive = rotary.built_tables()
         return runner
 
     def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int) -> int:

@@ -12,11 +12,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import AttentionBackend
-from serving.kernels.triton_decode import _decode_partial_kernel, decode_attention
+from serving.kernels.triton_decode import decode_attention, decode_partial_kernel
 from serving.kernels.triton_extend import extend_attention
 from serving.kernels.triton_store import store_kv
 
-INTERPRETED = isinstance(_decode_partial_kernel, InterpretedFunction)
+INTERPRETED = isinstance(decode_partial_kernel, InterpretedFunction)
 
 
 def _check_device(t: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ BUSY_PROGRAMS = 264  # ~2 waves on an H200 (132 SMs): more programs than this ne
 
 
 @triton.jit
-def _decode_partial_kernel(
+def decode_partial_kernel(
     q_ptr,
     part_o,  # [B, H, SPLITS, BLOCK_D] float32
     part_lse,  # [B, H, SPLITS] float32
@@ -140,7 +140,7 @@ def decode_attention(
     nb = batch.batch_size
     part_o = torch.empty((nb, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((nb, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(nb, kv_heads, splits)](
+    decode_partial_kernel[(nb, kv_heads, splits)](
         q, part_o, part_lse, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.extend_start, scale,
         q.stride(0), q.stride(1), batch.page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, SPLITS=splits, GROUP=group, PAGE_SIZE=batch.page_size, HEAD_DIM=head_dim,

@@ -71,8 +71,12 @@ class StreamExecutor:
                     self._events[e.name] = threading.Event()
             self._queue.put(e)
 
-    def sync(self) -> None:
+    def wait_idle(self) -> None:
+        """Block until every submitted expression has run (or failed)."""
         self._queue.join()
+
+    def sync(self) -> None:
+        self.wait_idle()
         if self.error is not None:
             raise self.error
 
@@ -92,7 +96,7 @@ class StreamExecutor:
     def end(self) -> None:
         """After the program: wait for its calls, close its session, stop the worker."""
         try:
-            self._queue.join()
+            self.wait_idle()
             for child in self.children:
                 child.end()
         finally:

@@ -58,7 +58,7 @@ class ProgramState:
         return list(self.stream_executor.messages)
 
     def error(self) -> Exception | None:
-        self.stream_executor._queue.join()
+        self.stream_executor.wait_idle()
         return self.stream_executor.error
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:

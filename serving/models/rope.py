@@ -92,6 +92,10 @@ class RotaryEmbedding:
             table = self._tables[device] = self._build(length, device)
         return table
 
+    def built_tables(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
+        """The tables built so far, by device (a copy: a later regrowth does not change it)."""
+        return dict(self._tables)
+
     def cos_sin(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, D]`` cos and sin at ``positions``; ``max_len`` bounds them (host-known, no sync)."""
         cos, sin = self.tables(positions.device, max_len)
