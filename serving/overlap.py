@@ -117,15 +117,6 @@ class OverlapScheduler:
             if r.finished:  # aborted (or cut short) after its batch was launched
                 r.output_ids.append(tok)
                 continue
-            if r in s.running:
-                s._append_token(r, tok)
-            else:  # retracted after its batch was launched: waiting again
-                s.running.append(r)  # _append_token removes a finished request from running
-                s._append_token(r, tok)
-                if r.finished:
-                    if r in s.waiting:
-                        s.waiting.remove(r)
-                else:
-                    s.running.remove(r)
+            s.resolve_overlapped(r, tok)
             updated.append(r)
         return updated

@@ -244,6 +244,22 @@ class Scheduler:
             self.running.remove(r)
             self._finish(r, reason)
 
+    def resolve_overlapped(self, r: Req, tok: int) -> None:
+        """Hand ``r`` its token ``tok`` from an overlapped batch launched before this step (see
+        serving.overlap): appended as a step's own token while ``r`` runs; when ``r`` was retracted
+        after that launch (waiting again) the token still joins its output, and if it finishes ``r``
+        the request leaves the queue."""
+        if r in self.running:
+            self._append_token(r, tok)
+            return
+        self.running.append(r)  # _append_token removes a finished request from running
+        self._append_token(r, tok)
+        if r.finished:
+            if r in self.waiting:
+                self.waiting.remove(r)
+        else:
+            self.running.remove(r)
+
     def _finish(self, r: Req, reason: dict) -> None:
         r.finish_reason = reason
         if self.pd is None or not self.pd.on_finish(r):  # a prefill server keeps the pages until sent
