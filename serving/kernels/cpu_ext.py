@@ -18,6 +18,7 @@ compute the same bits as the torch twins (csrc/vec.h): which one runs changes sp
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -79,6 +80,17 @@ def runnable() -> list[Variant]:
     return [v for v in VARIANTS if not v.missing(flags)]
 
 
+def _build_dir(name: str) -> str:
+    """The variant's build folder, one per source folder: torch keys its cache by the module's name
+    and rebuilds whenever the sources' path changes, so two checkouts (a worktree, CI's clone)
+    sharing one cache would rebuild each other's build at every switch."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    where = hashlib.sha1(_DIR.encode()).hexdigest()[:10]
+    path = os.path.join(root, f"hicache_cpu_{name}-{where}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def build(name: str) -> ModuleType | None:
     """The variant's module (built or loaded from torch's extension cache), or None when it does not
     build (the error logged once, kept in ``build_error``). Does not check the CPU can run it."""
@@ -90,7 +102,7 @@ def build(name: str) -> ModuleType | None:
 
                 _built[name] = load(name=f"hicache_cpu_{name}", sources=[os.path.join(_DIR, s) for s in _SOURCES],
                                     extra_cflags=[*_COMMON, *v.cflags], extra_ldflags=["-fopenmp"],
-                                    extra_include_paths=[_DIR], verbose=False)
+                                    extra_include_paths=[_DIR], build_directory=_build_dir(name), verbose=False)
             except Exception as e:  # noqa: BLE001 - any build failure falls back to the next variant
                 _built[name] = None
                 _errors[name] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
