@@ -15,10 +15,6 @@ sessions (the HTTP routes are serving/server/cache_api.py).
   session is idle (until its next request, or ``ttl_s``), instead of leaving it to be dropped.
 - Sessions belong to the tenant that opened them; another tenant gets "unknown session". Who
   owns which, and the caps on open sessions, are serving/kv_sessions.py's.
-
-Concurrency contract: engine loop thread only (it owns the tree), except the L3 existence
-check of a lookup, which runs on one worker thread and touches only the storage tier
-(thread-safe) and values computed before it was submitted.
 """
 
 from __future__ import annotations
@@ -50,7 +46,13 @@ class Lease:
 
 
 class KVControl:
-    """See the module docstring."""
+    """The KV control operations of one engine (see the module docstring for what each does).
+
+    Concurrency contract: engine loop thread only (it owns the tree, the leases and the pins),
+    except the L3 existence check of a lookup, which runs on one worker thread (``_l3``) and
+    touches only the storage tier (thread-safe) and values computed before it was submitted;
+    :meth:`poll` hands its answers back on the loop thread.
+    """
 
     def __init__(self, core: Any, limits: ControlLimits | None = None) -> None:
         self.core = core
