@@ -6,7 +6,7 @@ Starts a real ``mooncake_master`` in a network namespace of its own (tests/netns
 transfer engine needs a LAN address, so everything stays inside the namespace), then runs
 the client in it: a ``page_first`` host pool of ``--pages`` pages is written to the store and
 read back through :class:`hicache.tiers.storage.StorageTier` over
-:class:`hicache.tiers.mooncake_store.MooncakeStore` (TCP transport, registered staging
+:class:`hicache.tiers.mooncake.store.MooncakeStore` (TCP transport, registered staging
 buffers, values checked on read), for two page shapes: SmolLM2 in fp32 (16 tokens, 0.7 MiB)
 and Llama-3.1-8B in bf16 (16 tokens, 2 MiB). Beside it: ``np.copyto`` of the same bytes (the
 memory ceiling of this machine) and LMDB through the same tier. Needs root (namespaces).

@@ -97,7 +97,7 @@ def _get_during_held_write(backend, tier, layout, keys, page_data, first: int, n
     first + n`` while that write is held; then release it."""
     from hicache.tiers.host import make_host_pool
 
-    real, started, gate = backend._client.store, threading.Event(), threading.Event()
+    real, started, gate = backend.conn.client.store, threading.Event(), threading.Event()
 
     class Held:
         def __getattr__(self, name):
@@ -108,7 +108,7 @@ def _get_during_held_write(backend, tier, layout, keys, page_data, first: int, n
             gate.wait(60)
             return real.batch_put_from(*args)
 
-    backend._client.store = Held()
+    backend.conn.client.store = Held()
     wpool = make_host_pool("page_first", layout, wn, PS)
     wpool.write_pages(torch.arange(wn), torch.cat([page_data(first + n + i) for i in range(wn)], dim=1))
     written: dict = {}
@@ -131,7 +131,7 @@ def _get_during_held_write(backend, tier, layout, keys, page_data, first: int, n
     gate.set()
     reader.join()
     writer.join()
-    backend._client.store = real
+    backend.conn.client.store = real
     return {"held": held, "read_while_held": read_while_held, **got, **written}
 
 

@@ -34,7 +34,7 @@ from hicache.tiers.base import REJECTED, TOO_LARGE, StagingBuffer, StorageBacken
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb.store import LMDBStore
-from hicache.tiers.mooncake_store import MooncakeStore
+from hicache.tiers.mooncake.store import MooncakeStore
 from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
 

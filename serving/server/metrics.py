@@ -99,7 +99,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
                                       "Requests whose L3 pages were recomputed rather than loaded"),
     "cost_tokens_recomputed_although_cached": StorageMetric(
         "counter", "cost_model_recomputed_cached_tokens", "Tokens recomputed although L3 held them"),
-    # backends (hicache.tiers.lmdb.store, hicache.tiers.mooncake_store)
+    # backends (hicache.tiers.lmdb.store, hicache.tiers.mooncake.store)
     "backend.errors": _event("backend errors"),
     "backend.evicted": _event("entries the backend evicted"),
     "backend.deleted": _event("entries the backend deleted"),

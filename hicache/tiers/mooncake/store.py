@@ -43,24 +43,26 @@ on the write lane.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hicache.tiers.base import ERROR, MISSING, TOO_LARGE, Buffer, StagingBuffer, StorageBackend, same_len
-from hicache.tiers.mooncake_conn import MooncakeConfig, _Client, _MooncakeConnection
+from hicache.tiers.mooncake.config import MooncakeConfig
+from hicache.tiers.mooncake.connection import MooncakeConnection
 
 # Return codes of the Mooncake client that are answers, not failures.
 OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
-_SENTINEL = object()
 
 
-class MooncakeStore(_MooncakeConnection, StorageBackend):
-    """See the module docstring. ``store_factory`` (tests, tools) builds the client object.
+class MooncakeStore(StorageBackend):
+    """The Mooncake backend (calls used and fault model in the module docstring): maps the
+    backend API onto the client's calls and their return codes. ``store_factory`` (tests,
+    tools) builds the client object.
 
-    The I/O thread, setup, health probes and reconnects live in :class:`_MooncakeConnection`
-    (mooncake_conn.py).
+    Threads: any number of callers at once; it keeps no state of its own besides the key
+    prefix. ``conn`` (:class:`MooncakeConnection`) owns the client, its I/O lanes, health,
+    reconnects and counters, and states which lock guards what.
     """
 
     name = "mooncake"
@@ -77,20 +79,8 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
                 ) from e
             store_factory = MooncakeDistributedStore
         self.config = config
-        self._factory = store_factory
         self._prefix = config.key_prefix
-        self._lock = threading.Lock()
-        self._client: _Client | None = None
-        self._healthy = False
-        self._closed = False
-        self._reconnecting = False
-        self._wake = threading.Event()
-        self._counts = dict.fromkeys(("errors", "timeouts", "unavailable", "setups", "reconnects"), 0)
-        client = self._setup_client()
-        if client is not None:
-            self._client, self._healthy = client, True
-        else:
-            self._mark_down()
+        self.conn = MooncakeConnection(config, store_factory)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | MooncakeConfig) -> MooncakeStore:
@@ -99,7 +89,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
     # ------------------------------------------------------------------ API
     @property
     def connected(self) -> bool:
-        return self._healthy
+        return self.conn.healthy
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -111,28 +101,28 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         return self.batch_set([key], [value])[0]
 
     def delete(self, key: str) -> bool:
-        res = self._call(lambda c: c.store.batch_remove([self._prefix + key], True), write=True)
+        res = self.conn.call(lambda c: c.store.batch_remove([self._prefix + key], True), write=True)
         return bool(res) and res[0] == 0
 
     def clear(self) -> None:
         if self._prefix:
             pattern = "^" + re.escape(self._prefix)
-            self._call(lambda c: c.store.remove_by_regex(pattern, True), write=True)
+            self.conn.call(lambda c: c.store.remove_by_regex(pattern, True), write=True)
         else:
-            self._call(lambda c: c.store.remove_all(True), write=True)
+            self.conn.call(lambda c: c.store.remove_all(True), write=True)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
         full = [self._prefix + k for k in keys]
-        res = self._call(lambda c: c.store.batch_is_exist(full))
+        res = self.conn.call(lambda c: c.store.batch_is_exist(full))
         if res is None:
             return 0
         n = 0
         for r in res:
             if r != 1:
                 if r < 0:
-                    self._failed()
+                    self.conn.failed()
                 break
             n += 1
         return n
@@ -141,7 +131,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         if not keys:
             return []
         full = [self._prefix + k for k in keys]
-        res = self._call(lambda c: c.store.get_batch(full))
+        res = self.conn.call(lambda c: c.store.get_batch(full))
         if res is None or len(res) != len(keys):
             return [None] * len(keys)
         return [bytes(v) if len(v) else None for v in res]
@@ -152,7 +142,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
             return []
         full = [self._prefix + k for k in keys]
         vals = [memoryview(v).cast("B") for v in values]
-        res = self._call(lambda c: [c.store.put(k, v) for k, v in zip(full, vals, strict=True)], write=True)
+        res = self.conn.call(lambda c: [c.store.put(k, v) for k, v in zip(full, vals, strict=True)], write=True)
         return self._set_results(res, len(keys))
 
     def _zero_copy_args(
@@ -169,7 +159,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         if not keys:
             return []
         full, ptrs, sizes = self._zero_copy_args(keys, buf, spans)
-        res = self._call(lambda c: c.store.batch_get_into(full, ptrs, sizes), buf)
+        res = self.conn.call(lambda c: c.store.batch_get_into(full, ptrs, sizes), buf)
         if res is None or len(res) != len(keys):
             return [ERROR] * len(keys)
         out, failed = [], False
@@ -184,7 +174,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
                 out.append(ERROR)
                 failed = True
         if failed:
-            self._failed()
+            self.conn.failed()
         return out
 
     def batch_set_from(
@@ -193,26 +183,14 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
         if not keys:
             return []
         full, ptrs, sizes = self._zero_copy_args(keys, buf, spans)
-        res = self._call(lambda c: c.store.batch_put_from(full, ptrs, sizes), buf, write=True)
+        res = self.conn.call(lambda c: c.store.batch_put_from(full, ptrs, sizes), buf, write=True)
         return self._set_results(res, len(keys))
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            out: dict[str, float] = dict(self._counts)
-        out["connected"] = int(self._healthy)
-        return out
+        return self.conn.stats()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            client, self._client, self._healthy = self._client, None, False
-        self._wake.set()
-        if client is not None:
-            fut = client.close_later()
-            try:
-                fut.result(timeout=self.config.timeout_s)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
+        self.conn.close()
 
     # ------------------------------------------------------------------ internals
     def _set_results(self, res: list[int] | None, n: int) -> list[bool]:
@@ -220,7 +198,7 @@ class MooncakeStore(_MooncakeConnection, StorageBackend):
             return [False] * n
         out = [r == 0 for r in res]
         if not all(out):
-            self._failed()
+            self.conn.failed()
         return out
 
     @staticmethod
