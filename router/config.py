@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from router.pd_config import check_pd
+from router.urls import check_url
 
 CACHE_VIEWS = ("approx", "events")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -79,7 +80,7 @@ class RouterConfig:
     decode_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from router.policies import POLICIES  # late: policies import this module
+        from router.policies import POLICIES  # late: importing the config pulls in no policy (nor httpx)
         from router.trusted_hosts import parse_allowed_hosts  # late: it imports the app's error shapes
 
         if not 1 <= self.port <= 65535:
@@ -109,12 +110,6 @@ class RouterConfig:
             check_url(url)
         parse_allowed_hosts(self.allowed_hosts)  # ValueError naming a malformed entry
         check_pd(self)  # PD mode's workers (router/pd_config.py)
-
-
-def check_url(url: str) -> str:
-    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise ValueError(f"worker url must be http(s)://host:port, got {url!r}")
-    return url.rstrip("/")
 
 
 class ConfigError(ValueError):

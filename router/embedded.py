@@ -13,8 +13,9 @@ from typing import Any
 
 import uvicorn
 
-from router.app import RouterState, create_app
+from router.app import create_app
 from router.config import RouterConfig
+from router.state import RouterState
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,7 +19,7 @@ from router.errors import error
 from router.proxy import json_object
 
 if TYPE_CHECKING:
-    from router.app import RouterState
+    from router.state import RouterState
 
 
 def _keying(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:

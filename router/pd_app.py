@@ -27,12 +27,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from router.app import RouterState
-from router.config import check_url
 from router.errors import error
 from router.pd import PDForwarder
 from router.policies import RouteRequest
+from router.state import RouterState
 from router.tenancy import scope_of, session_key
+from router.urls import check_url
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger("hicache.router")

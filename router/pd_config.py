@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from router.urls import check_url
+
 if TYPE_CHECKING:
     from router.config import RouterConfig
 
@@ -19,8 +21,6 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port
 
 def prefill_entry(entry: Any) -> tuple[str, int | None]:
     """``URL``, ``[URL]``, ``[URL, PORT]`` or ``[URL, None]`` -> ``(url, port or None)``."""
-    from router.config import check_url
-
     if isinstance(entry, str):
         entry = [entry]
     if not isinstance(entry, (list, tuple)) or not 1 <= len(entry) <= 2 or not isinstance(entry[0], str):
@@ -34,8 +34,6 @@ def prefill_entry(entry: Any) -> tuple[str, int | None]:
 def check_pd(cfg: RouterConfig) -> None:
     """Normalize ``prefill_urls`` / ``decode_urls`` (lists from YAML become tuples) and check
     that they go with ``pd_disaggregation``."""
-    from router.config import check_url
-
     prefill = tuple(prefill_entry(e) for e in cfg.prefill_urls)
     decode = tuple(check_url(u) for u in cfg.decode_urls)
     object.__setattr__(cfg, "prefill_urls", prefill)  # frozen: normalized once, here

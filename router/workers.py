@@ -20,11 +20,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from router.config import RouterConfig
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 log = logging.getLogger("hicache.router")
 
