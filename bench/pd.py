@@ -173,7 +173,8 @@ def raw_rates(args: Any, chunk: int, layers: int, per_transfer: float | None, lo
     """Raw transport GB/s for writes of the average transfer's size at the per-page and coalesced chunks."""
     import torch
 
-    from serving.disagg.transport import TransportConfig, make_transport, raw_write_gbps
+    from serving.disagg.transport import make_transport, raw_write_gbps
+    from serving.disagg.transport_base import TransportConfig
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # mooncake: no per-connection INFO lines
     if args.backend == "nixl":

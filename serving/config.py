@@ -18,12 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FO
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # serving.speculative.ALGORITHMS
-
-
-def _schedule_policies() -> tuple[str, ...]:
-    from serving.schedule_policy import SCHEDULE_POLICIES  # the registry (torch-free)
-
-    return tuple(SCHEDULE_POLICIES)
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # serving.schedule_policy.SCHEDULE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,7 @@ class ModelConfig:
 class SchedulerConfig:
     max_running_requests: int = 64  # requests decoded together at most
     chunked_prefill_size: int = 2048  # prefill tokens per step; -1 disables chunking
-    schedule_policy: str = choice("lpm", _schedule_policies)  # lpm: longest cached prefix first
+    schedule_policy: str = choice("lpm", SCHEDULE_POLICIES)  # lpm: longest cached prefix first
     # L1 KV capacity in tokens; default from kv_cache_gb, else the GPU's free memory (CPU: 16384 tokens);
     # more than the GPU (CPU: the host) has free is an error
     max_total_tokens: int | None = None

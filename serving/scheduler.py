@@ -64,7 +64,7 @@ class Scheduler:
         self.prefill_observer: Callable[[int, float], None] | None = None
         self._step_prefill = 0
         self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
-        self.pd = None  # serving.disagg.role.PDRole of a prefill / decode server (None: colocated)
+        self.pd = None  # serving.disagg.role_base.PDRole of a prefill / decode server (None: colocated)
         self.spec = None  # serving.speculative.worker.SpeculativeWorker (None: no speculative decoding)
         self._pd_emitted = False  # the last step returned PD first tokens without a forward pass
         if not config.disable_overlap_schedule and self.device.type == "cuda":
@@ -76,7 +76,7 @@ class Scheduler:
         self.spec = worker
         worker.grammar = self.grammar
 
-    def attach_role(self, role) -> None:  # noqa: ANN001 - serving.disagg.role.PDRole
+    def attach_role(self, role) -> None:  # noqa: ANN001 - serving.disagg.role_base.PDRole
         self.pd = role
         role.attach(self)
 

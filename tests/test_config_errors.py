@@ -94,8 +94,10 @@ def test_config_names_match_their_registries():
     from serving.l3_prefetch import PREFETCH_POLICIES
     from serving.model_runner import DTYPES
     from serving.models.loader import LOAD_FORMATS
+    from serving.schedule_policy import SCHEDULE_POLICIES
 
     assert hc.HOST_LAYOUTS == tuple(HOST_LAYOUTS) and hc.STORAGE_BACKENDS == tuple(STORAGE_BACKENDS)
     assert hc.LOAD_POLICIES == tuple(LOAD_POLICIES) and hc.PREFETCH_POLICIES == tuple(PREFETCH_POLICIES)
     assert sc.ATTENTION_BACKENDS == ("auto", *ATTENTION_BACKENDS) and sc.DTYPES == ("auto", *DTYPES)
     assert sc.LOAD_FORMATS == tuple(LOAD_FORMATS)
+    assert sc.SCHEDULE_POLICIES == tuple(SCHEDULE_POLICIES)

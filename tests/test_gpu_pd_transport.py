@@ -16,7 +16,8 @@ CHUNK = 4096
 
 
 def _receiver(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
-    from serving.disagg.transport import TransportConfig, make_transport
+    from serving.disagg.transport import make_transport
+    from serving.disagg.transport_base import TransportConfig
 
     torch.cuda.set_device(1)
     buf = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda:1")
@@ -29,7 +30,8 @@ def _receiver(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
 
 
 def test_cuda_ipc_scattered_write_is_exact() -> None:
-    from serving.disagg.transport import TransferError, TransportConfig, make_transport
+    from serving.disagg.transport import make_transport
+    from serving.disagg.transport_base import TransferError, TransportConfig
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()

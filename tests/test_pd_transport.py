@@ -25,14 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.disagg.transport import (
-    TRANSPORTS,
-    TransferError,
-    TransportConfig,
-    coalesce,
-    make_transport,
-    raw_write_gbps,
-)
+from serving.disagg.transport import TRANSPORTS, make_transport, raw_write_gbps
+from serving.disagg.transport_base import TransferError, TransportConfig, coalesce
 from tests.netns import NetNS, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]

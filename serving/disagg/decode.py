@@ -15,7 +15,7 @@ such as the warm-up, is served colocated):
    error's status and its fresh pages go to **quarantine** for ``2 x timeout`` before they
    are freed, so that a transfer that arrives late can never write into reused pages.
 
-Concurrency contract: see :mod:`serving.disagg.role`. The registration thread gets a copy
+Concurrency contract: see :mod:`serving.disagg.role_base`. The registration thread gets a copy
 of the target and reports failures through the control server's inbox.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
-from serving.disagg.role import PDRole
+from serving.disagg.role_base import PDRole
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
 

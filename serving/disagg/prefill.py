@@ -11,7 +11,7 @@ first token's and the prompt's logprobs when the request asks: serving/disagg/lo
 a 400 to the decode side when they are more than the control channel carries). Only then are
 the pages released into the tree (:meth:`step` polls the send futures).
 
-Concurrency contract: see :mod:`serving.disagg.role`. ``parked`` / ``targets`` / ``sending``
+Concurrency contract: see :mod:`serving.disagg.role_base`. ``parked`` / ``targets`` / ``sending``
 are scheduler-thread state. The sender thread reads a parked request's ``pages``,
 ``input_ids`` and ``output_ids``, which nobody changes while it is parked.
 """
@@ -28,7 +28,7 @@ from typing import Any
 from serving.disagg import logprob_handoff
 from serving.disagg.control import MAX_BODY, ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
-from serving.disagg.role import PDRole
+from serving.disagg.role_base import PDRole
 from serving.request import Req
 
 log = logging.getLogger("hicache.pd")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serving.disagg.transport import KVTransport, TransferError, TransportConfig
+from serving.disagg.transport_base import KVTransport, TransferError, TransportConfig
 
 
 def _b64(b: bytes | None) -> str | None:

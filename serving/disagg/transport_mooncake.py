@@ -22,7 +22,7 @@ from typing import Any
 
 from mooncake.engine import TransferEngine
 
-from serving.disagg.transport import KVTransport, TransferError, TransportConfig
+from serving.disagg.transport_base import KVTransport, TransferError, TransportConfig
 
 _SIOCGIFADDR = 0x8915
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.disagg.transport import KVTransport, TransferError, TransportConfig
+from serving.disagg.transport_base import KVTransport, TransferError, TransportConfig
 
 
 def _api():

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.forward_batch import ForwardBatch
-from serving.kernels.attention import AttentionBackend
+from serving.kernels.attention_base import AttentionBackend
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 

@@ -20,7 +20,7 @@ from torch import nn
 from hicache.tiers.device import DeviceKVPool
 from serving.forward_batch import ForwardBatch
 from serving.kernels import cpu_decoder, cpu_fused
-from serving.kernels.attention import AttentionBackend
+from serving.kernels.attention_base import AttentionBackend
 from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope

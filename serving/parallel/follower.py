@@ -72,7 +72,7 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     from serving.forward_batch import ForwardBatch
     from serving.model_runner import ModelRunner
     from serving.parallel.group import destroy_tp_group, init_tp_group
-    from serving.parallel.leader import cpu_threads_per_rank, make_rank_tier
+    from serving.parallel.rank import cpu_threads_per_rank, make_rank_tier
 
     device = torch.device(config.model.device)
     if device.type == "cuda":

@@ -37,6 +37,7 @@ import torch
 from serving.config import EngineConfig
 from serving.parallel import messages as msg
 from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
+from serving.parallel.rank import cpu_threads_per_rank
 from serving.parallel.rpc import RpcClient
 from serving.parallel.shard import ShardPlan
 
@@ -51,21 +52,6 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     dev = resolve_device(config.model.device)
     name = f"cuda:{(dev.index or 0) + rank}" if dev.type == "cuda" else dev.type
     return dataclasses.replace(config, model=dataclasses.replace(config.model, device=name))
-
-
-def make_rank_tier(config: EngineConfig, layout: Any) -> Any:
-    """This rank's StorageTier on the configured backend (every rank opens its own client)."""
-    from hicache.tiers.storage import StorageTier, make_storage
-
-    cache = config.cache
-    backend = make_storage(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
-    return StorageTier(backend, layout, cache.page_size, read_threads=cache.hicache_storage_read_threads,
-                       encoding=cache.hicache_l3_encoding)
-
-
-def cpu_threads_per_rank(size: int) -> int:
-    """Intra-op threads of one CPU rank: the ranks share the machine's cores."""
-    return max(1, (os.cpu_count() or 1) // size)
 
 
 class TPLeader:
