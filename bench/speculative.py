@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "models/SmolLM2-135M-Instruct"
 FILES = ["serving/stop.py", "serving/schedule_policy.py", "hicache/hiradix/unbounded.py",
          "serving/server/session_ids.py", "serving/kv_control_limits.py", "serving/logprob_meta.py",
-         "serving/server/text.py", "serving/server/debug_hooks.py"]
+         "serving/server/text.py", "serving/engine/debug_hooks.py"]
 QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
              "Explain how vaccines train the immune system.", "What are the pros and cons of remote work?",
              "Describe the water cycle to a ten year old.", "Give me ideas for a birthday party in winter.",

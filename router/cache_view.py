@@ -1,7 +1,7 @@
 """The exact cache view (``cache_view: events``): which pages each worker holds on L1 / L2.
 
 Each worker started with ``--enable-cache-events`` publishes its page adds and evictions per
-tier (serving/server/cache_events.py) under ``GET /cache_events?since=SEQ&epoch=E``; this module
+tier (serving/engine/cache_events.py) under ``GET /cache_events?since=SEQ&epoch=E``; this module
 polls every worker, applies the events (or a snapshot, after a restart or a gap) and keeps per
 worker ``page key -> tiers`` (bit 1: L1, bit 2: L2).
 

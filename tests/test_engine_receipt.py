@@ -12,12 +12,11 @@ from multiprocessing import Pipe
 
 import pytest
 
-from serving.engine import config_from_kwargs
-from serving.server import messages as m
-from serving.server import watchdog as wd
+from serving import ipc as m
+from serving.engine.inbox import EngineInbox
+from serving.engine.offline import config_from_kwargs
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
-from serving.server.engine_inbox import EngineInbox
 from serving.server.errors import APIError
 from serving.server.metrics import ServerMetrics
 
@@ -64,9 +63,9 @@ def _client(**server: float) -> tuple[EngineClient, object]:
 async def turn_loop(hb: list[float], progress: bool) -> None:
     """An engine loop that goes round (BEAT), making progress or not."""
     while True:
-        hb[wd.BEAT] = time.monotonic()
+        hb[m.BEAT] = time.monotonic()
         if progress:
-            hb[wd.PROGRESS] = hb[wd.BEAT]
+            hb[m.PROGRESS] = hb[m.BEAT]
         await asyncio.sleep(0.05)
 
 

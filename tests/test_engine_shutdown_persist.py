@@ -10,10 +10,10 @@ from multiprocessing import Pipe
 import pytest
 
 from serving import cli
-from serving.engine import Engine, config_from_kwargs
+from serving.engine.offline import Engine, config_from_kwargs
+from serving.engine.shutdown import shutdown_core
 from serving.server.config import ServerConfig, load_config
 from serving.server.engine_client import EngineClient
-from serving.server.engine_shutdown import shutdown_core
 from tests.model_utils import tiny_model
 
 PS = 4

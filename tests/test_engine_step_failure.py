@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from serving.engine import config_from_kwargs
+from serving import ipc as m
+from serving.engine.loop import EngineLoop
+from serving.engine.main import engine_main
+from serving.engine.offline import config_from_kwargs
 from serving.engine_core import EngineCore
-from serving.server import messages as m
+from serving.ipc import EXIT_BROKEN
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
-from serving.server.engine_main import engine_main
-from serving.server.engine_proc import EngineLoop
 from serving.server.errors import APIError
-from serving.server.messages import EXIT_BROKEN
 from tests.model_utils import hf_greedy, tiny_model
 
 NEW = 6
@@ -56,7 +56,7 @@ class Driver:
         self.core = core
         self.rx_engine, self.tx_http = Pipe(duplex=False)
         self.rx_http, self.tx_engine = Pipe(duplex=False)
-        self.loop = EngineLoop(core, self.rx_engine, self.tx_engine, ServerConfig())
+        self.loop = EngineLoop(core, self.rx_engine, self.tx_engine, ServerConfig().engine_process())
         self.out: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
         self.errors: dict[str, m.Error] = {}
@@ -235,7 +235,7 @@ def test_engine_main_exits_non_zero_on_a_broken_tree(tiny, monkeypatch):
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as exc:
-            engine_main(engine_config(path), ServerConfig(), rx_engine, tx_engine)
+            engine_main(engine_config(path), ServerConfig().engine_process(), rx_engine, tx_engine)
     finally:
         guard.cancel()
         for s, h in handlers.items():

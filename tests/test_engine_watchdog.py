@@ -12,24 +12,25 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving.engine import config_from_kwargs
-from serving.server import messages as m
+from serving import ipc as m
+from serving.engine.heartbeat import HeartbeatWriter
+from serving.engine.loop import EngineLoop
+from serving.engine.offline import config_from_kwargs
 from serving.server import watchdog as wd
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
-from serving.server.engine_proc import EngineLoop
 from serving.server.errors import APIError
 
 
 def beat(hb: list[float], at: float, busy: bool, progressed: bool) -> None:
-    hb[wd.BEAT] = at
+    hb[m.BEAT] = at
     if progressed or not busy:
-        hb[wd.PROGRESS] = at
-    hb[wd.BUSY] = float(busy)
+        hb[m.PROGRESS] = at
+    hb[m.BUSY] = float(busy)
 
 
 def test_stall_is_counted_only_while_work_is_pending() -> None:
-    hb = [0.0] * wd.SLOTS
+    hb = [0.0] * m.SLOTS
     beat(hb, 100.0, busy=False, progressed=False)
     assert wd.stall_seconds(hb, None, now=500.0) == 0.0  # idle (even if the engine stopped since): no stall
     assert wd.stall_seconds(hb, 490.0, now=500.0) == 10.0  # asked something at 490, nothing since
@@ -45,7 +46,7 @@ def test_stall_is_counted_only_while_work_is_pending() -> None:
 async def turn_loop(hb: list[float]) -> None:
     """An engine loop that goes round (BEAT) without moving anything (PROGRESS stays)."""
     while True:
-        hb[wd.BEAT] = time.monotonic()
+        hb[m.BEAT] = time.monotonic()
         await asyncio.sleep(0.05)
 
 
@@ -84,7 +85,7 @@ def test_a_call_the_engine_never_answers_is_a_504_then_a_503_once_stalled() -> N
         with pytest.raises(APIError) as exc:
             await client.call(m.FlushCache)
         assert exc.value.status == 503 and time.monotonic() - t0 < 0.1  # at once
-        client.heartbeat[wd.PROGRESS] = time.monotonic()  # the engine moves again
+        client.heartbeat[m.PROGRESS] = time.monotonic()  # the engine moves again
         assert not client.stalled
         pending.cancel()
         turning.cancel()
@@ -108,7 +109,7 @@ class _Core:
 
 def test_the_engine_drops_a_call_whose_caller_gave_up() -> None:
     core = _Core()
-    loop = EngineLoop(core, None, None, ServerConfig())  # type: ignore[arg-type]
+    loop = EngineLoop(core, None, None, ServerConfig().engine_process())  # type: ignore[arg-type]
     loop.handle(m.FlushCache(call_id=1, deadline=time.monotonic() - 1.0))
     assert core.flushes == 0 and loop.out == []
     loop.handle(m.FlushCache(call_id=2, deadline=time.monotonic() + 10.0))
@@ -117,13 +118,13 @@ def test_the_engine_drops_a_call_whose_caller_gave_up() -> None:
 
 
 def test_the_loop_beats_the_heartbeat() -> None:
-    hb = wd.make_heartbeat(multiprocessing.get_context("spawn"))
-    writer = wd.HeartbeatWriter(hb)
-    start = hb[wd.PROGRESS]
+    hb = m.make_heartbeat(multiprocessing.get_context("spawn"))
+    writer = HeartbeatWriter(hb)
+    start = hb[m.PROGRESS]
     time.sleep(0.01)
     writer.beat(busy=True, progressed=False, forward_passes=7)
-    assert hb[wd.PROGRESS] == start and hb[wd.BEAT] > start and hb[wd.BUSY] == 1.0 and hb[wd.FORWARD_PASSES] == 7
+    assert hb[m.PROGRESS] == start and hb[m.BEAT] > start and hb[m.BUSY] == 1.0 and hb[m.FORWARD_PASSES] == 7
     writer.beat(busy=True, progressed=True, forward_passes=8)
-    assert hb[wd.PROGRESS] == hb[wd.BEAT]
+    assert hb[m.PROGRESS] == hb[m.BEAT]
     writer.beat(busy=False, progressed=False, forward_passes=8)
-    assert hb[wd.BUSY] == 0.0 and hb[wd.PROGRESS] == hb[wd.BEAT]
+    assert hb[m.BUSY] == 0.0 and hb[m.PROGRESS] == hb[m.BEAT]

@@ -35,7 +35,7 @@ LAUNCHER = ("serving.cli", "serving.parallel.dp")  # after issue 28: ("serving.l
 HTTP_PACKAGES = ("serving.server", "router", "serving.lang.backends.runtime_endpoint")
 HTTP_FRAMEWORKS = frozenset({"fastapi", "starlette", "httpx", "uvicorn"})
 # The engine process's entry point: its modules are the ones this reaches through imports that run.
-ENGINE_ENTRY = "serving.server.engine_main"  # after issue 28: "serving.engine.main"
+ENGINE_ENTRY = "serving.engine.main"
 
 
 def _within(module: str, prefixes: tuple[str, ...]) -> bool:

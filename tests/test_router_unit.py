@@ -14,7 +14,7 @@ from router.cache_view import CacheView, WorkerCache
 from router.config import ConfigError, RouterConfig, build_config, load_config
 from router.policies import POLICIES, RouteRequest, make_policy
 from router.workers import CLOSED, HALF_OPEN, OPEN, Worker, WorkerPool
-from serving.server.cache_events import CacheEventLog
+from serving.engine.cache_events import CacheEventLog
 
 
 # -- approximate tree -----------------------------------------------------------------------

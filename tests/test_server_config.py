@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from serving import cli
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.config import ConfigError, ServerConfig, load_config
 from tests.server_utils import ROOT
 

@@ -5,7 +5,7 @@
   /metrics answers at once with the engine's last snapshot marked stale, a request is a 503 at
   once; after SIGCONT /health is 200 again.
 - A forward pass longer than --engine-call-timeout-s (held deterministically by the test hook
-  HICACHE_TEST_HOLD_STEP, serving/server/debug_hooks.py): another client's short request waits
+  HICACHE_TEST_HOLD_STEP, serving/engine/debug_hooks.py): another client's short request waits
   and gets its 200, not a 504; a control call still 504s, and that 5xx is logged at WARNING;
   /metrics answers within its short wait, marked stale.
 - Every request is counted by route template, method and status, and logged in one access line;
@@ -25,7 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.server.debug_hooks import HOLD_ENV
+from serving.engine.debug_hooks import HOLD_ENV
 from tests.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow

@@ -285,7 +285,7 @@ class GrammarRunner:
 
 def _failure(message: str, status: int) -> dict[str, Any]:
     """The finish reason of a request whose grammar could not be used: the engine process
-    answers it with an error of ``status`` (see serving.server.engine_proc)."""
+    answers it with an error of ``status`` (see serving.engine.loop)."""
     return {"type": "abort", "message": message, "status": status}
 
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.cache_api import Retention
 from serving.server.context import get_ctx
 from serving.server.errors import APIError
@@ -163,7 +163,7 @@ async def get_load(request: Request) -> dict[str, Any]:
 
 @router.get("/cache_events")
 async def cache_events(request: Request, since: int = 0, epoch: str | None = None) -> dict[str, Any]:
-    """Pages added to / evicted from L1 and L2 after event ``since`` (see serving/server/cache_events.py);
+    """Pages added to / evicted from L1 and L2 after event ``since`` (see serving/engine/cache_events.py);
     a snapshot instead when ``epoch`` is not the engine's or the log lost events. 404 unless the
     server runs with --enable-cache-events."""
     return await get_ctx(request).client.call(m.CacheEvents, since=since, epoch=epoch)

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.context import ServerContext, check_salt, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected

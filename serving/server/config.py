@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from hicache.config import CacheConfig
 from hicache.config_fields import check_choices, choice
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
+from serving.engine.config import EngineProcessConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -117,6 +118,10 @@ class ServerConfig:
                              f"got {self.disaggregation_bootstrap_port}")
         if self.disaggregation_bootstrap_timeout_s <= 0:
             raise ValueError("disaggregation_bootstrap_timeout_s must be positive")
+
+    def engine_process(self) -> EngineProcessConfig:
+        """The settings the engine process reads (its own frozen config; see serving/engine/config.py)."""
+        return EngineProcessConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineProcessConfig)})
 
 
 SECTIONS: dict[str, type] = {

@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serving import ipc as m
 from serving.config import EngineConfig
-from serving.server import messages as m
+from serving.engine.main import engine_main
 from serving.server.config import ServerConfig
-from serving.server.engine_main import engine_main
 from serving.server.errors import APIError
 from serving.server.req_handle import ReqHandle
-from serving.server.watchdog import make_heartbeat, silence_seconds, stall_seconds
+from serving.server.watchdog import silence_seconds, stall_seconds
 
 log = logging.getLogger("hicache.server")
 ACCEPT_POLL_S = 0.25  # how often a request waiting for its acceptance checks the watchdog
@@ -77,11 +77,12 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self._rx_engine, self._tx_http = ctx.Pipe(duplex=False)  # http -> engine
         self._rx_http, self._tx_engine = ctx.Pipe(duplex=False)  # engine -> http
-        self.heartbeat = make_heartbeat(ctx)
+        self.heartbeat = m.make_heartbeat(ctx)
         self.proc = ctx.Process(
             target=engine_main,
             name="hicache-engine",
-            args=(self.engine_config, self.server_config, self._rx_engine, self._tx_engine, self.heartbeat),
+            args=(self.engine_config, self.server_config.engine_process(), self._rx_engine, self._tx_engine,
+                  self.heartbeat),
         )
         self.proc.start()
         self._rx_engine.close()

@@ -17,7 +17,7 @@ import dataclasses
 import uuid
 from typing import Any
 
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.engine_client import EngineClient
 from serving.server.req_handle import ReqState, run_all
 

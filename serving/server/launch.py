@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.context import ServerContext, get_ctx
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected

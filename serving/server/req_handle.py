@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from serving.server import messages as m
+from serving import ipc as m
 from serving.server.errors import APIError
 
 if TYPE_CHECKING:

@@ -2,13 +2,9 @@
 process reads, so that ``/health`` tells whether the engine is making progress.
 
 The heartbeat is four doubles (a ``multiprocessing`` RawArray, no lock: each slot is written
-by the engine alone, and a torn read at worst misjudges one check):
-
-- ``PROGRESS``: ``time.monotonic()`` when the engine last made progress: a step that ran a
-  forward pass or finished a request, or a turn of its loop with nothing to do;
-- ``BEAT``: when its loop last went round (whether or not it made progress);
-- ``BUSY``: 1.0 while the scheduler has requests (running or waiting), else 0.0;
-- ``FORWARD_PASSES``: the scheduler's forward-pass count.
+by the engine alone, and a torn read at worst misjudges one check); its slots (``PROGRESS``,
+``BEAT``, ``BUSY``, ``FORWARD_PASSES``) and ``make_heartbeat`` are in serving.ipc, the writer
+in serving.engine.heartbeat. This module is the HTTP side's reading of it.
 
 ``time.monotonic()`` is the system-wide CLOCK_MONOTONIC on Linux, so both processes read the
 same clock. The HTTP side (``EngineClient.stall_s``) calls the engine stalled once either
@@ -28,34 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-PROGRESS, BEAT, BUSY, FORWARD_PASSES = range(4)
-SLOTS = 4
-
-
-def make_heartbeat(ctx: Any) -> Any:
-    """A fresh heartbeat in shared memory (``ctx``: a multiprocessing context), stamped now."""
-    hb = ctx.RawArray("d", SLOTS)
-    now = time.monotonic()
-    hb[PROGRESS] = hb[BEAT] = now
-    return hb
-
-
-class HeartbeatWriter:
-    """The engine loop's side: ``beat()`` once per turn of the loop."""
-
-    def __init__(self, hb: Any | None) -> None:
-        self.hb = hb
-
-    def beat(self, busy: bool, progressed: bool, forward_passes: int) -> None:
-        hb = self.hb
-        if hb is None:
-            return
-        now = time.monotonic()
-        if progressed or not busy:
-            hb[PROGRESS] = now
-        hb[BEAT] = now
-        hb[BUSY] = 1.0 if busy else 0.0
-        hb[FORWARD_PASSES] = float(forward_passes)
+from serving.ipc import BEAT, BUSY, PROGRESS
 
 
 def stall_seconds(hb: Any | None, waiting_since: float | None, now: float | None = None) -> float:

@@ -121,7 +121,7 @@ class EngineBackend(Backend):
         return req
 
     def generate(self, ex: Any, params: dict[str, Any], gen: Any) -> tuple[str, dict[str, Any]]:
-        from serving.engine import output_dict
+        from serving.engine.offline import output_dict
 
         text = ex.text
         [r] = self._submit(lambda core: [self._req(core, params, ex, gen, text=text)])
@@ -134,7 +134,7 @@ class EngineBackend(Backend):
         return out["text"], out["meta_info"]
 
     def generate_stream(self, ex: Any, params: dict[str, Any], gen: Any) -> Iterator[tuple[str, dict | None]]:
-        from serving.engine import output_dict
+        from serving.engine.offline import output_dict
 
         tok = self.engine.core.tokenizer
         stops = params.get("stop") or ()
@@ -171,7 +171,7 @@ class EngineBackend(Backend):
         yield final[sent[0]:], out["meta_info"]
 
     def cache_prefix(self, ex: Any) -> dict[str, Any]:
-        from serving.engine import output_dict
+        from serving.engine.offline import output_dict
 
         text = ex.text
         [r] = self._submit(lambda core: [self._req(core, {"max_new_tokens": 1, "temperature": 0}, ex, text=text)])

@@ -1,4 +1,5 @@
-"""Typed messages between the HTTP process and the engine process, msgpack-encoded.
+"""What the HTTP process and the engine process share: the typed messages between them
+(msgpack-encoded) and the layout of the engine's heartbeat. Both processes import this module.
 
 One wire frame is a run of concatenated msgpack objects, one per message, each
 ``[tag, {field: value}]``; the engine process sends everything one step produced in a single
@@ -21,17 +22,40 @@ streaming requests. Before that, the engine's receiver thread acknowledges each 
 requests at once with a ``Received`` (their rids), even while a forward pass runs: the HTTP
 side then knows the request is queued in a live engine, and waits for its acceptance for as
 long as the engine makes progress rather than for ``engine_call_timeout_s``.
+
+The heartbeat (the watchdog's view of the engine, see serving.server.watchdog) is ``SLOTS``
+doubles in shared memory (``make_heartbeat``), each written by the engine alone
+(serving.engine.heartbeat) and read by the HTTP process:
+
+- ``PROGRESS``: ``time.monotonic()`` when the engine last made progress: a step that ran a
+  forward pass or finished a request, or a turn of its loop with nothing to do;
+- ``BEAT``: when its loop last went round (whether or not it made progress);
+- ``BUSY``: 1.0 while the scheduler has requests (running or waiting), else 0.0;
+- ``FORWARD_PASSES``: the scheduler's forward-pass count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 EXIT_BROKEN = 3  # the engine process's exit status when its cache invariants broke (EngineLoop._fail_step)
+
+# -- the heartbeat's slots ------------------------------------------------------------------
+PROGRESS, BEAT, BUSY, FORWARD_PASSES = range(4)
+SLOTS = 4
+
+
+def make_heartbeat(ctx: Any) -> Any:
+    """A fresh heartbeat in shared memory (``ctx``: a multiprocessing context), stamped now."""
+    hb = ctx.RawArray("d", SLOTS)
+    now = time.monotonic()
+    hb[PROGRESS] = hb[BEAT] = now
+    return hb
 
 
 # -- HTTP process -> engine process ---------------------------------------------------------

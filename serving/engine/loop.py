@@ -1,9 +1,9 @@
 """The engine process: owns an EngineCore and runs its step loop.
 
-Its entry point is :func:`serving.server.engine_main.engine_main` (spawned by
+Its entry point is :func:`serving.engine.main.engine_main` (spawned by
 :class:`serving.server.engine_client.EngineClient`). It talks over two one-way pipes
 (``multiprocessing.connection``): ``rx`` brings messages from the HTTP process, ``tx`` takes replies back.
-A receiver thread (serving.server.engine_inbox) reads ``rx`` and acknowledges each request at
+A receiver thread (serving.engine.inbox) reads ``rx`` and acknowledges each request at
 once, even while a forward pass runs; the loop thread, which owns everything else here:
 
 1. takes what the receiver read, without blocking (waits for it, with a timeout, only when
@@ -14,13 +14,13 @@ once, even while a forward pass runs; the loop thread, which owns everything els
    then answers 503 and shuts down): a broken tree is never served nor persisted;
 3. send each live request's new token ids (and its finish) in one frame;
 4. close sessions idle for longer than ``session_idle_timeout_s``;
-5. beat the watchdog's heartbeat (serving.server.watchdog): the loop went round, and whether
+5. beat the watchdog's heartbeat (serving.engine.heartbeat): the loop went round, and whether
    it made progress (a forward pass, a finished request, or nothing to do).
 
 At shutdown, with L3, every cached page is written on to L3 and the process logs
 "persisted N pages to L3, M not written" (see ``shutdown_core``).
 
-A test can hold a step as a long forward pass would (serving.server.debug_hooks).
+A test can hold a step as a long forward pass would (serving.engine.debug_hooks).
 
 Only token ids leave this process: detokenization happens in the HTTP process (see
 engine_client), so the step loop spends its time on forward passes, not on string work.
@@ -36,18 +36,18 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from hicache.tenants import load_tenants
+from serving import ipc as m
 from serving.disagg.protocol import Bootstrap
+from serving.engine.cache_events import CacheEventLog, engine_namespace
+from serving.engine.config import EngineProcessConfig
+from serving.engine.debug_hooks import StepHold
+from serving.engine.heartbeat import HeartbeatWriter
+from serving.engine.inbox import EngineInbox
 from serving.kv_control import ControlError, ControlLimits, KVControl
 from serving.logprobs import LogprobState
 from serving.request import Req
 from serving.sampling_params import InvalidRequest
-from serving.server import messages as m
-from serving.server.cache_events import CacheEventLog, engine_namespace
-from serving.server.config import ServerConfig
-from serving.server.debug_hooks import StepHold
-from serving.server.engine_inbox import EngineInbox
-from serving.server.tenants import load_tenants
-from serving.server.watchdog import HeartbeatWriter
 
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
@@ -66,14 +66,14 @@ class EngineLoop:
     messages from the inbox's queue, and sends its frames through ``inbox.send``."""
 
     def __init__(
-        self, core: Any, rx: Connection, tx: Connection, server: ServerConfig, heartbeat: Any = None
+        self, core: Any, rx: Connection, tx: Connection, settings: EngineProcessConfig, heartbeat: Any = None
     ) -> None:
         self.core = core
         self.heartbeat = HeartbeatWriter(heartbeat)
         self.finished = 0  # requests finished or aborted (progress for the watchdog)
         self.inbox = EngineInbox(rx, tx)
         self.hold = StepHold()  # tests only (unset: nothing)
-        self.idle_timeout = server.session_idle_timeout_s
+        self.idle_timeout = settings.session_idle_timeout_s
         self.live: dict[str, _Live] = {}
         self.session_used: dict[str, float] = {}
         self.out: list[m.Message] = []
@@ -81,13 +81,13 @@ class EngineLoop:
         self.broken: str | None = None  # why the cache's invariants broke (then the process exits)
         self._next_sweep = time.monotonic() + SESSION_SWEEP_S
         self.events: CacheEventLog | None = None
-        if server.enable_cache_events:
+        if settings.enable_cache_events:
             self.events = CacheEventLog(core.tree, engine_namespace(core), core.config.cache.page_size)
-        limits = ControlLimits(server.max_sessions, server.max_sessions_per_tenant, server.max_pin_leases,
-                               server.max_pin_leases_per_tenant)
+        limits = ControlLimits(settings.max_sessions, settings.max_sessions_per_tenant, settings.max_pin_leases,
+                               settings.max_pin_leases_per_tenant)
         self.control = KVControl(core, limits)  # the KV control API: lookups, pin leases, session retention
-        if server.api_keys_file:  # the HTTP process validated it at start-up
-            core.set_quotas(load_tenants(server.api_keys_file).quotas())
+        if settings.api_keys_file:  # the HTTP process validated it at start-up
+            core.set_quotas(load_tenants(settings.api_keys_file).quotas())
         # stamped before Ready is sent: loading the model took its time, the loop has not frozen
         self.heartbeat.beat(busy=False, progressed=True, forward_passes=core.scheduler.stats.forward_passes)
 

@@ -17,7 +17,7 @@ import queue
 import threading
 from multiprocessing.connection import Connection
 
-from serving.server import messages as m
+from serving import ipc as m
 
 log = logging.getLogger("hicache.engine")
 

@@ -1,6 +1,6 @@
 """The engine process's entry point: started with multiprocessing ``spawn`` by
 :class:`serving.server.engine_client.EngineClient`; builds the EngineCore (and, for PD, its
-role), announces readiness, runs :class:`serving.server.engine_proc.EngineLoop`, shuts down
+role), announces readiness, runs :class:`serving.engine.loop.EngineLoop`, shuts down
 (persisting to L3) and exits with the loop's status."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from serving import ipc as m
 from serving.config import EngineConfig
-from serving.server import messages as m
-from serving.server.config import ServerConfig
+from serving.engine.config import EngineProcessConfig
 
 # The engine's own modules (torch, the model, the cache) are imported in the spawned process only:
 # the HTTP process imports this module for the entry point and never needs them.
@@ -41,26 +41,27 @@ def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
 
 
 def engine_main(
-    config: EngineConfig, server: ServerConfig, rx: Connection, tx: Connection, heartbeat: Any = None
+    config: EngineConfig, settings: EngineProcessConfig, rx: Connection, tx: Connection, heartbeat: Any = None
 ) -> None:
     """Entry point of the spawned engine process. Exits non-zero when the loop failed
     (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed.
-    ``heartbeat``: the watchdog's shared array (serving.server.watchdog), beaten every turn."""
+    ``settings``: the server's settings for this process (ServerConfig.engine_process()).
+    ``heartbeat``: the watchdog's shared array (serving.ipc.make_heartbeat), beaten every turn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
     # The scheduler thread holds the GIL between kernel launches; a background thread (an L3 read, a
     # PD transfer or its notification) that wakes up would otherwise wait up to 5 ms (Python's
     # default switch interval) for it, on every hand-off.
     sys.setswitchinterval(GIL_SWITCH_S)
-    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     from serving.disagg.role import make_role
-    from serving.server.engine_proc import EngineLoop
-    from serving.server.engine_shutdown import shutdown_core
+    from serving.engine.loop import EngineLoop
+    from serving.engine.shutdown import shutdown_core
 
     try:
         from serving.engine_core import EngineCore
 
         core = EngineCore(config)
-        make_role(server, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
+        make_role(settings, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
     except Exception as e:
         from hicache.sizing import TierSizeError
         from serving.models.quant import QuantizationError
@@ -71,7 +72,7 @@ def engine_main(
         log.exception("engine failed to start")
         tx.send_bytes(m.encode([m.Error(500, f"engine failed to start: {type(e).__name__}: {e}")]))
         return
-    loop = EngineLoop(core, rx, tx, server, heartbeat)
+    loop = EngineLoop(core, rx, tx, settings, heartbeat)
 
     def _stop(sig: int, frame: Any) -> None:  # e.g. SIGTERM sent to the whole process group
         loop.running = False
