@@ -291,7 +291,7 @@ class EngineClient:
         self.handles[req.rid] = handle
         try:
             self.send(req)
-            handle._apply(await self._acceptance(handle))
+            handle.apply(await self._acceptance(handle))
         except BaseException:
             handle.close()  # aborts it in the engine, should it accept it later
             raise

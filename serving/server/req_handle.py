@@ -60,7 +60,9 @@ class ReqHandle:
         self.closed = False
         self.received = False  # the engine acknowledged receipt (messages.Received); not yet accepted
 
-    def _apply(self, msg: m.Message) -> None:
+    def apply(self, msg: m.Message) -> None:
+        """Take one engine message for this request: a TokenOut updates the state (and the token
+        metrics); an Error closes the handle and raises it as an APIError."""
         if isinstance(msg, m.Error):
             self.close()
             raise APIError(msg.status, msg.message)
@@ -77,9 +79,9 @@ class ReqHandle:
                 yield self.state
                 return
             while not self.state.finished:
-                self._apply(await self.queue.get())
+                self.apply(await self.queue.get())
                 while not self.queue.empty() and not self.state.finished:
-                    self._apply(self.queue.get_nowait())
+                    self.apply(self.queue.get_nowait())
                 yield self.state
         finally:
             self.close()
