@@ -183,7 +183,7 @@ class Router:
     def __init__(self, args: list[str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "serving.cli", "router", *args,
+        self.argv = [sys.executable, "-m", "serving.launch.cli", "router", *args,
                      "--host", "127.0.0.1", "--port", str(self.port)]
         self.lines: collections.deque[str] = collections.deque(maxlen=300)
         self.ready = threading.Event()

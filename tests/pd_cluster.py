@@ -39,8 +39,9 @@ class Router:
     def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "serving.cli", "router", "--pd-disaggregation", "--prefill", prefill.url,
-                     str(bootstrap_port), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.argv = [sys.executable, "-m", "serving.launch.cli", "router", "--pd-disaggregation",
+                     "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+                     "--host", "127.0.0.1", "--port", str(self.port)]
         self.lines: list[str] = []
         self.ready = threading.Event()
 

@@ -95,7 +95,7 @@ class ServerProcess:
         if "HICACHE_API_KEY" not in self.env:
             env.pop("HICACHE_API_KEY", None)  # only the key this test means
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.cli", "serve", *self.args],
+            [sys.executable, "-m", "serving.launch.cli", "serve", *self.args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from hicache.config_fields import field_choices, field_docs
-from serving import cli
+from serving.launch import cli
 from serving.server.config import SECTIONS
 from tests.server_utils import ROOT
 
 
 def serve_help(*argv: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "serving.cli", "serve", *argv, "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "serving.launch.cli", "serve", *argv, "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, env={"COLUMNS": "200", "PATH": ""})
     assert out.returncode == 0, out.stderr
     return out.stdout

@@ -18,7 +18,7 @@ from tests.server_utils import ROOT, free_port
 
 
 def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.cli", "serve", "--port", str(free_port()), *args],
+    return subprocess.run([sys.executable, "-m", "serving.launch.cli", "serve", "--port", str(free_port()), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 

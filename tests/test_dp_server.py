@@ -101,7 +101,7 @@ def test_dp2_router_cached_share_and_shared_l3(tiny_chat_model, tmp_path):
 
 
 def test_replica_ports_skip_busy_ones_and_stay_held_for_the_replicas():
-    from serving.parallel.dp import replica_ports
+    from serving.launch.dp import replica_ports
 
     base = free_port()
     busy = socket.socket()

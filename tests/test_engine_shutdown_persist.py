@@ -9,9 +9,9 @@ from multiprocessing import Pipe
 
 import pytest
 
-from serving import cli
 from serving.engine.offline import Engine, config_from_kwargs
 from serving.engine.shutdown import shutdown_core
+from serving.launch import cli
 from serving.server.config import ServerConfig, load_config
 from serving.server.engine_client import EngineClient
 from tests.model_utils import tiny_model

@@ -56,7 +56,7 @@ def test_bad_and_conflicting_kv_flags_stop_the_server_with_a_message(tiny_chat_m
             (["--hicache-l2-encoding", "fp4"], "hicache_l2_encoding must be one of raw, fp8, int8"),
             (["--kv-cache-dtype", "fp8_e4m3", "--hicache-l3-encoding", "int8"], "needs a 16- or 32-bit L1"),
             (["--hicache-l2-encoding", "fp8", "--hicache-l3-encoding", "int8"], "two different lossy encodings")):
-        out = subprocess.run([sys.executable, "-m", "serving.cli", "serve", "--model-path", str(tiny_chat_model),
+        out = subprocess.run([sys.executable, "-m", "serving.launch.cli", "serve", "--model-path", str(tiny_chat_model),
                               *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode != 0
         assert message in out.stderr + out.stdout, out.stderr

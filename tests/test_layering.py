@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hicache", "serving", "router")
 
 # The launcher: the one sanctioned place that imports both serving and router.
-LAUNCHER = ("serving.cli", "serving.parallel.dp")  # after issue 28: ("serving.launch",)
+LAUNCHER = ("serving.launch",)
 # The packages whose job is HTTP (a module or package name covers everything below it): the HTTP
 # process, the router, and serving.lang's RuntimeEndpoint (an HTTP client of a server, by design).
 HTTP_PACKAGES = ("serving.server", "router", "serving.lang.backends.runtime_endpoint")

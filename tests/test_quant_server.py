@@ -55,7 +55,7 @@ def test_make_serve_default_answers_the_readme_question():
 
 
 def test_fp8_on_cpu_stops_the_server_with_a_message(tiny_chat_model):
-    out = subprocess.run([sys.executable, "-m", "serving.cli", "serve", "--model-path", str(tiny_chat_model),
+    out = subprocess.run([sys.executable, "-m", "serving.launch.cli", "serve", "--model-path", str(tiny_chat_model),
                           "--device", "cpu", "--port", str(free_port()), "--quantization", "fp8"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -189,7 +189,8 @@ def test_cli_router_streams_and_enforces_api_key(workers: list[ServerProcess], t
     cfg.write_text("policy: power_of_two\nworker_urls:\n" + "".join(f"  - {w.url}\n" for w in workers))
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli", "router", "--config", str(cfg), "--port", str(port), "--api-key", "k"],
+        [sys.executable, "-m", "serving.launch.cli", "router", "--config", str(cfg), "--port", str(port),
+         "--api-key", "k"],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,

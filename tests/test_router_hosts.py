@@ -28,7 +28,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 
 
 def _router_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "serving.cli", "router", "--tokenizer-workers", "0", *args]
+    return [sys.executable, "-m", "serving.launch.cli", "router", "--tokenizer-workers", "0", *args]
 
 
 @pytest.fixture(scope="module")

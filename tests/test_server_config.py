@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from serving import cli
 from serving import ipc as m
+from serving.launch import cli
 from serving.server.config import ConfigError, ServerConfig, load_config
 from tests.server_utils import ROOT
 

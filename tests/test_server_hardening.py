@@ -153,8 +153,8 @@ def test_busy_port_fails_before_the_model_loads(server: ServerProcess, tmp_path:
     env = {k: v for k, v in os.environ.items() if k != "HICACHE_API_KEY"}
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "serving.cli", "serve", "--config", str(cfg), "--model-path", str(tiny_chat_model),
-         "--host", "127.0.0.1", "--port", str(server.port)],
+        [sys.executable, "-m", "serving.launch.cli", "serve", "--config", str(cfg),
+         "--model-path", str(tiny_chat_model), "--host", "127.0.0.1", "--port", str(server.port)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     out = done.stdout + done.stderr

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from serving import cli
 from serving.engine import Engine
+from serving.launch import cli
 from tests.server_utils import running_server
 
 ARGS = ["--page-size", "4", "--max-total-tokens", "4096", "--hicache-ratio", "0", "--enable-debug-endpoints"]

@@ -74,7 +74,7 @@ class ServerConfig:
     engine_call_timeout_s: float = 60.0
     max_json_depth: int = 128  # request bodies nested deeper (arrays / objects) get HTTP 400
     # data parallelism (SGLang's --dp-size): this many engine replicas behind the built-in cache-aware
-    # router, in one command (serving/parallel/dp.py); they share the configured L3
+    # router, in one command (serving/launch/dp.py); they share the configured L3
     dp_size: int = 1
     # Prefill-decode disaggregation (SGLang's flags; README "PD disaggregation"). null: colocated
     disaggregation_mode: str = choice("null", DISAGGREGATION_MODES)  # null: prefill and decode colocated

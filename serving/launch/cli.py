@@ -207,10 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hicache serve: {e}", file=sys.stderr)
         return 2
     if cfg.server.dp_size > 1:  # N replicas behind the router, started from this same command line
-        from serving.parallel.dp import run_dp
+        from serving.launch.dp import run_dp
 
         return run_dp(cfg, argv[argv.index("serve") + 1:])
-    from serving.server.launch import run_server
+    from serving.server.serve import run_server
 
     return run_server(cfg)
 

@@ -12,6 +12,7 @@ the replicas (each persists its cache to L3 first).
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import signal
@@ -19,8 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-
-import httpx
+import urllib.request
 
 log = logging.getLogger("hicache.dp")
 START_TIMEOUT_S = 600.0
@@ -61,7 +61,7 @@ def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa:
     dev = resolve_device(cfg.engine.model.device)
     if dev.type == "cuda":
         extra += ["--device", f"cuda:{(dev.index or 0) + i * cfg.engine.model.tp_size}"]
-    return [sys.executable, "-m", "serving.cli", "serve", *argv, *extra]
+    return [sys.executable, "-m", "serving.launch.cli", "serve", *argv, *extra]
 
 
 def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], headers: dict[str, str]) -> str | None:
@@ -73,9 +73,11 @@ def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], headers: dict[
             if procs[i].poll() is not None:
                 return f"data-parallel replica {i} exited with code {procs[i].returncode} while starting"
             try:
-                if httpx.get(urls[i] + "/health", headers=headers, timeout=2).status_code == 200:
-                    pending.discard(i)
-            except httpx.HTTPError:
+                with urllib.request.urlopen(urllib.request.Request(urls[i] + "/health", headers=headers),
+                                            timeout=2) as r:
+                    if r.status == 200:
+                        pending.discard(i)
+            except (OSError, http.client.HTTPException):  # URLError/HTTPError (non-2xx) are OSErrors
                 pass
         if time.monotonic() > deadline:
             return f"data-parallel replicas {sorted(pending)} not ready after {START_TIMEOUT_S:.0f} s"
