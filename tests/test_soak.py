@@ -13,7 +13,7 @@ the engine process past ``--watchdog-timeout`` (5 s here) then SIGCONT, 300 pins
 7-page prefix (each a 200 for the 112 tokens; all released), and 20,000 session opens (exactly
 ``--max-sessions`` 4096 get a 200, every other one a 429 naming the cap; a session of the full
 table still serves; all closed, then a fresh session serves). The 20,000 opens go through aiohttp
-with 16 connections: here httpx's AsyncClient costs ~3.8 ms of client CPU per request (and the
+with 128 connections: here httpx's AsyncClient costs ~3.8 ms of client CPU per request (and the
 server ~2.2 ms, against ~1.1 ms for aiohttp's requests), which would triple this test's time.
 
 The stall window runs from the SIGSTOP until ``/health`` is 200 again after the SIGCONT. The
