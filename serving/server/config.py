@@ -67,7 +67,8 @@ class ServerConfig:
     # page on to L3); past it, it is killed and the pages not yet written are lost
     shutdown_timeout_s: float = 120.0
     # the engine watchdog (SGLang's flag name): /health answers 503 once the engine has made no
-    # progress (no step, no finished request) for this many seconds while work is pending
+    # progress (no step, no finished request) for this many seconds while work is pending, or its
+    # loop has not turned at all for as long, pending work or not (serving/server/watchdog.py)
     watchdog_timeout: float = 300.0
     # every call from the HTTP process to the engine (control routes, a request's acceptance)
     # fails with 504 when the engine has not answered within this many seconds
