@@ -115,12 +115,18 @@ def _check_storage(backend: str, extra: dict[str, Any]) -> None:
 
 
 def _check_writable(path: Path, flag: str) -> None:
-    """The L3 directory exists (it is created, as the store would) and a file can be written in it."""
+    """A file can be written where the L3 directory is or will be: in it if it exists, else in its
+    nearest existing ancestor (the store creates it). Nothing is created: a start that fails
+    later (a port in use) leaves the file system as it was."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK):
+        where = path
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            raise NotADirectoryError(20, f"{str(where)!r} is not a directory")
+        if not os.access(where, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied")
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
         raise ConfigError(f"{flag} path {str(path)!r}: cannot write there ({e.strerror or e}); give a writable "
