@@ -37,9 +37,9 @@ class Tokenizer:
     bounded amount of the tokenizer's temporary memory."""
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
+        from serving.tokenizer_load import load_hf_tokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.hf = load_hf_tokenizer(path)
         self.path = path
         self._large = threading.BoundedSemaphore(LARGE_AT_ONCE)
 
