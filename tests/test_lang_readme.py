@@ -1,4 +1,4 @@
-"""The README's serving.lang program runs as printed (only the server's address changed),
+"""docs/lang.md's serving.lang program runs as printed (only the server's address changed),
 against a real server: on the tiny chat model (fast) and on SmolLM2 (slow, the printed output)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tests.server_utils import ROOT, running_server
 
 
 def readme_program() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## LLM programs (`serving.lang`)"):]
+    text = (ROOT / "docs" / "lang.md").read_text()
+    section = text[text.index("# LLM programs (`serving.lang`)"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
