@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 MODEL  := models/SmolLM2-135M-Instruct
 CONFIG ?= configs/l3.yaml
 # make serve's weights: auto = int4 where the C++ CPU ops run (AVX2 / AVX-512), else fp32; the server
-# logs which and why (serving/models/quant/auto.py, README "Quantized weights")
+# logs which and why (serving/models/quant/auto.py, docs/cpu.md "Quantized weights")
 QUANTIZATION ?= auto
 
 .PHONY: setup serve test lint bench-smoke clean-venv

@@ -67,7 +67,7 @@ class CacheConfig:
     hicache_storage_write_rate_mb_s: float = 0.0  # write-back bandwidth cap (0: none)
     # How pages sit in L2 / L3 (hicache.tiers.kv_codec): raw (L1's bytes) | fp8 | int8 (one byte per
     # element + a power-of-two scale per token and kv head). A lossy encoding also applies its round
-    # trip when KV is stored into L1, so every tier gives back the same values (see the README).
+    # trip when KV is stored into L1, so every tier gives back the same values (see docs/storage.md).
     hicache_l2_encoding: str = choice("raw", KV_ENCODINGS)  # how pages sit in L2 (lossy: applied in L1 too)
     hicache_l3_encoding: str = choice("raw", KV_ENCODINGS)  # how pages sit in L3 (lossy: applied in L1 too)
 

@@ -159,7 +159,7 @@ def test_bad_input(server: ServerProcess, path: str, body: Any, status: int, wor
 
 
 def test_ignored_fields_do_not_change_the_answer(server: ServerProcess) -> None:
-    """The few fields accepted and ignored (README): a 200 with the same greedy answer."""
+    """The few fields accepted and ignored (docs/api.md): a 200 with the same greedy answer."""
     base = chat(messages=[{"role": "user", "content": "Say something."}], max_tokens=6, temperature=0)
     plain = post(server, C, base)
     assert plain.status_code == 200, plain.text

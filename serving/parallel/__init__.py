@@ -1,2 +1,2 @@
 """Tensor and data parallelism: the rank group, the sharded layers, the rank-0 -> follower
-command stream (see README "Tensor and data parallelism")."""
+command stream (see docs/parallel.md)."""

@@ -77,7 +77,7 @@ class ServerConfig:
     # data parallelism (SGLang's --dp-size): this many engine replicas behind the built-in cache-aware
     # router, in one command (serving/launch/dp.py); they share the configured L3
     dp_size: int = 1
-    # Prefill-decode disaggregation (SGLang's flags; README "PD disaggregation"). null: colocated
+    # Prefill-decode disaggregation (SGLang's flags; docs/pd.md). null: colocated
     disaggregation_mode: str = choice("null", DISAGGREGATION_MODES)  # null: prefill and decode colocated
     disaggregation_transfer_backend: str = choice("mooncake", TRANSFER_BACKENDS)  # cuda_ipc: GPUs of one host
     disaggregation_bootstrap_port: int = 8998  # prefill: where decode servers register their pages

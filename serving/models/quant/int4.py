@@ -9,7 +9,7 @@ serving.models.quant.q8), as llama.cpp's Q4 files keep the embedding / output ta
 logits cost far more accuracy than 4-bit projections, and per-token activation scales (the int8
 mode's) made SmolLM2 miss Paris in the README's first example. On the default
 model the groups coincide with the GGUF's own Q4_1 blocks (32 input channels, min/max), so the
-codes this recovers from the converted fp32 weights are exactly the file's (README); where the
+codes this recovers from the converted fp32 weights are exactly the file's (docs/cpu.md); where the
 folder's GGUF source is at hand its blocks are packed directly (serving.models.quant.gguf_q4).
 
 Each group's activation scale comes from that token's own values, so a token's result does not
