@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 
 from serving.forward_batch import ForwardBatch
-from serving.kernels.triton_decode import BUSY_PROGRAMS, MAX_SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +43,8 @@ def capture_sizes(max_bs: int, max_running: int | None = None) -> list[int]:
 def decode_splits(batch_size: int, kv_heads: int) -> int:
     """Fixed split-KV count for a captured size: split only when the batch is too small
     to fill the GPU (the kernel handles any length with any split count)."""
+    from serving.kernels.triton_decode import BUSY_PROGRAMS, MAX_SPLITS  # triton: a GPU-only import (0.6 s)
+
     return 1 if batch_size * kv_heads >= BUSY_PROGRAMS else MAX_SPLITS
 
 
