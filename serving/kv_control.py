@@ -29,6 +29,7 @@ from typing import Any
 
 from hicache import salt
 from hicache.keys import page_keys
+from serving.kv_breakpoints import Breakpoints
 from serving.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
 from serving.kv_sessions import SessionRegistry
 
@@ -41,7 +42,7 @@ class Lease:
     tenant: str | None
     pages: list[int]  # pinned L2 pages
     tokens: int
-    expires: float  # time.monotonic()
+    expires: float  # KVControl.now()
     session_id: str | None = None
 
 
@@ -69,6 +70,12 @@ class KVControl:
         self._deferred: list[tuple[int, Future]] = []
         self._l3 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-kv-lookup") \
             if core.storage is not None else None
+        self.clock_skew = 0.0  # seconds added to the lease clock (/debug/advance_kv_clock: tests)
+        self.breakpoints = Breakpoints(self)  # cache_control breakpoints (serving/kv_breakpoints.py)
+
+    def now(self) -> float:
+        """The lease clock: time.monotonic(), moved on by ``clock_skew``."""
+        return time.monotonic() + self.clock_skew
 
     def call(self, op: str, args: dict[str, Any], tenant: str | None) -> Any:
         """One control call from the HTTP process (a value, or a Future answered later). Leases
@@ -78,10 +85,24 @@ class KVControl:
             "lookup": lambda: self.lookup(args["input_ids"], args.get("cache_salt")),
             "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"])),
             "unpin": lambda: self.unpin(args["lease_id"], tenant),
+            "cache_control_admit": lambda: self.breakpoints.admit(self._salted(args), args["ends"], tenant),
+            "cache_control": lambda: self.breakpoints.apply(self._salted(args), args["ends"], args["ttls"], tenant,
+                                                            int(args["read"])),
+            "advance_clock": lambda: self._advance(float(args["seconds"])),
         }
         if op not in ops:
             raise ControlError(400, f"unknown KV control operation {op!r}")
         return ops[op]()
+
+    def _salted(self, args: dict[str, Any]) -> list[int]:
+        return salt.apply(args["input_ids"], salt.salt_tags(args.get("cache_salt")))
+
+    def _advance(self, seconds: float) -> dict[str, float]:
+        if not 0 <= seconds <= MAX_TTL_S:
+            raise ControlError(400, f"seconds must be in [0, {MAX_TTL_S:g}]")
+        self.clock_skew += seconds
+        self.expire()
+        return {"clock_skew_s": self.clock_skew}
 
     # -- lookups ------------------------------------------------------------------------
     def lookup(self, input_ids: list[int], cache_salt: str | None) -> dict[str, int] | Future:
@@ -173,9 +194,35 @@ class KVControl:
         self._pinned.setdefault(tenant, Counter()).update(pages)
         self._lease_count[tenant] += 1
         lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages, len(pages) * ps,
-                      time.monotonic() + ttl_s, session_id)
+                      self.now() + ttl_s, session_id)
         self.leases[lease.lease_id] = lease
         return {"lease_id": lease.lease_id, "pinned_tokens": lease.tokens, "ttl_s": ttl_s}
+
+    def pin_prefix(self, tokens: list[int], tenant: str | None, ttl_s: float) -> dict[str, Any]:
+        """Pin already salted ``tokens`` (a cache_control breakpoint's prefix)."""
+        return self._pin_tokens(tokens, tenant, ttl_s)
+
+    def pinned_pages_of(self, tenant: str | None) -> int:
+        return len(self._pinned.get(tenant, ()))
+
+    def lease_count(self, tenant: str | None) -> int:
+        return len(self.leases) if tenant is None else self._lease_count[tenant]
+
+    def lease_cap(self, tenant: str | None) -> int:
+        lim = self.limits
+        return lim.max_pin_leases if tenant is None else min(lim.max_pin_leases, lim.max_pin_leases_per_tenant)
+
+    def tenant_snapshot(self) -> dict[str, Any]:
+        """The ledger's per-tenant snapshot, each row with its ``pinned_pages`` (gauge)."""
+        snap = self.core.ledger.snapshot()
+        for tenant, pages in self._pinned.items():
+            row = snap.get("default" if tenant is None else tenant, snap.get("_other"))
+            if row is not None:
+                row["pinned_pages"] = row.get("pinned_pages", 0) + len(pages)
+        return snap
+
+    def pin_limit(self, tenant: str | None) -> int:
+        return self._pin_limit(tenant)
 
     def _pin_limit(self, tenant: str | None) -> int:
         quota = self.core.ledger.quotas.get(tenant, {}) if tenant is not None else {}
@@ -205,7 +252,7 @@ class KVControl:
             del self.idle_lease[lease.session_id]
 
     def expire(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = self.now() if now is None else now
         for lease in [x for x in self.leases.values() if x.expires <= now]:
             self._release(lease)
 
@@ -237,6 +284,7 @@ class KVControl:
         stray = [s for s, lid in self.idle_lease.items() if lid not in self.leases]
         assert not stray, f"KV control: idle sessions whose lease is gone: {stray[:8]}"
         self.sessions.check_integrity(set(self.core.sessions))
+        self.breakpoints.check_integrity()
 
     @property
     def pinned_pages(self) -> int:

@@ -355,7 +355,7 @@ class EngineLoop:
             "sessions": len(self.core.sessions),
             "pages": pages,
             "storage": self.core.storage_stats(),
-            "tenants": self.core.ledger.snapshot(),
+            "tenants": self.control.tenant_snapshot(),  # + pinned pages (cache_control, pins)
             "bytes_per_page": self._bytes_per_page(),
             **({"pd": self.core.scheduler.pd.stats()} if self.core.scheduler.pd is not None else {}),
             **({"speculative": self.core.scheduler.spec.stats_dict()} if self.core.scheduler.spec is not None else {}),

@@ -3,8 +3,10 @@
 The same engine path as chat completions: ``system`` and ``messages`` go through the chat
 template; ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` map onto
 SGLang sampling params; HiCache's ``session_id`` is accepted as on the other routes. Usage
-follows Anthropic: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens``
-those served from the cache (their sum is the prompt). Streaming sends Anthropic's events
+follows Anthropic: ``cache_control`` breakpoints pin prefixes (serving/server/cache_control.py);
+``cache_read_input_tokens`` are the prompt tokens served from the cache (any tier),
+``cache_creation_input_tokens`` those written into newly pinned prefixes, ``input_tokens`` the
+rest (the three sum to the prompt). Streaming sends Anthropic's events
 (``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
 ``content_block_stop``, ``message_delta``, ``message_stop``). Errors have Anthropic's shape
 ``{"type": "error", "error": {"type", "message"}}``, mid-stream as an ``error`` event.
@@ -23,6 +25,7 @@ from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from serving.compat_fields import ANY
+from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -56,7 +59,7 @@ def anthropic_errors(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitab
 class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
-    cache_control: dict[str, Any] | None = None  # a caching hint: HiCache caches every prefix anyway
+    cache_control: dict[str, Any] | None = None  # a breakpoint (serving/server/cache_control.py)
     citations: list[Any] | None = None
 
 
@@ -78,7 +81,7 @@ class MessagesRequest(StrictModel):
     neutral_fields = {"tools": ((), []), "tool_choice": ({"type": "none"}, {"type": "auto"}),
                       "thinking": ({"type": "disabled"},), "service_tier": ("auto", "standard_only"),
                       "container": (), "mcp_servers": ((), []), "output_config": ({},), "speed": ("standard",),
-                      "cache_control": ANY, "diagnostics": ANY, "inference_geo": ANY, "user_profile_id": ANY,
+                      "diagnostics": ANY, "inference_geo": ANY, "user_profile_id": ANY,
                       "workspace_id": ANY}
 
     model: str
@@ -92,6 +95,7 @@ class MessagesRequest(StrictModel):
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id: accepted, cannot change the answer
     session_id: str | None = None  # HiCache's session (as on the other routes)
+    cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last message
 
     @model_validator(mode="after")
     def _checks(self) -> MessagesRequest:
@@ -128,9 +132,8 @@ def stop_fields(st: ReqState) -> dict[str, Any]:
     return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
-def usage(st: ReqState) -> dict[str, Any]:
-    return {"input_tokens": st.prompt_tokens - st.cached_tokens, "output_tokens": len(st.output_ids),
-            "cache_read_input_tokens": st.cached_tokens, "cache_creation_input_tokens": 0}
+def usage(st: ReqState, pins: dict[str, Any] | None = None) -> dict[str, Any]:
+    return cache_control.anthropic_usage(st, pins)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -151,21 +154,24 @@ async def messages(request: Request) -> Any:
     model = ctx.check_model(body.model)
     ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     req = ctx.make_request(ids, body.sampling_params(), body.session_id)
+    bps = await cache_control.breakpoints_for(ctx, body, ids)
+    await cache_control.admit(ctx, ids, bps)
     head = {"id": f"msg_{req.rid}", "type": "message", "role": "assistant", "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
+        pins = await cache_control.apply(ctx, ids, bps, st)
         text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason)
-        return {**head, "content": [{"type": "text", "text": text}], **stop_fields(st), "usage": usage(st)}
+        return {**head, "content": [{"type": "text", "text": text}], **stop_fields(st), "usage": usage(st, pins)}
     [handle] = await submit_all(ctx.client, [req])
-    return StreamingResponse(_events(ctx, body, handle, head), media_type="text/event-stream")
+    return StreamingResponse(_events(ctx, body, handle, head, (ids, bps)), media_type="text/event-stream")
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
-async def _events(ctx: ServerContext, body: MessagesRequest, handle: ReqHandle, head: dict[str, Any]
-                  ) -> AsyncIterator[str]:
+async def _events(ctx: ServerContext, body: MessagesRequest, handle: ReqHandle, head: dict[str, Any],
+                  prompt: tuple[list[int], list[cache_control.Breakpoint]]) -> AsyncIterator[str]:
     text = TextStream(ctx.tokenizer, body.stop_sequences or [])
     try:
         st = handle.state
@@ -178,7 +184,8 @@ async def _events(ctx: ServerContext, body: MessagesRequest, handle: ReqHandle, 
             if delta:
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
         yield _event("content_block_stop", {"index": 0})
-        yield _event("message_delta", {"delta": stop_fields(st), "usage": usage(st)})
+        pins = await cache_control.apply(ctx, *prompt, st)
+        yield _event("message_delta", {"delta": stop_fields(st), "usage": usage(st, pins)})
         yield _event("message_stop", {})
     except APIError as e:
         yield _event("error", {"error": error_body(e.status, e.message)["error"]})

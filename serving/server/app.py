@@ -12,7 +12,16 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.server import admin_api, anthropic_api, cache_api, errors, native_api, ollama_api, openai_api
+from serving.server import (
+    admin_api,
+    anthropic_api,
+    cache_api,
+    cache_control,
+    errors,
+    native_api,
+    ollama_api,
+    openai_api,
+)
 from serving.server.access_log import AccessLogMiddleware
 from serving.server.context import ServerContext
 from serving.server.http_io import asgi_refuse
@@ -109,7 +118,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="HiCache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     errors.install(app)
-    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api):
+    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api, cache_control):
         app.include_router(module.router)
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)

@@ -175,7 +175,15 @@ def tenant_families(tenants: dict[str, Any], bytes_per_page: dict[str, int]) -> 
     prompt = CounterMetricFamily(f"{PREFIX}_tenant_prompt_tokens", "Prompt tokens", labels=["tenant"])
     hits = CounterMetricFamily(f"{PREFIX}_tenant_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
                                labels=["tenant", "tier"])
+    pinned = GaugeMetricFamily(f"{PREFIX}_tenant_pinned_pages", "L2 pages a tenant's pin leases and cache_control "
+                               "breakpoints hold (each page once)", labels=["tenant"])
+    pc = {k: CounterMetricFamily(f"{PREFIX}_tenant_{k}", doc, labels=["tenant"]) for k, doc in (
+        ("prompt_cache_read_tokens", "cache_control requests' prompt tokens served from the cache (any tier)"),
+        ("prompt_cache_creation_tokens", "Prompt tokens written into newly pinned cache_control prefixes"))}
     for name, row in sorted(tenants.items()):
+        pinned.add_metric([name], row.get("pinned_pages", 0))
+        for k, fam in pc.items():
+            fam.add_metric([name], row["requests"].get(k, 0))
         for tier, n in sorted(row["pages"].items()):
             pages.add_metric([name, tier], n)
             nbytes.add_metric([name, tier], n * bytes_per_page.get(tier, 0))
@@ -185,9 +193,9 @@ def tenant_families(tenants: dict[str, Any], bytes_per_page: dict[str, int]) -> 
         reqs.add_metric([name], r.get("requests", 0))
         prompt.add_metric([name], r.get("prompt_tokens", 0))
         for key, n in sorted(r.items()):
-            if key.startswith("cached_"):
+            if key.startswith("cached_"):  # the prompt_cache_* counters have families of their own
                 hits.add_metric([name, key.removeprefix("cached_")], n)
-    yield from (pages, nbytes, quota, reqs, prompt, hits)
+    yield from (pages, nbytes, quota, reqs, prompt, hits, pinned, *pc.values())
 
 
 class EngineCollector(Collector):

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
@@ -73,6 +74,10 @@ async def generate(request: Request) -> Any:
         )
         for i, p in enumerate(ids)
     ]
+    bps = cache_control.whole_prompt(body.cache_control, ids[0])
+    if bps and (len(ids) != 1 or n > 1 or body.stream or score):
+        raise APIError(400, "cache_control: needs one prompt, n = 1 and stream false", param="cache_control")
+    await cache_control.admit(ctx, ids[0], bps, body.cache_salt)
     if n > 1:  # one prefill per prompt, n decodes sharing it
         await unless_disconnected(request, warm_prefix(ctx.client, reqs))
         reqs = [c for r in reqs for c in choices(r, n)]
@@ -89,6 +94,9 @@ async def generate(request: Request) -> Any:
             }
             for st in states
         ]
+        if bps:
+            pins = await cache_control.apply(ctx, ids[0], bps, states[0], body.cache_salt)
+            outs[0]["meta_info"]["cache_control"] = cache_control.meta(states[0], pins)
         return outs if body.batched or n > 1 else outs[0]
     handles = await submit_all(ctx.client, reqs)
     stop = params.get("stop") or ()

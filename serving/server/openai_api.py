@@ -16,7 +16,9 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
+from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
+from serving.server.errors import APIError
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
 from serving.server.logprob_format import LogprobOptions, chat_logprobs, completion_logprobs
@@ -112,10 +114,16 @@ async def chat_completions(request: Request) -> Any:
                            bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt,
                            logprobs=opts.wire() if opts else None)
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
+    bps = cache_control.whole_prompt(body.cache_control, ids)
+    if bps and (n > 1 or body.stream):
+        raise APIError(400, "cache_control: needs n = 1 and stream false", param="cache_control")
+    await cache_control.admit(ctx, ids, bps, body.cache_salt)
     reqs, warm = await _fan_out(request, ctx, [req], n)
     if not body.stream:
         states = await unless_disconnected(request, run_all(ctx.client, reqs))
+        pins = await cache_control.apply(ctx, ids, bps, states[0], body.cache_salt) if bps else None
         return {
+            **({"meta_info": {"cache_control": cache_control.meta(states[0], pins)}} if pins else {}),
             **head,
             "object": "chat.completion",
             "choices": [

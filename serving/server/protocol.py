@@ -168,6 +168,7 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool | None = None  # accepted and ignored (tools are rejected)
+    cache_control: dict[str, Any] | None = None  # pins the prompt (serving/server/cache_control.py)
 
     @model_validator(mode="after")
     def _chat_unsupported(self) -> ChatCompletionRequest:
@@ -244,6 +245,7 @@ class GenerateRequest(BootstrapFields):
     stream: bool = False
     session_id: str | None = None
     cache_salt: str | None = None  # vLLM's field: subdivides the caller's tenant's cache space (hicache.salt)
+    cache_control: dict[str, Any] | None = None  # pins the prompt (serving/server/cache_control.py)
     rid: str | None = None
     return_logprob: bool = False
     logprob_start_len: int | None = None  # prompt logprobs from this position (-1: none)

@@ -1,0 +1,168 @@
+"""Prompt-caching breakpoints, HTTP side: Anthropic's ``cache_control`` on /v1/messages and the
+same field on the OpenAI and native routes (engine side: serving/kv_breakpoints.py).
+
+- ``{"type": "ephemeral"}`` with an optional ``"ttl": "5m" | "1h"`` (Anthropic's; default
+  5 minutes). On /v1/messages it may sit on a system text block or a message's text block: the
+  prefix up to and including that block is pinned for the TTL, for the caller's tenant. The
+  top-level ``cache_control`` (Anthropic's automatic caching) is a breakpoint on the last
+  message. At most 4 breakpoints a request (Anthropic's limit): a 400 past it, as for a bad
+  type or TTL; a tenant past its pinned pages or pin leases gets a 429 before any work.
+- OpenAI (/v1/chat/completions, /v1/completions) and native (/generate): a top-level
+  ``cache_control`` with the same shape pins the whole prompt. Neither SGLang nor vLLM has a
+  field for this (SGLang's pinning was reverted), so Anthropic's spelling is reused.
+- Accounting (:func:`anthropic_usage`): ``cache_read_input_tokens`` = prompt tokens served from
+  the cache (any tier), ``cache_creation_input_tokens`` = tokens of newly pinned prefixes not
+  served from it, ``input_tokens`` the rest (the three sum to the prompt). The OpenAI and native
+  routes carry :func:`meta` (the same counts, per tier) in ``meta_info.cache_control``.
+- ``POST /debug/advance_kv_clock {"seconds"}`` (``--enable-debug-endpoints`` only) moves the lease
+  clock on, so a test sees a TTL end without waiting for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from serving import ipc as m
+from serving.kv_breakpoints import MAX_BREAKPOINTS
+from serving.server.context import ServerContext, get_ctx
+from serving.server.errors import APIError
+from serving.server.req_handle import ReqState
+from serving.server.tenants import CURRENT, effective_salt
+
+router = APIRouter()
+TTLS_S = {"5m": 300.0, "1h": 3600.0}
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    end: int  # prompt tokens up to and including the block
+    ttl_s: float
+
+
+def ttl_of(cc: Any, where: str) -> float:
+    """The TTL (seconds) of one ``cache_control`` value; a 400 naming ``where`` when it is bad."""
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
+        raise APIError(400, f'{where}.cache_control: must be {{"type": "ephemeral"}} (optionally with "ttl": '
+                            '"5m" or "1h")', param=f"{where}.cache_control")
+    extra = set(cc) - {"type", "ttl"}
+    if extra:
+        raise APIError(400, f"{where}.cache_control: unknown field(s) {sorted(extra)}", param=f"{where}.cache_control")
+    ttl = cc.get("ttl", "5m")
+    if ttl not in TTLS_S:
+        raise APIError(400, f'{where}.cache_control.ttl: must be "5m" or "1h", got {ttl!r}',
+                       param=f"{where}.cache_control.ttl")
+    return TTLS_S[ttl]
+
+
+def check_count(n: int) -> None:
+    if n > MAX_BREAKPOINTS:
+        raise APIError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {n}.",
+                       param="cache_control")
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _blocks(content: Any) -> list[Any]:
+    return [] if content is None or isinstance(content, str) else list(content)
+
+
+def _text(blocks: list[Any]) -> str:
+    return "".join(b.text for b in blocks)
+
+
+def anthropic_breakpoints(ctx: ServerContext, body: Any, ids: list[int]) -> list[Breakpoint]:
+    """The breakpoints of a MessagesRequest whose prompt is ``ids`` (runs in a worker thread: it
+    renders the chat template once per breakpoint). Each ends where the prompt rendered up to and
+    including its block stops agreeing with the whole prompt."""
+    found: list[tuple[list[dict[str, Any]], float]] = []  # the messages up to the block, its TTL
+    system = _blocks(body.system)
+    sys_msgs = [{"role": "system", "content": _text(system) if system else body.system}] if body.system else []
+    for i, b in enumerate(system):
+        if b.cache_control is not None:
+            found.append(([{"role": "system", "content": _text(system[: i + 1])}], ttl_of(b.cache_control,
+                                                                                           f"system[{i}]")))
+    done = [*sys_msgs]
+    for j, msg in enumerate(body.messages):
+        blocks = _blocks(msg.content)
+        for i, b in enumerate(blocks):
+            if b.cache_control is not None:
+                found.append(([*done, {"role": msg.role, "content": _text(blocks[: i + 1])}],
+                              ttl_of(b.cache_control, f"messages[{j}].content[{i}]")))
+        done.append({"role": msg.role, "content": msg.content if isinstance(msg.content, str) else _text(blocks)})
+    if body.cache_control is not None:  # automatic caching: the last message is the breakpoint
+        found.append((done, ttl_of(body.cache_control, "request")))
+    check_count(len(found))
+    out = []
+    for msgs, ttl in found:
+        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+        out.append(Breakpoint(_lcp(ids, ctx.encode(text)), ttl))
+    return out
+
+
+def whole_prompt(cc: Any, ids: list[int]) -> list[Breakpoint]:
+    """The OpenAI / native routes' top-level ``cache_control``: the whole prompt."""
+    return [] if cc is None else [Breakpoint(len(ids), ttl_of(cc, "request"))]
+
+
+async def _control(ctx: ServerContext, op: str, **args: Any) -> Any:
+    tenant = CURRENT.get()
+    return await ctx.client.call(m.KVControlCall, op=op, args=args, tenant=None if tenant is None else tenant.name)
+
+
+async def admit(ctx: ServerContext, ids: list[int], bps: list[Breakpoint], cache_salt: str | None = None) -> None:
+    """A 429 (or a 400 without L2) before the request runs when its pins could not be held."""
+    if bps:
+        await _control(ctx, "cache_control_admit", input_ids=ids, ends=[b.end for b in bps],
+                       cache_salt=effective_salt(CURRENT.get(), cache_salt))
+
+
+async def apply(ctx: ServerContext, ids: list[int], bps: list[Breakpoint], st: ReqState,
+                cache_salt: str | None = None) -> dict[str, Any]:
+    """Pin / refresh the breakpoints after the request ran; the counts for its usage."""
+    if not bps:
+        return {"created_tokens": 0, "pinned_tokens": 0}
+    return await _control(ctx, "cache_control", input_ids=ids, ends=[b.end for b in bps],
+                          ttls=[b.ttl_s for b in bps], read=st.cached_tokens,
+                          cache_salt=effective_salt(CURRENT.get(), cache_salt))
+
+
+def anthropic_usage(st: ReqState, res: dict[str, Any] | None) -> dict[str, Any]:
+    created = int((res or {}).get("created_tokens", 0))
+    read = st.cached_tokens
+    return {"input_tokens": max(0, st.prompt_tokens - read - created), "output_tokens": len(st.output_ids),
+            "cache_read_input_tokens": read, "cache_creation_input_tokens": created,
+            "cache_read_input_tokens_details": dict(st.cached_by_tier)}  # HiCache's: by tier
+
+
+def meta(st: ReqState, res: dict[str, Any]) -> dict[str, Any]:
+    """``meta_info.cache_control`` of the OpenAI and native routes."""
+    return {"cache_read_tokens": st.cached_tokens, "cache_read_tokens_details": dict(st.cached_by_tier),
+            "cache_creation_tokens": int(res.get("created_tokens", 0)),
+            "pinned_tokens": int(res.get("pinned_tokens", 0))}
+
+
+@router.post("/debug/advance_kv_clock")
+async def advance_kv_clock(request: Request) -> dict[str, Any]:
+    ctx = get_ctx(request)
+    if not ctx.server.enable_debug_endpoints:
+        raise APIError(404, "no such route (start the server with --enable-debug-endpoints)")
+    try:
+        body = await request.json()
+        seconds = float(body["seconds"])
+    except (ValueError, KeyError, TypeError):
+        raise APIError(400, 'the body must be {"seconds": <number>}', param="seconds") from None
+    return await _control(ctx, "advance_clock", seconds=seconds)
+
+
+async def breakpoints_for(ctx: ServerContext, body: Any, ids: list[int]) -> list[Breakpoint]:
+    return await run_in_threadpool(anthropic_breakpoints, ctx, body, ids)
