@@ -14,6 +14,8 @@ setup: $(VENV)/.installed
 	$(PY) -m serving.convert --default $(MODEL)
 	@# The C++ CPU ops (serving/kernels/csrc; g++ + ninja): every ISA variant this CPU runs, built once here
 	$(PY) -m serving.kernels.cpu_ext
+	@# The storage tier's one-call page copy + hash (hicache/tiers/native/copy_hash.c; cc)
+	$(PY) -m hicache.tiers.native_copy
 
 $(VENV)/.installed: pyproject.toml
 	@# Mooncake's transfer engine needs Debian's libibverbs (skipped when present or not root).

@@ -104,11 +104,11 @@ class SlowLMDBStore(LMDBStore):
         finally:
             self.finished["get"] += 1
 
-    def batch_get_pages(self, keys, dsts, trailers, check=None):
+    def batch_get_pages(self, keys, dsts, trailers, copy=None):
         self._enter_read(keys)
         self._slow("pages")
         try:
-            out = super().batch_get_pages(keys, dsts, trailers, check)
+            out = super().batch_get_pages(keys, dsts, trailers, copy)
             self._count_reads(keys, out)
             return out
         finally:

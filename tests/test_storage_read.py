@@ -17,7 +17,7 @@ import pytest
 import torch
 import xxhash
 
-from hicache.tiers import native_hash
+from hicache.tiers import native_copy, native_hash
 from hicache.tiers.host import make_host_pool
 from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.storage import ReadJob, StorageTier
@@ -118,6 +118,27 @@ def test_native_hash_is_bound_where_xxhash_exports_it():
     if not hasattr(lib, "XXH3_64bits_dispatch") and not hasattr(lib, "XXH3_64bits"):
         pytest.skip("this xxhash build exports no XXH3 symbol")
     assert native_hash.NATIVE  # else every reader thread would hash holding the GIL
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, native_copy.CHUNK, 3 * native_copy.CHUNK + 5])
+def test_copy_and_hash_copies_every_byte_and_gives_xxh3_of_each(n):
+    rng = np.random.default_rng(n)
+    srcs = [rng.integers(0, 256, n + 1, dtype=np.uint8)[1:] for _ in range(4)]  # unaligned sources
+    dsts = [np.zeros(n, np.uint8) for _ in range(4)]
+    got = native_copy.copy_and_hash(srcs, dsts)
+    assert got == [xxhash.xxh3_64_intdigest(s) for s in srcs]
+    assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts, strict=True))
+    with pytest.raises(ValueError, match="equal size"):
+        native_copy.copy_and_hash([srcs[0]], [np.zeros(n + 1, np.uint8)])
+
+
+def test_copy_and_hash_is_native_where_a_compiler_is():
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    native_copy.copy_and_hash([np.ones(8, np.uint8)], [np.zeros(8, np.uint8)])
+    assert native_copy.NATIVE, native_copy.error  # else a reader needs the GIL twice per page
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])

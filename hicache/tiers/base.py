@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 Buffer = Any  # bytes-like: bytes, bytearray, memoryview, a contiguous numpy uint8 array
@@ -38,7 +39,9 @@ Buffer = Any  # bytes-like: bytes, bytearray, memoryview, a contiguous numpy uin
 MISSING = -1  # no such key
 ERROR = -2  # the store failed / timed out / is unavailable (counted in stats["errors"])
 TOO_LARGE = -3  # the value does not fit its span (the caller treats it as corrupt)
-REJECTED = -4  # batch_get_pages: copied, but the caller's check refused it (reading stopped there)
+# ``copy(srcs, idx)`` of :meth:`StorageBackend.batch_get_pages`: copy ``srcs[k]`` into the
+# caller's ``dsts[idx[k]]``, all in one call (the storage tier copies and hashes them at once).
+PageCopy = Callable[[list[Any], list[int]], None]
 
 
 class StagingBuffer:
@@ -163,32 +166,34 @@ class StorageBackend(ABC):
     direct_reads = False
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
-                        check: Callable[[int], bool] | None = None) -> list[int]:
+                        copy: PageCopy | None = None) -> list[int]:
         """Copy each key's value into two places: its first ``len(dsts[i])`` bytes into the
         writable uint8 array ``dsts[i]``, the rest into row ``i`` of the uint8 array
-        ``trailers`` (``[n, t]``), then call ``check(i)`` (while the page is still in the CPU's
-        caches); a page it refuses is reported :data:`REJECTED` and ends the batch (later keys
-        read as :data:`MISSING`). Returns
-        per key the value's size, or :data:`MISSING` / :data:`ERROR`; a value whose size is
-        not ``len(dsts[i]) + t`` is left uncopied and reported by its size (the caller
-        rejects it)."""
+        ``trailers`` (``[n, t]``). The payloads are copied by one call ``copy(srcs, idx)``
+        (``srcs[k]``, a uint8 view of a payload, into ``dsts[idx[k]]``), made once per call
+        while the views are valid; by default numpy copies them one by one. Returns per key
+        the value's size, or :data:`MISSING` / :data:`ERROR`; a value whose size is not
+        ``len(dsts[i]) + t`` is left uncopied and reported by its size (the caller rejects it)."""
         same_len(keys, dsts)
         out: list[int] = []
+        srcs, idx = [], []
         t = trailers.shape[1]
         for i, val in enumerate(self.batch_get(keys)):
             if val is None:
                 out.append(MISSING)
                 continue
-            mv = memoryview(val).cast("B")
+            src = np.frombuffer(val, dtype=np.uint8)
             n = len(dsts[i])
-            if len(mv) == n + t:
-                dsts[i][:] = mv[:n]
-                trailers[i][:] = mv[n:]
-                if check is not None and not check(i):
-                    out.append(REJECTED)
-                    break
-            out.append(len(mv))
-        return out + [MISSING] * (len(keys) - len(out))
+            if len(src) == n + t:
+                trailers[i][:] = src[n:]
+                srcs.append(src[:n])
+                idx.append(i)
+            out.append(len(src))
+        if copy is not None:
+            copy(srcs, idx)
+        else:
+            copy_each(srcs, [dsts[i] for i in idx])
+        return out
 
     def batch_set_from(
         self, keys: Sequence[str], buf: StagingBuffer, spans: Sequence[tuple[int, int]]
@@ -196,6 +201,12 @@ class StorageBackend(ABC):
         """Store each key's value, the bytes of ``buf`` at its ``(offset, size)`` span."""
         same_len(keys, spans)
         return self.batch_set(keys, [buf.view(off, size) for off, size in spans])
+
+
+def copy_each(srcs: Sequence[Any], dsts: Sequence[Any]) -> None:
+    """Numpy copies, one per page: what :meth:`StorageBackend.batch_get_pages` does without a ``copy``."""
+    for s, d in zip(srcs, dsts, strict=True):
+        np.copyto(d, s)
 
 
 def same_len(a: Sequence, b: Sequence) -> None:

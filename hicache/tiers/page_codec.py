@@ -100,12 +100,23 @@ class PageCodec:
 
     def verify_parts(self, trailer, key: str, payload) -> bool:
         """Whether ``payload`` with ``trailer`` (``TRAILER_SIZE`` bytes) is a good page for ``key``."""
-        if len(payload) != self.page_nbytes or len(trailer) != TRAILER_SIZE:
+        if len(payload) != self.page_nbytes:
+            return False
+        return self.verify_hashed(trailer, key, checksum(payload))
+
+    def verify_hashed(self, trailer, key: str, payload_hash: int) -> bool:
+        """:meth:`verify_parts` for a payload of ``page_nbytes`` whose XXH3-64 is ``payload_hash``
+        (computed while it was copied, :func:`~hicache.tiers.native_copy.copy_and_hash`)."""
+        if len(trailer) != TRAILER_SIZE:
             return False
         fields = _TRAILER.unpack_from(trailer, 0)
         if fields[:8] != self._fields or fields[9] != _key_digest(key) or fields[10] != self.encoding.code:
             return False
-        return checksum(payload) == fields[8]
+        return payload_hash == fields[8]
+
+    def pack_trailer_hashed(self, buf, offset: int, key: str, payload_hash: int) -> None:
+        """:meth:`pack_trailer_into` for a payload whose XXH3-64 is ``payload_hash``."""
+        _TRAILER.pack_into(buf, offset, *self._fields, payload_hash, _key_digest(key), self.encoding.code)
 
     def verify(self, value, key: str) -> bool:
         """Whether ``value`` (payload + trailer, exactly ``value_nbytes``) is a good page for ``key``."""

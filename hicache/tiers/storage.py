@@ -8,10 +8,11 @@ pages are cut into groups, queued in order behind earlier jobs, and its landed, 
 prefix grows while it runs. Two data paths, chosen per call:
 - **direct** (a ``page_first`` host pool and a backend with ``direct_reads``, i.e. LMDB):
   a group copies each value's payload straight from the store into its L2 page (one copy)
-  and its trailer into a side buffer, in its own read transaction, and verifies the page
-  right after its copy (the XXH3 drops the GIL, :mod:`hicache.tiers.native_hash`). A
-  write copies the page once into staging (payload + trailer, one contiguous value) and
-  hands that to the backend.
+  and its trailer into a side buffer, in its own read transaction; the group's payloads are
+  copied and hashed in one GIL-free call (:mod:`hicache.tiers.native_copy`: a reader needs
+  the GIL once per group, not twice per page) and each page is checked against its trailer
+  before the group counts as landed. A write copies (and hashes) the page once into staging
+  (payload + trailer, one contiguous value) and hands that to the backend.
 - **staged** (any other pool or backend, e.g. Mooncake with its registered buffers): values
   land in a staging buffer of the reader thread and are scattered into the pool's layout.
 """
@@ -30,11 +31,12 @@ import numpy as np
 import torch
 
 from hicache.ratelimited_log import RateLimitedLog
-from hicache.tiers.base import REJECTED, TOO_LARGE, StagingBuffer, StorageBackend
+from hicache.tiers.base import TOO_LARGE, StagingBuffer, StorageBackend
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.mooncake.store import MooncakeStore
+from hicache.tiers.native_copy import copy_and_hash
 from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
 
@@ -193,8 +195,10 @@ class StorageTier:
         rows = buf.array[: n * slot].reshape(n, slot)
         if pool.layout_name == "page_first" and pool.encoding == self.encoding.name:
             view = self._pool_view(pool)
-            for i, p in enumerate(pages):
-                np.copyto(rows[i, :nb], view[p])
+            hashes = copy_and_hash([view[p] for p in pages], [rows[i, :nb] for i in range(n)])
+            for i in range(n):
+                self.codec.pack_trailer_hashed(rows[i], nb, keys[i], hashes[i])
+            return
         else:
             kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X], decoded
             dst = buf.tensor[: n * slot].view(n, slot)[:, :nb]
@@ -236,17 +240,23 @@ class StorageTier:
 
     def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int]) -> int:
         """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread).
-        Each page is verified right after its copy, while it is still in the CPU's caches."""
+        The group's payloads are copied and hashed in one GIL-free call (:func:`copy_and_hash`,
+        each chunk hashed right after its copy), then every page is checked against its trailer."""
         trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
         dsts = [view[p] for p in pages]
+        hashes: dict[int, int] = {}
+
+        def copy(srcs: list[np.ndarray], idx: list[int]) -> None:
+            hashes.update(zip(idx, copy_and_hash(srcs, [dsts[i] for i in idx]), strict=True))
+
         codec = self.codec
-        sizes = self.backend.batch_get_pages(keys, dsts, trailers,
-                                             check=lambda i: codec.verify_parts(trailers[i], keys[i], dsts[i]))
+        sizes = self.backend.batch_get_pages(keys, dsts, trailers, copy=copy)
         ok = 0
         for i, size in enumerate(sizes):
-            if size < 0 and size not in (TOO_LARGE, REJECTED):  # missing / error: a plain miss
+            if size < 0 and size != TOO_LARGE:  # missing / error: a plain miss
                 break
-            if size != codec.value_nbytes:  # refused by the check, or of the wrong size
+            if size != codec.value_nbytes or i not in hashes or \
+                    not codec.verify_hashed(trailers[i], keys[i], hashes[i]):  # wrong size, or corrupt
                 self._corrupt(keys[i])
                 break
             ok += 1

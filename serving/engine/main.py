@@ -20,7 +20,6 @@ from serving.engine.config import EngineProcessConfig
 # the HTTP process imports this module for the entry point and never needs them.
 
 log = logging.getLogger("hicache.engine")
-GIL_SWITCH_S = 0.0005
 
 
 def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
@@ -48,10 +47,6 @@ def engine_main(
     ``settings``: the server's settings for this process (ServerConfig.engine_process()).
     ``heartbeat``: the watchdog's shared array (serving.ipc.make_heartbeat), beaten every turn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
-    # The scheduler thread holds the GIL between kernel launches; a background thread (an L3 read, a
-    # PD transfer or its notification) that wakes up would otherwise wait up to 5 ms (Python's
-    # default switch interval) for it, on every hand-off.
-    sys.setswitchinterval(GIL_SWITCH_S)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     from serving.disagg.role import make_role
     from serving.engine.loop import EngineLoop

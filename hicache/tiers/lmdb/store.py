@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lmdb
@@ -44,11 +44,12 @@ import numpy as np
 from hicache.tiers.base import (
     ERROR,
     MISSING,
-    REJECTED,
     TOO_LARGE,
     Buffer,
+    PageCopy,
     StagingBuffer,
     StorageBackend,
+    copy_each,
     same_len,
 )
 from hicache.tiers.lmdb.accounting import LMDBAccounting
@@ -150,12 +151,12 @@ class LMDBStore(StorageBackend):
         return out
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
-                        check: Callable[[int], bool] | None = None) -> list[int]:
+                        copy: PageCopy | None = None) -> list[int]:
         same_len(keys, dsts)
         t = trailers.shape[1]
 
         def run(txn):
-            res = []
+            res, srcs, idx = [], [], []
             for i, k in enumerate(keys):
                 val = txn.get(k.encode(), db=self.handles.data)  # a view into the map, valid in txn
                 if val is None:
@@ -164,13 +165,15 @@ class LMDBStore(StorageBackend):
                 n = len(dsts[i])
                 if len(val) == n + t:
                     src = np.frombuffer(val, dtype=np.uint8)
-                    np.copyto(dsts[i], src[:n])  # one copy, map -> L2 page (numpy drops the GIL)
                     trailers[i] = src[n:]
-                    if check is not None and not check(i):  # verified while the page is cache-hot
-                        res.append(REJECTED)
-                        break
+                    srcs.append(src[:n])
+                    idx.append(i)
                 res.append(len(val))
-            return res + [MISSING] * (len(keys) - len(res))
+            if copy is not None:  # one copy, map -> L2 page, for all of them at once (GIL released)
+                copy(srcs, idx)
+            else:
+                copy_each(srcs, [dsts[i] for i in idx])
+            return res
 
         out = self._read(run, buffers=True)
         if out is None:
