@@ -29,6 +29,7 @@ from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
 from serving.model_runner import ModelRunner
 from serving.parallel.leader import TPLeader
+from serving.prefill_timer import PrefillTimer
 from serving.req_cache import ReqCache
 from serving.request import Req
 from serving.sampling_params import InvalidRequest, SamplingParams
@@ -112,7 +113,7 @@ class EngineCore:
                 self.runner.device,
                 overlap=not config.scheduler.disable_overlap_schedule and self.runner.device.type == "cuda"))
         if self.storage is not None:  # the load-vs-recompute model learns the prefill rate
-            self.scheduler.prefill_observer = self.storage.load_policy.observe_prefill
+            self.scheduler.prefill_timer = PrefillTimer(self.storage.load_policy.observe_prefill, self.runner.device)
         self.sessions: set[str] = set()
 
     def _make_host_pool(self) -> HostKVPool:

@@ -18,6 +18,7 @@ import torch
 from serving.config import SchedulerConfig
 from serving.forward_batch import ForwardBatch
 from serving.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
+from serving.prefill_timer import PrefillTimer
 from serving.req_cache import ReqCache
 from serving.request import Req
 from serving.sampler import Sampler
@@ -60,8 +61,8 @@ class Scheduler:
         self.running: list[Req] = []  # admitted, in admission order
         self.stats = SchedulerStats()
         self.grammar = None  # serving.grammar.runner.GrammarRunner (structured output), set by EngineCore
-        # (prefill tokens, seconds) of every step that prefilled: the L3 cost model's prefill rate
-        self.prefill_observer: Callable[[int, float], None] | None = None
+        # times the forward passes that prefill (GPU time on CUDA): the L3 cost model's prefill rate
+        self.prefill_timer: PrefillTimer | None = None
         self._step_prefill = 0
         self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
         self.pd = None  # serving.disagg.role_base.PDRole of a prefill / decode server (None: colocated)
@@ -142,8 +143,8 @@ class Scheduler:
         t0 = time.perf_counter()
         self._step_prefill = 0
         out = self._step()
-        if self._step_prefill and self.prefill_observer is not None:
-            self.prefill_observer(self._step_prefill, time.perf_counter() - t0)
+        if self.prefill_timer is not None:
+            self.prefill_timer.poll()
         if self.spec is not None:  # what a draft costs, from the decode steps' times
             self.spec.observe(time.perf_counter() - t0)
         for r in self.waiting:  # lookups that finished during the forward pass start their fetch now,
@@ -198,7 +199,12 @@ class Scheduler:
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
         if self.grammar is not None:
             masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
+        timed = self._step_prefill and self.prefill_timer is not None
+        if timed:
+            self.prefill_timer.begin()
         all_logits = logits = self.forward(fb)  # [B, vocab] (+ the extra rows)
+        if timed:
+            self.prefill_timer.end(self._step_prefill)
         self.stats.forward_passes += 1
         if prompt_rows or verify:
             logits = record_prompt_rows(prompt_rows, logits, len(batch_reqs))
