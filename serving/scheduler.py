@@ -199,7 +199,8 @@ class Scheduler:
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
         if self.grammar is not None:
             masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
-        timed = self._step_prefill and self.prefill_timer is not None
+        # a batch whose layers wait for loads (L2/L3 -> L1) would time the loads, not the prefill
+        timed = self._step_prefill and self.prefill_timer is not None and fb.layer_waits is None
         if timed:
             self.prefill_timer.begin()
         all_logits = logits = self.forward(fb)  # [B, vocab] (+ the extra rows)
