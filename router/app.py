@@ -6,7 +6,8 @@ Ollama's default). Sessions: /open_session (a worker chosen by the policy; the r
 sticks to it), /close_session (to the session's worker). Forwarded to any available worker:
 /v1/models, /get_model_info, /health_generate, /v1/messages/count_tokens, /api/tags, /api/show,
 /api/version. Broadcast: /flush_cache. Router-own: /health (200 while any worker is available),
-/get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``), /list_workers.
+/get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``; ``&drain=true``: a warm drain,
+router/drain.py), /list_workers.
 Every answer that came from a worker names it in ``x-hicache-worker``. The router's own errors
 (and unknown routes) answer in the shape of the path's API, as the workers do (router/errors.py).
 The KV control API (/cache/lookup, /cache/prefetch, /cache/pin) goes to the worker that holds
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.config import RouterConfig
+from router.drain import DrainError, drain_worker
 from router.errors import error, install
 from router.kv_routes import add_kv_routes
 from router.pd_app import PDRouterState, add_pd_routes
@@ -185,6 +187,11 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @app.post("/remove_worker")
     async def remove_worker(request: Request) -> Response:
         url = (await _url(request) or "").rstrip("/")
+        if request.query_params.get("drain", "").lower() in ("1", "true", "yes"):  # a warm drain (router/drain.py)
+            try:
+                return JSONResponse(await drain_worker(state, url))
+            except DrainError as e:
+                return error(e.status, str(e))
         if not state.pool.remove(url):
             return error(404, f"no worker {url!r}")
         return JSONResponse({"success": True})

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from router.cache_view import CacheView
 from router.config import RouterConfig
+from router.drain import on_worker_draining
 from router.keypool import KeyPool
 from router.policies import RouteRequest, make_policy
 from router.proxy import Forwarder
@@ -42,6 +43,7 @@ class RouterState:
         )
         self.tenancy = Tenancy(cfg.api_key, cfg.api_keys_file)
         self.leases: BoundedMap = BoundedMap(cfg.max_leases)  # pin lease id -> worker url
+        self.lease_alias: BoundedMap = BoundedMap(cfg.max_leases)  # a drained worker's lease id -> its new id
         self.policy = make_policy(cfg, self.view)
         self.pool = WorkerPool(cfg, self.client, self.worker_headers)
         self.pool.on_reset.append(self.policy.forget)
@@ -50,6 +52,7 @@ class RouterState:
             self.pool.on_reset.append(self.view.forget)
         self.forwarder = self.make_forwarder()
         self.pool.on_reset.append(self.forwarder.sessions.forget_worker)
+        self.pool.on_draining.append(lambda url: on_worker_draining(self, url))
         self.keys = KeyPool(None, 0)
         self._maint: asyncio.Task[None] | None = None
 

@@ -70,6 +70,8 @@ class WorkerPool:
         self.headers = headers  # auth for health / load polls
         self.workers: dict[str, Worker] = {}
         self.on_reset: list[Callable[[str], None]] = []  # a worker's cache is gone (removed / restarted)
+        self.draining: set[str] = set()  # workers being drained (router/drain.py): no new requests
+        self.on_draining: list[Callable[[str], None]] = []  # a worker's /health says it is draining
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, asyncio.Task[None]] = {}  # url -> a health check started by suspect()
 
@@ -98,6 +100,8 @@ class WorkerPool:
         now = time.monotonic() if now is None else now
         out = []
         for w in self.workers.values():
+            if w.url in self.draining:
+                continue
             if w.state == CLOSED:
                 if w.healthy:
                     out.append(w)
@@ -177,6 +181,9 @@ class WorkerPool:
         try:
             r = await self.client.get(w.url + "/health", timeout=self.cfg.health_check_timeout_s)
             ok = r.status_code == 200
+            if r.status_code == 503 and b'"draining":true' in r.content.replace(b" ", b""):
+                for fn in self.on_draining:  # it drains on its own: re-home its sessions and leases
+                    fn(w.url)
         except httpx.HTTPError:
             ok = False
         if ok != w.healthy:

@@ -31,6 +31,7 @@ from hicache import salt
 from hicache.keys import page_keys
 from serving.kv_breakpoints import Breakpoints
 from serving.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
+from serving.kv_drain import drain_report
 from serving.kv_sessions import SessionRegistry
 
 __all__ = ["MAX_TTL_S", "ControlError", "ControlLimits", "KVControl", "Lease"]
@@ -44,6 +45,8 @@ class Lease:
     tokens: int
     expires: float  # KVControl.now()
     session_id: str | None = None
+    input_ids: list[int] | None = None  # the prompt it pins, unsalted (a drain re-pins it elsewhere)
+    cache_salt: str | None = None  # its effective salt
 
 
 class KVControl:
@@ -87,8 +90,10 @@ class KVControl:
             "unpin": lambda: self.unpin(args["lease_id"], tenant),
             "cache_control_admit": lambda: self.breakpoints.admit(self._salted(args), args["ends"], tenant),
             "cache_control": lambda: self.breakpoints.apply(self._salted(args), args["ends"], args["ttls"], tenant,
-                                                            int(args["read"])),
+                                                            int(args["read"]), args.get("cache_salt"),
+                                                            args["input_ids"]),
             "advance_clock": lambda: self._advance(float(args["seconds"])),
+            "drain": lambda: drain_report(self),
         }
         if op not in ops:
             raise ControlError(400, f"unknown KV control operation {op!r}")
@@ -157,7 +162,7 @@ class KVControl:
         if not 0 < ttl_s <= MAX_TTL_S:
             raise ControlError(400, f"ttl_s must be in (0, {MAX_TTL_S:g}]")
         tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
-        return self._pin_tokens(tokens, tenant, ttl_s, session_id)
+        return self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt))
 
     def _admit_lease(self, tenant: str | None) -> None:
         cap = self.limits.max_pin_leases
@@ -170,8 +175,8 @@ class KVControl:
                                     f"tenant may (max_pin_leases_per_tenant {cap}): release some "
                                     "(DELETE /cache/pin/{lease_id}) or let them expire")
 
-    def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float,
-                    session_id: str | None = None) -> dict[str, Any]:
+    def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float, session_id: str | None = None,
+                    origin: tuple[list[int], str | None] = (None, None)) -> dict[str, Any]:
         self._admit_lease(tenant)
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
@@ -194,13 +199,15 @@ class KVControl:
         self._pinned.setdefault(tenant, Counter()).update(pages)
         self._lease_count[tenant] += 1
         lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages, len(pages) * ps,
-                      self.now() + ttl_s, session_id)
+                      self.now() + ttl_s, session_id, *origin)
         self.leases[lease.lease_id] = lease
         return {"lease_id": lease.lease_id, "pinned_tokens": lease.tokens, "ttl_s": ttl_s}
 
-    def pin_prefix(self, tokens: list[int], tenant: str | None, ttl_s: float) -> dict[str, Any]:
-        """Pin already salted ``tokens`` (a cache_control breakpoint's prefix)."""
-        return self._pin_tokens(tokens, tenant, ttl_s)
+    def pin_prefix(self, tokens: list[int], tenant: str | None, ttl_s: float,
+                   origin: tuple[list[int], str | None]) -> dict[str, Any]:
+        """Pin already salted ``tokens`` (a cache_control breakpoint's prefix; ``origin``: the
+        unsalted ids and the effective salt)."""
+        return self._pin_tokens(tokens, tenant, ttl_s, None, origin)
 
     def pinned_pages_of(self, tenant: str | None) -> int:
         return len(self._pinned.get(tenant, ()))

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from serving import ipc as m
 from serving.server.cache_api import Retention
 from serving.server.context import get_ctx
+from serving.server.drain import draining_health
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
@@ -46,9 +47,12 @@ METRICS_ENGINE_WAIT_S = 2.0  # how long a /metrics scrape waits for the engine's
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    client = get_ctx(request).client
+    ctx = get_ctx(request)
+    client = ctx.client
     if not client.alive:
         raise APIError(503, "the engine process is not running")
+    if ctx.draining:  # how a router learns of a drain (router/drain.py)
+        return draining_health()
     if client.stalled:
         raise APIError(503, client.stall_message())
     return Response(status_code=200)

@@ -17,6 +17,7 @@ from serving.server import (
     anthropic_api,
     cache_api,
     cache_control,
+    drain,
     errors,
     native_api,
     ollama_api,
@@ -118,7 +119,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="HiCache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     errors.install(app)
-    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api, cache_control):
+    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api, cache_control, drain):
         app.include_router(module.router)
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)

@@ -62,6 +62,10 @@ class ServerConfig:
     access_log: bool = True
     enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
     graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
+    # SIGTERM first drains (serving/server/drain.py: 503 for new requests, running ones finish, every
+    # cached page L3 lacks is written), then shuts down
+    drain_on_shutdown: bool = False
+    drain_timeout_s: float = 60.0  # how long a drain waits for running requests before it aborts them
     enable_cache_events: bool = False  # GET /cache_events: pages added / evicted per tier (for routers)
     # at shutdown the engine process gets this long to finish (with L3 it first writes every cached
     # page on to L3); past it, it is killed and the pages not yet written are lost
@@ -104,6 +108,8 @@ class ServerConfig:
             from serving.server.trusted_hosts import parse_allowed_hosts
 
             parse_allowed_hosts(self.allowed_hosts)  # ValueError naming a malformed entry
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError("drain_timeout_s must be in [0, 3600]")
         if self.graceful_shutdown_timeout_s < 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0")
         if self.shutdown_timeout_s <= 0:

@@ -23,6 +23,8 @@ from serving.server.tenants import CURRENT, TenantTable, effective_salt
 from serving.tokenizer import Tokenizer, TooManyTokens
 
 GREEDY_EPS = 1e-6
+DRAINING = ("this server is draining (POST /drain or a SIGTERM with --drain-on-shutdown): it admits no new "
+            "requests; send them to another worker")  # serving/server/drain.py
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ServerContext:
     tokenizer: Tokenizer | None
     metrics: ServerMetrics
     tenants: TenantTable | None = None  # --api-keys-file
+    draining: bool = False  # POST /drain (serving/server/drain.py): no new generation is admitted
 
     @property
     def info(self) -> dict[str, Any]:
@@ -102,6 +105,8 @@ class ServerContext:
     ) -> m.GenerateReq:
         """Check what can be checked here (the engine checks the rest) and build the message.
         ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space."""
+        if self.draining:
+            raise APIError(503, DRAINING)
         check_salt(cache_salt)
         if session_id is not None:
             check_session_id(session_id)  # every generation route's session_id comes through here

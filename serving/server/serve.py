@@ -8,6 +8,7 @@ are served once the server is ready.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import signal
@@ -21,6 +22,7 @@ from serving import ipc as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext
+from serving.server.drain import drain
 from serving.server.engine_client import EngineClient, EngineStartError
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
@@ -33,6 +35,10 @@ log = logging.getLogger("hicache.server")
 
 class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.drain is not None and self.loop is not None and not self.should_exit:
+            run, self.drain, loop = self.drain, None, self.loop  # --drain-on-shutdown: drain, then stop
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain_then_exit(run)))
+            return
         # uvicorn re-raises the signal after a graceful shutdown (so the exit status says
         # "killed"); a SIGTERM'd HiCache server shuts down and exits 0 instead.
         if self.should_exit and sig == signal.SIGINT:
@@ -41,9 +47,21 @@ class _Uvicorn(uvicorn.Server):
             self.should_exit = True
 
     warmup: Callable[[], Awaitable[None]] | None = None
+    drain: Callable[[], Awaitable[dict]] | None = None  # --drain-on-shutdown (serving/server/drain.py)
+    loop: asyncio.AbstractEventLoop | None = None
     failed = False
 
+    async def _drain_then_exit(self, run: Callable[[], Awaitable[dict]]) -> None:
+        try:
+            r = await run()
+            log.info("drained: %d pages written to L3 (%d on L3, %d not written), %d requests aborted",
+                     r["written_pages"], r["l3_pages"], r["not_written"], r["aborted"])
+        except Exception as e:
+            log.error("the drain failed (%s: %s); shutting down", type(e).__name__, e)
+        self.should_exit = True
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started and not self.should_exit:
             if self.warmup is not None:
@@ -133,6 +151,8 @@ def run_server(cfg: AppConfig) -> int:
             )
         )
         server.warmup = lambda: _warmup(client)
+        if cfg.server.drain_on_shutdown:
+            server.drain = lambda: drain(ctx, cfg.server.drain_timeout_s)
 
         def engine_gone() -> None:
             server.should_exit = server.failed = True

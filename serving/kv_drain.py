@@ -1,0 +1,55 @@
+"""A warm drain's engine side (the HTTP route is serving/server/drain.py): write every cached L1/L2
+page that L3 lacks on to L3, and say what this engine holds that another worker should take
+over (open sessions, pin leases), so a router can re-home them (router/drain.py).
+
+The HTTP side calls this once no request is running or waiting (it stopped admitting first).
+With L3: the L1-only nodes get an L2 copy, then every L2 page not in L3 is written (the writes
+are waited for, as at shutdown: serving/engine/shutdown.py), and the counts are taken over the
+tree's pages: ``written_pages`` (by this drain), ``l3_pages`` (known to be on L3 now, written
+earlier or found there), ``not_written`` (no L2 room for a copy, a failed write). Without L3
+nothing can be handed over and the report says so (``l3: false``).
+
+Concurrency contract: engine loop thread (a KV control call); it blocks the loop for the writes,
+which is what a drain is for: nothing else runs on a draining engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.kv_control_limits import ControlError
+
+
+def persist(core: Any) -> dict[str, Any]:
+    storage = getattr(core, "storage", None)
+    if storage is None:
+        return {"l3": False, "written_pages": 0, "l3_pages": 0, "not_written": 0, "tree_pages": 0}
+    ps = core.config.cache.page_size
+    written = storage.pages_written
+    core.tree.backup_all()
+    core.req_cache.flush_transfers()  # runs the backups, then hands them to the L3 writers
+    storage.persist_all()  # every L2 page not on L3 yet; waits for the writes
+    nodes = list(core.tree.nodes())
+    total = sum(len(nd.key) // ps for nd in nodes)
+    stored = sum(min(nd.storage_pages, len(nd.key) // ps) for nd in nodes)
+    return {"l3": True, "written_pages": storage.pages_written - written, "l3_pages": stored,
+            "not_written": total - stored, "tree_pages": total}
+
+
+def drain_report(control: Any) -> dict[str, Any]:
+    """Persist to L3 (see the module docstring); the open sessions and the live pin leases."""
+    core = control.core
+    sched = core.scheduler
+    busy = len(sched.running) + len(sched.waiting)
+    if busy:  # the HTTP side waits for them first; a request let in since is not cut off here
+        raise ControlError(409, f"{busy} requests are still running or waiting: the drain persists once they "
+                                "finished")
+    control.expire()
+    now = control.now()
+    report = persist(core)
+    sessions = [{"session_id": sid, "tenant": tenant, "retention": dict(control.sessions.retention.get(sid, {}))}
+                for sid, tenant in control.sessions.owner.items()]
+    leases = [{"lease_id": x.lease_id, "tenant": x.tenant, "input_ids": list(x.input_ids), "cache_salt": x.cache_salt,
+               "ttl_s": max(0.001, x.expires - now), "pinned_tokens": x.tokens}
+              for x in control.leases.values() if x.session_id is None and x.input_ids is not None]
+    return {**report, "sessions": sessions, "leases": leases}

@@ -1,0 +1,99 @@
+"""Warm drains (serving/server/drain.py, router/drain.py): two real workers behind a real router with a
+real Mooncake Store as their shared L3 (in a network namespace of their own); sessions and a pin lease
+on worker A; A drained through the router; the sessions' next turns go to B and are served from L3
+(storage hits = the previous context), with the same greedy fp32 answers as a cold computation;
+nothing is lost or leaked on A. The single-worker part (503 while draining, the report, SIGTERM with
+--drain-on-shutdown) runs without Mooncake, on LMDB."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.netns import NetNS, unavailable_reason
+from tests.server_utils import ServerProcess, kill_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_drain_rehomes_sessions_onto_the_shared_l3(tmp_path, tiny_chat_model):
+    reason = unavailable_reason()
+    if reason or not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip(reason or "mooncake_master is not installed")
+    ns = NetNS()
+    ns.create()
+    proc = None
+    try:
+        proc = ns.popen([sys.executable, str(ROOT / "tests" / "mooncake_drain.py"), str(tiny_chat_model),
+                         str(tmp_path), ns.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        cwd=ROOT)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc is not None:  # whatever happened, no server or master outlives the test
+            kill_tree(proc)
+        ns.delete()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, out[-4000:]
+    res = json.loads(lines[-1])
+    assert res["pin_status"] == 200 and all(res["refs_cold"]), res
+    assert res["drain_status"] == 200, res
+    drain = res["drain"]
+    w = drain["worker"]
+    assert w["l3"] and w["written_pages"] > 0 and w["not_written"] == 0 and w["aborted"] == 0, drain
+    assert drain["sessions_moved"] == 3 and drain["leases_moved"] == 1 and drain["not_moved"] == [], drain
+    assert res["a_refuses"] == 503 and "draining" in res["a_refusal_text"], res
+    assert res["a_integrity"]["ok"] and res["a_integrity"]["running"] == 0, res["a_integrity"]
+    assert res["workers_after"] == [True], res  # A left the pool; B alone
+    for i, (turn, held) in enumerate(zip(res["turn2"], res["held_on_a"], strict=True)):
+        assert turn["status"] == 200, res
+        assert turn["cached"] == held > 0, (i, res["turn2"], res["held_on_a"])  # the previous context...
+        # ...from L3 (session 0's first pages are the re-homed lease's prefix: B prefetched them to L2)
+        assert turn["storage"] == held - (90 // 16 * 16 if i == 0 else 0), (i, res["turn2"], res["held_on_a"])
+    assert all(res["same_as_cold"]), res  # identical greedy answers (fp32)
+    assert res["unpin_status"] == 200, res  # the re-homed lease answers to its old id
+    assert res["b_integrity"], res
+    assert res["exit_codes"] == [0, 0] and not res["a_log_tracebacks"], res
+
+
+def test_drain_on_one_worker_then_sigterm(tmp_path, tiny_chat_model):
+    args = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--page-size", "16",
+            "--hicache-storage-backend", "lmdb", "--hicache-storage-backend-extra-config",
+            json.dumps({"path": str(tmp_path / "l3"), "capacity_gb": 1}), "--drain-on-shutdown"]
+    s = ServerProcess(args)
+    s.start()
+    try:
+        ids = [(k * 131) % 30000 + 100 for k in range(200)]
+        slow = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}
+        done: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: done.append(httpx.post(s.url + "/generate", json=slow, timeout=120)))
+        t.start()
+        while httpx.get(s.url + "/get_load", timeout=10).json()["load"] == 0 and t.is_alive():
+            time.sleep(0.01)  # until the request runs (or is done: the drain then finds nothing running)
+        bad = httpx.post(s.url + "/drain", json={"timeout_s": "soon"}, timeout=30)
+        assert bad.status_code == 400 and "timeout_s" in bad.text
+        r = httpx.post(s.url + "/drain", json={"timeout_s": 120}, timeout=180)
+        assert r.status_code == 200, r.text
+        t.join()
+        assert done[0].status_code == 200 and len(done[0].json()["output_ids"]) == 64  # it finished
+        rep = r.json()
+        assert rep["draining"] and rep["aborted"] == 0 and rep["l3"], rep
+        assert rep["written_pages"] > 0 and rep["not_written"] == 0 and rep["l3_pages"] == rep["tree_pages"], rep
+        refused = httpx.post(s.url + "/generate", json=slow, timeout=30)
+        assert refused.status_code == 503 and "draining" in refused.text, refused.text
+        health = httpx.get(s.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["draining"] is True
+        again = httpx.post(s.url + "/drain", timeout=30).json()  # a second drain reports again: nothing left
+        assert again["written_pages"] == 0 and again["not_written"] == 0, again
+        assert s.check_integrity()["ok"]
+    finally:
+        code = s.stop()
+    assert code == 0, s.log()
+    assert "drained:" in s.log() and "Traceback" not in s.log(), s.log()
