@@ -181,8 +181,8 @@ class EngineCore:
         n, ctx = len(input_ids) if isinstance(input_ids, list) else 0, self.runner.context_len
         if n >= ctx:  # before the O(n) scan below
             raise InvalidRequest(f"the prompt has {n} tokens; this model's context length is {ctx}")
-        if not isinstance(input_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in input_ids):
+        if not isinstance(input_ids, list) or not set(map(type, input_ids)) <= {int} or \
+                (input_ids and not (0 <= min(input_ids) and max(input_ids) < vocab)):  # type(): no bools
             raise InvalidRequest(f"input_ids must be a list of integers in [0, {vocab})")
         params = sampling_params if isinstance(sampling_params, SamplingParams) else \
             SamplingParams.from_dict(sampling_params)

@@ -294,8 +294,11 @@ class Scheduler:
 
     # -- decode reservation and retraction ------------------------------------------------
     def _reserve_decode(self) -> list[Req]:
+        # a request whose pending token is its last by length gets no decode: the overlapped step
+        # would compute a token that is dropped (for one-token requests, a second forward pass each)
         decode = [r for r in self.running
-                  if not r.prefilling and r.kv_len == r.seq_len - 1 and self.cache.poll_load(r)]
+                  if not r.prefilling and r.kv_len == r.seq_len - 1 and self.cache.poll_load(r)
+                  and not StopChecker.ends_by_length(r, self.context_len)]
         ready: list[Req] = []
         for r in decode:
             if r not in self.running:  # retracted below to make room for an earlier one

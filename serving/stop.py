@@ -29,6 +29,12 @@ class StopChecker:
             return {"type": "length", "length": len(r.output_ids)}
         return None
 
+    @staticmethod
+    def ends_by_length(r: Req, context_len: int) -> bool:
+        """Whether ``r``'s pending token (overlap scheduling) ends it by length, whatever it is:
+        then ``r`` needs no decode after it (its KV would never be read)."""
+        return r.pending >= 0 and (len(r.output_ids) + 1 >= r.sampling.max_new_tokens or r.seq_len >= context_len)
+
     def _stop_string(self, r: Req) -> str | None:
         # Decode a tail long enough to contain any stop string plus a token boundary.
         longest = max(len(s) for s in r.sampling.stop)

@@ -182,6 +182,27 @@ def tiny(tmp_path_factory):
     return path, ps, hf_greedy(path, ps, GREEDY["max_new_tokens"])
 
 
+def test_overlap_runs_no_decode_after_a_request_s_last_token(tiny):
+    """A request whose pending token ends it by length gets no overlapped decode: a one-token
+    request is one forward pass (the extra decode cost an L1 hit a second one), and a batch of
+    n-token requests runs n passes; tokens unchanged."""
+    from serving.engine import Engine
+    from tests.test_engine import GREEDY, ids_of
+
+    path, ps, ref = tiny
+    eng = Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=8192)
+    assert eng.core.scheduler._overlap is not None
+    stats = eng.core.scheduler.stats
+    before = stats.forward_passes
+    one = eng.generate(input_ids=ps[0], sampling_params={**GREEDY, "max_new_tokens": 1})
+    assert stats.forward_passes - before == 1 and one["output_ids"] == ref[0][:1]
+    before = stats.forward_passes
+    outs = eng.generate(input_ids=ps[:4], sampling_params={**GREEDY, "max_new_tokens": 5})
+    assert stats.forward_passes - before == 5 and ids_of(outs) == [r[:5] for r in ref[:4]]
+    eng.check_integrity()
+    eng.shutdown()
+
+
 @pytest.mark.parametrize("graph,overlap", [(True, True), (False, False), (True, False), (False, True)])
 def test_greedy_matches_hf_fp32(tiny, graph, overlap):
     from serving.engine import Engine

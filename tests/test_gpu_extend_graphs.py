@@ -293,3 +293,49 @@ def test_extend_graphs_under_l2_loads_match_cold_run(tiny):
     print(f"replays armed with load events: {ext.waits.armed if ext.waits else None}")
     eng.check_integrity()
     eng.shutdown()
+
+
+def test_l1_l2_l3_and_restart_hits_with_extend_graphs_equal_hf_fp32(tiny, tmp_path):
+    """fp32 on the GPU, graphs (decode and extend) and overlap on: prompts cold, then from L1, from
+    L2 (L1 emptied), and from L3 after a restart (a new engine on the same LMDB): every time the
+    greedy tokens of HF transformers, and the hits come from the tier they should."""
+    from serving.engine import Engine
+    from tests.test_engine import GREEDY, ids_of
+
+    path, ps, ref = tiny
+    ps, ref = ps[:4], ref[:4]
+    db = tmp_path / "l3"
+
+    def make() -> Engine:
+        return Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=4096,
+                      hicache_ratio=2.0, max_running_requests=1, hicache_storage_backend="lmdb",
+                      hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
+                      hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
+                      hicache_storage_prefetch_timeout_base=5.0, hicache_storage_load_policy="always_load")
+
+    def tier_hits(outs, tier):
+        return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
+
+    eng = make()
+    assert eng.core.runner.extend_graphs is not None and eng.core.scheduler._overlap is not None
+    assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref  # cold
+    l1 = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(l1) == ref and all(h > 0 for h in tier_hits(l1, "device"))
+    tree = eng.core.tree
+    tree.evict_device(tree.cached_pages("device"))  # everything down to L2
+    eng.core.req_cache.flush_transfers()
+    l2 = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(l2) == ref and all(h > 0 for h in tier_hits(l2, "host"))
+    eng.core.storage.poll(wait=True)
+    assert eng.core.storage.pages_written > 0
+    replays = eng.core.runner.extend_graphs.replays
+    assert replays > 0
+    eng.check_integrity()
+    eng.shutdown()
+    eng = make()  # a restart: L1 and L2 empty, LMDB holds the pages
+    l3 = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert ids_of(l3) == ref and all(h > 0 for h in tier_hits(l3, "storage")), tier_hits(l3, "storage")
+    assert eng.core.runner.extend_graphs.replays > 0
+    assert eng.core.storage.tier.stats()["corrupt"] == 0
+    eng.check_integrity()
+    eng.shutdown()
