@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -212,7 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_dp(cfg, argv[argv.index("serve") + 1:])
     from serving.server.serve import run_server
 
-    return run_server(cfg)
+    code = run_server(cfg)
+    # Both processes are down; the interpreter's exit would still walk every object the HTTP stack
+    # made in its final collections (~0.8 s of CPU): frozen, they are left to the OS.
+    gc.freeze()
+    return code
 
 
 if __name__ == "__main__":
