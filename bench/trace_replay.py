@@ -122,6 +122,8 @@ def server_argv(name: str, args, workdir: Path) -> list[str]:  # noqa: ANN001
     if "L2" in name:
         argv += ["--hicache-ratio", str(args.l2_ratio)]
     if "L3" in name:
+        if args.l3_dir:
+            os.makedirs(args.l3_dir, exist_ok=True)
         l3 = Path(tempfile.mkdtemp(prefix="trace-l3-", dir=args.l3_dir))
         cfg = workdir / f"{name.replace('+', '_')}.yaml"
         cfg.write_text(f"cache:\n  hicache_storage_backend_extra_config:\n    path: {l3}\n"
