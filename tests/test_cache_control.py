@@ -136,6 +136,12 @@ def test_limits_and_bad_breakpoints(server) -> None:
             codes.append(429)
     assert 429 in codes and codes == sorted(codes), codes  # 200s, then 429s
     httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 301}, timeout=30).raise_for_status()
+    # streaming: the final usage (message_delta) carries the pin's counts
+    block = {"type": "text", "text": "Stream a pinned answer. " * 6, "cache_control": EPH}
+    msgs = [{"role": "user", "content": [block]}]
+    with client.messages.stream(model="tiny", max_tokens=4, messages=msgs, extra_body=GREEDY) as s:
+        final = s.get_final_message()
+    assert final.usage.cache_creation_input_tokens > 0 and final.usage.cache_creation_input_tokens % PS == 0
     assert server.check_integrity()["ok"]
 
 
@@ -158,5 +164,6 @@ def test_neutral_field_on_generate_and_chat(server) -> None:
         "model": "tiny", "messages": msgs, "max_tokens": 1, "cache_control": {"type": "ephemeral"}})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert body["meta_info"]["cache_control"]["cache_creation_tokens"] > 0, body
+    cc = body["meta_info"]["cache_control"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == cc["cache_read_tokens"], body  # it stays
+    assert cc["cache_creation_tokens"] > 0 and cc["pinned_tokens"] == body["usage"]["prompt_tokens"] // PS * PS, body
