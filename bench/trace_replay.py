@@ -151,8 +151,10 @@ def run_live_cli(args) -> dict[str, Any]:  # noqa: ANN001
                 try:
                     results[name] = run_live(server.url, reqs, blocks, **kw)
                     results[name]["integrity_ok"] = server.check_integrity()["ok"]
-                finally:
-                    results.setdefault(name, {})["exit_code"] = server.stop()
+                    print(f"{name}: {results[name]}", flush=True)
+                    write_json(args.json, {**results, "partial": True})  # kept if a later setup fails
+                finally:  # a server with L3 persists its cache before it exits: give it the time
+                    results.setdefault(name, {})["exit_code"] = server.stop(timeout=args.start_timeout)
     rows = []
     for name, r in results.items():
         m, p = r["measured"], r["predicted"]
