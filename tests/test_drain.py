@@ -88,6 +88,8 @@ def test_drain_on_one_worker_then_sigterm(tmp_path, tiny_chat_model):
         assert rep["written_pages"] > 0 and rep["not_written"] == 0 and rep["l3_pages"] == rep["tree_pages"], rep
         refused = httpx.post(s.url + "/generate", json=slow, timeout=30)
         assert refused.status_code == 503 and "draining" in refused.text, refused.text
+        opened = httpx.post(s.url + "/open_session", json={}, timeout=30)
+        assert opened.status_code == 503 and "draining" in opened.text, opened.text
         health = httpx.get(s.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["draining"] is True
         again = httpx.post(s.url + "/drain", timeout=30).json()  # a second drain reports again: nothing left
@@ -97,3 +99,42 @@ def test_drain_on_one_worker_then_sigterm(tmp_path, tiny_chat_model):
         code = s.stop()
     assert code == 0, s.log()
     assert "drained:" in s.log() and "Traceback" not in s.log(), s.log()
+
+
+@pytest.mark.slow
+def test_router_sees_a_worker_drain_itself(tiny_chat_model):
+    """The worker is drained directly (POST /drain on it, as a SIGTERM with --drain-on-shutdown
+    would): the router's health check sees /health 503 {"draining": true}, re-homes the worker's
+    sessions on the other worker and removes it; the sessions' next requests are served there."""
+    from router.config import RouterConfig
+    from router.embedded import RouterThread
+    from tests.server_utils import start_all
+
+    args = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--max-total-tokens", "4096"]
+    a, b = ServerProcess(args), ServerProcess(args)
+    start_all(a, b)
+    router = RouterThread(RouterConfig(worker_urls=(a.url,), health_check_interval_s=0.2)).start()
+    try:
+        sids = [httpx.post(router.url + "/open_session", json={}, timeout=30).json() for _ in range(2)]
+        body = {"input_ids": list(range(100, 140)), "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+        for sid in sids:
+            r = httpx.post(router.url + "/generate", json={**body, "session_id": sid}, timeout=60)
+            assert r.status_code == 200 and r.headers["x-hicache-worker"] == a.url, r.text
+        httpx.post(router.url + "/add_worker", params={"url": b.url}, timeout=30).raise_for_status()
+        rep = httpx.post(a.url + "/drain", timeout=60).json()
+        assert {s["session_id"] for s in rep["sessions"]} == set(sids) and not rep["l3"], rep
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            urls = [w["url"] for w in httpx.get(router.url + "/list_workers", timeout=10).json()["workers"]]
+            if urls == [b.url]:
+                break
+            time.sleep(0.1)
+        assert urls == [b.url], urls
+        for sid in sids:  # open on B now (a session unknown there would be a 404)
+            r = httpx.post(router.url + "/generate", json={**body, "session_id": sid}, timeout=60)
+            assert r.status_code == 200 and r.headers["x-hicache-worker"] == b.url, r.text
+        assert a.check_integrity()["ok"] and b.check_integrity()["ok"]
+    finally:
+        router.stop()
+        codes = [s.stop() for s in (a, b)]
+    assert codes == [0, 0], a.log()[-3000:]

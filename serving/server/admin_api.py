@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from serving import ipc as m
 from serving.server.cache_api import Retention
-from serving.server.context import get_ctx
+from serving.server.context import DRAINING, get_ctx
 from serving.server.drain import draining_health
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -120,6 +120,8 @@ async def flush_cache(request: Request) -> dict[str, Any]:
 async def open_session(request: Request) -> JSONResponse:
     """Returns the session id as a JSON string (as SGLang does); takes an optional ``session_id``."""
     ctx = get_ctx(request)
+    if ctx.draining:  # a drain's report lists the open sessions: none may open after it
+        raise APIError(503, DRAINING)
     empty = request.headers.get("content-length") in (None, "0")
     body = (
         OpenSessionRequest()
