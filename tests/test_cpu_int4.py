@@ -43,7 +43,7 @@ def test_pack_round_trips():
 
 
 @pytest.mark.parametrize("mm,n,k", [(1, 3072, 576), (1, 576, 1536), (3, 16, 32), (7, 1008, 576), (40, 256, 1536),
-                                    (70, 32, 64), (133, 48, 96)])
+                                    (70, 32, 64), (133, 48, 96), (15, 64, 96), (16, 64, 96), (203, 96, 576)])
 def test_kernel_equals_reference_bit_for_bit(ext, mm, n, k):  # noqa: F811 - the fixture
     for seed in range(2):
         w = cpu_int4.pack(*layer(n, k, seed))
@@ -51,7 +51,9 @@ def test_kernel_equals_reference_bit_for_bit(ext, mm, n, k):  # noqa: F811 - the
         y = ext.int4_linear(x, w)
         assert torch.isfinite(y).all()
         assert torch.equal(y, cpu_int4.int4_linear_ref(x, w))  # 70 rows: the twin's row chunks too
-        for r in range(mm):  # a row alone gives the bits it gave in the batch (4-row tiles, 64-row items)
+        # a row alone (the few-row path) gives the bits it gave in the batch: from 16 rows the batch takes
+        # csrc/many_rows.h (16-bit products, 6 or 8 rows a pass, 64-row items, the rest in smaller passes)
+        for r in range(mm):
             assert torch.equal(ext.int4_linear(x[r:r + 1].clone(), w), y[r:r + 1])
 
 

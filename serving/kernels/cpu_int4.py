@@ -17,7 +17,9 @@ codes cost about twice the byte products of 8-bit ones, still a fraction of fp32
 Two implementations give the same bits (tests/test_cpu_int4.py):
 - ``csrc/group_linear.cpp``, every variant of serving.kernels.cpu_ext (AVX-512 VNNI, AVX-VNNI,
   AVX2, scalar): the codes are unpacked from nibbles in registers, so the weights stream at 0.625
-  bytes per weight;
+  bytes per weight; batches of 16 rows or more (prefill) take ``csrc/many_rows.h``, the same
+  integer dots as 16-bit products (``vpmaddwd`` / ``vpdpwssd``) with each unpacked register serving
+  6-8 rows, then the same epilogue: the same bits, so prefill, decode and cache hits agree;
 - ``int4_linear_ref`` in torch ops, where nothing can be built (it keeps the codes unpacked, one
   byte per weight, and multiplies them as floats).
 

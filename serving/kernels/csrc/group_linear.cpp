@@ -9,8 +9,10 @@
 // Every float step is one IEEE operation (built with -ffp-contract=off), lane-wise, in the order of
 // the torch twins: every variant gives the twin's bits, and a row's result never depends on the
 // other rows of its batch. Rows are taken kTile at a time per pass over a block's weights, so a
-// prefill unpacks the weights once per kTile tokens.
+// prefill unpacks the weights once per kTile tokens; int4 batches of kManyRows rows or more take
+// many_rows.h's 16-bit products instead (the same bits, faster where many rows share the weights).
 #include "ops.h"
+#include "many_rows.h"
 #include "qdot.h"
 
 #include <ATen/Parallel.h>
@@ -28,9 +30,12 @@ constexpr int64_t kQ4Bytes = 4 * 64 + 2 * kRows * 2;  // codes, d[16], m[16]
 constexpr int64_t kQ8Bytes = 8 * 64 + kRows * 2;      // codes, d[16]
 constexpr int kTile = W == 8 ? 3 : 4;                 // activation rows per pass over a block (AVX2: 16 registers)
 constexpr int64_t kRowTile = 64;                      // activation rows per work item
+constexpr int64_t kManyRows = 16;                     // int4 batches from this size take many_rows.h
+constexpr int kManyTile = W == 8 ? 6 : 8;             // rows per pass of many_rows.h (AVX2: 16 registers)
 
 struct Acts {  // the quantized activations of M rows: codes q = 256 qh + ql, scales, code sums
   std::vector<int16_t> q;
+  std::vector<int16_t> qq;  // q permuted for many_rows.h (filled for its batches only)
   std::vector<uint8_t> ql;
   std::vector<int8_t> qh;
   std::vector<float> dx;
@@ -38,19 +43,51 @@ struct Acts {  // the quantized activations of M rows: codes q = 256 qh + ql, sc
   int64_t K, G;
 };
 
-Acts quantize(const torch::Tensor& x) {
+// permuted: only what many_rows.h reads (qq, dx, sx); else what qdot.h's parts read
+Acts quantize(const torch::Tensor& x, bool permuted) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  const auto n = static_cast<size_t>(M * K), ng = static_cast<size_t>(M * G);
-  Acts a{std::vector<int16_t>(n), std::vector<uint8_t>(n), std::vector<int8_t>(n), std::vector<float>(ng),
-         std::vector<int32_t>(ng), K, G};
+  const auto n = static_cast<size_t>(M * K), ng = static_cast<size_t>(M * G), nb = permuted ? 0 : n;
+  Acts a{std::vector<int16_t>(nb), std::vector<int16_t>(n - nb), std::vector<uint8_t>(nb), std::vector<int8_t>(nb),
+         std::vector<float>(ng), std::vector<int32_t>(ng), K, G};
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
+    for (int64_t r = r0; r < r1; ++r) {
+#if HV_W > 1
+      if (permuted) {
+        quantize_permuted(xp + r * K, K, a.qq.data() + r * K, a.dx.data() + r * G, a.sx.data() + r * G);
+        continue;
+      }
+#endif
       quantize_groups(xp + r * K, K, a.q.data() + r * K, a.ql.data() + r * K, a.qh.data() + r * K, a.dx.data() + r * G,
                       a.sx.data() + r * G);
+    }
   });
   return a;
 }
+
+#if HV_W > 1
+template <int R>
+void q4_many(const uint8_t* wb, const Acts& a, int64_t row0, float* y, int64_t N) {
+  for (int h = 0; h < 16 / W; ++h)
+    q4_rows<R>(wb, kQ4Bytes, a.G, h, a.qq.data() + row0 * a.K, a.K, a.dx.data() + row0 * a.G, a.sx.data() + row0 * a.G,
+               y + h * W, N);
+}
+
+// rows [r, end) of one block, R at a time and then the rest
+void q4_block_many(const uint8_t* wb, const Acts& a, int64_t r, int64_t end, float* yp, int64_t N, int64_t col) {
+  for (; r + kManyTile <= end; r += kManyTile) q4_many<kManyTile>(wb, a, r, yp + r * N + col, N);
+  switch (end - r) {
+    case 7: q4_many<7>(wb, a, r, yp + r * N + col, N); break;
+    case 6: q4_many<6>(wb, a, r, yp + r * N + col, N); break;
+    case 5: q4_many<5>(wb, a, r, yp + r * N + col, N); break;
+    case 4: q4_many<4>(wb, a, r, yp + r * N + col, N); break;
+    case 3: q4_many<3>(wb, a, r, yp + r * N + col, N); break;
+    case 2: q4_many<2>(wb, a, r, yp + r * N + col, N); break;
+    case 1: q4_many<1>(wb, a, r, yp + r * N + col, N); break;
+    default: break;
+  }
+}
+#endif
 
 // y[r, 0..15] of one block for R activation rows from row0 (y points at the block's columns).
 template <int R, bool kQ4>
@@ -100,7 +137,8 @@ torch::Tensor group_linear(torch::Tensor x, const torch::Tensor& w, const char* 
   TORCH_CHECK(K == w.size(1) * kGroup, "x and w disagree on K");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  const Acts a = quantize(x);
+  const bool many = kQ4 && W > 1 && M >= kManyRows;
+  const Acts a = quantize(x, many);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (M + kRowTile - 1) / kRowTile, G = a.G;
@@ -110,6 +148,12 @@ torch::Tensor group_linear(torch::Tensor x, const torch::Tensor& w, const char* 
       const int64_t t = i / NB, b = i % NB, end = std::min(M, (t + 1) * kRowTile);
       const uint8_t* wb = wp + b * G * bytes;
       int64_t r = t * kRowTile;
+#if HV_W > 1
+      if (many) {
+        q4_block_many(wb, a, r, end, yp, N, b * kRows);
+        continue;
+      }
+#endif
       for (; r + kTile <= end; r += kTile) block_rows<kTile, kQ4>(wb, a, r, yp + r * N + b * kRows, N);
       for (; r < end; ++r) block_rows<1, kQ4>(wb, a, r, yp + r * N + b * kRows, N);
     }

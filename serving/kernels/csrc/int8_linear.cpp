@@ -9,6 +9,9 @@
 //
 // The products: vpdpbusd (AVX-512 VNNI, AVX-VNNI) on q and w; AVX2's vpmaddubsw on |q - 128| and w
 // with the sign of q - 128 (pairs stay below 2^15), then acc = sum (q - 128) w + 128 wsum.
+// Batches of kManyRows rows or more: many_rows.h's 16-bit products on blocks of 16 outputs
+// widened once per chunk of kChunk rows (the same acc, so the same bits).
+#include "many_rows.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -59,7 +62,7 @@ std::pair<float, float> quantize_row(const float* x, int64_t K, uint8_t* q, int8
     const float v = std::nearbyint(x[k] * (1.0f / xs)) + zero;
     q[k] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), 255.0f));
   }
-  for (k = 0; k < K; ++k) {
+  for (k = 0; sq != nullptr && k < K; ++k) {  // (many_rows.h's path reads q only)
     sq[k] = static_cast<int8_t>(static_cast<int>(q[k]) - 128);
     aq[k] = static_cast<uint8_t>(std::abs(static_cast<int>(q[k]) - 128));
   }
@@ -120,6 +123,24 @@ inline void dot(const Row& x, const int8_t* w, int64_t K, const int64_t* wsum, i
 #endif
 }
 
+#if HV_W > 1
+constexpr int64_t kManyRows = 64;  // batches from this size take many_rows.h
+constexpr int64_t kChunk = 256;    // rows per work item of that path (its widened block serves them all)
+constexpr int kManyTile = W == 8 ? 6 : 8;
+
+template <int R>
+void i8_many(const int16_t* wb, int64_t K2, const int16_t* q, int64_t stride, int32_t* acc) {
+  for (int h = 0; h < 16 / W; ++h) i8_rows<R>(wb, K2, h, q, stride, acc);
+}
+
+// acc [rows, 16] of rows [0, rows) from q (row 0's int16 codes): kManyTile at a time, then the rest
+void i8_block(const int16_t* wb, int64_t K2, const int16_t* q, int64_t stride, int64_t rows, int32_t* acc) {
+  int64_t r = 0;
+  for (; r + kManyTile <= rows; r += kManyTile) i8_many<kManyTile>(wb, K2, q + r * stride, stride, acc + r * 16);
+  for (; r < rows; ++r) i8_many<1>(wb, K2, q + r * stride, stride, acc + r * 16);
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float32, w [N, K] int8, wsum [N] int64 (sum of each row's codes), ws [N] float32 -> [M, N] float32
@@ -134,13 +155,19 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
   TORCH_CHECK(w.size(1) == K && wsum.numel() == N && ws.numel() == N, "x, w, wsum and ws disagree");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  std::vector<uint8_t> q(static_cast<size_t>(M * K)), aq(q.size());
-  std::vector<int8_t> sq(q.size());
+#if HV_W > 1
+  const bool many = M >= kManyRows;
+#else
+  const bool many = false;
+#endif
+  std::vector<uint8_t> q(static_cast<size_t>(M * K)), aq(many ? 0 : q.size());
+  std::vector<int8_t> sq(aq.size());
   std::vector<float> xs(M), zero(M);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      auto sz = quantize_row(xp + m * K, K, q.data() + m * K, sq.data() + m * K, aq.data() + m * K);
+      auto sz = quantize_row(xp + m * K, K, q.data() + m * K, many ? nullptr : sq.data() + m * K,
+                             many ? nullptr : aq.data() + m * K);
       xs[m] = sz.first;
       zero[m] = sz.second;
     }
@@ -149,6 +176,34 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
   const int64_t* sp = wsum.data_ptr<int64_t>();
   const float* scp = ws.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if HV_W > 1
+  if (many) {
+    const int64_t K2 = (K + 1) / 2, NB = (N + 15) / 16, chunks = (M + kChunk - 1) / kChunk;
+    std::vector<int16_t> q16(static_cast<size_t>(M * 2 * K2), 0);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t k = 0; k < K; ++k) q16[m * 2 * K2 + k] = q[m * K + k];
+    });
+    at::parallel_for(0, chunks * NB, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<int16_t> wb(static_cast<size_t>(16 * 2 * K2));
+      std::vector<int32_t> acc(static_cast<size_t>(kChunk * 16));
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t c = i / NB, b = i % NB, n = b * 16, nb = std::min<int64_t>(16, N - n);
+        const int64_t m0 = c * kChunk, rows = std::min(M, m0 + kChunk) - m0;
+        widen_block(wp + n * K, K, nb, wb.data());
+        i8_block(wb.data(), K2, q16.data() + m0 * 2 * K2, 2 * K2, rows, acc.data());
+        for (int64_t r = 0; r < rows; ++r) {  // the epilogue below, step for step
+          const int64_t m = m0 + r, z = static_cast<int64_t>(zero[m]);
+          for (int64_t j = 0; j < nb; ++j) {
+            const float v = static_cast<float>(static_cast<int64_t>(acc[r * 16 + j]) - z * sp[n + j]);
+            yp[m * N + n + j] = (v * xs[m]) * scp[n + j];
+          }
+        }
+      }
+    });
+    return y;
+  }
+#endif
   const int64_t blocks = (N + 3) / 4, tiles = (M + kRowTile - 1) / kRowTile;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * std::min(M, kRowTile)));
   at::parallel_for(0, tiles * blocks, grain, [&](int64_t i0, int64_t i1) {
