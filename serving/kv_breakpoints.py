@@ -11,6 +11,8 @@ pin leases (serving/kv_control.py), per tenant.
   written on) until the lease ends; the next hit loads them back.
 - :meth:`Breakpoints.admit` runs before the request does: a tenant that would go over its pin
   page quota (its L2 quota, else half of L2) or over its lease cap gets a 429 before any work.
+  Without L2 (no ``--hicache-ratio`` nor L3) nothing can be pinned: breakpoints are accepted
+  and report ``cache_creation_input_tokens`` 0, as clients that always send them expect.
   :meth:`Breakpoints.apply` runs after it finished (the prompt's KV is in the tree then); a
   breakpoint that cannot be pinned then (its KV already gone, a quota reached by a concurrent
   request) is reported as not pinned, never as an error of a request already answered.
@@ -68,8 +70,8 @@ class Breakpoints:
     def admit(self, tokens: list[int], ends: list[int], tenant: str | None) -> dict[str, Any]:
         """429 when pinning these breakpoints would take the tenant past its pinned pages or leases."""
         ctl = self.control
-        if ctl.tree.host is None:
-            raise ControlError(400, "cache_control pins KV in L2: this server has no L2 tier (--hicache-ratio)")
+        if ctl.tree.host is None:  # pins live in L2: without it a breakpoint is accepted and pins nothing
+            return {"new_pages": 0, "pinning": False}
         lengths = self._lengths(tokens, ends)
         have = {p.tokens for p in self._matching(tenant, tokens)}
         fresh = [n for n in lengths if n not in have]

@@ -48,3 +48,19 @@ def test_refresh_limit_and_expiry(engine):
         ctl.call("advance_clock", {"seconds": -1}, None)
     ctl.check_integrity()
     engine.check_integrity()
+
+
+def test_without_l2_breakpoints_pin_nothing_and_fail_nothing(tmp_path):
+    """Agent clients send cache_control on every request: a server without L2 accepts them."""
+    eng = Engine(model_path=str(tiny_model(tmp_path)), page_size=4, max_total_tokens=256)
+    try:
+        ctl = KVControl(eng.core)
+        ids = list(range(10, 50))
+        eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert ctl.call("cache_control_admit", {"input_ids": ids, "ends": [40]}, None)["pinning"] is False
+        out = ctl.call("cache_control", {"input_ids": ids, "ends": [40], "ttls": [300.0], "read": 36}, None)
+        assert out["created_tokens"] == 0 and out["pinned_tokens"] == 0 and out["not_pinned"], out
+        assert not ctl.leases
+        ctl.check_integrity()
+    finally:
+        eng.shutdown()
