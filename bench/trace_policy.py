@@ -9,7 +9,8 @@ serving/storage_controller.py), in trace order with up to ``concurrency`` reques
 2. ``match_prefix`` of the prompt minus its last token, ``load_back`` of an L2 hit, ``lock``;
    write-back retries on the hit path (``on_hit``);
 3. L1 pages for the rest (``evict_device`` when short; a request that cannot get them waits for
-   the next one in flight to finish, and is rejected, counted, when none is left);
+   the next one in flight to finish, and is rejected, counted, when none is left). As the
+   scheduler admits, a request starts only when L1 holds its pages beside those in flight;
 4. at its end: ``insert`` of its computed full pages, duplicates freed, ``unlock``.
 
 In flight, a request takes time in proportion to the tokens it computes (plus ``STEP_TOKENS``
@@ -151,6 +152,8 @@ class PolicyReplay:
         self.cfg = cfg
         ps = cfg.page_size
         self.device = PageAllocator(cfg.l1_tokens // ps)
+        self._l1_pages = cfg.l1_tokens // ps
+        self._held = 0  # L1 pages of the requests in flight
         self.host = PageAllocator(cfg.l2_tokens // ps) if cfg.l2_tokens >= ps else None
         self.tree = HiRadixTree(ps, self.device, self.host, write_policy=cfg.write_policy,
                                 eviction_policy=cfg.eviction_policy)
@@ -168,7 +171,10 @@ class PolicyReplay:
         """Replay one request (its prompt tokens; ``output``: its generated tokens); returns its
         ``cached_by_tier`` (tokens)."""
         t0 = _clock()
-        while len(self._running) >= self.cfg.concurrency:
+        # admission as the scheduler's: a request starts only when L1 can hold it beside the
+        # requests in flight (else those would evict each other's prefixes, the cache held nothing)
+        need = -(-(len(prompt) + self.cfg.max_new_tokens) // self.cfg.page_size)
+        while len(self._running) >= self.cfg.concurrency or (self._running and self._held + need > self._l1_pages):
             self._release_next()
         by_tier = self._admit(prompt, list(output[: self.cfg.max_new_tokens]))
         c = self.counts
@@ -222,6 +228,7 @@ class PolicyReplay:
             return {"device": 0, "host": 0, "storage": 0}
         end = self._now + len(computed) - kv_len + STEP_TOKENS
         self._seq += 1
+        self._held += len(m.device_pages) + len(pages)
         heapq.heappush(self._running, (end, self._seq, _Running(computed, m.device_pages + pages, m.last_device_node)))
         return by_tier
 
@@ -239,6 +246,7 @@ class PolicyReplay:
 
     def _release_next(self) -> None:
         end, _, r = heapq.heappop(self._running)
+        self._held -= len(r.pages)
         self._now = max(self._now, end)
         self._release(r)
 
