@@ -52,6 +52,27 @@ def open_store(path: Path, **kw) -> LMDBStore:
     return make_storage("lmdb", {"path": str(path), **kw})
 
 
+def test_writemap_store_round_trips_overwrites_and_reopens(tmp_path):
+    """``writemap`` (values written straight into the map): the same values, overwrites included,
+    and a reopened store (same option) finds them."""
+    store = open_store(tmp_path / "db", capacity_gb=0.05, writemap=True)
+    assert store.handles.env.flags()["writemap"]
+    tier = StorageTier(store, SMALL, PS, max_batch_pages=4)
+    src = make_host_pool("page_first", SMALL, 16, PS)
+    keys = keys_for(10)
+    for seed in (1, 2):  # the second pass overwrites every value
+        fill(src, seed)
+        assert tier.batch_set(keys, src, list(range(10))) == 10
+    want = src.read_pages(torch.tensor(list(range(10))))
+    store.close()
+    tier2 = StorageTier(open_store(tmp_path / "db", capacity_gb=0.05, writemap=True), SMALL, PS)
+    dst = make_host_pool("page_first", SMALL, 16, PS)
+    assert tier2.batch_get(keys, dst, list(range(10))) == 10
+    assert torch.equal(dst.read_pages(torch.tensor(list(range(10)))), want)
+    assert tier2.stats()["corrupt"] == 0
+    tier2.close()
+
+
 @pytest.mark.parametrize("src_layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("dst_layout", ["layer_first", "page_first"])
 def test_round_trip_between_host_pools(tmp_path, src_layout, dst_layout):

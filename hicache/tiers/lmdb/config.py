@@ -20,6 +20,10 @@ class LMDBConfig:
     capacity_gb: float = 64.0
     initial_map_mb: float = 0.0  # 0: map the whole capacity up front (sparse; no resize under load)
     sync: bool = True
+    # LMDB's MDB_WRITEMAP: a write transaction writes values straight into the map (one copy less
+    # than malloc'd pages written out at commit). Every process sharing the directory must agree;
+    # a store larger than RAM may read pages before overwriting them (LMDB's own caveat).
+    writemap: bool = False
     high_watermark: float = 0.85
     low_watermark: float = 0.75
     max_readers: int = 126

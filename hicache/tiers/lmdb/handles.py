@@ -35,7 +35,7 @@ class LMDBHandles:
             max_readers=config.max_readers,
             sync=config.sync,
             metasync=config.sync,
-            writemap=False,
+            writemap=config.writemap,
             readahead=False,
             lock=True,
         )
