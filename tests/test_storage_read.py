@@ -180,3 +180,29 @@ def test_direct_reads_go_straight_into_the_pool(tmp_path):
     assert job.result() == 16
     assert torch.equal(pool.read_pages(torch.tensor(list(reversed(range(16))))), want)
     tier.close()
+
+
+def test_write_seconds_are_wall_time_not_the_sum_over_concurrent_writers(tmp_path):
+    """Four writers at once (LMDB lets one write at a time): ``write_s`` is the time during which
+    some write ran, at most the wall time of all four, never the sum of each one's own time."""
+    import time as _time
+
+    from hicache.tiers.lmdb.config import LMDBConfig
+    from tests.slow_storage import SlowLMDBStore
+
+    # every backend write call sleeps 0.1 s first, so the four writers overlap for certain
+    store = SlowLMDBStore(LMDBConfig(path=str(tmp_path / "db"), capacity_gb=0.05, sync=False), delay_s=0.1,
+                          slow_calls=("set",))
+    tier = StorageTier(store, SMALL, PS, max_batch_pages=2, write_threads=4)
+    pool = make_host_pool("page_first", SMALL, 32, PS)
+    fill(pool, 3)
+    keys = keys_for(32)
+    t0 = _time.perf_counter()
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda k: tier.batch_set(keys[8 * k: 8 * k + 8], pool, list(range(8 * k, 8 * k + 8))), range(4)))
+    wall = _time.perf_counter() - t0
+    st = tier.stats()
+    assert st["stored"] == 32
+    assert 0 < st["write_s"] <= wall
+    tier.close()
+

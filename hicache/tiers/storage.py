@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 
 from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.base import TOO_LARGE, StagingBuffer, StorageBackend
+from hicache.tiers.busy_clock import BusyClock
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb.store import LMDBStore
@@ -70,8 +70,8 @@ class StorageTier:
     - Stats (pages): ``hits`` loaded and verified, ``misses`` asked for and not loaded,
       ``corrupt`` rejected by the trailer check, ``stored`` / ``store_failed`` by batch_set,
       ``bytes_read`` / ``bytes_written`` (values, trailers included), ``read_s`` / ``write_s``
-      (wall time inside batch_get / batch_set); plus the backend's own stats under
-      ``backend.*`` (``errors`` among them).
+      (wall time during which some reader group / some batch_set ran: :class:`BusyClock`); plus
+      the backend's own stats under ``backend.*`` (``errors`` among them).
     """
 
     def __init__(
@@ -108,8 +108,9 @@ class StorageTier:
         self._warn = RateLimitedLog(log)  # corrupt values and failed writes are logged, not only counted
         self._views: dict[int, np.ndarray] = {}
         self._stats: dict[str, float] = dict.fromkeys(
-            ("hits", "misses", "corrupt", "stored", "store_failed", "bytes_read", "bytes_written", "read_s",
-             "write_s"), 0)
+            ("hits", "misses", "corrupt", "stored", "store_failed", "bytes_read", "bytes_written"), 0)
+        self._read_clock = BusyClock()
+        self._write_clock = BusyClock()
 
     # ------------------------------------------------------------------ API
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -132,17 +133,20 @@ class StorageTier:
         view = self._pool_view(host_pool) if direct else None
 
         def run_group(lo: int, hi: int) -> int:
-            host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
-            if direct:
-                return self._read_chunk(keys[lo:hi], view, pages[lo:hi])
-            return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
+            self._read_clock.enter()
+            try:
+                host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
+                if direct:
+                    return self._read_chunk(keys[lo:hi], view, pages[lo:hi])
+                return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
+            finally:
+                self._read_clock.leave()
 
         def finished(job: ReadJob) -> None:
             with self._lock:
                 self._stats["hits"] += job.loaded
                 self._stats["misses"] += 0 if job.cancelled else job.n - job.loaded
                 self._stats["bytes_read"] += job.loaded * self.codec.value_nbytes
-                self._stats["read_s"] += job.read_s
             if on_done is not None:
                 on_done(job)
 
@@ -154,7 +158,13 @@ class StorageTier:
         many leading pages were stored; stops at the first failure (later pages would be
         unreachable for a prefix lookup anyway)."""
         self._check(keys, host_pool, host_pages)
-        t0 = time.perf_counter()
+        self._write_clock.enter()
+        try:
+            return self._batch_set(keys, host_pool, host_pages)
+        finally:
+            self._write_clock.leave()
+
+    def _batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
         host_pool.wait_pending_writes()  # the pages' GPU backups must have landed
         codec, slot, done = self.codec, self.slot, 0
         batches = [(list(keys[lo : lo + self.batch_pages]), list(host_pages[lo : lo + self.batch_pages]))
@@ -184,7 +194,6 @@ class StorageTier:
             self._stats["bytes_written"] += done * codec.value_nbytes
             self._stats["stored"] += done
             self._stats["store_failed"] += len(keys) - done
-            self._stats["write_s"] += time.perf_counter() - t0
         if done < len(keys):
             self._warn.warning("store_failed", "L3: %d of %d pages could not be written (%s); they are not marked "
                                "stored", len(keys) - done, len(keys), type(self.backend).__name__)
@@ -213,6 +222,7 @@ class StorageTier:
     def stats(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = dict(self._stats)
+        out["read_s"], out["write_s"] = self._read_clock.seconds(), self._write_clock.seconds()
         out.update({f"backend.{k}": v for k, v in self.backend.stats().items()})
         return out
 
