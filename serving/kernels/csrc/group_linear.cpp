@@ -32,6 +32,7 @@ constexpr int kTile = W == 8 ? 3 : 4;                 // activation rows per pas
 constexpr int64_t kRowTile = 64;                      // activation rows per work item
 constexpr int64_t kManyRows = 16;                     // int4 batches from this size take many_rows.h
 constexpr int kManyTile = W == 8 ? 6 : 8;             // rows per pass of many_rows.h (AVX2: 16 registers)
+constexpr int64_t kManyRowTile = 96;                  // activation rows per work item there (passes of 6 or 8)
 
 struct Acts {  // the quantized activations of M rows: codes q = 256 qh + ql, scales, code sums
   std::vector<int16_t> q;
@@ -141,13 +142,14 @@ torch::Tensor group_linear(torch::Tensor x, const torch::Tensor& w, const char* 
   const Acts a = quantize(x, many);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (M + kRowTile - 1) / kRowTile, G = a.G;
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, K * std::min(M, kRowTile)));
+  const int64_t rows_per_item = many ? kManyRowTile : kRowTile;
+  const int64_t tiles = (M + rows_per_item - 1) / rows_per_item, G = a.G;
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, K * std::min(M, rows_per_item)));
   at::parallel_for(0, tiles * NB, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / NB, b = i % NB, end = std::min(M, (t + 1) * kRowTile);
+      const int64_t t = i / NB, b = i % NB, end = std::min(M, (t + 1) * rows_per_item);
       const uint8_t* wb = wp + b * G * bytes;
-      int64_t r = t * kRowTile;
+      int64_t r = t * rows_per_item;
 #if HV_W > 1
       if (many) {
         q4_block_many(wb, a, r, end, yp, N, b * kRows);

@@ -125,7 +125,7 @@ inline void dot(const Row& x, const int8_t* w, int64_t K, const int64_t* wsum, i
 
 #if HV_W > 1
 constexpr int64_t kManyRows = 64;  // batches from this size take many_rows.h
-constexpr int64_t kChunk = 256;    // rows per work item of that path (its widened block serves them all)
+constexpr int64_t kChunk = 240;    // rows per work item of that path (its widened block serves them all)
 constexpr int kManyTile = W == 8 ? 6 : 8;
 
 template <int R>
