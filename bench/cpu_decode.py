@@ -4,13 +4,16 @@ transformers fp32 and llama.cpp (llama-cpp-python, the optional ``bench-cpu`` ex
 converts, in one run, with the CPU's flags and the C++ variant in use recorded.
 
     .venv/bin/python bench/cpu_decode.py [--modes none,int8,int4] [--repeats 3] [--json PATH]
+    .venv/bin/python bench/cpu_decode.py --prefill-only --threads 1 --prefill-repeats 5  # prefill rows only
 
 Decode tok/s: a chat prompt (batch 1) or 8 different ones (batch 8), greedy, ``ignore_eos``;
 the time of ``1 + N`` new tokens minus the time of 1 new token (so prefill is not counted),
 with the prefix cache flushed before each; ``--repeats`` samples, the median reported (min and
 max beside it: on a shared machine the spread is the noise). llama-cpp-python's high-level API
 decodes one sequence, so llama.cpp has no batch-8 figure. Prefill tok/s: one prompt of
-``--prefill-tokens`` tokens (TEXT repeated), one new token, the cache flushed.
+``--prefill-tokens`` tokens (TEXT repeated), one new token, the cache flushed; ``--prefill-only``
+times only that (no decode, no HF or llama.cpp speed rows), and reports each mode's best sample
+beside the median (``prefill_best_tok_s``: on a shared machine the least disturbed run).
 
 Accuracy on TEXT (the opening paragraph of Dickens' *A Tale of Two Cities*, 1859, public domain),
 teacher-forced: perplexity, and top-1 agreement with HF transformers fp32 (the share of positions
@@ -138,12 +141,14 @@ def ours_engine(mode: str, tok, args) -> dict:
         def gen(prompts):
             return lambda k: eng.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": k})
 
-        out = {"decode_bs1": stats(_timed_decode(gen(chat_ids(tok, 1)), eng.flush_cache, 1, args.new_tokens,
-                                                 args.repeats))}
-        if mode in args.bs8_modes.split(","):
+        bs1 = gen(chat_ids(tok, 1))
+        out = {} if args.prefill_only else {
+            "decode_bs1": stats(_timed_decode(bs1, eng.flush_cache, 1, args.new_tokens, args.repeats))}
+        if mode in args.bs8_modes.split(",") and not args.prefill_only:
             out["decode_bs8"] = stats(_timed_decode(gen(chat_ids(tok, 8)), eng.flush_cache, 8, args.new_tokens,
                                                     args.repeats))
         long = (tok(TEXT)["input_ids"] * (args.prefill_tokens // 100 + 1))[: args.prefill_tokens]
+        gen([long[:64]])(1)  # warm-up: the first forward of an engine pays one-off costs
         samples = []
         for _ in range(args.prefill_repeats):
             eng.flush_cache()
@@ -247,7 +252,9 @@ def row(engine: str, mode: str, s: dict, res: dict) -> dict:
     med = {k: res[k]["median"] if k in res else None for k in ("decode_bs1", "decode_bs8", "prefill")}
     return {"engine": engine, "mode": mode, "perplexity": s["perplexity"], "top1_agreement": s["top1_agreement"],
             "decode_bs1_tok_s": med["decode_bs1"], "decode_bs8_tok_s": med["decode_bs8"],
-            "prefill_tok_s": med["prefill"], "paris": "Paris" in res.get("answer", "") if "answer" in res else None,
+            "prefill_tok_s": med["prefill"],
+            "prefill_best_tok_s": res["prefill"]["max"] if "prefill" in res else None,
+            "paris": "Paris" in res.get("answer", "") if "answer" in res else None,
             "answer": res.get("answer"), "samples": {k: v for k, v in res.items() if k != "answer"}}
 
 
@@ -263,6 +270,8 @@ def main() -> None:
                    help="torch and llama.cpp threads (0: torch's default); 1 is robust on a shared machine, "
                         "where 2 OpenMP threads wait for each other's time slices")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers speed rows (its accuracy stays)")
+    p.add_argument("--prefill-only", action="store_true",
+                   help="time prefill only: no decode (bs 1, bs 8), no HF or llama.cpp speed rows (accuracy stays)")
     p.add_argument("--no-fp8-accuracy", action="store_true",
                    help="skip the fp8 row (W8A8 e4m3 emulated in float32: accuracy on real weights, no speed)")
     args = p.parse_args()
@@ -280,7 +289,7 @@ def main() -> None:
     with torch.inference_mode():
         ref = score(hf(torch.tensor([ids])).logits[0], ids, None)
     log(f"HF fp32: perplexity {ref['perplexity']:.3f}")
-    hf_res = {} if args.skip_hf else {
+    hf_res = {} if args.skip_hf or args.prefill_only else {
         "decode_bs1": stats(hf_decode(hf, tok, chat_ids(tok, 1), args.new_tokens, args.repeats)),
         "decode_bs8": stats(hf_decode(hf, tok, chat_ids(tok, 8), args.new_tokens, args.repeats))}
     rows = [row("hf-transformers", "fp32", {**ref, "top1_agreement": 1.0}, hf_res)]
@@ -294,7 +303,7 @@ def main() -> None:
     if not args.no_fp8_accuracy:  # accuracy only: no CPU fp8 kernel to time
         s = score(ours_logits(register_fp8_emulated(), ids), ids, ref["top1"])
         rows.append(row("hicache", "fp8 (emulated, accuracy only)", s, {}))
-    Llama, gguf = llama_cpp()
+    Llama, gguf = (None, "llama.cpp: skipped (--prefill-only)") if args.prefill_only else llama_cpp()
     notes = []
     if Llama is None:
         notes.append(gguf)
@@ -303,22 +312,28 @@ def main() -> None:
         logits, res = llama_rows(Llama, gguf, ids, chat_ids(tok, 1)[0], tok, args)
         rows.append(row("llama.cpp", "gguf Q4_1/Q8_0", score(logits, ids, ref["top1"]), res))
     llama_bs1 = next((r["decode_bs1_tok_s"] for r in rows if r["engine"] == "llama.cpp"), None)
-    fp32_prefill = next((r["prefill_tok_s"] for r in rows if r["engine"] == "hicache" and r["mode"] == "none"), None)
+    fp32 = next((r for r in rows if r["engine"] == "hicache" and r["mode"] == "none"), {})
+    fp32_prefill, fp32_best = fp32.get("prefill_tok_s"), fp32.get("prefill_best_tok_s")
     for r in rows:
         r["perplexity_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
         r["bs1_vs_llama_cpp"] = (None if llama_bs1 is None or r["decode_bs1_tok_s"] is None
                                  else r["decode_bs1_tok_s"] / llama_bs1)
         r["prefill_vs_fp32"] = (None if fp32_prefill is None or r["prefill_tok_s"] is None
                                 else r["prefill_tok_s"] / fp32_prefill)
+        r["prefill_best_vs_fp32"] = (None if fp32_best is None or r.get("prefill_best_tok_s") is None
+                                     else r["prefill_best_tok_s"] / fp32_best)
     headers = ["engine", "mode", "decode_bs1_tok_s", "bs1_vs_llama_cpp", "decode_bs8_tok_s", "prefill_tok_s",
-               "prefill_vs_fp32", "perplexity", "perplexity_delta_pct", "top1_agreement", "paris"]
+               "prefill_vs_fp32", "prefill_best_vs_fp32", "perplexity", "perplexity_delta_pct", "top1_agreement",
+               "paris"]
     print_table(headers, [[r[h] if r.get(h) is not None else "-" for h in headers] for r in rows])
     cpu = cpu_info()
     print(f"text: {len(ids)} tokens; load average {load0} -> {os.getloadavg()}; torch threads "
           f"{torch.get_num_threads()}; CPU {cpu['model_name']} {cpu['flags']}, C++ variant {cpu['variant_in_use']}; "
           f"default mode {default_mode}")
     write_json(args.json, {"bench": "cpu_decode", "model": MODEL, "new_tokens": args.new_tokens,
-                           "repeats": args.repeats, "prefill_tokens": args.prefill_tokens, "text_tokens": len(ids),
+                           "repeats": args.repeats, "prefill_tokens": args.prefill_tokens,
+                           "prefill_repeats": args.prefill_repeats, "prefill_only": args.prefill_only,
+                           "text_tokens": len(ids),
                            "text": TEXT, "torch_threads": torch.get_num_threads(), "cpu": cpu,
                            "default_mode": default_mode, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                            "notes": notes, "rows": rows})
