@@ -31,7 +31,7 @@ def test_kernel_equals_reference_bit_for_bit(ext, m, n, k):  # noqa: F811 - the 
         x, w, wsum, ws = case(m, n, k, seed)
         y = ext.int8_linear(x, w, wsum, ws)
         assert torch.equal(y, cpu_int8.int8_linear_ref(x, w, wsum, ws))
-        # a row alone gives the bits it gave in the batch; from 64 rows the batch takes csrc/many_rows.h
+        # a row alone gives the bits it gave in the batch; from 64 rows (AVX2) the batch takes csrc/many_rows.h
         # (16-bit products on widened blocks of 16 outputs, 240-row items; odd K and N padded)
         for r in range(m):
             assert torch.equal(ext.int8_linear(x[r:r + 1], w, wsum, ws), y[r:r + 1])

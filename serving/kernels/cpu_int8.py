@@ -9,8 +9,8 @@ with ``1 / xs``), the product accumulates in int32 (exact), and
 
 Two implementations give the same bits (tests/test_cpu_int8.py):
 - ``csrc/int8_linear.cpp``, every variant of serving.kernels.cpu_ext (``vpdpbusd`` with VNNI,
-  ``vpmaddubsw`` on AVX2, scalar), quantization and epilogue inside; batches of 64 rows or more
-  (prefill) take ``csrc/many_rows.h``: blocks of 16 output rows widened once to int16, 16-bit
+  ``vpmaddubsw`` on AVX2, scalar), quantization and epilogue inside; on AVX2 without VNNI batches
+  of 64 rows or more (prefill) take ``csrc/many_rows.h``: blocks of 16 output rows widened once to int16, 16-bit
   products (``vpmaddwd`` / ``vpdpwssd``) serving 6-8 rows per pass, the same int32 sums and
   epilogue, so the same bits;
 - ``int8_linear_ref`` in torch ops, used where the CPU lacks VNNI or nothing can be built.

@@ -9,8 +9,8 @@
 //
 // The products: vpdpbusd (AVX-512 VNNI, AVX-VNNI) on q and w; AVX2's vpmaddubsw on |q - 128| and w
 // with the sign of q - 128 (pairs stay below 2^15), then acc = sum (q - 128) w + 128 wsum.
-// Batches of kManyRows rows or more: many_rows.h's 16-bit products on blocks of 16 outputs
-// widened once per chunk of kChunk rows (the same acc, so the same bits).
+// AVX2 without VNNI, batches of kManyRows rows or more: many_rows.h's 16-bit products on blocks of
+// 16 outputs widened once per chunk of kChunk rows (the same acc, so the same bits).
 #include "many_rows.h"
 #include "ops.h"
 #include "vec.h"
@@ -155,9 +155,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
   TORCH_CHECK(w.size(1) == K && wsum.numel() == N && ws.numel() == N, "x, w, wsum and ws disagree");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-#if HV_W > 1
+#if HV_W == 8 && !defined(__AVXVNNI__)
   const bool many = M >= kManyRows;
-#else
+#else  // VNNI keeps the byte path: vpdpbusd does twice the products per op of many_rows.h's vpdpwssd
   const bool many = false;
 #endif
   std::vector<uint8_t> q(static_cast<size_t>(M * K)), aq(many ? 0 : q.size());
