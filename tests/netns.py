@@ -136,3 +136,34 @@ class MooncakeMaster:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+def run_mooncake_script(script: str, *args: str, timeout: float = 400) -> dict:
+    """Run ``tests/<script>`` (its last stdout line a JSON object) in a network namespace of its
+    own, with the namespace's address as its last argument; skips the test where namespaces or
+    ``mooncake_master`` are unavailable. Whatever happens, no server or master outlives it."""
+    import json
+
+    import pytest
+
+    from tests.server_utils import kill_tree
+
+    reason = unavailable_reason()
+    if reason or not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip(reason or "mooncake_master is not installed")
+    root = Path(__file__).resolve().parent.parent
+    ns = NetNS()
+    ns.create()
+    proc = None
+    try:
+        proc = ns.popen([sys.executable, str(root / "tests" / script), *args, ns.address], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, cwd=root)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc is not None:
+            kill_tree(proc)
+        ns.delete()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, out[-4000:]
+    return json.loads(lines[-1])
+

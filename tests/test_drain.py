@@ -8,8 +8,6 @@ nothing is lost or leaked on A. The single-worker part (503 while draining, the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,32 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.netns import NetNS, unavailable_reason
-from tests.server_utils import ServerProcess, kill_tree
+from tests.netns import run_mooncake_script
+from tests.server_utils import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
 def test_drain_rehomes_sessions_onto_the_shared_l3(tmp_path, tiny_chat_model):
-    reason = unavailable_reason()
-    if reason or not (Path(sys.executable).parent / "mooncake_master").exists():
-        pytest.skip(reason or "mooncake_master is not installed")
-    ns = NetNS()
-    ns.create()
-    proc = None
-    try:
-        proc = ns.popen([sys.executable, str(ROOT / "tests" / "mooncake_drain.py"), str(tiny_chat_model),
-                         str(tmp_path), ns.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                        cwd=ROOT)
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc is not None:  # whatever happened, no server or master outlives the test
-            kill_tree(proc)
-        ns.delete()
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert lines, out[-4000:]
-    res = json.loads(lines[-1])
+    res = run_mooncake_script("mooncake_drain.py", str(tiny_chat_model), str(tmp_path))
     assert res["pin_status"] == 200 and all(res["refs_cold"]), res
     assert res["drain_status"] == 200, res
     drain = res["drain"]

@@ -3,39 +3,18 @@ B hits KV that A computed; the master killed mid-load fails no request; hits res
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.netns import NetNS, unavailable_reason
-from tests.server_utils import kill_tree
+from tests.netns import run_mooncake_script
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_two_servers_share_mooncake(tmp_path, tiny_chat_model):
-    reason = unavailable_reason()
-    if reason or not (Path(sys.executable).parent / "mooncake_master").exists():
-        pytest.skip(reason or "mooncake_master is not installed")
-    ns = NetNS()
-    ns.create()
-    proc = None
-    try:
-        proc = ns.popen([sys.executable, str(ROOT / "tests" / "mooncake_two_servers.py"), str(tiny_chat_model),
-                         str(tmp_path), ns.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                        cwd=ROOT)
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc is not None:  # whatever happened, no server or master outlives the test
-            kill_tree(proc)
-        ns.delete()
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert lines, out[-4000:]
-    res = json.loads(lines[-1])
+    res = run_mooncake_script("mooncake_two_servers.py", str(tiny_chat_model), str(tmp_path))
     assert res["a_stored"], res
     assert res["b_same_output"], res
     assert res["b_storage_hit_tokens"] > 0, res  # B served KV that A computed (prefetch policy timeout)
