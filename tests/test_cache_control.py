@@ -6,6 +6,7 @@ limits (400 / 429), and the same field on /generate and /v1/chat/completions."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -167,3 +168,42 @@ def test_neutral_field_on_generate_and_chat(server) -> None:
     cc = body["meta_info"]["cache_control"]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == cc["cache_read_tokens"], body  # it stays
     assert cc["cache_creation_tokens"] > 0 and cc["pinned_tokens"] == body["usage"]["prompt_tokens"] // PS * PS, body
+
+
+def sse_chunks(s, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", s.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_streamed_cache_control_on_generate_and_chat(server) -> None:
+    httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 3601}, timeout=30).raise_for_status()
+    ids = [(i * 53) % 30000 + 300 for i in range(70)]
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+            "cache_control": {"type": "ephemeral"}, "stream": True}
+    chunks = sse_chunks(server, "/generate", body)
+    cc = chunks[-1]["meta_info"]["cache_control"]
+    assert cc["pinned_tokens"] == 64 and cc["cache_creation_tokens"] == 64, cc  # the same pin as unstreamed
+    assert all("cache_control" not in c["meta_info"] for c in chunks[:-1])
+    flood(server, seed=31)
+    r = httpx.post(server.url + "/generate", json={**body, "stream": False}, timeout=60)
+    cc = r.json()["meta_info"]["cache_control"]
+    assert cc["cache_read_tokens"] == 64 and cc["cache_creation_tokens"] == 0, cc
+
+    msgs = [{"role": "user", "content": "Stream and pin this chat prompt, then answer. " * 8}]
+    chat = {"model": "tiny", "messages": msgs, "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    chunks = sse_chunks(server, "/v1/chat/completions", chat)
+    [last] = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+    cc = last["meta_info"]["cache_control"]
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert cc["cache_creation_tokens"] > 0 and cc["pinned_tokens"] == prompt // PS * PS, (cc, prompt)
+    flood(server, seed=32)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "stream": False, "stream_options": None},
+                   timeout=60)
+    body = r.json()
+    assert body["meta_info"]["cache_control"]["cache_read_tokens"] == prompt // PS * PS, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt // PS * PS, body
+    assert server.check_integrity()["ok"]

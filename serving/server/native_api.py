@@ -75,8 +75,8 @@ async def generate(request: Request) -> Any:
         for i, p in enumerate(ids)
     ]
     bps = cache_control.whole_prompt(body.cache_control, ids[0])
-    if bps and (len(ids) != 1 or n > 1 or body.stream or score):
-        raise APIError(400, "cache_control: needs one prompt, n = 1 and stream false", param="cache_control")
+    if bps and (len(ids) != 1 or n > 1 or score):
+        raise APIError(400, "cache_control: needs one prompt and n = 1", param="cache_control")
     await cache_control.admit(ctx, ids[0], bps, body.cache_salt)
     if n > 1:  # one prefill per prompt, n decodes sharing it
         await unless_disconnected(request, warm_prefix(ctx.client, reqs))
@@ -101,15 +101,20 @@ async def generate(request: Request) -> Any:
     handles = await submit_all(ctx.client, reqs)
     stop = params.get("stop") or ()
     return StreamingResponse(
-        sse_stream(_chunks(ctx, handles, [stop] if isinstance(stop, str) else stop, skip, lp, score)),
+        sse_stream(_chunks(ctx, handles, [stop] if isinstance(stop, str) else stop, skip, lp, score,
+                           (ids[0], bps, body.cache_salt) if bps else None)),
         media_type="text/event-stream",
     )
 
 
 async def _chunks(ctx: ServerContext, handles: list[ReqHandle], stop: list[str], skip: bool,
-                  lp: tuple[LogprobOptions, Any, bool] | None, score: bool) -> AsyncIterator[Any]:
+                  lp: tuple[LogprobOptions, Any, bool] | None, score: bool,
+                  pin: tuple[list[int], list[cache_control.Breakpoint], str | None] | None = None,
+                  ) -> AsyncIterator[Any]:
     """Cumulative chunks; a batch or n > 1 interleaves its requests, each chunk with its ``index``
-    (prompt i's choice j is index i * n + j), as SGLang streams them."""
+    (prompt i's choice j is index i * n + j), as SGLang streams them. With ``pin`` (one prompt's
+    ``cache_control``) the breakpoint is pinned once the request finished: the last chunk's
+    ``meta_info.cache_control`` has the counts, as the non-streamed answer's."""
     texts = [TextStream(ctx.tokenizer, stop, skip) for _ in handles]
     async for i, st in merged_updates(handles):
         text = texts[i]
@@ -119,4 +124,7 @@ async def _chunks(ctx: ServerContext, handles: list[ReqHandle], stop: list[str],
             st = trim_scoring(st)
         text.update(st)
         cumulative = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, skip) if st.finished else text.text
-        yield {"text": cumulative, "output_ids": list(st.output_ids), "meta_info": meta_info(st, lp), "index": i}
+        meta = meta_info(st, lp)
+        if pin is not None and st.finished:
+            meta["cache_control"] = cache_control.meta(st, await cache_control.apply(ctx, pin[0], pin[1], st, pin[2]))
+        yield {"text": cumulative, "output_ids": list(st.output_ids), "meta_info": meta, "index": i}

@@ -115,8 +115,8 @@ async def chat_completions(request: Request) -> Any:
                            logprobs=opts.wire() if opts else None)
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
     bps = cache_control.whole_prompt(body.cache_control, ids)
-    if bps and (n > 1 or body.stream):
-        raise APIError(400, "cache_control: needs n = 1 and stream false", param="cache_control")
+    if bps and n > 1:
+        raise APIError(400, "cache_control: needs n = 1", param="cache_control")
     await cache_control.admit(ctx, ids, bps, body.cache_salt)
     reqs, warm = await _fan_out(request, ctx, [req], n)
     if not body.stream:
@@ -141,14 +141,18 @@ async def chat_completions(request: Request) -> Any:
         }
     handles = await submit_all(ctx.client, reqs)
     return StreamingResponse(
-        sse_stream(_chat_chunks(ctx, body, handles, head, warm, opts)), media_type="text/event-stream"
+        sse_stream(_chat_chunks(ctx, body, handles, head, warm, opts, (ids, bps) if bps else None)),
+        media_type="text/event-stream"
     )
 
 
 async def _chat_chunks(
     ctx: ServerContext, body: ChatCompletionRequest, handles: list[Any], head: dict[str, Any],
     warm: list[ReqState] | None, opts: LogprobOptions | None,
+    pin: tuple[list[int], list[cache_control.Breakpoint]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
+    """The chunks; with ``pin`` (``cache_control``, n = 1) the prompt is pinned once the request
+    finished and the chunk with the finish_reason carries ``meta_info.cache_control``."""
     texts = [TextStream(ctx.tokenizer, _stop(body), _skip_special(body)) for _ in handles]
     sent_lp = [0] * len(handles)
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
@@ -171,7 +175,11 @@ async def _chat_chunks(
         if delta:
             yield chunk(i, {"content": delta}, st)
         if st.finished:
-            yield chunk(i, {}, st, finish_fields(st))
+            last = chunk(i, {}, st, finish_fields(st))
+            if pin is not None:
+                pins = await cache_control.apply(ctx, pin[0], pin[1], st, body.cache_salt)
+                last["meta_info"] = {"cache_control": cache_control.meta(st, pins)}
+            yield last
     if body.include_usage:
         yield {**head, "object": "chat.completion.chunk", "choices": [],
                "usage": usage([h.state for h in handles], warm)}
