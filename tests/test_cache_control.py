@@ -207,3 +207,67 @@ def test_streamed_cache_control_on_generate_and_chat(server) -> None:
     assert body["meta_info"]["cache_control"]["cache_read_tokens"] == prompt // PS * PS, body
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt // PS * PS, body
     assert server.check_integrity()["ok"]
+
+
+def schema(**props: str) -> dict:
+    return {"type": "object", "properties": {k: {"type": "string", "description": d} for k, d in props.items()},
+            "required": list(props)}
+
+
+TOOLS = [
+    {"name": "read_file", "description": "Read a file of the repository and return its text.",
+     "input_schema": schema(path="the file's path, relative to the repository root")},
+    {"name": "run_tests", "description": "Run one test file of the suite and report which tests failed.",
+     "input_schema": schema(path="the test file", k="a pytest -k selection, or empty for all")},
+    {"name": "write_file", "description": "Replace the text of a file of the repository.",
+     "input_schema": schema(path="the file's path", text="the new text"), "cache_control": EPH},
+]
+
+
+def test_breakpoint_on_tool_definitions(server, tiny_chat_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 3601}, timeout=30).raise_for_status()
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    tool_tokens = len(tok.encode("\n".join(json.dumps(t) for t in TOOLS)))  # the tools' JSON alone
+    user = "Which tool would you use to see the failing tests? Answer in one short line, please. " * 2
+    msgs = [{"role": "user", "content": user}]
+    r1 = client.messages.create(model="tiny", tools=TOOLS, messages=msgs, max_tokens=4, extra_body=GREEDY)
+    total = client.messages.count_tokens(model="tiny", tools=TOOLS, messages=msgs).input_tokens
+    u = r1.usage
+    assert r1.content[0].type == "text" and r1.stop_reason in ("end_turn", "max_tokens")
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == total, u
+    pinned = u.cache_creation_input_tokens  # the prefix through the end of the tools, in whole pages
+    assert pinned % PS == 0 and tool_tokens // PS * PS <= pinned <= total - len(tok.encode(user)), (u, tool_tokens)
+    flood(server, seed=41)
+    other = [{"role": "user", "content": "A different question: what does write_file replace? " * 2}]
+    r2 = client.messages.create(model="tiny", tools=TOOLS, messages=other, max_tokens=4, extra_body=GREEDY)
+    assert r2.usage.cache_read_input_tokens == pinned and r2.usage.cache_creation_input_tokens == 0, r2.usage
+
+    # a tool call and its result in the history; a breakpoint on the tool_result block
+    history = [*other, {"role": "assistant", "content": [
+        {"type": "text", "text": "I will read it."},
+        {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "serving/tools.py"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "def f(): pass",
+                                      "cache_control": EPH}]}]
+    r3 = client.messages.create(model="tiny", tools=TOOLS, messages=history, max_tokens=4, extra_body=GREEDY)
+    total3 = client.messages.count_tokens(model="tiny", tools=TOOLS, messages=history).input_tokens
+    assert r3.usage.cache_read_input_tokens >= pinned and r3.usage.cache_creation_input_tokens > 0, r3.usage
+    assert r3.usage.cache_read_input_tokens + r3.usage.cache_creation_input_tokens == total3 // PS * PS, r3.usage
+
+    # the tools' breakpoint counts among the 4; malformed tools are 400s naming the field
+    block = {"type": "text", "text": "x", "cache_control": EPH}
+    with pytest.raises(anthropic.BadRequestError, match="A maximum of 4 blocks with cache_control"):
+        client.messages.create(model="tiny", max_tokens=1, tools=TOOLS, system=[block, block],
+                               messages=[{"role": "user", "content": [block, block]}])
+    nameless = {k: v for k, v in TOOLS[0].items() if k != "name"}
+    with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.name"):
+        client.messages.create(model="tiny", max_tokens=1, tools=[nameless], messages=msgs)
+    bad_schema = {**TOOLS[0], "input_schema": {"type": "string"}}
+    with pytest.raises(anthropic.BadRequestError, match=r'tools\.0\.input_schema: its "type" must be "object"'):
+        client.messages.create(model="tiny", max_tokens=1, tools=[bad_schema], messages=msgs)
+    with pytest.raises(anthropic.BadRequestError, match="tool_use blocks belong to assistant messages"):
+        client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "tool_use", "id": "t", "name": "read_file", "input": {}}]}])
+    assert server.check_integrity()["ok"]

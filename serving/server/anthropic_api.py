@@ -2,7 +2,9 @@
 
 The same engine path as chat completions: ``system`` and ``messages`` go through the chat
 template; ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` map onto
-SGLang sampling params; HiCache's ``session_id`` is accepted as on the other routes. Usage
+SGLang sampling params; HiCache's ``session_id`` is accepted as on the other routes. ``tools``
+and ``tool_use`` / ``tool_result`` blocks are rendered as text (serving/server/anthropic_tools.py);
+the answer is one text block. Usage
 follows Anthropic: ``cache_control`` breakpoints pin prefixes (serving/server/cache_control.py);
 ``cache_read_input_tokens`` are the prompt tokens served from the cache (any tier),
 ``cache_creation_input_tokens`` those written into newly pinned prefixes, ``input_tokens`` the
@@ -26,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from serving.compat_fields import ANY
 from serving.server import cache_control
+from serving.server.anthropic_tools import Block, TextBlock, Tool, check_roles, system_text
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -56,29 +59,28 @@ def anthropic_errors(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitab
     return wrapper
 
 
-class TextBlock(StrictModel):
-    type: Literal["text"]
-    text: str
-    cache_control: dict[str, Any] | None = None  # a breakpoint (serving/server/cache_control.py)
-    citations: list[Any] | None = None
-
-
 Content = str | list[TextBlock]
 
 
 class Message(StrictModel):
     role: Literal["user", "assistant"]
-    content: Content
+    content: str | list[Block]
 
 
-def _text(content: Content | None) -> str:
+def _text(content: str | list[Any] | None) -> str:
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+    return content if isinstance(content, str) else "".join(b.render() for b in content)
+
+
+def _check_messages(messages: list[Message]) -> None:
+    for j, msg in enumerate(messages):
+        if not isinstance(msg.content, str):
+            check_roles(msg.role, msg.content, f"messages[{j}]")
 
 
 class MessagesRequest(StrictModel):
-    neutral_fields = {"tools": ((), []), "tool_choice": ({"type": "none"}, {"type": "auto"}),
+    neutral_fields = {"tool_choice": ({"type": "none"}, {"type": "auto"}),
                       "thinking": ({"type": "disabled"},), "service_tier": ("auto", "standard_only"),
                       "container": (), "mcp_servers": ((), []), "output_config": ({},), "speed": ("standard",),
                       "diagnostics": ANY, "inference_geo": ANY, "user_profile_id": ANY,
@@ -96,15 +98,17 @@ class MessagesRequest(StrictModel):
     metadata: dict[str, Any] | None = None  # user_id: accepted, cannot change the answer
     session_id: str | None = None  # HiCache's session (as on the other routes)
     cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last message
+    tools: list[Tool] | None = None  # rendered before the system text (serving/server/anthropic_tools.py)
 
     @model_validator(mode="after")
     def _checks(self) -> MessagesRequest:
         if self.stop_sequences is not None and not all(self.stop_sequences):
             raise ValueError("stop_sequences: must be non-empty strings")
+        _check_messages(self.messages)
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
-        system = _text(self.system)
+        system = system_text(self.tools, _text(self.system))
         msgs = [{"role": "system", "content": system}] if system else []
         return msgs + [{"role": m.role, "content": _text(m.content)} for m in self.messages]
 
@@ -115,10 +119,16 @@ class MessagesRequest(StrictModel):
 
 
 class CountTokensRequest(StrictModel):
-    neutral_fields = {"tools": ((), []), "tool_choice": (), "thinking": ({"type": "disabled"},)}
+    neutral_fields = {"tool_choice": ({"type": "none"}, {"type": "auto"}), "thinking": ({"type": "disabled"},)}
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Content | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> CountTokensRequest:
+        _check_messages(self.messages)
+        return self
 
     template_messages = MessagesRequest.template_messages
 

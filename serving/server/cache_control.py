@@ -2,11 +2,12 @@
 same field on the OpenAI and native routes (engine side: serving/kv_breakpoints.py).
 
 - ``{"type": "ephemeral"}`` with an optional ``"ttl": "5m" | "1h"`` (Anthropic's; default
-  5 minutes). On /v1/messages it may sit on a system text block or a message's text block: the
-  prefix up to and including that block is pinned for the TTL, for the caller's tenant. The
-  top-level ``cache_control`` (Anthropic's automatic caching) is a breakpoint on the last
-  message. At most 4 breakpoints a request (Anthropic's limit): a 400 past it, as for a bad
-  type or TTL; a tenant past its pinned pages or pin leases gets a 429 before any work.
+  5 minutes). On /v1/messages it may sit on a tool definition, a system text block or a
+  message's content block (text, tool_use, tool_result): the prefix up to and including that
+  block is pinned for the TTL, for the caller's tenant. The top-level ``cache_control``
+  (Anthropic's automatic caching) is a breakpoint on the last message. At most 4 breakpoints
+  a request (Anthropic's limit): a 400 past it, as for a bad type or TTL; a tenant past its
+  pinned pages or pin leases gets a 429 before any work.
 - OpenAI (/v1/chat/completions, /v1/completions) and native (/generate): a top-level
   ``cache_control`` with the same shape pins the whole prompt. Neither SGLang nor vLLM has a
   field for this (SGLang's pinning was reverted), so Anthropic's spelling is reused.
@@ -28,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
 from serving.kv_breakpoints import MAX_BREAKPOINTS
+from serving.server.anthropic_tools import system_text, tools_text
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.req_handle import ReqState
@@ -77,20 +79,27 @@ def _blocks(content: Any) -> list[Any]:
 
 
 def _text(blocks: list[Any]) -> str:
-    return "".join(b.text for b in blocks)
+    return "".join(b.render() for b in blocks)
 
 
 def anthropic_breakpoints(ctx: ServerContext, body: Any, ids: list[int]) -> list[Breakpoint]:
     """The breakpoints of a MessagesRequest whose prompt is ``ids`` (runs in a worker thread: it
     renders the chat template once per breakpoint). Each ends where the prompt rendered up to and
-    including its block stops agreeing with the whole prompt."""
+    including its block stops agreeing with the whole prompt. Anthropic's order: tools (a text
+    block before the system text, serving/server/anthropic_tools.py), system, messages."""
     found: list[tuple[list[dict[str, Any]], float]] = []  # the messages up to the block, its TTL
+    tools = body.tools or []
+    for i, t in enumerate(tools):
+        if t.cache_control is not None:
+            found.append(([{"role": "system", "content": tools_text(tools[: i + 1])}],
+                          ttl_of(t.cache_control, f"tools[{i}]")))
     system = _blocks(body.system)
-    sys_msgs = [{"role": "system", "content": _text(system) if system else body.system}] if body.system else []
+    whole = system_text(tools, _text(system) if system else body.system or "")
+    sys_msgs = [{"role": "system", "content": whole}] if whole else []
     for i, b in enumerate(system):
         if b.cache_control is not None:
-            found.append(([{"role": "system", "content": _text(system[: i + 1])}], ttl_of(b.cache_control,
-                                                                                           f"system[{i}]")))
+            found.append(([{"role": "system", "content": system_text(tools, _text(system[: i + 1]))}],
+                          ttl_of(b.cache_control, f"system[{i}]")))
     done = [*sys_msgs]
     for j, msg in enumerate(body.messages):
         blocks = _blocks(msg.content)

@@ -1,0 +1,110 @@
+"""Anthropic tool use on /v1/messages: the ``tools`` list and the ``tool_use`` / ``tool_result``
+content blocks, rendered into the prompt as text (serving/server/anthropic_api.py uses them).
+
+- A tool is ``{"name", "description"?, "input_schema", "cache_control"?}`` (a client tool,
+  ``"type": "custom"`` optional); ``input_schema`` must be a JSON Schema object (``"type":
+  "object"``). Server tools (``bash_20250124``, ``web_search_...``) are a 400.
+- The tools become a text block at the start of the system prompt, one JSON object a line in
+  the request's order, before the system text: Anthropic caches tools, then system, then
+  messages, so a ``cache_control`` on the last tool pins the prefix up to the end of the
+  tools. The chat template's own ``tools=`` is not used: templates put the tools after the
+  system text (Qwen2.5) or into the first user turn (Llama 3.1), where no breakpoint could end
+  at them, and SmolLM2's has none.
+- ``tool_use`` (assistant) and ``tool_result`` (user) blocks in the history are rendered as
+  ``<tool_call>{"name", "arguments"}</tool_call>`` and ``<tool_response>...</tool_response>``
+  (the Hermes spelling that Qwen2.5's template also uses). The model's answer stays one text
+  block: no tool call is parsed out of it (``stop_reason`` is never ``tool_use``).
+
+Stateless: the models are frozen pydantic values, the functions pure.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from serving.server.protocol import StrictModel
+
+TOOLS_HEAD = ("You can call these tools. Each line is one tool as JSON (name, description, input_schema); "
+              "to call one, answer with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.\n")
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a breakpoint (serving/server/cache_control.py)
+    citations: list[Any] | None = None
+
+    def render(self) -> str:
+        return self.text
+
+
+class ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: Annotated[str, Field(min_length=1)]
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+    def render(self) -> str:
+        call = json.dumps({"name": self.name, "arguments": self.input}, ensure_ascii=False)
+        return f"<tool_call>\n{call}\n</tool_call>"
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    def render(self) -> str:
+        c = self.content
+        text = "" if c is None else c if isinstance(c, str) else "".join(b.text for b in c)
+        return f"<tool_response>\n{'Error: ' if self.is_error else ''}{text}\n</tool_response>"
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Tool(StrictModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("type") != "object":
+            raise ValueError(f'its "type" must be "object", got {v.get("type")!r}')
+        return v
+
+    def line(self) -> str:
+        d = {"name": self.name, **({"description": self.description} if self.description else {}),
+             "input_schema": self.input_schema}
+        return json.dumps(d, ensure_ascii=False)
+
+
+def tools_text(tools: list[Tool] | None) -> str:
+    """The system text block the tools become ('' without tools); the text of ``tools[:k]`` is a
+    prefix of the text of ``tools`` (a breakpoint on tool k - 1 ends inside the whole one)."""
+    return TOOLS_HEAD + "\n".join(t.line() for t in tools) if tools else ""
+
+
+def system_text(tools: list[Tool] | None, system: str) -> str:
+    """Tools first, then the system text (Anthropic's cache order)."""
+    head = tools_text(tools)
+    return f"{head}\n\n{system}" if head and system else head or system
+
+
+def check_roles(role: str, blocks: list[Any], where: str) -> None:
+    """tool_use blocks come from the assistant, tool_result blocks from the user (as Anthropic's)."""
+    for i, b in enumerate(blocks):
+        if isinstance(b, ToolUseBlock) and role != "assistant":
+            raise ValueError(f"{where}.content[{i}]: tool_use blocks belong to assistant messages")
+        if isinstance(b, ToolResultBlock) and role != "user":
+            raise ValueError(f"{where}.content[{i}]: tool_result blocks belong to user messages")
