@@ -41,7 +41,7 @@ from bench.common import parser, print_table, write_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "models/SmolLM2-135M-Instruct"
-FILES = ["serving/stop.py", "serving/schedule_policy.py", "hicache/hiradix/unbounded.py",
+FILES = ["serving/scheduler/stop.py", "serving/scheduler/schedule_policy.py", "hicache/hiradix/unbounded.py",
          "serving/server/session_ids.py", "serving/kv_control_limits.py", "serving/logprob_meta.py",
          "serving/server/text.py", "serving/engine/debug_hooks.py"]
 QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -75,10 +75,26 @@ def serve_quantization() -> str:
     return m.group(1) if m else "none"
 
 
+_SOURCES: dict[str, str] = {}
+
+
+def source(path: str) -> str:
+    """A file of FILES, read once per process (the off and on runs edit the same text even while the
+    tree changes); a file moved since is found by its name under its top-level package."""
+    if path not in _SOURCES:
+        full = os.path.join(ROOT, path)
+        if not os.path.exists(full):
+            top, name = os.path.join(ROOT, path.split("/")[0]), os.path.basename(path)
+            full = next(os.path.join(d, name) for d, _, fs in sorted(os.walk(top)) if name in fs)
+        with open(full) as f:
+            _SOURCES[path] = f.read()
+    return _SOURCES[path]
+
+
 def code_prompts(tok, n: int) -> list[list[int]]:
     out = []
     for path in (FILES * 2)[:n]:
-        src = open(os.path.join(ROOT, path)).read()
+        src = source(path)
         name = re.search(r"^(?:class|def) (\w+)", src, re.M).group(1)
         msg = [{"role": "user", "content": f"Here is a file:\n\n```python\n{src}```\n\nRename {name} to "
                                            f"{name}_v2. Reply with the complete updated file."}]

@@ -18,7 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FO
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # serving.speculative.ALGORITHMS
-SCHEDULE_POLICIES = ("fcfs", "lpm")  # serving.schedule_policy.SCHEDULE_POLICIES
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # serving.scheduler.schedule_policy.SCHEDULE_POLICIES
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ from serving.model_runner import ModelRunner
 from serving.parallel.leader import TPLeader
 from serving.prefill_timer import PrefillTimer
 from serving.req_cache import ReqCache
-from serving.request import Req
-from serving.sampling_params import InvalidRequest, SamplingParams
-from serving.scheduler import Scheduler
-from serving.stop import StopChecker
+from serving.scheduler.request import Req
+from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
+from serving.scheduler.scheduler import Scheduler
+from serving.scheduler.stop import StopChecker
 from serving.storage_controller import StorageController
 from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 

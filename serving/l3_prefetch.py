@@ -44,7 +44,7 @@ from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
 from serving.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.l3_fetch import Fetches, FetchOp
-from serving.request import Req
+from serving.scheduler.request import Req
 
 
 @dataclass

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from hicache.hiradix import HiRadixTree, MatchResult, Transfer
 from hicache.tiers.allocator import PageAllocator
 from serving.forward_batch import LayerWaits
-from serving.request import Req
+from serving.scheduler.request import Req
 from serving.storage_controller import StorageController
 
 TransferSink = Callable[[list[Transfer]], "Future | None"]

@@ -25,7 +25,7 @@ from hicache.tiers.storage import StorageTier
 from serving.cost_model import LoadPolicy
 from serving.l3_prefetch import Prefetcher
 from serving.l3_writeback import WriteBack
-from serving.request import Req
+from serving.scheduler.request import Req
 
 
 class StorageController:

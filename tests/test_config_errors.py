@@ -94,7 +94,7 @@ def test_config_names_match_their_registries():
     from serving.l3_prefetch import PREFETCH_POLICIES
     from serving.model_runner import DTYPES
     from serving.models.loader import LOAD_FORMATS
-    from serving.schedule_policy import SCHEDULE_POLICIES
+    from serving.scheduler.schedule_policy import SCHEDULE_POLICIES
 
     assert hc.HOST_LAYOUTS == tuple(HOST_LAYOUTS) and hc.STORAGE_BACKENDS == tuple(STORAGE_BACKENDS)
     assert hc.LOAD_POLICIES == tuple(LOAD_POLICIES) and hc.PREFETCH_POLICIES == tuple(PREFETCH_POLICIES)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from serving.engine import Engine
-from serving.sampling_params import InvalidRequest
+from serving.scheduler.sampling_params import InvalidRequest
 from tests.model_utils import hf_greedy, smollm2_path, tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

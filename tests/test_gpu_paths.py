@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from serving.engine import Engine
-from serving.overlap import OverlapScheduler
+from serving.scheduler.overlap import OverlapScheduler
 from tests.model_utils import hf_greedy, tiny_model
 from tests.test_engine import GREEDY, ids_of, prompts
 

@@ -15,7 +15,7 @@ import torch
 
 from serving.grammar.lru import CompiledGrammarCache
 from serving.grammar.spec import grammar_spec, normalize_grammar_params, response_format_params
-from serving.sampling_params import InvalidRequest, SamplingParams
+from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 
 GREEDY = {"temperature": 0.0}
 ANSWER_EBNF = 'root ::= "Answer: " ("yes" | "no") "."'

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from serving.engine import Engine
-from serving.overlap import OverlapScheduler
+from serving.scheduler.overlap import OverlapScheduler
 from serving.speculative.cost import StepCost
 from tests.model_utils import smollm2_path, tiny_model
 
@@ -228,8 +228,8 @@ def test_smollm2_code_edit_is_exact():
     path = smollm2_path()
     tok = AutoTokenizer.from_pretrained(path)
     ps = []
-    for name, old, new in (("serving/stop.py", "StopChecker", "StopRules"),
-                           ("serving/schedule_policy.py", "order", "rank")):
+    for name, old, new in (("serving/scheduler/stop.py", "StopChecker", "StopRules"),
+                           ("serving/scheduler/schedule_policy.py", "order", "rank")):
         src = open(name).read()
         msg = [{"role": "user", "content": f"Here is a file:\n\n```python\n{src}```\n\nRename {old} to {new}. "
                                            "Reply with the complete updated file."}]

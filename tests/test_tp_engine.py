@@ -161,7 +161,7 @@ def test_integrity_check_covers_the_other_ranks(tiny):
 def test_tp2_overlap_schedule_token_identical(tiny):
     """Overlap scheduling (on by default on CUDA; switched on here on CPU): a batch's ids hold
     placeholders for tokens still being sampled; rank 0 fills them in and broadcasts them."""
-    from serving.overlap import OverlapScheduler
+    from serving.scheduler.overlap import OverlapScheduler
 
     path, ps, others = tiny
     batch = ps + others

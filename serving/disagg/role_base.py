@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serving.request import Req
-    from serving.scheduler import Scheduler
+    from serving.scheduler.request import Req
+    from serving.scheduler.scheduler import Scheduler
 
 
 class PDRole:

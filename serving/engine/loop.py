@@ -46,8 +46,8 @@ from serving.engine.heartbeat import HeartbeatWriter
 from serving.engine.inbox import EngineInbox
 from serving.kv_control import ControlError, ControlLimits, KVControl
 from serving.logprobs import LogprobState
-from serving.request import Req
-from serving.sampling_params import InvalidRequest
+from serving.scheduler.request import Req
+from serving.scheduler.sampling_params import InvalidRequest
 
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0

@@ -11,8 +11,8 @@ from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine_core import EngineCore
 from serving.logprob_meta import LogprobOptions, sglang_meta
 from serving.logprobs import LogprobState
-from serving.request import Req
-from serving.sampling_params import InvalidRequest
+from serving.scheduler.request import Req
+from serving.scheduler.sampling_params import InvalidRequest
 
 IDLE_WAIT_S = 0.0005  # a step that ran nothing sleeps this long (a spinning loop starves the I/O threads)
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}

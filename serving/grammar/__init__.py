@@ -11,5 +11,5 @@
   while the forward pass runs, applied to the logits before sampling, jump-forward.
 """
 
-# Nothing is imported here: serving.sampling_params imports serving.grammar.spec, and the
+# Nothing is imported here: serving.scheduler.sampling_params imports serving.grammar.spec, and the
 # HTTP process should not load xgrammar. Import the submodules.

@@ -59,7 +59,7 @@ from serving.grammar.compile_pool import CompileJob, CompilePool
 from serving.grammar.lru import CompiledGrammarCache
 from serving.grammar.registry import make_grammar_backend
 from serving.grammar.spec import grammar_spec
-from serving.sampling_params import InvalidRequest
+from serving.scheduler.sampling_params import InvalidRequest
 
 # A forced run that does not end the grammar is appended only from this length on: its tokens
 # are prefilled as a chunk in the next step, which turns that step from a decode batch (CUDA

@@ -13,7 +13,7 @@ from fastapi import Request
 from hicache import salt
 from serving import ipc as m
 from serving.config import EngineConfig
-from serving.sampling_params import InvalidRequest, SamplingParams
+from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError

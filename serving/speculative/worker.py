@@ -39,8 +39,8 @@ import torch
 
 from serving.config import SchedulerConfig
 from serving.req_cache import ReqCache
-from serving.request import Req
 from serving.sampler import Sampler
+from serving.scheduler.request import Req
 from serving.speculative.cost import StepCost
 from serving.speculative.drafter import NgramDrafter
 from serving.speculative.ngram_index import TreeNgramIndex

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.forward_batch import ForwardBatch
-from serving.request import Req
+from serving.scheduler.request import Req
 
 
 @dataclass
@@ -48,7 +48,7 @@ def _simple(r: Req) -> bool:
 class OverlapScheduler:
     """The scheduler's helper for overlapped steps (see the module doc)."""
 
-    def __init__(self, sched) -> None:  # noqa: ANN001 - serving.scheduler.Scheduler (import cycle)
+    def __init__(self, sched) -> None:  # noqa: ANN001 - serving.scheduler.scheduler.Scheduler (import cycle)
         self.s = sched
         self.prev: _Launched | None = None
         self.overlapped_steps = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serving.request import Req
+from serving.scheduler.request import Req
 
 
 class StopChecker:

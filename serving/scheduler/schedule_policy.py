@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from serving.request import Req
+from serving.scheduler.request import Req
 
 
 class SchedulePolicy(ABC):

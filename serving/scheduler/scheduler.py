@@ -20,11 +20,11 @@ from serving.forward_batch import ForwardBatch
 from serving.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.prefill_timer import PrefillTimer
 from serving.req_cache import ReqCache
-from serving.request import Req
 from serving.sampler import Sampler
-from serving.sampling_params import InvalidRequest
-from serving.schedule_policy import make_schedule_policy
-from serving.stop import StopChecker
+from serving.scheduler.request import Req
+from serving.scheduler.sampling_params import InvalidRequest
+from serving.scheduler.schedule_policy import make_schedule_policy
+from serving.scheduler.stop import StopChecker
 
 
 @dataclass
@@ -64,12 +64,12 @@ class Scheduler:
         # times the forward passes that prefill (GPU time on CUDA): the L3 cost model's prefill rate
         self.prefill_timer: PrefillTimer | None = None
         self._step_prefill = 0
-        self._overlap = None  # serving.overlap.OverlapScheduler: batch N+1 prepared while N runs
+        self._overlap = None  # serving.scheduler.overlap.OverlapScheduler: batch N+1 prepared while N runs
         self.pd = None  # serving.disagg.role_base.PDRole of a prefill / decode server (None: colocated)
         self.spec = None  # serving.speculative.worker.SpeculativeWorker (None: no speculative decoding)
         self._pd_emitted = False  # the last step returned PD first tokens without a forward pass
         if not config.disable_overlap_schedule and self.device.type == "cuda":
-            from serving.overlap import OverlapScheduler
+            from serving.scheduler.overlap import OverlapScheduler
 
             self._overlap = OverlapScheduler(self)
 
@@ -253,7 +253,7 @@ class Scheduler:
 
     def resolve_overlapped(self, r: Req, tok: int) -> None:
         """Hand ``r`` its token ``tok`` from an overlapped batch launched before this step (see
-        serving.overlap): appended as a step's own token while ``r`` runs; when ``r`` was retracted
+        serving.scheduler.overlap): appended as a step's own token while ``r`` runs; when ``r`` was retracted
         after that launch (waiting again) the token still joins its output, and if it finishes ``r``
         the request leaves the queue."""
         if r in self.running:
