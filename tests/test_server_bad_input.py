@@ -99,7 +99,7 @@ CASES: list[tuple[str, Any, int, str]] = [
     (C, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (C, chat(top_logprobs=2), 400, "top_logprobs"),
     (C, chat(return_routed_experts=True), 400, "return_routed_experts"),
-    (C, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (C, chat(tools=[{"type": "function", "function": {"description": "f"}}]), 400, "tools.0.function.name"),
     (C, chat(stream="yes"), 400, "stream"),
     (C, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     (C, chat(session_id="no-such-session"), 404, "session"),

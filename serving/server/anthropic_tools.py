@@ -12,7 +12,7 @@ content blocks, rendered into the prompt as text (serving/server/anthropic_api.p
   at them, and SmolLM2's has none.
 - ``tool_use`` (assistant) and ``tool_result`` (user) blocks in the history are rendered as
   ``<tool_call>{"name", "arguments"}</tool_call>`` and ``<tool_response>...</tool_response>``
-  (the Hermes spelling that Qwen2.5's template also uses). The model's answer stays one text
+  (serving/server/tool_text.py). The model's answer stays one text
   block: no tool call is parsed out of it (``stop_reason`` is never ``tool_use``).
 
 Stateless: the models are frozen pydantic values, the functions pure.
@@ -26,9 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from serving.server.protocol import StrictModel
-
-TOOLS_HEAD = ("You can call these tools. Each line is one tool as JSON (name, description, input_schema); "
-              "to call one, answer with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.\n")
+from serving.server.tool_text import before_system, tool_call, tool_response, tools_block
 
 
 class TextBlock(StrictModel):
@@ -49,8 +47,7 @@ class ToolUseBlock(StrictModel):
     cache_control: dict[str, Any] | None = None
 
     def render(self) -> str:
-        call = json.dumps({"name": self.name, "arguments": self.input}, ensure_ascii=False)
-        return f"<tool_call>\n{call}\n</tool_call>"
+        return tool_call(self.name, self.input)
 
 
 class ToolResultBlock(StrictModel):
@@ -63,7 +60,7 @@ class ToolResultBlock(StrictModel):
     def render(self) -> str:
         c = self.content
         text = "" if c is None else c if isinstance(c, str) else "".join(b.text for b in c)
-        return f"<tool_response>\n{'Error: ' if self.is_error else ''}{text}\n</tool_response>"
+        return tool_response(("Error: " if self.is_error else "") + text)
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -92,13 +89,12 @@ class Tool(StrictModel):
 def tools_text(tools: list[Tool] | None) -> str:
     """The system text block the tools become ('' without tools); the text of ``tools[:k]`` is a
     prefix of the text of ``tools`` (a breakpoint on tool k - 1 ends inside the whole one)."""
-    return TOOLS_HEAD + "\n".join(t.line() for t in tools) if tools else ""
+    return tools_block([t.line() for t in tools or []])
 
 
 def system_text(tools: list[Tool] | None, system: str) -> str:
     """Tools first, then the system text (Anthropic's cache order)."""
-    head = tools_text(tools)
-    return f"{head}\n\n{system}" if head and system else head or system
+    return before_system(tools_text(tools), system)
 
 
 def check_roles(role: str, blocks: list[Any], where: str) -> None:

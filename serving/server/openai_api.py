@@ -103,7 +103,7 @@ async def chat_completions(request: Request) -> Any:
     model = ctx.check_model(body.model)
     n = check_n(body.n)
     # the chat template and the tokenizer run off the event loop: a huge prompt delays only itself
-    ids = await run_in_threadpool(ctx.chat_ids, [msg.as_template_dict() for msg in body.messages])
+    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     max_tokens = body.requested_max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serving import compat_fields
 from serving.grammar.spec import response_format_params
-from serving.logprob_meta import MAX_TOP_LOGPROBS
+from serving.model.logprob_meta import MAX_TOP_LOGPROBS
+from serving.server.openai_tools import FunctionTool, ToolCall, message_text, with_tools
 
 Strict = ConfigDict(extra="forbid", strict=True)
 Stop = str | list[str] | None
@@ -147,16 +148,23 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     neutral_fields = compat_fields.MESSAGE
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted and ignored (not passed to the chat template)
+    tool_calls: list[ToolCall] | None = None  # rendered as text (serving/server/openai_tools.py)
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        self.as_template_dict()  # validates
+        return self
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return message_text(role, content or "", self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -165,9 +173,9 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[FunctionTool] | None = None  # rendered as text, no call parsed (serving/server/openai_tools.py)
     tool_choice: str | None = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored (tools are rejected)
+    parallel_tool_calls: bool | None = None  # accepted and ignored (no tool call is parsed)
     cache_control: dict[str, Any] | None = None  # pins the prompt (serving/server/cache_control.py)
 
     @model_validator(mode="after")
@@ -176,12 +184,13 @@ class ChatCompletionRequest(OpenAISampling):
             raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: tool calling is not supported")
+            raise ValueError('tool_choice: only "none" or "auto" (no tool call is parsed from the answer)')
         self.bootstrap(0, 1)  # validates
         return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return with_tools(self.tools, [msg.as_template_dict() for msg in self.messages])
 
     @property
     def requested_max_tokens(self) -> int | None:
