@@ -89,9 +89,9 @@ def ours_logits(mode: str, ids: list[int]) -> torch.Tensor:
     """``[T, vocab]`` logits of our model in ``mode`` over ``ids`` in one prefill, through the attention
     backend (and so the fused C++ decoder) the engine uses on this machine."""
     from hicache.tiers.device import DeviceKVPool
-    from serving.forward_batch import ForwardBatch
     from serving.kernels.attention import get_attention_backend
     from serving.kernels.cpu_ext import extension
+    from serving.model.forward_batch import ForwardBatch
     from serving.models.loader import load_model
 
     model, cfg = load_model(MODEL, quantization=mode)

@@ -27,7 +27,7 @@ from serving.cache_controller import CacheController
 from serving.config import EngineConfig
 from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
-from serving.model_runner import ModelRunner
+from serving.model.model_runner import ModelRunner
 from serving.parallel.leader import TPLeader
 from serving.prefill_timer import PrefillTimer
 from serving.req_cache import ReqCache

@@ -66,7 +66,7 @@ class GenerateReq:
     sampling_params: dict[str, Any]
     session_id: str | None = None
     bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
-    logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.logprobs); None: off
+    logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.model.logprobs); None: off
     cache_salt: str | None = None  # the effective salt (tenant + the request's cache_salt; hicache.salt)
     tenant: str | None = None  # the API key's tenant (None: the default tenant)
 

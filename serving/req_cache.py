@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 from hicache.hiradix import HiRadixTree, MatchResult, Transfer
 from hicache.tiers.allocator import PageAllocator
-from serving.forward_batch import LayerWaits
+from serving.model.forward_batch import LayerWaits
 from serving.scheduler.request import Req
 from serving.storage_controller import StorageController
 
@@ -74,7 +74,7 @@ class ReqCache:
     # -- request life cycle ----------------------------------------------------------
     def _matchable(self, req: Req) -> list[int]:
         """Leave at least one token to compute: its logits give the next token; a request asking
-        for prompt logprobs computes every position whose logits they need (serving.logprobs)."""
+        for prompt logprobs computes every position whose logits they need (serving.model.logprobs)."""
         end = req.seq_len - 1
         limit = req.logprob.cache_limit(self.page_size) if req.logprob is not None else None
         return req.fill_ids[: end if limit is None else min(end, limit)]

@@ -92,7 +92,7 @@ def test_config_names_match_their_registries():
     from serving.cost_model import LOAD_POLICIES
     from serving.kernels.attention import ATTENTION_BACKENDS
     from serving.l3_prefetch import PREFETCH_POLICIES
-    from serving.model_runner import DTYPES
+    from serving.model.model_runner import DTYPES
     from serving.models.loader import LOAD_FORMATS
     from serving.scheduler.schedule_policy import SCHEDULE_POLICIES
 

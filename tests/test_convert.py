@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hicache.tiers.device import DeviceKVPool
 from serving import convert
-from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import get_attention_backend
+from serving.model.forward_batch import ForwardBatch
 from serving.models.loader import load_model
 
 REPO_MODEL = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"

@@ -107,8 +107,8 @@ def test_layered_load_waits_per_layer_on_the_gpu(layout):
     reads of layer i, queued behind LayerWaits.before_layer(i), still see the loaded KV."""
     from hicache.tiers.device import DeviceKVPool, KVLayout
     from hicache.tiers.host import make_host_pool
-    from serving.forward_batch import LayerWaits
     from serving.kernels.page_copy import PageMover
+    from serving.model.forward_batch import LayerWaits
 
     lay = KVLayout(6, 8, 128, torch.bfloat16)
     pool = DeviceKVPool(lay, 64, 16, "cuda")
@@ -227,8 +227,8 @@ def test_greedy_matches_hf_fp32(tiny, graph, overlap):
 def test_cuda_graph_logits_equal_eager(tmp_path):
     """The 8B-like layer shapes (2 layers), bf16: a graph replay gives the eager logits."""
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.forward_batch import ForwardBatch
-    from serving.model_runner import ModelRunner
+    from serving.model.forward_batch import ForwardBatch
+    from serving.model.model_runner import ModelRunner
 
     cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
@@ -324,9 +324,9 @@ def test_fused_kernels_match_torch_path(dtype):
 def test_fused_model_logits_match_unfused(tiny):
     """Whole tiny model in fp32 on CUDA: fused kernels on vs off, same logits."""
     from hicache.tiers.device import DeviceKVPool
-    from serving.forward_batch import ForwardBatch
     from serving.kernels import triton_fused as tf
     from serving.kernels.attention_triton import TritonAttentionBackend
+    from serving.model.forward_batch import ForwardBatch
     from serving.models.loader import load_model
 
     path, ps, _ = tiny

@@ -172,9 +172,9 @@ def test_graph_runner_static_buffers_in_interpreter():
 
 EXTEND_GRAPH_CODE = """
 import sys, torch
-from serving.cuda_graph_extend import extend_buckets
+from serving.model.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
-from serving.forward_batch import ForwardBatch
+from serving.model.forward_batch import ForwardBatch
 from tests.model_utils import hf_greedy, tiny_model
 from tests.test_engine import prompts
 path = tiny_model(sys.argv[1])
@@ -238,8 +238,8 @@ def test_extend_graph_runner_in_interpreter(tmp_path):
 def test_extend_buckets_round_like_the_token_counts():
     """Every token count takes a bucket with the same power of two above it (the split-KV kernel's
     split count depends on that alone, so graphed and eager attention match bit for bit)."""
-    from serving.cuda_graph_extend import extend_buckets
     from serving.kernels.triton_common import next_pow2
+    from serving.model.cuda_graph_extend import extend_buckets
 
     assert extend_buckets(256, 64) == [(16, 1), (16, 16), (32, 1), (32, 16), (32, 32), (64, 1), (64, 16), (64, 64),
                                        (128, 1), (128, 16), (128, 64), (256, 1), (256, 16), (256, 64)]

@@ -24,8 +24,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import get_attention_backend
+from serving.model.forward_batch import ForwardBatch
 
 ATOL = 1e-4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -235,7 +235,7 @@ def test_triton_split_extend_matches_torch(triton: ModuleType, name: str) -> Non
 
 def padded_to_bucket(b: ForwardBatch, tokens: int, seqs: int) -> ForwardBatch:
     """``b`` laid out as an extend graph's static batch of bucket (tokens, sequences) holds it
-    (serving/cuda_graph_extend.py): padding tokens at slot -1, padding sequences with no new tokens."""
+    (serving/model/cuda_graph_extend.py): padding tokens at slot -1, padding sequences with no new tokens."""
     t, n = b.num_tokens, b.batch_size
     pad_t, pad_s = tokens - t, seqs - n
 

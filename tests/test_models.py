@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hicache.tiers.device import DeviceKVPool
-from serving.forward_batch import ForwardBatch
 from serving.kernels.attention import get_attention_backend
+from serving.model.forward_batch import ForwardBatch
 from serving.models.config import ModelArchConfig
 from serving.models.loader import load_model
 from serving.models.registry import get_model_class, supported_architectures

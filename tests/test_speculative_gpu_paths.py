@@ -12,9 +12,9 @@ from tests.test_gpu_paths import _run_interpreted
 
 ROW_GRAPH_CODE = """
 import sys, torch
-from serving.cuda_graph_extend import extend_buckets
+from serving.model.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
-from serving.forward_batch import ForwardBatch
+from serving.model.forward_batch import ForwardBatch
 from serving.speculative.cost import StepCost
 from tests.model_utils import hf_greedy, tiny_model
 path = tiny_model(sys.argv[1])

@@ -17,8 +17,8 @@ def greedy(path: str, prompts: list[list[int]], steps: int, rank: int = 0, size:
     import torch
 
     from hicache.tiers.device import DeviceKVPool, KVLayout
-    from serving.forward_batch import ForwardBatch
     from serving.kernels.attention import get_attention_backend
+    from serving.model.forward_batch import ForwardBatch
     from serving.models.loader import load_model
     from serving.parallel.group import destroy_tp_group, init_tp_group
 

@@ -45,7 +45,7 @@ from serving.engine.debug_hooks import StepHold
 from serving.engine.heartbeat import HeartbeatWriter
 from serving.engine.inbox import EngineInbox
 from serving.kv_control import ControlError, ControlLimits, KVControl
-from serving.logprobs import LogprobState
+from serving.model.logprobs import LogprobState
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest
 

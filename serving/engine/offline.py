@@ -9,8 +9,8 @@ from typing import Any
 from hicache.config import CacheConfig
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine_core import EngineCore
-from serving.logprob_meta import LogprobOptions, sglang_meta
-from serving.logprobs import LogprobState
+from serving.model.logprob_meta import LogprobOptions, sglang_meta
+from serving.model.logprobs import LogprobState
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest
 
@@ -105,7 +105,7 @@ class Engine:
         """``cache_salt`` (vLLM's name): requests with the same salt share cached prefixes,
         requests with different salts (or none) share nothing (hicache.salt). The logprob
         arguments are ``sgl.Engine.generate``'s (a value, or a list with one per prompt); the
-        answers carry them in ``meta_info`` as /generate does (serving/logprob_meta.py)."""
+        answers carry them in ``meta_info`` as /generate does (serving/model/logprob_meta.py)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))

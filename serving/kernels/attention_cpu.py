@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from serving.forward_batch import ForwardBatch
 from serving.kernels.attention_torch import TorchAttentionBackend
 from serving.kernels.cpu_ext import extension
+from serving.model.forward_batch import ForwardBatch
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

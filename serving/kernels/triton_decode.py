@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.forward_batch import ForwardBatch
 from serving.kernels.triton_common import attend_block, next_pow2
+from serving.model.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
 MIN_CHUNK = 256  # keys per split at least

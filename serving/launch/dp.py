@@ -55,7 +55,7 @@ def replica_ports(after: int, n: int) -> tuple[list[int], list[socket.socket]]:
 
 def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa: ANN001 - AppConfig
     """The replica's command line: the user's flags, then ours (argparse: the last one wins)."""
-    from serving.model_runner import resolve_device
+    from serving.model.model_runner import resolve_device
 
     extra = ["--dp-size", "1", "--host", "127.0.0.1", "--port", str(port)]
     dev = resolve_device(cfg.engine.model.device)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.tiers.device import DeviceKVPool
-from serving.forward_batch import ForwardBatch
 from serving.kernels import cpu_decoder, cpu_fused
 from serving.kernels.attention_base import AttentionBackend
+from serving.model.forward_batch import ForwardBatch
 from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope

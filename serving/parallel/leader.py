@@ -47,7 +47,7 @@ EXIT_RANK_DIED = 3
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """``config`` for ``rank``: on CUDA rank r uses the r-th GPU after the configured one."""
-    from serving.model_runner import resolve_device
+    from serving.model.model_runner import resolve_device
 
     dev = resolve_device(config.model.device)
     name = f"cuda:{(dev.index or 0) + rank}" if dev.type == "cuda" else dev.type
@@ -56,7 +56,7 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 class TPLeader:
     def __init__(self, config: EngineConfig) -> None:
-        from serving.model_runner import resolve_device
+        from serving.model.model_runner import resolve_device
         from serving.parallel.follower import follower_main
 
         self.size = config.model.tp_size

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.forward_batch import ForwardBatch
+from serving.model.forward_batch import ForwardBatch
 from serving.scheduler.request import Req
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serving import compat_fields
 from serving.grammar.spec import response_format_params
-from serving.logprob_meta import MAX_TOP_LOGPROBS
+from serving.model.logprob_meta import MAX_TOP_LOGPROBS
 from serving.server.openai_tools import FunctionTool, ToolCall, message_text, with_tools
 
 Strict = ConfigDict(extra="forbid", strict=True)

@@ -10,11 +10,11 @@ from hicache import sizing
 from hicache.tiers.device import DeviceKVPool, KVLayout
 from hicache.tiers.kv_codec import round_trip_encoding
 from serving.config import ModelConfig, SchedulerConfig
-from serving.cuda_graph import CudaGraphRunner, capture_sizes
-from serving.cuda_graph_extend import ExtendGraphRunner, extend_buckets
-from serving.forward_batch import ForwardBatch
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
+from serving.model.cuda_graph import CudaGraphRunner, capture_sizes
+from serving.model.cuda_graph_extend import ExtendGraphRunner, extend_buckets
+from serving.model.forward_batch import ForwardBatch
 from serving.models.loader import load_model
 from serving.parallel.group import TPGroup
 from serving.startup_log import timed

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from serving.logprob_meta import MAX_TOP_LOGPROBS
+from serving.model.logprob_meta import MAX_TOP_LOGPROBS
 from serving.scheduler.sampling_params import InvalidRequest
 
 MAX_TOKEN_IDS = 256

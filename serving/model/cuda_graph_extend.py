@@ -8,7 +8,7 @@ sequences): tokens 16, 32, 64, ... (powers of two) up to the budget and the budg
 per token size, sequences 1, 16 and ``min(tokens, cuda_graph_max_bs)`` (14 graphs with the
 defaults 256 / 64). A batch takes the smallest bucket that holds it.
 
-Graph-safety, as for decode (``serving.cuda_graph``): every input lives in a static buffer
+Graph-safety, as for decode (``serving.model.cuda_graph``): every input lives in a static buffer
 overwritten in place by ``run``; intermediates come from the graphs' private pool; the
 rotary table is whole before capture; nothing syncs with the host. The attention launch is
 sized by the bucket, never by prefix or extend lengths (``ForwardBatch.extend_bucket``,
@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.forward_batch import ForwardBatch, GraphLayerWaits
+from serving.model.forward_batch import ForwardBatch, GraphLayerWaits
 
 log = logging.getLogger(__name__)
 
