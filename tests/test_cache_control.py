@@ -242,7 +242,8 @@ def test_breakpoint_on_tool_definitions(server, tiny_chat_model: Path) -> None:
     assert pinned % PS == 0 and tool_tokens // PS * PS <= pinned <= total - len(tok.encode(user)), (u, tool_tokens)
     flood(server, seed=41)
     other = [{"role": "user", "content": "A different question: what does write_file replace? " * 2}]
-    r2 = client.messages.create(model="tiny", tools=TOOLS, messages=other, max_tokens=4, extra_body=GREEDY)
+    r2 = client.messages.create(model="tiny", tools=TOOLS, messages=other, max_tokens=4, extra_body=GREEDY,
+                                tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert r2.usage.cache_read_input_tokens == pinned and r2.usage.cache_creation_input_tokens == 0, r2.usage
 
     # a tool call and its result in the history; a breakpoint on the tool_result block
@@ -268,6 +269,8 @@ def test_breakpoint_on_tool_definitions(server, tiny_chat_model: Path) -> None:
     bad_schema = {**TOOLS[0], "input_schema": {"type": "string"}}
     with pytest.raises(anthropic.BadRequestError, match=r'tools\.0\.input_schema: its "type" must be "object"'):
         client.messages.create(model="tiny", max_tokens=1, tools=[bad_schema], messages=msgs)
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        client.messages.create(model="tiny", max_tokens=1, tools=TOOLS, messages=msgs, tool_choice={"type": "any"})
     with pytest.raises(anthropic.BadRequestError, match="tool_use blocks belong to assistant messages"):
         client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "tool_use", "id": "t", "name": "read_file", "input": {}}]}])

@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from serving.compat_fields import ANY
 from serving.server import cache_control
-from serving.server.anthropic_tools import Block, TextBlock, Tool, check_roles, system_text
+from serving.server.anthropic_tools import TOOL_CHOICES, Block, TextBlock, Tool, check_roles, system_text
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -80,7 +80,7 @@ def _check_messages(messages: list[Message]) -> None:
 
 
 class MessagesRequest(StrictModel):
-    neutral_fields = {"tool_choice": ({"type": "none"}, {"type": "auto"}),
+    neutral_fields = {"tool_choice": TOOL_CHOICES,
                       "thinking": ({"type": "disabled"},), "service_tier": ("auto", "standard_only"),
                       "container": (), "mcp_servers": ((), []), "output_config": ({},), "speed": ("standard",),
                       "diagnostics": ANY, "inference_geo": ANY, "user_profile_id": ANY,
@@ -119,7 +119,7 @@ class MessagesRequest(StrictModel):
 
 
 class CountTokensRequest(StrictModel):
-    neutral_fields = {"tool_choice": ({"type": "none"}, {"type": "auto"}), "thinking": ({"type": "disabled"},)}
+    neutral_fields = {"tool_choice": TOOL_CHOICES, "thinking": ({"type": "disabled"},)}
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Content | None = None

@@ -28,6 +28,10 @@ from pydantic import Field, field_validator
 from serving.server.protocol import StrictModel
 from serving.server.tool_text import before_system, tool_call, tool_response, tools_block
 
+# ``tool_choice`` values that change nothing here (no tool call is parsed): any or a named tool is a 400
+TOOL_CHOICES = ({"type": "none"}, {"type": "auto"}, {"type": "auto", "disable_parallel_tool_use": True},
+                {"type": "auto", "disable_parallel_tool_use": False})
+
 
 class TextBlock(StrictModel):
     type: Literal["text"]
