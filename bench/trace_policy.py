@@ -1,7 +1,7 @@
 """Policy replay: a request trace through the real HiRadixTree bookkeeping, no model (CPU).
 
-The tree is driven as the engine drives it (serving/req_cache.py, serving/l3_prefetch.py,
-serving/storage_controller.py), in trace order with up to ``concurrency`` requests in flight:
+The tree is driven as the engine drives it (serving/cache/req_cache.py, serving/cache/l3_prefetch.py,
+serving/cache/storage_controller.py), in trace order with up to ``concurrency`` requests in flight:
 
 1. L3 prefetch (with an L3): the prompt's pages after its L1/L2 prefix that L3 holds, at least
    ``prefetch_threshold`` tokens, are read into L2 pages (L2 room made with

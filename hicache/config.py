@@ -11,8 +11,8 @@ from hicache.config_fields import check_choices, choice
 KV_ENCODINGS = ("raw", "fp8", "int8")  # hicache.tiers.kv_codec.ENCODINGS (kept torch-free here)
 HOST_LAYOUTS = ("layer_first", "page_first")  # hicache.tiers.host.HOST_LAYOUTS
 STORAGE_BACKENDS = ("lmdb", "mooncake")  # hicache.tiers.storage.STORAGE_BACKENDS
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # serving.l3_prefetch.PREFETCH_POLICIES
-LOAD_POLICIES = ("cost_model", "always_load")  # serving.cost_model.LOAD_POLICIES
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # serving.cache.l3_prefetch.PREFETCH_POLICIES
+LOAD_POLICIES = ("cost_model", "always_load")  # serving.cache.cost_model.LOAD_POLICIES
 _READ_THREADS = max(1, min(16, os.cpu_count() or 1))  # hicache.tiers.storage.default_read_threads
 
 
@@ -59,7 +59,7 @@ class CacheConfig:
     hicache_storage_prefetch_timeout_base: float = 0.5  # seconds (policy "timeout")
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens (policy "timeout")
     cache_salt: str | None = None  # isolates this server's L3 keys from others sharing the store
-    # whether an L3 hit is loaded (this and the three below are not SGLang flags; serving/cost_model.py,
+    # whether an L3 hit is loaded (this and the three below are not SGLang flags; serving/cache/cost_model.py,
     # l3_writeback.py): cost_model (only when loading is faster than recomputing) | always_load
     hicache_storage_load_policy: str = choice("cost_model", LOAD_POLICIES)
     hicache_storage_read_threads: int = _READ_THREADS  # L3 reader threads (default: one per CPU, at most 16)

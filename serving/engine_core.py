@@ -23,19 +23,19 @@ from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, make_host_pool
 from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
-from serving.cache_controller import CacheController
+from serving.cache.cache_controller import CacheController
+from serving.cache.cost_model import make_load_policy
+from serving.cache.prefill_timer import PrefillTimer
+from serving.cache.req_cache import ReqCache
+from serving.cache.storage_controller import StorageController
 from serving.config import EngineConfig
-from serving.cost_model import make_load_policy
 from serving.grammar.runner import make_grammar_runner
 from serving.model.model_runner import ModelRunner
 from serving.parallel.leader import TPLeader
-from serving.prefill_timer import PrefillTimer
-from serving.req_cache import ReqCache
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.scheduler.scheduler import Scheduler
 from serving.scheduler.stop import StopChecker
-from serving.storage_controller import StorageController
 from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class EngineCore:
     def open_session(self, session_id: str | None = None) -> str:
         """Open ``session_id`` (a fresh id when None); ValueError when it is open already (as
         SGLang refuses it). The server's caps and id rules are checked before it gets here
-        (serving/kv_sessions.py, serving/server/session_ids.py)."""
+        (serving/cache/kv_sessions.py, serving/server/session_ids.py)."""
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise ValueError(f"session_id {sid!r} is already open")

@@ -81,7 +81,7 @@ class OpenSession:
     call_id: int
     session_id: str | None = None
     deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
-    tenant: str | None = None  # the session belongs to it (serving.kv_control)
+    tenant: str | None = None  # the session belongs to it (serving.cache.kv_control)
     retention: dict[str, Any] | None = None  # {"demote_on_idle": bool, "ttl_s": float}
 
 
@@ -95,7 +95,7 @@ class CloseSession:
 
 @dataclass
 class KVControlCall:
-    """The KV control API (serving.kv_control): ``op`` is lookup | pin | unpin; ``args`` its
+    """The KV control API (serving.cache.kv_control): ``op`` is lookup | pin | unpin; ``args`` its
     arguments (input_ids, cache_salt (effective), ttl_s, lease_id)."""
 
     call_id: int

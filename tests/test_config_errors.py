@@ -89,9 +89,9 @@ def test_config_names_match_their_registries():
     from hicache.tiers.host import HOST_LAYOUTS
     from hicache.tiers.storage import STORAGE_BACKENDS
     from serving import config as sc
-    from serving.cost_model import LOAD_POLICIES
+    from serving.cache.cost_model import LOAD_POLICIES
+    from serving.cache.l3_prefetch import PREFETCH_POLICIES
     from serving.kernels.attention import ATTENTION_BACKENDS
-    from serving.l3_prefetch import PREFETCH_POLICIES
     from serving.model.model_runner import DTYPES
     from serving.models.loader import LOAD_FORMATS
     from serving.scheduler.schedule_policy import SCHEDULE_POLICIES

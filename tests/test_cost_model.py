@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from serving.cost_model import CostModel, make_load_policy
+from serving.cache.cost_model import CostModel, make_load_policy
 from serving.engine import Engine
 from tests.model_utils import smollm2_path
 from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture

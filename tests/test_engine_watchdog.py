@@ -98,7 +98,7 @@ class _Core:
     def __init__(self) -> None:
         self.flushes = 0
         self.scheduler = SimpleNamespace(has_work=False, stats=SimpleNamespace(forward_passes=0))
-        # what the loop's KV control API reads at start-up (serving/kv_control.py); never used here
+        # what the loop's KV control API reads at start-up (serving/cache/kv_control.py); never used here
         self.tree, self.storage = None, None
         self.config = SimpleNamespace(cache=SimpleNamespace(page_size=1))
 

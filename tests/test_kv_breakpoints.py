@@ -1,4 +1,4 @@
-"""cache_control breakpoints on the engine itself (serving/kv_breakpoints.py): a prefix sent again
+"""cache_control breakpoints on the engine itself (serving/cache/kv_breakpoints.py): a prefix sent again
 refreshes its lease instead of pinning it twice; the per-tenant pinned-pages limit is a 429 before any
 work; a TTL's end (the lease clock moved on) releases the pages; the integrity checks hold."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from serving.cache.kv_control import ControlError, KVControl
 from serving.engine import Engine
-from serving.kv_control import ControlError, KVControl
 from tests.model_utils import tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}

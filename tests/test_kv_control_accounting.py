@@ -1,4 +1,4 @@
-"""serving/kv_control.py's bookkeeping on the engine itself: pins of one prefix count its pages
+"""serving/cache/kv_control.py's bookkeeping on the engine itself: pins of one prefix count its pages
 once against the tenant's pin quota, release and expiry give them back, and check_integrity()
 notices per-page, per-lease and session accounting that disagrees with the leases / the engine."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from serving.cache.kv_control import ControlError, ControlLimits, KVControl
 from serving.engine import Engine
-from serving.kv_control import ControlError, ControlLimits, KVControl
 from tests.model_utils import tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""Pin leases in serving/kv_control.py, on the engine itself: a lease whose time is up is gone for
+"""Pin leases in serving/cache/kv_control.py, on the engine itself: a lease whose time is up is gone for
 every call, even when the loop has not run its periodic sweep yet (a stalled or busy loop)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from serving.cache.kv_control import ControlError, KVControl
 from serving.engine import Engine
-from serving.kv_control import ControlError, KVControl
 from tests.model_utils import tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""serving/prefill_timer.py: what the L3 cost model learns as the prefill rate."""
+"""serving/cache/prefill_timer.py: what the L3 cost model learns as the prefill rate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from serving.prefill_timer import PrefillTimer
+from serving.cache.prefill_timer import PrefillTimer
 
 
 def test_cpu_steps_report_the_forward_pass_wall_time():

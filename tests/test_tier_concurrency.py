@@ -19,7 +19,7 @@ import zlib
 import pytest
 import torch
 
-from serving.cache_controller import CacheController
+from serving.cache.cache_controller import CacheController
 from serving.engine import Engine
 from tests.model_utils import hf_greedy, tiny_model
 from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture

@@ -100,7 +100,7 @@ class StorageTier:
         self._staged_readers = ThreadPoolExecutor(min(2, self.read_threads), thread_name_prefix="hicache-l3-sread")
         self.read_group = max(1, min(8, READ_GROUP_BYTES // self.codec.page_nbytes))
         self._local = threading.local()
-        # Writers (serving.l3_writeback) that may call batch_set at once; each frames its next batch
+        # Writers (serving.cache.l3_writeback) that may call batch_set at once; each frames its next batch
         # on a helper thread of its own while the backend stores the current one.
         self.write_threads = max(1, write_threads)
         self._preparer = ThreadPoolExecutor(self.write_threads, thread_name_prefix="hicache-l3-frame")

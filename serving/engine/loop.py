@@ -38,13 +38,13 @@ from typing import Any
 
 from hicache.tenants import load_tenants
 from serving import ipc as m
+from serving.cache.kv_control import ControlError, ControlLimits, KVControl
 from serving.disagg.protocol import Bootstrap
 from serving.engine.cache_events import CacheEventLog, engine_namespace
 from serving.engine.config import EngineProcessConfig
 from serving.engine.debug_hooks import StepHold
 from serving.engine.heartbeat import HeartbeatWriter
 from serving.engine.inbox import EngineInbox
-from serving.kv_control import ControlError, ControlLimits, KVControl
 from serving.model.logprobs import LogprobState
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest
@@ -305,7 +305,7 @@ class EngineLoop:
 
     def _call_value(self, msg: m.Message) -> Any:
         core = self.core
-        if isinstance(msg, m.OpenSession):  # 409 for an open id, 429 at a cap (serving/kv_sessions.py)
+        if isinstance(msg, m.OpenSession):  # 409 for an open id, 429 at a cap (serving/cache/kv_sessions.py)
             sid = core.open_session(self.control.open_session(msg.session_id, msg.tenant, msg.retention))
             self.session_used[sid] = time.monotonic()
             return sid

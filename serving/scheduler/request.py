@@ -28,7 +28,7 @@ class Req:
     lock_node: Any = None  # tree node locked for this request (None: nothing locked)
     load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
     wait_loads: tuple = ()  # PendingLoads still filling pages this request reads (see ReqCache.poll_load)
-    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.l3_prefetch.PrefetchOp)
+    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.cache.l3_prefetch.PrefetchOp)
     prefetch_checked: bool = False
     storage_hit_tokens: int = 0  # prompt tokens that came from L3 (through L2)
     l3_decision: dict[str, Any] | None = None  # the load-vs-recompute choice for its L3 pages, if any

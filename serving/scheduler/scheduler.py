@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serving.cache.prefill_timer import PrefillTimer
+from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
 from serving.model.forward_batch import ForwardBatch
 from serving.model.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.model.sampler import Sampler
-from serving.prefill_timer import PrefillTimer
-from serving.req_cache import ReqCache
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest
 from serving.scheduler.schedule_policy import make_schedule_policy

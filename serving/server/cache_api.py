@@ -15,7 +15,7 @@ tenant (its API key) and salt select the cache space, as for a generation.
   ``DELETE /cache/pin/{lease_id}`` releases it early (404 for an unknown, expired or other
   tenant's lease).
 
-The engine side is serving/kv_control.py.
+The engine side is serving/cache/kv_control.py.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class PinRequest(KVRequest):
 
 
 class Retention(StrictModel):
-    """``/open_session`` retention hints (serving/kv_control.py)."""
+    """``/open_session`` retention hints (serving/cache/kv_control.py)."""
 
     demote_on_idle: bool = False  # keep the session's KV on L2 (pinned) while it is idle
     ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)] | None = None  # close it after this long idle

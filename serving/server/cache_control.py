@@ -1,5 +1,5 @@
 """Prompt-caching breakpoints, HTTP side: Anthropic's ``cache_control`` on /v1/messages and the
-same field on the OpenAI and native routes (engine side: serving/kv_breakpoints.py).
+same field on the OpenAI and native routes (engine side: serving/cache/kv_breakpoints.py).
 
 - ``{"type": "ephemeral"}`` with an optional ``"ttl": "5m" | "1h"`` (Anthropic's; default
   5 minutes). On /v1/messages it may sit on a tool definition, a system text block or a
@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
-from serving.kv_breakpoints import MAX_BREAKPOINTS
+from serving.cache.kv_breakpoints import MAX_BREAKPOINTS
 from serving.server.anthropic_tools import system_text, tools_text
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError

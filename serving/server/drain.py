@@ -1,5 +1,5 @@
 """A warm drain: ``POST /drain`` (and SIGTERM with ``--drain-on-shutdown``) takes this worker out of
-service without losing its cache (engine side: serving/kv_drain.py).
+service without losing its cache (engine side: serving/cache/kv_drain.py).
 
 1. It stops admitting: every new generation (and /cache/prefetch) answers 503 "this server is
    draining", and ``GET /health`` answers 503 with ``{"draining": true}``, which is how a router

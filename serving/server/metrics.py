@@ -75,7 +75,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "bytes_written": StorageMetric("counter", "storage_written_bytes", "Bytes written to L3 (trailers included)"),
     "read_s": StorageMetric("counter", "storage_read_seconds", "Wall time spent in L3 reads"),
     "write_s": StorageMetric("counter", "storage_write_seconds", "Wall time spent in L3 writes"),
-    # the storage controller (serving.storage_controller)
+    # the storage controller (serving.cache.storage_controller)
     "pages_written": _event("pages the write-back wrote to L3"),
     "pages_prefetched": _event("pages prefetched from L3 into L2"),
     "prefetches_revoked": _event("prefetches revoked"),
@@ -89,7 +89,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
                                          "Pages waiting for an L3 writer (back-pressure)"),
     "write_pages_waiting_max": StorageMetric("gauge", "storage_write_waiting_max_pages",
                                              "Most pages ever waiting for an L3 writer"),
-    # the load-or-recompute policy (serving.cost_model)
+    # the load-or-recompute policy (serving.cache.cost_model)
     "cost_l3_read_gbps": StorageMetric("gauge", "cost_model_l3_read_bytes_per_second",
                                        "Estimated L3 read bandwidth", 1e9),
     "cost_l3_fixed_ms": StorageMetric("gauge", "cost_model_l3_fixed_seconds",

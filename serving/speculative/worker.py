@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
 from serving.model.sampler import Sampler
-from serving.req_cache import ReqCache
 from serving.scheduler.request import Req
 from serving.speculative.cost import StepCost
 from serving.speculative.drafter import NgramDrafter

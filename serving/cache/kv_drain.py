@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.kv_control_limits import ControlError
+from serving.cache.kv_control_limits import ControlError
 
 
 def persist(core: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""How long prefill takes, for the L3 load policy's recompute estimate (serving.cost_model).
+"""How long prefill takes, for the L3 load policy's recompute estimate (serving.cache.cost_model).
 
 A step's wall time is its compute only where the forward pass is synchronous (a CPU). On
 CUDA the step returns once the batch is queued (overlap scheduling samples on the GPU and

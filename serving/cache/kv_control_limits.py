@@ -1,4 +1,4 @@
-"""The caps of the KV control API's engine side (serving/kv_control.py) and how it refuses a call.
+"""The caps of the KV control API's engine side (serving/cache/kv_control.py) and how it refuses a call.
 
 Open sessions and pin leases are objects a client creates with one cheap request and the
 engine keeps for up to ``MAX_TTL_S``; the caps keep them bounded. ``*_per_tenant`` caps apply to

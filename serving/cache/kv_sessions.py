@@ -1,5 +1,5 @@
 """Open sessions as the KV control API sees them: who owns each, its ``/open_session`` retention
-hints, and the caps on how many may be open (serving/kv_control_limits.py).
+hints, and the caps on how many may be open (serving/cache/kv_control_limits.py).
 
 - Opening an id that is open is a 409: "already open" for its own tenant (as SGLang refuses
   it: "Check if a session with the same id is still open"), "taken" for another tenant's.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from serving.kv_control_limits import ControlError, ControlLimits
+from serving.cache.kv_control_limits import ControlError, ControlLimits
 
 
 class SessionRegistry:

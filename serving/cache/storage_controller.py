@@ -1,10 +1,10 @@
 """L2 <-> L3: the storage tier's controller, as the scheduler sees it.
 
 The tree decides, this controller moves, on background threads; it composes two parts:
-- :class:`serving.l3_writeback.WriteBack`: a node that got an L2 copy (a backup) is written
+- :class:`serving.cache.l3_writeback.WriteBack`: a node that got an L2 copy (a backup) is written
   on to L3 under its page keys; its L2 pages are pinned until then (never dropped: over the
   writers' cap it waits), never its L1 pages.
-- :class:`serving.l3_prefetch.Prefetcher`: a waiting request whose prompt continues past
+- :class:`serving.cache.l3_prefetch.Prefetcher`: a waiting request whose prompt continues past
   L1/L2 in L3 gets a lookup, then a fetch into host pages, committed into the tree as L2
   copies batch by batch as they land, and loaded on to L1 right away when L1 has free room
   (the prefetch policy says how long the request may wait for it).
@@ -22,9 +22,9 @@ from hicache.hiradix import HiRadixTree, Transfer
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
-from serving.cost_model import LoadPolicy
-from serving.l3_prefetch import Prefetcher
-from serving.l3_writeback import WriteBack
+from serving.cache.cost_model import LoadPolicy
+from serving.cache.l3_prefetch import Prefetcher
+from serving.cache.l3_writeback import WriteBack
 from serving.scheduler.request import Req
 
 

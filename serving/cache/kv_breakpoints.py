@@ -1,6 +1,6 @@
 """Prompt-caching breakpoints (Anthropic's ``cache_control``), engine side: each breakpoint of a
 request pins the prefix up to and including its block for its TTL, through the KV control API's
-pin leases (serving/kv_control.py), per tenant.
+pin leases (serving/cache/kv_control.py), per tenant.
 
 - A breakpoint is a prefix length of the request's (salted) prompt, floored to whole pages, and
   a TTL. Its lease is keyed by (tenant, length, a hash of those tokens): the same prefix sent
@@ -29,7 +29,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from serving.kv_control_limits import ControlError
+from serving.cache.kv_control_limits import ControlError
 
 MAX_BREAKPOINTS = 4  # per request, as Anthropic allows
 

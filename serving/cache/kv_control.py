@@ -14,7 +14,7 @@ sessions (the HTTP routes are serving/server/cache_api.py).
   long idle; ``demote_on_idle`` backs the session's KV up to L2 and pins it there while the
   session is idle (until its next request, or ``ttl_s``), instead of leaving it to be dropped.
 - Sessions belong to the tenant that opened them; another tenant gets "unknown session". Who
-  owns which, and the caps on open sessions, are serving/kv_sessions.py's.
+  owns which, and the caps on open sessions, are serving/cache/kv_sessions.py's.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 
 from hicache import salt
 from hicache.keys import page_keys
-from serving.kv_breakpoints import Breakpoints
-from serving.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
-from serving.kv_drain import drain_report
-from serving.kv_sessions import SessionRegistry
+from serving.cache.kv_breakpoints import Breakpoints
+from serving.cache.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
+from serving.cache.kv_drain import drain_report
+from serving.cache.kv_sessions import SessionRegistry
 
 __all__ = ["MAX_TTL_S", "ControlError", "ControlLimits", "KVControl", "Lease"]
 
@@ -74,7 +74,7 @@ class KVControl:
         self._l3 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-kv-lookup") \
             if core.storage is not None else None
         self.clock_skew = 0.0  # seconds added to the lease clock (/debug/advance_kv_clock: tests)
-        self.breakpoints = Breakpoints(self)  # cache_control breakpoints (serving/kv_breakpoints.py)
+        self.breakpoints = Breakpoints(self)  # cache_control breakpoints (serving/cache/kv_breakpoints.py)
 
     def now(self) -> float:
         """The lease clock: time.monotonic(), moved on by ``clock_skew``."""
@@ -271,7 +271,7 @@ class KVControl:
         """Raise AssertionError unless every lease's pages are pinned in the tree (at least once
         per lease holding them), each tenant's pinned pages (counted once) and leases match its
         leases and stay within its quota and the caps, every idle-session lease exists, and the
-        open sessions agree with the engine's (serving/kv_sessions.py)."""
+        open sessions agree with the engine's (serving/cache/kv_sessions.py)."""
         held: Counter[int] = Counter()
         per_tenant: dict[str | None, Counter[int]] = {}
         for lease in self.leases.values():
@@ -301,7 +301,7 @@ class KVControl:
     # -- sessions -----------------------------------------------------------------------
     def open_session(self, sid: str | None, tenant: str | None, retention: dict[str, Any] | None) -> str:
         """Register a session (a fresh id when ``sid`` is None) for ``tenant``; ControlError 409
-        when the id is open, 429 at a cap (serving/kv_sessions.py). The caller then opens it in
+        when the id is open, 429 at a cap (serving/cache/kv_sessions.py). The caller then opens it in
         the engine core."""
         sid = sid or uuid.uuid4().hex
         self.sessions.open(sid, tenant, retention)

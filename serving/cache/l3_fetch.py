@@ -1,4 +1,4 @@
-"""L3 -> L2 fetches in flight, shared by the requests that wait for them (see serving/l3_prefetch.py).
+"""L3 -> L2 fetches in flight, shared by the requests that wait for them (see serving/cache/l3_prefetch.py).
 
 A :class:`FetchOp` reads consecutive L3 pages hanging below a locked tree node into host
 pages, as a read job on the storage tier's reader threads (``StorageTier.start_read``: every

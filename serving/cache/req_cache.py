@@ -12,9 +12,9 @@ from concurrent.futures import Future
 
 from hicache.hiradix import HiRadixTree, MatchResult, Transfer
 from hicache.tiers.allocator import PageAllocator
+from serving.cache.storage_controller import StorageController
 from serving.model.forward_batch import LayerWaits
 from serving.scheduler.request import Req
-from serving.storage_controller import StorageController
 
 TransferSink = Callable[[list[Transfer]], "Future | None"]
 

@@ -5,7 +5,7 @@ A prefetch runs in two background phases, so the scheduler never waits on the st
 1. **lookup** (lookup threads): the prompt's L3 page keys and ``batch_exists`` -- how many
    of the pages after the cached prefix the store holds;
 2. **fetch**, started by the scheduler once the lookup is in: host pages are allocated for
-   those pages and read by the storage tier's reader threads (serving/l3_fetch.py), stopping
+   those pages and read by the storage tier's reader threads (serving/cache/l3_fetch.py), stopping
    at the first miss. Many fetches are in flight at once (first come, first served). A
    request whose pages another request's fetch is already reading *follows* that fetch
    (the same keys are never read twice at once); once it has what that fetch had of its
@@ -42,8 +42,8 @@ from hicache.hiradix import HiRadixTree
 from hicache.keys import page_keys
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
-from serving.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
-from serving.l3_fetch import Fetches, FetchOp
+from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
+from serving.cache.l3_fetch import Fetches, FetchOp
 from serving.scheduler.request import Req
 
 
