@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from serving import ipc as m
+from serving.engine.core import EngineCore
 from serving.engine.loop import EngineLoop
 from serving.engine.main import engine_main
 from serving.engine.offline import config_from_kwargs
-from serving.engine_core import EngineCore
 from serving.ipc import EXIT_BROKEN
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient

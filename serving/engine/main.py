@@ -54,7 +54,7 @@ def engine_main(
     from serving.engine.shutdown import shutdown_core
 
     try:
-        from serving.engine_core import EngineCore
+        from serving.engine.core import EngineCore
 
         core = EngineCore(config)
         make_role(settings, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport

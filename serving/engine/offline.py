@@ -8,7 +8,7 @@ from typing import Any
 
 from hicache.config import CacheConfig
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
-from serving.engine_core import EngineCore
+from serving.engine.core import EngineCore
 from serving.model.logprob_meta import LogprobOptions, sglang_meta
 from serving.model.logprobs import LogprobState
 from serving.scheduler.request import Req
