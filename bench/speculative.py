@@ -75,10 +75,26 @@ def serve_quantization() -> str:
     return m.group(1) if m else "none"
 
 
+_SOURCES: dict[str, str] = {}
+
+
+def source(path: str) -> str:
+    """A file of FILES, read once per process (the off and on runs edit the same text even while the
+    tree changes); a file moved since is found by its name under its top-level package."""
+    if path not in _SOURCES:
+        full = os.path.join(ROOT, path)
+        if not os.path.exists(full):
+            top, name = os.path.join(ROOT, path.split("/")[0]), os.path.basename(path)
+            full = next(os.path.join(d, name) for d, _, fs in sorted(os.walk(top)) if name in fs)
+        with open(full) as f:
+            _SOURCES[path] = f.read()
+    return _SOURCES[path]
+
+
 def code_prompts(tok, n: int) -> list[list[int]]:
     out = []
     for path in (FILES * 2)[:n]:
-        src = open(os.path.join(ROOT, path)).read()
+        src = source(path)
         name = re.search(r"^(?:class|def) (\w+)", src, re.M).group(1)
         msg = [{"role": "user", "content": f"Here is a file:\n\n```python\n{src}```\n\nRename {name} to "
                                            f"{name}_v2. Reply with the complete updated file."}]
