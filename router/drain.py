@@ -13,9 +13,12 @@ losing its cache (the worker's side is serving/server/drain.py).
 4. The worker leaves the pool. The answer: ``{"drained", "worker": <its drain report, without the
    lists>, "sessions_moved", "leases_moved", "not_moved": [{"kind", "id", "reason"}]}``.
 
-Only the default tenant's sessions and unsalted leases can be re-homed by the router (a tenant's
-needs its key, which the router does not hold; a salted lease's salt is not known in full): the
-others are listed in ``not_moved``.
+A tenant's sessions and leases are re-homed as that tenant: the router calls the target with its
+worker key (``worker_api_key`` or ``api_key``, the workers' ``--api-key``) and
+``x-hicache-tenant: <name>``, which a worker honours with that key only (serving/server/app.py).
+A salted lease is re-pinned with the request's own ``cache_salt`` (the report's ``request_salt``),
+which the target combines with the tenant's seed into the same effective salt (``cache_salt``,
+the scope it is routed in). What could not be re-homed is listed in ``not_moved`` with a reason.
 
 Concurrency contract: the router's event loop; one drain per worker at a time (``_running``).
 """
@@ -29,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from hicache.tenants import effective_salt
 from router.policies import RouteRequest
+from router.tenancy import salted_ids, scope_prefix, session_key
 
 if TYPE_CHECKING:
     from router.state import RouterState
@@ -45,9 +50,20 @@ class DrainError(Exception):
         self.status = status
 
 
-async def _post(state: RouterState, url: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
-    return await state.client.post(url + path, json=body, headers=state.worker_headers,
-                                   timeout=state.cfg.request_timeout_s)
+TENANT_HEADER = "x-hicache-tenant"  # the workers honour it with their --api-key only
+
+
+async def _post(state: RouterState, url: str, path: str, body: dict[str, Any] | None,
+                tenant: str | None = None) -> httpx.Response:
+    headers = state.worker_headers if tenant is None else {**state.worker_headers, TENANT_HEADER: tenant}
+    return await state.client.post(url + path, json=body, headers=headers, timeout=state.cfg.request_timeout_s)
+
+
+def _tenant_scope(state: RouterState, tenant: str | None) -> str | None:
+    """A tenant's unsalted scope as the router keys it (None: unknown to the router, or the default)."""
+    table = state.tenancy.table
+    t = None if tenant is None or table is None else table.tenants.get(tenant)
+    return None if t is None else effective_salt(t, None)
 
 
 async def drain_worker(state: RouterState, url: str) -> dict[str, Any]:
@@ -89,14 +105,14 @@ async def _move_sessions(state: RouterState, url: str, sessions: list[dict[str, 
     owner = state.forwarder.sessions.owner
     moved = 0
     for s in sessions:
-        sid = s["session_id"]
-        if s.get("tenant") is not None:
-            not_moved.append({"kind": "session", "id": sid, "reason": "a tenant's session (needs its key)"})
-            continue
-        w = state.policy.select(RouteRequest("", None, sid), others)
+        sid, tenant = s["session_id"], s.get("tenant")
+        # the router's affinity keys of this session (one per scope it was used in: session_key)
+        keys = [k for k, u in owner.items() if u == url and (k == sid or k.endswith("|" + sid))]
+        key = keys[0] if keys else session_key(_tenant_scope(state, tenant), sid)
+        w = state.policy.select(RouteRequest("", None, key), others)
         body: dict[str, Any] = {"session_id": sid, **({"retention": s["retention"]} if s.get("retention") else {})}
         try:
-            r = await _post(state, w.url, "/open_session", body)
+            r = await _post(state, w.url, "/open_session", body, tenant)
         except httpx.HTTPError as e:
             r = None
             reason = f"{w.url}: {type(e).__name__}"
@@ -105,10 +121,11 @@ async def _move_sessions(state: RouterState, url: str, sessions: list[dict[str, 
             r = None
         if r is None:
             not_moved.append({"kind": "session", "id": sid, "reason": reason})
-            if owner.get(sid) == url:
-                owner.pop(sid, None)
+            for k in keys:
+                owner.pop(k, None)
             continue
-        owner[sid] = w.url
+        for k in keys or [key]:
+            owner[k] = w.url
         moved += 1
     return moved
 
@@ -117,15 +134,18 @@ async def _move_leases(state: RouterState, leases: list[dict[str, Any]], others:
                        not_moved: list[dict[str, Any]]) -> int:
     moved = 0
     for x in leases:
-        if x.get("tenant") is not None or x.get("cache_salt") is not None:
-            not_moved.append({"kind": "lease", "id": x["lease_id"], "reason": "a tenant's or salted lease"})
+        tenant, scope, own = x.get("tenant"), x.get("cache_salt"), x.get("request_salt")
+        if scope is not None and "request_salt" not in x:  # a worker that does not report it (older)
+            not_moved.append({"kind": "lease", "id": x["lease_id"], "reason": "its request's cache_salt is not known"})
             continue
         route = await state.keys.for_body("/generate", {"input_ids": x["input_ids"]})
+        if scope is not None:  # routed in its scope, as its requests were (RouterState.route)
+            route = RouteRequest(scope_prefix(scope) + route.key, salted_ids(route.token_ids, scope), None)
         w = state.policy.select(route, others)
-        ids = {"input_ids": x["input_ids"]}
+        ids = {"input_ids": x["input_ids"], **({"cache_salt": own} if own is not None else {})}
         try:
-            pre = await _post(state, w.url, "/cache/prefetch", {**ids, "level": "L2"})
-            pin = await _post(state, w.url, "/cache/pin", {**ids, "ttl_s": x["ttl_s"]}) \
+            pre = await _post(state, w.url, "/cache/prefetch", {**ids, "level": "L2"}, tenant)
+            pin = await _post(state, w.url, "/cache/pin", {**ids, "ttl_s": x["ttl_s"]}, tenant) \
                 if pre.status_code == 200 else pre
         except httpx.HTTPError as e:
             not_moved.append({"kind": "lease", "id": x["lease_id"], "reason": f"{w.url}: {type(e).__name__}"})

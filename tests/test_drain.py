@@ -24,12 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_drain_rehomes_sessions_onto_the_shared_l3(tmp_path, tiny_chat_model):
     res = run_mooncake_script("mooncake_drain.py", str(tiny_chat_model), str(tmp_path))
-    assert res["pin_status"] == 200 and all(res["refs_cold"]), res
+    assert res["pin_status"] == 200 and res["salted_pin_status"] == 200 and all(res["refs_cold"]), res
     assert res["drain_status"] == 200, res
     drain = res["drain"]
     w = drain["worker"]
     assert w["l3"] and w["written_pages"] > 0 and w["not_written"] == 0 and w["aborted"] == 0, drain
-    assert drain["sessions_moved"] == 3 and drain["leases_moved"] == 1 and drain["not_moved"] == [], drain
+    # a tenant's session and a tenant's salted lease are re-homed too (x-hicache-tenant, request_salt)
+    assert drain["sessions_moved"] == 4 and drain["leases_moved"] == 2 and drain["not_moved"] == [], drain
     assert res["a_refuses"] == 503 and "draining" in res["a_refusal_text"], res
     assert res["a_integrity"]["ok"] and res["a_integrity"]["running"] == 0, res["a_integrity"]
     assert res["workers_after"] == [True], res  # A left the pool; B alone
@@ -40,8 +41,44 @@ def test_drain_rehomes_sessions_onto_the_shared_l3(tmp_path, tiny_chat_model):
         assert turn["storage"] == held - (90 // 16 * 16 if i == 0 else 0), (i, res["turn2"], res["held_on_a"])
     assert all(res["same_as_cold"]), res  # identical greedy answers (fp32)
     assert res["unpin_status"] == 200, res  # the re-homed lease answers to its old id
+    assert res["salted_on_b"] >= res["salted_pinned"] > 0, res  # alice's salted prefix is held on B...
+    assert res["salted_unpin_by_bob"] == 404 and res["salted_unpin"] == 200, res  # ...as hers
     assert res["b_integrity"], res
     assert res["exit_codes"] == [0, 0] and not res["a_log_tracebacks"], res
+
+
+def test_tenant_header_needs_the_admin_key(tmp_path, tiny_chat_model):
+    """``x-hicache-tenant`` (what a router re-homes a tenant's sessions and leases with) acts as that
+    tenant with the server's --api-key only: a tenant's key with it is a 403, whichever tenant it
+    names (its own too), and an unknown name is a 400."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(json.dumps({"keys": {"sk-alice-hdr-1": "alice", "sk-bob-hdr-1": "bob"}}))
+    args = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--page-size", "16",
+            "--api-keys-file", str(keys)]
+    s = ServerProcess(args, "sk-admin-hdr-1")
+    s.start()
+    try:
+        def call(key: str, tenant: str | None, path: str = "/open_session", body: dict | None = None) -> httpx.Response:
+            h = {"authorization": f"Bearer {key}", **({"x-hicache-tenant": tenant} if tenant else {})}
+            return httpx.post(s.url + path, json=body or {}, headers=h, timeout=60)
+
+        for name in ("alice", "bob"):  # bob's key acting as alice, or as himself: refused before the route
+            r = call("sk-bob-hdr-1", name)
+            assert r.status_code == 403 and "x-hicache-tenant" in r.text, r.text
+        ids = {"input_ids": list(range(100, 140))}
+        assert call("sk-bob-hdr-1", "alice", "/cache/pin", {**ids, "ttl_s": 60}).status_code == 403
+        assert call("sk-bob-hdr-1", "alice", "/generate", ids).status_code == 403
+        r = call("sk-admin-hdr-1", "nobody")
+        assert r.status_code == 400 and "no such tenant" in r.text, r.text
+        sid = call("sk-admin-hdr-1", "alice", body={"session_id": "moved-1"})  # as a drain re-homes one
+        assert sid.status_code == 200 and sid.json() == "moved-1", sid.text
+        gen = {**ids, "session_id": "moved-1", "sampling_params": {"max_new_tokens": 2}}
+        assert call("sk-bob-hdr-1", None, "/generate", gen).status_code == 404  # not bob's
+        assert call("sk-admin-hdr-1", None, "/generate", gen).status_code == 404  # nor the default tenant's
+        assert call("sk-alice-hdr-1", None, "/generate", gen).status_code == 200  # alice's
+    finally:
+        code = s.stop()
+    assert code == 0, s.log()
 
 
 def test_drain_on_one_worker_then_sigterm(tmp_path, tiny_chat_model):

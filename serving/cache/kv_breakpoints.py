@@ -94,9 +94,11 @@ class Breakpoints:
         return {"new_pages": new_pages}
 
     def apply(self, tokens: list[int], ends: list[int], ttls: list[float], tenant: str | None,
-              read: int, cache_salt: str | None = None, input_ids: list[int] | None = None) -> dict[str, Any]:
+              read: int, cache_salt: str | None = None, input_ids: list[int] | None = None,
+              request_salt: str | None = None) -> dict[str, Any]:
         """Pin (or refresh) each breakpoint; ``read``: the request's tokens served from the cache;
-        ``input_ids`` / ``cache_salt``: the unsalted prompt and its salt (kept with the lease)."""
+        ``input_ids`` / ``cache_salt`` / ``request_salt``: the unsalted prompt, its effective salt
+        and the request's own (kept with the lease)."""
         ctl = self.control
         now = ctl.now()
         ttl_of: dict[int, float] = {}
@@ -117,7 +119,8 @@ class Breakpoints:
             if (n, key) in pts:
                 continue
             try:
-                out = ctl.pin_prefix(tokens[:n], tenant, ttl, (list((input_ids or tokens)[:n]), cache_salt))
+                out = ctl.pin_prefix(tokens[:n], tenant, ttl, (list((input_ids or tokens)[:n]), cache_salt,
+                                                                      request_salt))
             except ControlError as e:
                 missed.append({"tokens": n, "status": e.status, "reason": str(e)})
                 continue

@@ -47,6 +47,7 @@ class Lease:
     session_id: str | None = None
     input_ids: list[int] | None = None  # the prompt it pins, unsalted (a drain re-pins it elsewhere)
     cache_salt: str | None = None  # its effective salt
+    request_salt: str | None = None  # the request's own cache_salt (a drain re-pins it with this + the tenant)
 
 
 class KVControl:
@@ -86,12 +87,13 @@ class KVControl:
         self.expire()
         ops = {
             "lookup": lambda: self.lookup(args["input_ids"], args.get("cache_salt")),
-            "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"])),
+            "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"]),
+                                    request_salt=args.get("request_salt")),
             "unpin": lambda: self.unpin(args["lease_id"], tenant),
             "cache_control_admit": lambda: self.breakpoints.admit(self._salted(args), args["ends"], tenant),
             "cache_control": lambda: self.breakpoints.apply(self._salted(args), args["ends"], args["ttls"], tenant,
                                                             int(args["read"]), args.get("cache_salt"),
-                                                            args["input_ids"]),
+                                                            args["input_ids"], args.get("request_salt")),
             "advance_clock": lambda: self._advance(float(args["seconds"])),
             "drain": lambda: drain_report(self),
         }
@@ -156,13 +158,13 @@ class KVControl:
 
     # -- pins ---------------------------------------------------------------------------
     def pin(self, input_ids: list[int], cache_salt: str | None, tenant: str | None, ttl_s: float,
-            session_id: str | None = None) -> dict[str, Any]:
+            session_id: str | None = None, request_salt: str | None = None) -> dict[str, Any]:
         if self.tree.host is None:
             raise ControlError(400, "pinning keeps KV in L2: this server has no L2 tier (--hicache-ratio)")
         if not 0 < ttl_s <= MAX_TTL_S:
             raise ControlError(400, f"ttl_s must be in (0, {MAX_TTL_S:g}]")
         tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
-        return self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt))
+        return self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt, request_salt))
 
     def _admit_lease(self, tenant: str | None) -> None:
         cap = self.limits.max_pin_leases
@@ -176,7 +178,7 @@ class KVControl:
                                     "(DELETE /cache/pin/{lease_id}) or let them expire")
 
     def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float, session_id: str | None = None,
-                    origin: tuple[list[int], str | None] = (None, None)) -> dict[str, Any]:
+                    origin: tuple[list[int] | None, str | None, str | None] = (None, None, None)) -> dict[str, Any]:
         self._admit_lease(tenant)
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
@@ -204,9 +206,9 @@ class KVControl:
         return {"lease_id": lease.lease_id, "pinned_tokens": lease.tokens, "ttl_s": ttl_s}
 
     def pin_prefix(self, tokens: list[int], tenant: str | None, ttl_s: float,
-                   origin: tuple[list[int], str | None]) -> dict[str, Any]:
+                   origin: tuple[list[int], str | None, str | None]) -> dict[str, Any]:
         """Pin already salted ``tokens`` (a cache_control breakpoint's prefix; ``origin``: the
-        unsalted ids and the effective salt)."""
+        unsalted ids, the effective salt and the request's own salt)."""
         return self._pin_tokens(tokens, tenant, ttl_s, None, origin)
 
     def pinned_pages_of(self, tenant: str | None) -> int:

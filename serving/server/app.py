@@ -30,6 +30,7 @@ from serving.server.tenants import CURRENT, TenantTable
 from serving.server.trusted_hosts import HostPolicy, TrustedHostMiddleware
 
 OPEN_PATHS = frozenset({"/health"})
+TENANT_HEADER = b"x-hicache-tenant"  # with the admin key: act as that tenant (APIKeyMiddleware)
 
 
 def bearer_token(header: bytes) -> bytes | None:
@@ -44,7 +45,12 @@ class APIKeyMiddleware:
     """401 unless ``Authorization: Bearer <key>`` (any case of "Bearer"; or Anthropic's
     ``x-api-key: <key>``) names ``api_key`` (the default tenant) or a tenant's key
     (``--api-keys-file``: the request then runs as that tenant, see serving/server/tenants.py);
-    /health stays open. Constant-time comparisons."""
+    /health stays open. Constant-time comparisons.
+
+    ``x-hicache-tenant: <name>`` runs a request made with ``api_key`` (the worker / admin key a
+    router holds) as that tenant: how a router re-homes a tenant's sessions and leases on a warm
+    drain (router/drain.py). With a tenant's key it is a 403, whatever name it gives (a tenant
+    never acts as another); an unknown name is a 400."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, tenants: TenantTable | None = None) -> None:
         self.app = app
@@ -60,6 +66,16 @@ class APIKeyMiddleware:
             default = self.expected is not None and hmac.compare_digest(token, self.expected)
             tenant = self.tenants.find(token) if self.tenants is not None else None
             if default or tenant is not None:
+                as_tenant = headers.get(TENANT_HEADER)
+                if as_tenant is not None:
+                    if tenant is not None or self.tenants is None:
+                        why = ("needs the server's --api-key" if tenant is not None
+                               else "names a tenant, and this server has no --api-keys-file")
+                        return await asgi_refuse(send, 403 if tenant is not None else 400,
+                                                 f"{TENANT_HEADER.decode()} {why}")
+                    tenant = self.tenants.tenants.get(as_tenant.decode("latin-1").strip())
+                    if tenant is None:
+                        return await asgi_refuse(send, 400, f"{TENANT_HEADER.decode()}: no such tenant")
                 reset = CURRENT.set(tenant)
                 try:
                     return await self.app(scope, receive, send)

@@ -118,7 +118,7 @@ async def pin(request: Request) -> dict[str, Any]:
     body = await parse_body(request, PinRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     ids = await _ids(ctx, body)
     return await _control(ctx, "pin", input_ids=ids, cache_salt=effective_salt(CURRENT.get(), body.cache_salt),
-                          ttl_s=body.ttl_s)
+                          request_salt=body.cache_salt, ttl_s=body.ttl_s)
 
 
 @router.delete("/cache/pin/{lease_id}")

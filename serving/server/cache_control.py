@@ -142,7 +142,7 @@ async def apply(ctx: ServerContext, ids: list[int], bps: list[Breakpoint], st: R
         return {"created_tokens": 0, "pinned_tokens": 0}
     return await _control(ctx, "cache_control", input_ids=ids, ends=[b.end for b in bps],
                           ttls=[b.ttl_s for b in bps], read=st.cached_tokens,
-                          cache_salt=effective_salt(CURRENT.get(), cache_salt))
+                          cache_salt=effective_salt(CURRENT.get(), cache_salt), request_salt=cache_salt)
 
 
 def anthropic_usage(st: ReqState, res: dict[str, Any] | None) -> dict[str, Any]:
