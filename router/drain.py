@@ -18,7 +18,9 @@ worker key (``worker_api_key`` or ``api_key``, the workers' ``--api-key``) and
 ``x-hicache-tenant: <name>``, which a worker honours with that key only (serving/server/app.py).
 A salted lease is re-pinned with the request's own ``cache_salt`` (the report's ``request_salt``),
 which the target combines with the tenant's seed into the same effective salt (``cache_salt``,
-the scope it is routed in). What could not be re-homed is listed in ``not_moved`` with a reason.
+the scope it is routed in). A cache_control breakpoint's lease (``breakpoint`` in the report) is
+re-pinned with ``"breakpoint": true``: the target adopts it as the tenant's breakpoint of that
+prefix. What could not be re-homed is listed in ``not_moved`` with a reason.
 
 Concurrency contract: the router's event loop; one drain per worker at a time (``_running``).
 """
@@ -145,7 +147,8 @@ async def _move_leases(state: RouterState, leases: list[dict[str, Any]], others:
         ids = {"input_ids": x["input_ids"], **({"cache_salt": own} if own is not None else {})}
         try:
             pre = await _post(state, w.url, "/cache/prefetch", {**ids, "level": "L2"}, tenant)
-            pin = await _post(state, w.url, "/cache/pin", {**ids, "ttl_s": x["ttl_s"]}, tenant) \
+            mark = {"breakpoint": True} if x.get("breakpoint") else {}  # the target adopts it (kv_breakpoints)
+            pin = await _post(state, w.url, "/cache/pin", {**ids, "ttl_s": x["ttl_s"], **mark}, tenant) \
                 if pre.status_code == 200 else pre
         except httpx.HTTPError as e:
             not_moved.append({"kind": "lease", "id": x["lease_id"], "reason": f"{w.url}: {type(e).__name__}"})

@@ -43,6 +43,17 @@ def gen(url: str, ids: list[int], sid: str | None = None, salt: str | None = Non
     return r.json()
 
 
+BP_TOKENS = 144  # prompt(9): 153 tokens, 9 whole pages
+
+
+def breakpoint_turn(url: str) -> dict:
+    body = {"input_ids": prompt(9), "cache_control": {"type": "ephemeral"},
+            "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    r = httpx.post(url + "/generate", json=body, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["cache_control"]
+
+
 def held(url: str, ids: list[int], key: dict, salt: str | None = None) -> int:
     """Leading tokens of ``ids`` on L1 or L2 of the worker at ``url``, in the key's (+ salt's) scope."""
     body = {"input_ids": ids, **({"cache_salt": salt} if salt else {})}
@@ -91,6 +102,7 @@ def main() -> None:
                          headers=ALICE, timeout=30)
         out["salted_pin_status"] = pin.status_code
         alice_lease, out["salted_pinned"] = pin.json()["lease_id"], pin.json()["pinned_tokens"]
+        out["bp_before"] = breakpoint_turn(r)  # a cache_control breakpoint's lease (default tenant)
         httpx.post(r + "/add_worker", params={"url": b.url}, headers=ADMIN, timeout=30).raise_for_status()
         d = httpx.post(r + "/remove_worker", params={"url": a.url, "drain": "true"}, headers=ADMIN, timeout=300)
         out["drain_status"] = d.status_code
@@ -116,6 +128,10 @@ def main() -> None:
         out["turn2"] = res
         out["same_as_cold"] = [x.get("out") == ref["output_ids"] for x, ref in zip(res, refs, strict=True)]
         out["unpin_status"] = httpx.delete(r + f"/cache/pin/{lease}", headers=ADMIN, timeout=30).status_code
+        # the re-homed breakpoint lease is B's breakpoint now: the same breakpoint refreshes it (no new lease)
+        out["bp_after"] = breakpoint_turn(r)
+        leases = httpx.post(b.url + "/drain", headers=ADMIN, timeout=120).json()["leases"]
+        out["bp_leases_on_b"] = [x["breakpoint"] for x in leases if x["input_ids"] == prompt(9)[:BP_TOKENS]]
         # alice's re-homed lease is hers on B: bob cannot release it, she can (by its old id)
         out["salted_unpin_by_bob"] = httpx.delete(r + f"/cache/pin/{alice_lease}", headers=BOB, timeout=30).status_code
         out["salted_unpin"] = httpx.delete(r + f"/cache/pin/{alice_lease}", headers=ALICE, timeout=30).status_code

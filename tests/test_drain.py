@@ -30,7 +30,11 @@ def test_drain_rehomes_sessions_onto_the_shared_l3(tmp_path, tiny_chat_model):
     w = drain["worker"]
     assert w["l3"] and w["written_pages"] > 0 and w["not_written"] == 0 and w["aborted"] == 0, drain
     # a tenant's session and a tenant's salted lease are re-homed too (x-hicache-tenant, request_salt)
-    assert drain["sessions_moved"] == 4 and drain["leases_moved"] == 2 and drain["not_moved"] == [], drain
+    assert drain["sessions_moved"] == 4 and drain["leases_moved"] == 3 and drain["not_moved"] == [], drain
+    assert res["bp_before"]["pinned_tokens"] == 144 and res["bp_before"]["cache_creation_tokens"] > 0, res
+    # the breakpoint lease re-homed as one (marked, adopted by B): the same breakpoint there refreshes it
+    assert res["bp_after"]["pinned_tokens"] == 144 and res["bp_after"]["cache_creation_tokens"] == 0, res
+    assert res["bp_leases_on_b"] == [True], res
     assert res["a_refuses"] == 503 and "draining" in res["a_refusal_text"], res
     assert res["a_integrity"]["ok"] and res["a_integrity"]["running"] == 0, res["a_integrity"]
     assert res["workers_after"] == [True], res  # A left the pool; B alone
@@ -76,6 +80,43 @@ def test_tenant_header_needs_the_admin_key(tmp_path, tiny_chat_model):
         assert call("sk-bob-hdr-1", None, "/generate", gen).status_code == 404  # not bob's
         assert call("sk-admin-hdr-1", None, "/generate", gen).status_code == 404  # nor the default tenant's
         assert call("sk-alice-hdr-1", None, "/generate", gen).status_code == 200  # alice's
+    finally:
+        code = s.stop()
+    assert code == 0, s.log()
+
+
+def test_breakpoint_leases_are_marked_and_adopted(tiny_chat_model):
+    """The drain report marks a cache_control breakpoint's lease (``breakpoint: true``); a pin with
+    ``breakpoint: true`` (what a drain's target is re-pinned with, router/drain.py) is adopted as
+    the tenant's breakpoint of that prefix: a later request's breakpoint on it refreshes that
+    lease instead of pinning a second one."""
+    args = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--page-size", "16",
+            "--hicache-ratio", "2"]
+    s = ServerProcess(args)
+    s.start()
+    try:
+        def gen(ids: list[int], cc: bool) -> dict:
+            body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+                    **({"cache_control": {"type": "ephemeral"}} if cc else {})}
+            r = httpx.post(s.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]
+
+        bp = [(k * 37) % 30000 + 200 for k in range(100)]
+        assert gen(bp, True)["cache_control"]["pinned_tokens"] == 96
+        moved = [(k * 53) % 30000 + 300 for k in range(100)]
+        gen(moved, False)
+        pin = httpx.post(s.url + "/cache/pin", json={"input_ids": moved[:96], "ttl_s": 300, "breakpoint": True},
+                         timeout=30)
+        assert pin.status_code == 200, pin.text
+        cc = gen(moved, True)["cache_control"]  # its breakpoint: the adopted lease, refreshed
+        assert cc["pinned_tokens"] == 96 and cc["cache_creation_tokens"] == 0, cc
+        rep = httpx.post(s.url + "/drain", timeout=60).json()
+        leases = {tuple(x["input_ids"]): x for x in rep["leases"]}
+        assert len(rep["leases"]) == 2, rep["leases"]  # no second lease on the adopted prefix
+        assert leases[tuple(bp[:96])]["breakpoint"] and leases[tuple(moved[:96])]["breakpoint"], rep["leases"]
+        assert leases[tuple(moved[:96])]["lease_id"] == pin.json()["lease_id"]
+        assert s.check_integrity()["ok"]
     finally:
         code = s.stop()
     assert code == 0, s.log()

@@ -136,6 +136,17 @@ class Breakpoints:
                 "refreshed_tokens": existing, "not_pinned": missed,
                 "tenant_pinned_pages": ctl.pinned_pages_of(tenant)}
 
+    def adopt(self, tokens: list[int], tenant: str | None, lease_id: str) -> None:
+        """Make the lease ``lease_id`` (a plain pin of ``tokens``) this tenant's breakpoint of that
+        prefix, unless it has one: how a warm drain's target takes a breakpoint lease over."""
+        n = len(tokens) // self.control.page_size * self.control.page_size
+        if n:
+            key = prefix_key(tokens, n)
+            self.points.setdefault(tenant, {}).setdefault((n, key), _Point(lease_id, n, key))
+
+    def breakpoint_leases(self) -> set[str]:
+        return {p.lease_id for pts in self.points.values() for p in pts.values()}
+
     def check_integrity(self) -> None:
         for tenant, pts in self.points.items():
             for p in pts.values():

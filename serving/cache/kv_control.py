@@ -88,7 +88,7 @@ class KVControl:
         ops = {
             "lookup": lambda: self.lookup(args["input_ids"], args.get("cache_salt")),
             "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"]),
-                                    request_salt=args.get("request_salt")),
+                                    request_salt=args.get("request_salt"), breakpoint=bool(args.get("breakpoint"))),
             "unpin": lambda: self.unpin(args["lease_id"], tenant),
             "cache_control_admit": lambda: self.breakpoints.admit(self._salted(args), args["ends"], tenant),
             "cache_control": lambda: self.breakpoints.apply(self._salted(args), args["ends"], args["ttls"], tenant,
@@ -158,13 +158,18 @@ class KVControl:
 
     # -- pins ---------------------------------------------------------------------------
     def pin(self, input_ids: list[int], cache_salt: str | None, tenant: str | None, ttl_s: float,
-            session_id: str | None = None, request_salt: str | None = None) -> dict[str, Any]:
+            session_id: str | None = None, request_salt: str | None = None, breakpoint: bool = False) -> dict[str, Any]:
+        """``breakpoint``: the lease is also a cache_control breakpoint of this prefix (a drain
+        re-homes one so: a later request's breakpoint on it refreshes it, kv_breakpoints.py)."""
         if self.tree.host is None:
             raise ControlError(400, "pinning keeps KV in L2: this server has no L2 tier (--hicache-ratio)")
         if not 0 < ttl_s <= MAX_TTL_S:
             raise ControlError(400, f"ttl_s must be in (0, {MAX_TTL_S:g}]")
         tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
-        return self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt, request_salt))
+        out = self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt, request_salt))
+        if breakpoint:
+            self.breakpoints.adopt(tokens, tenant, out["lease_id"])
+        return out
 
     def _admit_lease(self, tenant: str | None) -> None:
         cap = self.limits.max_pin_leases

@@ -49,7 +49,9 @@ def drain_report(control: Any) -> dict[str, Any]:
     report = persist(core)
     sessions = [{"session_id": sid, "tenant": tenant, "retention": dict(control.sessions.retention.get(sid, {}))}
                 for sid, tenant in control.sessions.owner.items()]
-    leases = [{"lease_id": x.lease_id, "tenant": x.tenant, "input_ids": list(x.input_ids), "cache_salt": x.cache_salt,
-               "request_salt": x.request_salt, "ttl_s": max(0.001, x.expires - now), "pinned_tokens": x.tokens}
+    points = control.breakpoints.breakpoint_leases()
+    leases = [{"lease_id": x.lease_id, "breakpoint": x.lease_id in points, "tenant": x.tenant,
+               "input_ids": list(x.input_ids), "cache_salt": x.cache_salt, "request_salt": x.request_salt,
+               "ttl_s": max(0.001, x.expires - now), "pinned_tokens": x.tokens}
               for x in control.leases.values() if x.session_id is None and x.input_ids is not None]
     return {**report, "sessions": sessions, "leases": leases}

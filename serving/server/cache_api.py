@@ -59,6 +59,7 @@ class PrefetchRequest(KVRequest):
 
 class PinRequest(KVRequest):
     ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)]
+    breakpoint: bool = False  # also the caller's cache_control breakpoint of this prefix (a drain's re-pin)
 
 
 class Retention(StrictModel):
@@ -118,7 +119,7 @@ async def pin(request: Request) -> dict[str, Any]:
     body = await parse_body(request, PinRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     ids = await _ids(ctx, body)
     return await _control(ctx, "pin", input_ids=ids, cache_salt=effective_salt(CURRENT.get(), body.cache_salt),
-                          request_salt=body.cache_salt, ttl_s=body.ttl_s)
+                          request_salt=body.cache_salt, ttl_s=body.ttl_s, breakpoint=body.breakpoint)
 
 
 @router.delete("/cache/pin/{lease_id}")
