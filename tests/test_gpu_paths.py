@@ -5,19 +5,13 @@ interpreter, in a child process). On the GPU itself, tests/test_gpu.py runs them
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from harness.engine_cases import GREEDY, ids_of, prompts
+from harness.interpreted import run_interpreted
+from harness.model_utils import hf_greedy, tiny_model
 from serving.engine import Engine
 from serving.scheduler.overlap import OverlapScheduler
-from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +97,6 @@ def test_overlap_abort_while_pending(tiny):
     eng.check_integrity()
 
 
-def _run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
-    return res.stdout
-
-
 PAGE_MOVE_CODE = """
 import torch
 from serving.kernels.page_copy_triton import move_pages
@@ -129,20 +115,24 @@ for dtype in (torch.float32, torch.bfloat16):
         move_pages(host, page_dim, dst, back, 1, torch.tensor([1, 5, 7]), block=64)
         assert torch.equal(back[:, [1, 5, 7]], dev[:, [4, 0, 8]])
         assert (back[:, [0, 2, 3, 4, 6, 8]] == 0).all()
+        for programs in (1, 5):  # persistent: a few programs loop over every (page, row, chunk)
+            few = torch.zeros_like(dev)
+            move_pages(host, page_dim, dst, few, 1, torch.tensor([1, 5, 7]), block=16, max_programs=programs)
+            assert torch.equal(few, back)
 print("OK")
 """
 
 
 def test_page_move_kernel_in_interpreter():
     pytest.importorskip("triton")
-    _run_interpreted(PAGE_MOVE_CODE)
+    run_interpreted(PAGE_MOVE_CODE)
 
 
 GRAPH_RUNNER_CODE = """
 import sys, json
 from serving.engine import Engine
-from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, prompts
+from harness.model_utils import hf_greedy, tiny_model
+from harness.engine_cases import GREEDY, prompts
 path = tiny_model(sys.argv[1] if len(sys.argv) > 1 else __import__('tempfile').mkdtemp())
 ps = prompts(3, 512, seed=5, lo=3, hi=30)
 params = {**GREEDY, "max_new_tokens": 6}
@@ -167,7 +157,7 @@ def test_graph_runner_static_buffers_in_interpreter():
     """Decode through the graph runner's static buffers, padded (3 -> 4), with the Triton
     backend under the interpreter: greedy tokens equal HF's."""
     pytest.importorskip("triton")
-    _run_interpreted(GRAPH_RUNNER_CODE)
+    run_interpreted(GRAPH_RUNNER_CODE)
 
 
 EXTEND_GRAPH_CODE = """
@@ -175,8 +165,8 @@ import sys, torch
 from serving.model.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
 from serving.model.forward_batch import ForwardBatch
-from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import prompts
+from harness.model_utils import hf_greedy, tiny_model
+from harness.engine_cases import prompts
 path = tiny_model(sys.argv[1])
 eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, attention_backend="triton",
              context_length=256, device="cpu", dtype="float32", chunked_prefill_size=16)
@@ -232,7 +222,7 @@ def test_extend_graph_runner_in_interpreter(tmp_path):
     Triton backend under the interpreter: logits equal the eager pass's, padding writes no KV, and an
     engine with both graph runners gives HF's greedy tokens, also on prefixes cached in L1."""
     pytest.importorskip("triton")
-    _run_interpreted(EXTEND_GRAPH_CODE.replace("sys.argv[1]", repr(str(tmp_path))))
+    run_interpreted(EXTEND_GRAPH_CODE.replace("sys.argv[1]", repr(str(tmp_path))))
 
 
 def test_extend_buckets_round_like_the_token_counts():
@@ -284,4 +274,4 @@ print("OK")
 def test_fused_kernels_in_interpreter():
     """RMSNorm, RoPE and SiLU-mul kernels (the model's CUDA path) against the torch path."""
     pytest.importorskip("triton")
-    _run_interpreted(FUSED_CODE)
+    run_interpreted(FUSED_CODE)

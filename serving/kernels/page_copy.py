@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 # Layers per launch pair (K rows, V rows) of a layered load: fewer launches hold the GIL for
 # less time (reader threads of an L3 fetch need it); each group ends with one event.
 LAYER_GROUP = 4
+# A layered load's copy kernel runs beside the forward pass that waits for it: at most this many
+# programs, each looping over its chunks, so the layers' kernels keep the other SMs. Measured on
+# the H200 (8B shape, 4k-token L2 hit, median of 12): one program per chunk 18.1 ms, 16: 14.2,
+# 32: 13.9, 64: 14.0, 132: 17.1, 264: 17.2 (bench/results/diag/l2-hit-load-programs-h200-2026-12-01.json);
+# None: one program per chunk.
+LOAD_PROGRAMS: int | None = 32
 
 
 def _flat(kv_buffer: torch.Tensor) -> torch.Tensor:
@@ -151,7 +157,7 @@ class PageMover:
             hi = min(layers, lo + LAYER_GROUP)
             for rows in (slice(lo, hi), slice(layers + lo, layers + hi)):  # K rows, then V rows
                 src = self.host.buffer[:, rows] if hdim == 0 else self.host.buffer[rows]
-                move_pages(src, hdim, ids[0], self.dev[rows], 1, ids[1])
+                move_pages(src, hdim, ids[0], self.dev[rows], 1, ids[1], max_programs=LOAD_PROGRAMS)
             ev = torch.cuda.Event()
             ev.record(s)
             events += [ev] * (hi - lo)

@@ -56,6 +56,32 @@ def _move_pages_kernel(
         tl.store(dst + d_off, tl.load(src + s_off, mask=ok), mask=ok)
 
 
+@triton.jit
+def _move_pages_persistent_kernel(
+    src, dst, src_ids, dst_ids, n_rows, total, n_chunks,
+    src_page_stride, src_row_stride, dst_page_stride, dst_row_stride,
+    X: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The same copies as ``_move_pages_kernel`` from a fixed number of programs: program ``p``
+    does work items ``p, p + programs, ...`` (item ``w`` = chunk ``w % n_chunks`` of row-page
+    ``w // n_chunks``), so the copy holds only that many SM slots while a forward pass runs."""
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        chunk = w % n_chunks
+        pr = w // n_chunks
+        i = pr // n_rows
+        r = (pr % n_rows).to(tl.int64)
+        sp = tl.load(src_ids + i).to(tl.int64)
+        dp = tl.load(dst_ids + i).to(tl.int64)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        s_off = sp * src_page_stride + r * src_row_stride + offs
+        d_off = dp * dst_page_stride + r * dst_row_stride + offs
+        if X % BLOCK == 0:
+            tl.store(dst + d_off, tl.load(src + s_off))
+        else:
+            ok = offs < X
+            tl.store(dst + d_off, tl.load(src + s_off, mask=ok), mask=ok)
+
+
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     """Copy raw bits: view 2-byte floats as int16 and 4-byte as int32 (no float handling)."""
     size = t.element_size()
@@ -72,13 +98,15 @@ def move_pages(
     dst_ids: torch.Tensor,
     block: int | None = None,
     num_warps: int | None = None,
+    max_programs: int | None = None,
 ) -> None:
     """Copy pages ``src_ids`` of ``src`` into pages ``dst_ids`` of ``dst`` in one launch.
 
     ``src`` and ``dst`` are 3-D ``[2L, pages, X]`` (page dim 1) or ``[pages, 2L, X]`` (page
     dim 0), contiguous in their last dimension; either may be pinned host memory. The id
     tensors must live where the kernel runs (the GPU, or the CPU under the interpreter).
-    The launch goes on the current stream.
+    The launch goes on the current stream. ``max_programs``: at most that many programs, each
+    looping over its share of the chunks (a copy that shares the GPU with a forward pass).
     """
     n = int(src_ids.numel())
     if n == 0:
@@ -94,6 +122,14 @@ def move_pages(
     grid = (n * rows, triton.cdiv(x, block))
     if grid[1] > 65535:
         raise ValueError("row too long for one grid axis; raise block")
+    if max_programs is not None and grid[0] * grid[1] > max_programs:
+        _move_pages_persistent_kernel[(max_programs,)](
+            _as_bits(src), _as_bits(dst), src_ids, dst_ids, rows, grid[0] * grid[1], grid[1],
+            src.stride(src_page_dim), src.stride(1 - src_page_dim),
+            dst.stride(dst_page_dim), dst.stride(1 - dst_page_dim),
+            X=x, BLOCK=block, num_warps=num_warps,
+        )  # fmt: skip
+        return
     _move_pages_kernel[grid](
         _as_bits(src), _as_bits(dst), src_ids, dst_ids, rows,
         src.stride(src_page_dim), src.stride(1 - src_page_dim),
