@@ -104,7 +104,7 @@ def main() -> None:
     server = None
     url = args.url
     if url is None:
-        from tests.server_utils import ServerProcess
+        from harness.server_utils import ServerProcess
 
         server = ServerProcess(["--model-path", args.model_path, *args.server_args.split()])
         server.start(timeout=300)

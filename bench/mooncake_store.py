@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/mooncake_store.py [--pages 256] [--json PATH]
 
-Starts a real ``mooncake_master`` in a network namespace of its own (tests/netns.py; the
+Starts a real ``mooncake_master`` in a network namespace of its own (harness/netns.py; the
 transfer engine needs a LAN address, so everything stays inside the namespace), then runs
 the client in it: a ``page_first`` host pool of ``--pages`` pages is written to the store and
 read back through :class:`hicache.tiers.storage.StorageTier` over
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         print(json.dumps(child(args)))
         return {}
-    from tests.netns import MooncakeMaster, NetNS, unavailable_reason
+    from harness.netns import MooncakeMaster, NetNS, unavailable_reason
 
     why = unavailable_reason() or (None if MooncakeMaster.binary() else "mooncake_master is not installed")
     if why:

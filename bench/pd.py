@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import parser, print_table, write_json  # noqa: E402
 from bench.pd_load import Load, Router, cpu_s, cpu_snapshot, others_cpu, run_load, stop, summarize  # noqa: E402
-from tests.server_utils import ServerProcess, free_port  # noqa: E402
+from harness.server_utils import ServerProcess, free_port  # noqa: E402
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

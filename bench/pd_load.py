@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.server_utils import ServerProcess, free_port
+from harness.server_utils import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_READY = "The router is ready to route!"

@@ -108,9 +108,9 @@ def decision_bench(args: Any) -> list[dict[str, Any]]:
 def proxy_bench(args: Any) -> list[dict[str, Any]]:
     import httpx
 
+    from harness.model_utils import tiny_model
+    from harness.server_utils import ServerProcess
     from router.embedded import RouterThread
-    from tests.model_utils import tiny_model
-    from tests.server_utils import ServerProcess
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     model = tiny_model(tmp / "tiny", with_tokenizer=True, max_position_embeddings=512)

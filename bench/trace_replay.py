@@ -142,7 +142,7 @@ def run_live_cli(args) -> dict[str, Any]:  # noqa: ANN001
     if args.url:
         results["server"] = run_live(args.url, reqs, blocks, **kw)
     else:
-        from tests.server_utils import ServerProcess
+        from harness.server_utils import ServerProcess
 
         with tempfile.TemporaryDirectory(prefix="trace-replay-") as work:
             for name in args.setups.split(","):

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and chat template (fast server tests)."""
-    from tests.model_utils import tiny_model
+    from harness.model_utils import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny-chat"), with_tokenizer=True, max_position_embeddings=512)
 
@@ -34,7 +34,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def lang_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny chat model with SmolLM2's real EOS (``<|im_end|>``, a special token, so its text
     never shows), for serving.lang's tests."""
-    from tests.model_utils import tiny_model
+    from harness.model_utils import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("lang-chat"), with_tokenizer=True, max_position_embeddings=512,
                       eos_token_id=2)

@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import ServerProcess  # noqa: E402
+from harness.server_utils import ServerProcess  # noqa: E402
 
 RPC, HTTP, METRICS = 50051, 50080, 50090
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import running_server
 
 pytestmark = pytest.mark.slow
 

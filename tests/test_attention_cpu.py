@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.cpu_variants import ext  # noqa: F401 - the fixture
+from harness.kernel_cases import EXTEND_CASES, dense_reference, make_case, run_backend
 from serving.kernels import attention_cpu, cpu_ext, cpu_fused
 from serving.kernels.attention import get_attention_backend
 from serving.kernels.cpu_ext import extension
 from serving.model.forward_batch import ForwardBatch
-from tests.cpu_variants import ext  # noqa: F401 - the fixture
-from tests.test_kernels import EXTEND_CASES, dense_reference, make_case, run_backend
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="needs g++ (the C++ CPU ops)")
 

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 PS = 16
 SYSTEM = "You are a careful coding agent. You read files, run tools and answer briefly. " * 12

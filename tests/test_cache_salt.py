@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
+from harness.engine_cases import GREEDY, ids_of, prompts
+from harness.model_utils import hf_greedy, tiny_model
 from hicache import salt
 from hicache.keys import page_keys
 from serving.engine import Engine
-from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
 
 
 @pytest.fixture(scope="module")

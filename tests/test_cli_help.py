@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from harness.server_utils import ROOT
 from hicache.config_fields import field_choices, field_docs
 from serving.launch import cli
 from serving.server.config import SECTIONS
-from tests.server_utils import ROOT
 
 
 def serve_help(*argv: str) -> str:

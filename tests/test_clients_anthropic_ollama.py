@@ -10,7 +10,7 @@ import httpx
 import ollama
 import pytest
 
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 6
 KEY = "sk-test-key"

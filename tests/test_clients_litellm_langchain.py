@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no download at import
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 6

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from harness.model_utils import smollm2_path
+from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
 from serving.cache.cost_model import CostModel, make_load_policy
 from serving.engine import Engine
-from tests.model_utils import smollm2_path
-from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.cpu_cases import acts
+from harness.cpu_variants import ext  # noqa: F401 - the fixture
 from serving.kernels import cpu_int4
 from serving.models.quant.int4 import quantize_int4_groups
-from tests.cpu_variants import ext  # noqa: F401 - the fixture
 
 
 def layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -18,20 +19,6 @@ def layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
     m = (-8 * d * (1 + 0.2 * torch.randn(n, k // 32, generator=g))).half().float()
     return codes, d, m
-
-
-def acts(mm: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed + 100)
-    x = torch.randn(mm, k, generator=g) * 3
-    x[0, :32] += 40  # a group far from zero
-    if mm > 1:
-        x[1, 32:64] = 0.0  # an all-zero group: dx = 0
-    if mm > 2:
-        x[2, : k // 2] = 1e-30
-    if mm > 3 and k >= 64:
-        x[3, 32:64] = 0.0
-        x[3, 40] = 3e-37  # amax / 127 is subnormal: 1 / dx would be inf, and 0 * inf NaN
-    return x
 
 
 def test_pack_round_trips():

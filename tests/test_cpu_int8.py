@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.cpu_variants import ext  # noqa: F401 - the fixture
 from serving.kernels import cpu_int8
-from tests.cpu_variants import ext  # noqa: F401 - the fixture
 
 
 def case(m: int, n: int, k: int, seed: int):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.cpu_cases import acts
+from harness.cpu_variants import ext  # noqa: F401 - the fixture
 from serving.kernels import cpu_int4, cpu_q8
-from tests.cpu_variants import ext  # noqa: F401 - the fixture
-from tests.test_cpu_int4 import acts
 
 
 def layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_utils import ServerProcess, free_port
+from harness.server_utils import ServerProcess, free_port
 
 ROUTER_READY = "The router is ready to route!"
 

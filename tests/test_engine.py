@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
+from harness.engine_cases import GREEDY, ids_of, prompts
+from harness.model_utils import hf_greedy, smollm2_path, tiny_model
 from serving.engine import Engine
 from serving.scheduler.sampling_params import InvalidRequest
-from tests.model_utils import hf_greedy, smollm2_path, tiny_model
-
-GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-
-
-def prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 70) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def tier_prompts() -> tuple[list[list[int]], list[list[int]]]:
-    """The tier scenarios' prompts: 4 that come back, and 6 others that push them out of L1."""
-    return prompts(4, 512, seed=3, lo=40, hi=60), prompts(6, 512, seed=4, lo=40, hi=60)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama_rope_scaled"])
@@ -40,10 +27,6 @@ def make_engine(path, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("page_size", 4)
     return Engine(model_path=str(path), **kw)
-
-
-def ids_of(outs):
-    return [o["output_ids"] for o in outs]
 
 
 def test_tiny_models_match_hf_in_one_mixed_batch(tiny):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.engine_cases import GREEDY, ids_of, tier_prompts
+from harness.model_utils import hf_greedy, tiny_model
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
 from serving.engine import Engine
 from serving.kernels.page_copy import device_to_host, host_to_device
-from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, ids_of, tier_prompts
 
 
 @pytest.fixture(scope="module")

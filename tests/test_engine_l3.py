@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.engine_cases import GREEDY, ids_of, prompts
+from harness.model_utils import hf_greedy, tiny_model
 from serving.engine import Engine
-from tests.model_utils import hf_greedy, tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import weakref
 
 import pytest
 
+from harness.model_utils import tiny_model
 from hicache.tiers.host import GrowingPageAllocator
 from hicache.tiers.host_pinning import HOLD_ENV
 from serving.engine import Engine
-from tests.model_utils import tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(40 + 8 * i)] for i in range(6)]

@@ -9,12 +9,12 @@ from multiprocessing import Pipe
 
 import pytest
 
+from harness.model_utils import tiny_model
 from serving.engine.offline import Engine, config_from_kwargs
 from serving.engine.shutdown import shutdown_core
 from serving.launch import cli
 from serving.server.config import ServerConfig, load_config
 from serving.server.engine_client import EngineClient
-from tests.model_utils import tiny_model
 
 PS = 4
 PROMPTS = [[(k * 37 + i * 7) % 500 + 1 for i in range(30 + 5 * k)] for k in range(3)]

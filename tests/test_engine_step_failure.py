@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from harness.model_utils import hf_greedy, tiny_model
 from serving import ipc as m
 from serving.engine.core import EngineCore
 from serving.engine.loop import EngineLoop
@@ -22,7 +23,6 @@ from serving.ipc import EXIT_BROKEN
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError
-from tests.model_utils import hf_greedy, tiny_model
 
 NEW = 6
 PARAMS = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}

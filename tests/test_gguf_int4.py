@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from harness.model_utils import smollm2_path
 from serving.kernels.cpu_int4 import pack
 from serving.models.loader import load_model
 from serving.models.quant.gguf_index import read_tensors
 from serving.models.quant.gguf_q4 import gguf_source, int4_groups
 from serving.models.quant.int4 import quantize_int4_groups
-from tests.model_utils import smollm2_path
 
 pytestmark = pytest.mark.slow
 

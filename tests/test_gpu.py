@@ -24,10 +24,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # -- kernels, bf16 -------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["decode", "decode_graph_splits", "extend", "extend_one_pass", "extend_long_prefix"])
 def test_triton_attention_bf16_vs_torch(kind):
+    from harness.kernel_cases import make_case
     from serving.kernels.attention import get_attention_backend
     from serving.kernels.attention_triton import TritonAttentionBackend
     from serving.kernels.triton_extend import one_pass_extend_attention
-    from tests.test_kernels import make_case
 
     lens = {"extend": [(0, 40), (96, 17), (5, 1), (250, 64)], "extend_one_pass": [(0, 40), (96, 17), (5, 1), (250, 64)],
             "extend_long_prefix": [(4096, 16)]}.get(kind, [(0, 1), (37, 1), (300, 1), (1000, 1)])
@@ -135,8 +135,8 @@ def test_layered_load_waits_per_layer_on_the_gpu(layout):
 def test_engine_layered_l2_loads_under_concurrency(tiny):
     """Requests that share a prefix being loaded back from L2 run in the same step as the load
     (their forward waits per layer on the GPU): greedy tokens equal the cold run's."""
+    from harness.engine_cases import GREEDY, ids_of
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of
 
     path, ps, ref = tiny
     eng = Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=320, hicache_ratio=4.0,
@@ -174,8 +174,8 @@ def test_backup_is_ordered_after_queued_kv_writes():
 # -- models --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.model_utils import hf_greedy, tiny_model
-    from tests.test_engine import GREEDY, prompts
+    from harness.engine_cases import GREEDY, prompts
+    from harness.model_utils import hf_greedy, tiny_model
 
     path = tiny_model(tmp_path_factory.mktemp("gpu"))
     ps = prompts(12, 512, seed=7, lo=3, hi=90)
@@ -186,8 +186,8 @@ def test_overlap_runs_no_decode_after_a_request_s_last_token(tiny):
     """A request whose pending token ends it by length gets no overlapped decode: a one-token
     request is one forward pass (the extra decode cost an L1 hit a second one), and a batch of
     n-token requests runs n passes; tokens unchanged."""
+    from harness.engine_cases import GREEDY, ids_of
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of
 
     path, ps, ref = tiny
     eng = Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=8192)
@@ -205,8 +205,8 @@ def test_overlap_runs_no_decode_after_a_request_s_last_token(tiny):
 
 @pytest.mark.parametrize("graph,overlap", [(True, True), (False, False), (True, False), (False, True)])
 def test_greedy_matches_hf_fp32(tiny, graph, overlap):
+    from harness.engine_cases import GREEDY, ids_of
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of
 
     path, ps, ref = tiny
     eng = Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=8192,
@@ -261,8 +261,8 @@ def test_cuda_graph_logits_equal_eager(tmp_path):
 
 def test_engine_l2_on_gpu_matches_l1_only(tiny):
     """KV demoted to pinned L2 and loaded back by the page-move kernel: same greedy tokens."""
+    from harness.engine_cases import GREEDY, ids_of
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of
 
     path, ps, ref = tiny
     for layout in ("layer_first", "page_first"):
@@ -383,8 +383,8 @@ def test_fp8_gemv_matches_scaled_mm(n, k):
 def test_fp8_checkpoint_serves_with_fp8_weights(tmp_path):
     """An HF fp8 checkpoint (per-channel weight_scale) under --quantization fp8 gives the tokens of
     its dequantized float checkpoint under --quantization fp8 (the same e4m3 codes either way)."""
-    from tests.model_utils import tiny_model
-    from tests.test_fp8_checkpoint import dequantized_twin, fp8_checkpoint, greedy_tokens
+    from harness.fp8_checkpoint import dequantized_twin, fp8_checkpoint, greedy_tokens
+    from harness.model_utils import tiny_model
 
     src = tiny_model(tmp_path / "float", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                      num_key_value_heads=2)

@@ -171,8 +171,8 @@ def test_extend_graph_logits_equal_eager_8b_shape(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.model_utils import hf_greedy, tiny_model
-    from tests.test_engine import GREEDY, prompts
+    from harness.engine_cases import GREEDY, prompts
+    from harness.model_utils import hf_greedy, tiny_model
 
     path = tiny_model(tmp_path_factory.mktemp("gpu-extend"))
     ps = prompts(8, 512, seed=13, lo=3, hi=90)
@@ -181,8 +181,8 @@ def tiny(tmp_path_factory):
 
 def _generate_twice(path, ps, dtype: str, graph: bool) -> tuple[list, list, object]:
     """Greedy tokens of ``ps`` and of longer prompts whose prefixes are then cached in L1."""
+    from harness.engine_cases import GREEDY, ids_of
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of
 
     eng = Engine(model_path=str(path), dtype=dtype, page_size=4, max_total_tokens=8192, cuda_graph_max_bs=8,
                  disable_cuda_graph=not graph, chunked_prefill_size=64)
@@ -200,8 +200,8 @@ def _generate_twice(path, ps, dtype: str, graph: bool) -> tuple[list, list, obje
 def test_extend_graphs_greedy_equal_eager(tiny, dtype):
     """Prompts (chunks of 64 mixed with decodes) and then their continuations (suffix extends over L1
     prefixes): the same greedy tokens with extend graphs as eagerly; fp32 also equals HF."""
-    from tests.model_utils import hf_greedy
-    from tests.test_engine import GREEDY
+    from harness.engine_cases import GREEDY
+    from harness.model_utils import hf_greedy
 
     path, ps, ref = tiny
     g_first, g_second, (replays, more) = _generate_twice(path, ps, dtype, graph=True)
@@ -272,8 +272,8 @@ def test_extend_graph_waits_per_layer_for_a_layered_l2_load(tiny):
 def test_extend_graphs_under_l2_loads_match_cold_run(tiny):
     """Prompts pushed out of L1 come back from L2 (the load stream held behind a GPU sleep, so their
     extends may run while it lands): greedy tokens equal the cold run's, with extend graphs on."""
+    from harness.engine_cases import GREEDY, ids_of, prompts
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of, prompts
 
     path, ps, ref = tiny
     eng = Engine(model_path=str(path), dtype="float32", page_size=4, max_total_tokens=320, hicache_ratio=4.0,
@@ -299,8 +299,8 @@ def test_l1_l2_l3_and_restart_hits_with_extend_graphs_equal_hf_fp32(tiny, tmp_pa
     """fp32 on the GPU, graphs (decode and extend) and overlap on: prompts cold, then from L1, from
     L2 (L1 emptied), and from L3 after a restart (a new engine on the same LMDB): every time the
     greedy tokens of HF transformers, and the hits come from the tier they should."""
+    from harness.engine_cases import GREEDY, ids_of
     from serving.engine import Engine
-    from tests.test_engine import GREEDY, ids_of
 
     path, ps, ref = tiny
     ps, ref = ps[:4], ref[:4]

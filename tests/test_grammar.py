@@ -96,7 +96,7 @@ def test_lru_hits_eviction_and_failures() -> None:
 @pytest.fixture(scope="module")
 def tiny_model_path(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer whose EOS is SmolLM2's (<|im_end|>, id 2)."""
-    from tests.model_utils import tiny_model
+    from harness.model_utils import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny-grammar"), with_tokenizer=True, eos_token_id=2,
                       max_position_embeddings=512)

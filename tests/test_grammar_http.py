@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, running_server
+from harness.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 BUDGET_S = 4.0  # generous: the other requests must finish well within it on a loaded machine

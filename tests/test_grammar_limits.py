@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_utils import ROOT, ServerProcess, running_server
+from harness.server_utils import ROOT, ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.model_utils import tiny_model
 from serving.cache.kv_control import ControlError, KVControl
 from serving.engine import Engine
-from tests.model_utils import tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
 

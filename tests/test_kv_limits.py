@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_utils import ROOT, running_server
+from harness.server_utils import ROOT, running_server
 
 ADMIN = "admin-key-0001"
 ALICE, BOB, CAROL = "sk-alice-0001", "sk-bob-00001", "sk-carol-001"

@@ -11,7 +11,7 @@ import sys
 import httpx
 import yaml
 
-from tests.server_utils import ROOT, running_server
+from harness.server_utils import ROOT, running_server
 
 IDS = list(range(20, 84))  # 64 prompt tokens: 16 pages of 4
 

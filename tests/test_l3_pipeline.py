@@ -1,7 +1,7 @@
 """The L3 read path under concurrency: fetches in flight at once, one read per key for
 requests with the same prefix, every answer equal to HF's fp32 recompute after a restart.
 
-Reads are held deterministically (tests/slow_storage.py: ``hold`` makes every value read
+Reads are held deterministically (harness/slow_storage.py: ``hold`` makes every value read
 wait at its start, ``held`` shows which keys wait), the engine is stepped by hand and
 ``check_integrity`` runs after every step. Engines are fp32 on whatever device there is (on a
 CUDA machine: pinned L2, layered loads, CUDA graphs), so answers stay exact there too.
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from harness.model_utils import hf_greedy, tiny_model
+from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
 from serving.engine import Engine
-from tests.model_utils import hf_greedy, tiny_model
-from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture
 
 PS = 4
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

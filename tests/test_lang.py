@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 import serving.lang as sgl
-from tests import lang_checks as checks
-from tests import lang_programs as p
-from tests.server_utils import free_port, running_server
+from harness import lang_checks as checks
+from harness import lang_programs as p
+from harness.server_utils import free_port, running_server
 
 ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import serving.lang as sgl
-from tests import lang_checks as checks
+from harness import lang_checks as checks
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_run_batch_computes_the_shared_prefix_once(backend) -> None:
     import threading
     import time
 
-    from tests import lang_programs as p
+    from harness import lang_programs as p
 
     backend.flush_cache()
     release = threading.Event()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import serving.lang as sgl
-from tests import lang_programs as p
-from tests.server_utils import running_server
+from harness import lang_programs as p
+from harness.server_utils import running_server
 
 ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import ROOT, running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import ROOT, running_server
 
 
 def readme_program() -> str:

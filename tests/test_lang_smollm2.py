@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 import serving.lang as sgl
-from tests import lang_checks as checks
-from tests import lang_programs as p
-from tests.model_utils import smollm2_path
-from tests.server_utils import running_server
+from harness import lang_checks as checks
+from harness import lang_programs as p
+from harness.model_utils import smollm2_path
+from harness.server_utils import running_server
 
 pytestmark = pytest.mark.slow
 ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]

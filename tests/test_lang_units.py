@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 import serving.lang as sgl
+from harness.model_utils import smollm2_path
 from serving.lang import chat_template as ct
 from serving.lang import ir
 from serving.lang.choices import METHODS, ChoiceLogprobs
-from tests.model_utils import smollm2_path
 
 LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
           "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import running_server
 
 QUESTIONS = [
     ("What is the capital of France?", ["Paris", "Tokyo", "Cairo", "Lima"], 0),

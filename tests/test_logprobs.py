@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import running_server
 
 TOL = 1e-4
 PROMPT = ("The history of the city goes back to a small fishing village on the river, where traders from "

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.model_utils import tiny_model
 from serving.engine import Engine
 from serving.server.metrics import ServerMetrics
-from tests.model_utils import tiny_model
 
 MOONCAKE_BACKEND = {"backend.errors": 0, "backend.timeouts": 1, "backend.unavailable": 0, "backend.setups": 1,
                     "backend.reconnects": 0, "backend.connected": 1}

@@ -5,7 +5,7 @@ three turns (later turns hit the prefill side's cache, and the decode side reuse
 prefix pages) and L3: the decode side publishes prompt + answer to Mooncake Store, and the
 next turn's prefill (its own cache flushed) loads the answer's KV from there.
 ``check_integrity()`` on both PD servers after every scenario. The cluster runs in
-tests/pd_cluster.py (in a network namespace for Mooncake)."""
+harness/pd_cluster.py (in a network namespace for Mooncake)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns import NetNS, unavailable_reason
-from tests.server_utils import kill_tree
+from harness.netns import NetNS, unavailable_reason
+from harness.server_utils import kill_tree
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-DRIVER = str(ROOT / "tests" / "pd_cluster.py")
+DRIVER = str(ROOT / "harness" / "pd_cluster.py")
 
 
 def _findings(out: str) -> dict:

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_utils import ServerProcess, free_port, start_all
+from harness.server_utils import ServerProcess, free_port, start_all
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 6.0  # --disaggregation-bootstrap-timeout-s of these servers (a busy 2-core machine must meet it)

@@ -21,9 +21,9 @@ import openai
 import psutil
 import pytest
 
+from harness.server_utils import ServerProcess, free_port, kill_tree
 from router.config import RouterConfig
 from router.embedded import RouterThread
-from tests.server_utils import ServerProcess, free_port, kill_tree
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
@@ -55,7 +55,7 @@ def kill(s: ServerProcess) -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterThread, ServerProcess, ServerProcess]]:
     """(PD router, decode server, colocated server)."""
     _nixl_or_skip()
-    from tests.model_utils import tiny_model
+    from harness.model_utils import tiny_model
 
     model = tiny_model(tmp_path_factory.mktemp("tiny-pd-long"), with_tokenizer=True, max_position_embeddings=16384)
     base = ["--model-path", str(model), "--served-model-name", "tiny", "--max-total-tokens", "32768"]

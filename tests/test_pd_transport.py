@@ -6,7 +6,7 @@ Sender and receiver are this file run as a script, each holding a 4 MiB torch CP
 
 answering one JSON command per stdin line with one JSON line on stdout. Mooncake's engine listens
 on all interfaces, so its two processes run inside a network namespace of their own
-(tests/netns.py); NIXL runs over UCX tcp on loopback (UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo).
+(harness/netns.py); NIXL runs over UCX tcp on loopback (UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.netns import NetNS, unavailable_reason
 from serving.disagg.transport import TRANSPORTS, make_transport, raw_write_gbps
 from serving.disagg.transport_base import TransferError, TransportConfig, coalesce
-from tests.netns import NetNS, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
 NBYTES = 4 << 20

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.engine_cases import GREEDY, ids_of, tier_prompts
+from harness.kv_modes import check_mode, make, tier_hits
+from harness.model_utils import tiny_model
 from serving.config import QUANTIZATIONS, ModelConfig
 from serving.engine import Engine
 from serving.kernels import cpu_int8
 from serving.models.loader import load_model
 from serving.models.quant import QuantizationError, QuantLinear, get_quant_method, int8, quant_methods
-from tests.model_utils import tiny_model
-from tests.test_engine import GREEDY, ids_of, tier_prompts
-from tests.test_kv_modes import check_mode, make, tier_hits
 
 CPU_METHODS = ["int8", "int4"]
 REL_ERR = {"int8": 0.02, "int4": 0.15}  # of a random [256, 512] layer's output, measured ~0.01 / ~0.08

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.model_utils import tiny_model
 from serving.engine import Engine
-from tests.model_utils import tiny_model
 
 
 @pytest.fixture(scope="module")

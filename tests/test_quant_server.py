@@ -11,8 +11,8 @@ import sys
 import httpx
 import pytest
 
-from tests.model_utils import SMOLLM2
-from tests.server_utils import ROOT, free_port, running_server
+from harness.model_utils import SMOLLM2
+from harness.server_utils import ROOT, free_port, running_server
 
 IDS = list(range(20, 84))
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.server_utils import ROOT, ServerProcess, free_port
 from router.cli import READY_MESSAGE
 from router.config import RouterConfig
 from router.embedded import RouterThread
-from tests.server_utils import ROOT, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 WORDS = "cache page token prefix router worker radix tree load balance session tier host device".split()

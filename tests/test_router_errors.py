@@ -3,7 +3,7 @@ OpenAI ``{"error": {"message", "type", "param", "code"}}`` on /v1/* and /generat
 ``{"type": "error", "error": {...}}`` on /v1/messages, Ollama's ``{"error": "..."}`` on /api/*;
 unknown routes are 404s in the same shapes, on the PD router too (which names why it does not
 serve /v1/messages and /api/*). Real routers on real HTTP, real clients; the workers are absent
-(connection refused: nothing is available) or stand-ins (tests/fake_pd_worker.py)."""
+(connection refused: nothing is available) or stand-ins (harness/fake_pd_worker.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import ollama
 import openai
 import pytest
 
+from harness.fake_pd_worker import FakeWorker
 from router.config import RouterConfig
 from router.embedded import RouterThread, free_port
-from tests.fake_pd_worker import FakeWorker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 GONE = "no worker is available"

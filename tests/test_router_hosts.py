@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.fake_pd_worker import FakeWorker
+from harness.server_utils import ROOT, ServerProcess, free_port, running_server
 from router.cli import READY_MESSAGE
 from router.config import RouterConfig
 from router.embedded import RouterThread
-from tests.fake_pd_worker import FakeWorker
-from tests.server_utils import ROOT, ServerProcess, free_port, running_server
 
 ALLOWED = "proxy.example,*.svc.example"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -1,5 +1,5 @@
 """The router's PD mode end to end: a real router (in-process uvicorn, and the CLI) in front of
-two fake prefill and two fake decode workers on real HTTP (tests/fake_pd_worker.py).
+two fake prefill and two fake decode workers on real HTTP (harness/fake_pd_worker.py).
 
 Checked: both sides get the same body with the same room and the prefill's bootstrap host and
 port; the client gets the decode's answer (JSON and SSE); a prefill error wins and closes the
@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.fake_pd_worker import FakeWorker
+from harness.server_utils import ROOT, free_port
 from router.cli import READY_MESSAGE
 from router.config import ConfigError, RouterConfig, build_config, load_config
 from router.embedded import RouterThread
-from tests.fake_pd_worker import FakeWorker
-from tests.server_utils import ROOT, free_port
 
 P0_PORT, P1_PORT = 9101, 7777  # p0 announces 9101; p1 announces 9102 but the config says 7777
 

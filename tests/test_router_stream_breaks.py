@@ -26,11 +26,11 @@ import openai
 import psutil
 import pytest
 
+from harness.server_utils import ServerProcess
 from router.config import RouterConfig
 from router.embedded import RouterThread
 from router.errors import OLLAMA, OPENAI, Shape
 from router.relay import StreamRelay
-from tests.server_utils import ServerProcess
 
 LONG = 12000  # tokens each stream asks for: far more than it gets before the kill
 MSGS = [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}]
@@ -50,7 +50,7 @@ def kill(s: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.model_utils import tiny_model
+    from harness.model_utils import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny-long"), with_tokenizer=True, max_position_embeddings=16384)
 

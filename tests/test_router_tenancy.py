@@ -12,6 +12,7 @@ import httpx
 import pytest
 import yaml
 
+from harness.server_utils import ServerProcess, start_all
 from hicache import salt
 from hicache.keys import page_keys
 from hicache.tenants import parse_tenants
@@ -20,7 +21,6 @@ from router.cache_view import CacheView, WorkerCache
 from router.config import RouterConfig
 from router.embedded import RouterThread
 from router.tenancy import BoundedMap, Tenancy, scope_of, scope_prefix, session_key
-from tests.server_utils import ServerProcess, start_all
 
 KEYS = {"keys": {"sk-alice-0001": "alice", "sk-bob-00001": "bob"}}
 

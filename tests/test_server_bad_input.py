@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, running_server
+from harness.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.server_utils import ROOT
 from serving import ipc as m
 from serving.launch import cli
 from serving.server.config import ConfigError, ServerConfig, load_config
-from tests.server_utils import ROOT
 
 
 @pytest.mark.parametrize("name", ["l3.yaml", "l1.yaml"])

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
+from harness.server_utils import ServerProcess, running_server
 from serving.server.config import ServerConfig
 from serving.server.trusted_hosts import HostPolicy
-from tests.server_utils import ServerProcess, running_server
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no download at import
 NAME = "m"

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server_utils import ServerProcess, running_server
 from serving.tokenizer import PIECE_CHARS, Tokenizer, TooManyTokens
-from tests.server_utils import ServerProcess, running_server
 
 CONTEXT = 512
 HUGE = "word " * 1_560_000  # 7.8 MB, 1.56 M tokens

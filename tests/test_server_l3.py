@@ -15,9 +15,9 @@ import psutil
 import pytest
 import yaml
 
+from harness.model_utils import smollm2_path
+from harness.server_utils import ROOT, ServerProcess, running_server
 from serving.engine import Engine
-from tests.model_utils import smollm2_path
-from tests.server_utils import ROOT, ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.server_utils import ServerProcess, running_server
 from serving.engine.debug_hooks import HOLD_ENV
-from tests.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 WATCHDOG_S = 3.0

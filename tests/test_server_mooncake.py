@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns import run_mooncake_script
+from harness.netns import run_mooncake_script
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

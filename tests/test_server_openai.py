@@ -9,8 +9,8 @@ import openai
 import pytest
 import yaml
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import ROOT, ServerProcess, running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import ROOT, ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, running_server
+from harness.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 KEEP_TOKENS = 24

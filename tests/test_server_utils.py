@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server_utils import ServerProcess, start_all
+from harness.server_utils import ServerProcess, start_all
 
 
 def test_start_all_stops_the_others_when_one_fails(tiny_chat_model) -> None:

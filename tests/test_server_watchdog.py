@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, running_server
+from harness.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 WATCHDOG_S = 4.0  # --watchdog-timeout

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import ROOT, running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import ROOT, running_server
 
 STUBS = Path(__file__).resolve().parent / "stubs"
 NUM_PROMPTS = 16

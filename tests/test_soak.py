@@ -63,7 +63,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_utils import ServerProcess, running_server
+from harness.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 SOAK_S = float(os.environ.get("HICACHE_SOAK_S", "30"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from bench import speculative, speculative_gpu
-from tests.model_utils import smollm2_path
+from harness.model_utils import smollm2_path
 
 
 def test_workloads_and_goals():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_gpu_paths import _run_interpreted
+from harness.interpreted import run_interpreted
 
 ROW_GRAPH_CODE = """
 import sys, torch
@@ -16,7 +16,7 @@ from serving.model.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
 from serving.model.forward_batch import ForwardBatch
 from serving.speculative.cost import StepCost
-from tests.model_utils import hf_greedy, tiny_model
+from harness.model_utils import hf_greedy, tiny_model
 path = tiny_model(sys.argv[1])
 eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, attention_backend="triton",
              context_length=256, device="cpu", dtype="float32", speculative_algorithm="NGRAM")
@@ -61,4 +61,4 @@ print("OK", err)
                     reason="an interpreter test for CPU machines; on CUDA, bench/speculative.py --device cuda")
 def test_verification_through_extend_row_graphs_in_interpreter(tmp_path):
     pytest.importorskip("triton")
-    _run_interpreted(ROW_GRAPH_CODE.replace("sys.argv[1]", repr(str(tmp_path))))
+    run_interpreted(ROW_GRAPH_CODE.replace("sys.argv[1]", repr(str(tmp_path))))

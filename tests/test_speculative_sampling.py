@@ -16,10 +16,10 @@ import torch
 from scipy.stats import chisquare
 
 import serving.speculative.worker as worker_mod
+from harness.model_utils import tiny_model
 from serving.engine import Engine
 from serving.speculative.cost import StepCost
 from serving.speculative.verify import accept_sampled
-from tests.model_utils import tiny_model
 
 VOCAB = 16
 P_OK = 1e-3  # a correct rule passes at this level (fixed seeds: the same statistic every run)

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
+from harness.server_utils import running_server
 from serving.engine import Engine
 from serving.launch import cli
-from tests.server_utils import running_server
 
 ARGS = ["--page-size", "4", "--max-total-tokens", "4096", "--hicache-ratio", "0", "--enable-debug-endpoints"]
 G = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}

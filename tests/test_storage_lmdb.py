@@ -18,22 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.keys import namespace_for, page_keys
+from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
-from hicache.tiers.lmdb.store import LMDBStore
-from hicache.tiers.storage import StorageTier, make_storage
+from hicache.tiers.storage import StorageTier
 
-PS = 16
-SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # 4 KiB pages
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=32, dtype=torch.float16)  # 32 KiB pages
-NS = namespace_for("test/model", SMALL, page_size=PS)
 REPO = Path(__file__).resolve().parents[1]
-
-
-def fill(pool, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(pool.buffer.dtype))
 
 
 def page_data(layout: KVLayout, i: int) -> torch.Tensor:
@@ -42,14 +33,6 @@ def page_data(layout: KVLayout, i: int) -> torch.Tensor:
     return torch.randn(2 * layout.num_layers, 1, PS * layout.num_kv_heads * layout.head_dim, generator=g).to(
         layout.dtype
     )
-
-
-def keys_for(n: int, salt: int = 0) -> list[str]:
-    return page_keys([(salt * 7919 + t) % 50000 for t in range(n * PS)], PS, NS)
-
-
-def open_store(path: Path, **kw) -> LMDBStore:
-    return make_storage("lmdb", {"path": str(path), **kw})
 
 
 def test_writemap_store_round_trips_overwrites_and_reopens(tmp_path):

@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
+from harness.model_utils import tiny_model
 from hicache.keys import namespace_for, page_keys
 from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.engine import Engine
-from tests.model_utils import tiny_model
 
 PS = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """The Mooncake Store backend against a real ``mooncake_master``, inside a network namespace.
 
 The pytest process cannot enter the namespace, so the master and the clients run there as
-subprocesses (see tests/netns.py). A client is this file run as a script::
+subprocesses (see harness/netns.py). A client is this file run as a script::
 
     ip netns exec NS python tests/test_storage_mooncake.py client '<MooncakeConfig as JSON>'
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.netns import MooncakeMaster, NetNS, unavailable_reason
+from harness.netns import MooncakeMaster, NetNS, unavailable_reason
 
 PS = 16
 REPO = Path(__file__).resolve().parents[1]

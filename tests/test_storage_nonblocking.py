@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from harness.model_utils import hf_greedy, tiny_model
+from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
 from serving.engine import Engine
-from tests.model_utils import hf_greedy, tiny_model
-from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 import xxhash
 
+from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store
 from hicache.tiers import native_copy, native_hash
 from hicache.tiers.host import make_host_pool
 from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.storage import ReadJob, StorageTier
-from tests.test_storage_lmdb import PS, SMALL, fill, keys_for, open_store
 
 
 class Groups:
@@ -187,8 +187,8 @@ def test_write_seconds_are_wall_time_not_the_sum_over_concurrent_writers(tmp_pat
     some write ran, at most the wall time of all four, never the sum of each one's own time."""
     import time as _time
 
+    from harness.slow_storage import SlowLMDBStore
     from hicache.tiers.lmdb.config import LMDBConfig
-    from tests.slow_storage import SlowLMDBStore
 
     # every backend write call sleeps 0.1 s first, so the four writers overlap for certain
     store = SlowLMDBStore(LMDBConfig(path=str(tmp_path / "db"), capacity_gb=0.05, sync=False), delay_s=0.1,

@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.model_utils import smollm2_path
-from tests.server_utils import ServerProcess, running_server
+from harness.model_utils import smollm2_path
+from harness.server_utils import ServerProcess, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 slow = pytest.mark.slow

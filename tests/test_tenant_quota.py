@@ -10,8 +10,8 @@ import httpx
 import pytest
 import yaml
 
+from harness.server_utils import ROOT, running_server
 from hicache.hiradix.quota import TenantLedger
-from tests.server_utils import ROOT, running_server
 
 KEYS = {"keys": {"sk-alice-0001": {"tenant": "alice", "quota_pages": {"L1": 12}},
                  "sk-bob-00001": "bob", "sk-carol-001": "carol"}}

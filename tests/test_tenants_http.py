@@ -8,11 +8,11 @@ import httpx
 import pytest
 import yaml
 
+from harness.server_utils import ROOT, running_server
 from hicache import salt
 from hicache.keys import page_keys
 from hicache.tiers.storage import make_storage
 from serving.server.tenants import effective_salt, parse_tenants
-from tests.server_utils import ROOT, running_server
 
 ADMIN = "admin-key-0001"
 KEYS = {

@@ -19,10 +19,10 @@ import zlib
 import pytest
 import torch
 
+from harness.model_utils import hf_greedy, tiny_model
+from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
 from serving.cache.cache_controller import CacheController
 from serving.engine import Engine
-from tests.model_utils import hf_greedy, tiny_model
-from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture
 
 NEW = 6
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}

@@ -8,11 +8,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from harness.cli_run import assert_one_line, l3, serve
+from harness.model_utils import tiny_model
+from harness.server_utils import ServerProcess
 from hicache import sizing
 from hicache.sizing import GiB, HostMemory, SizeRequest, TierSizeError
-from tests.model_utils import tiny_model
-from tests.server_utils import ServerProcess
-from tests.test_config_errors import assert_one_line, l3, serve
 
 SMALL_HOST = {sizing.MEM_TOTAL_ENV: "8", sizing.MEM_AVAILABLE_ENV: "3"}  # 3 GiB less 2 GiB headroom: 1 GiB
 

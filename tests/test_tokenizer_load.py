@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.model_utils import smollm2_path
+from harness.server_utils import ROOT
 from serving.tokenizer_load import DIRECT_MODEL_TYPES, builds_directly, load_hf_tokenizer
-from tests.model_utils import smollm2_path
-from tests.server_utils import ROOT
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines",
          "ünïcödé — 東京 🙂", "<|im_start|>user\nhi<|im_end|>"]

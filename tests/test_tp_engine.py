@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from harness.engine_cases import GREEDY, ids_of, prompts, tier_prompts
+from harness.model_utils import tiny_model
 from hicache.keys import page_keys, tp_shard_key
 from hicache.tiers.lmdb.store import LMDBStore
 from serving.engine import Engine
-from tests.model_utils import tiny_model
-from tests.test_engine import GREEDY, ids_of, prompts, tier_prompts
 
 PS = 4
 
@@ -118,7 +118,7 @@ def test_tp2_restart_from_l3_token_identical(tiny, tmp_path):
 @pytest.mark.slow
 def test_smollm2_tp3_l2_hits_token_identical():
     """SmolLM2-135M (9 heads, 3 kv heads: TP=3, one kv head per rank), L2 hits and preemption."""
-    from tests.model_utils import smollm2_path
+    from harness.model_utils import smollm2_path
 
     path = smollm2_path()
     ps = prompts(3, 49152, seed=11, lo=20, hi=30)

@@ -9,10 +9,10 @@ import httpx
 import psutil
 import pytest
 
+from harness.engine_cases import GREEDY, ids_of, prompts
+from harness.model_utils import smollm2_path, tiny_model
+from harness.server_utils import ServerProcess, running_server
 from serving.engine import Engine
-from tests.model_utils import smollm2_path, tiny_model
-from tests.server_utils import ServerProcess, running_server
-from tests.test_engine import GREEDY, ids_of, prompts
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from bench import trace_replay
 from bench.trace_data import TRACE_BLOCK, BlockTokens, TraceRequest, load_trace, lru_block_bound, select
 from bench.trace_policy import PolicyConfig, PolicyReplay, distinct_tokens
-from tests.model_utils import tiny_model
+from harness.model_utils import tiny_model
 
 
 @pytest.fixture(scope="module")

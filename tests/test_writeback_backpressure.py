@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
+from harness.model_utils import tiny_model
+from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
 from hicache.keys import page_keys
 from serving.engine import Engine
-from tests.model_utils import tiny_model
-from tests.slow_storage import slow_lmdb  # noqa: F401 - fixture
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
 

@@ -2,7 +2,7 @@
 beside a colocated server (the reference). For Mooncake it runs INSIDE a test network
 namespace (the transfer engine needs a LAN address); NIXL runs over UCX on loopback.
 
-    python tests/pd_cluster.py BACKEND WORK_DIR TRANSFER_HOST [--l3] [--quick]
+    python harness/pd_cluster.py BACKEND WORK_DIR TRANSFER_HOST [--l3] [--quick]
 
 Prints one JSON line of findings on stdout (the test asserts on them). ``--l3``: both PD
 servers also get Mooncake Store as L3 (a real mooncake_master in the namespace), and the
@@ -27,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import ServerProcess, free_port, start_all  # noqa: E402
+from harness.server_utils import ServerProcess, free_port, start_all  # noqa: E402
 
 MODEL = str(ROOT / "models" / "SmolLM2-135M-Instruct")
 GREEDY = {"temperature": 0, "max_new_tokens": 12}

@@ -1,4 +1,4 @@
-"""Checks of the tutorial programs (tests/lang_programs.py) that hold on any backend with a
+"""Checks of the tutorial programs (harness/lang_programs.py) that hold on any backend with a
 radix cache (the server through RuntimeEndpoint, the in-process Engine): cached tokens, shapes
 and constraints always; with ``smart`` (SmolLM2, not a tiny random model) the answers too."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests import lang_programs as p
+from harness import lang_programs as p
 
 PAGE = 4  # the tests' servers and engines run with --page-size 4
 

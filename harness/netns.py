@@ -146,7 +146,7 @@ def run_mooncake_script(script: str, *args: str, timeout: float = 400) -> dict:
 
     import pytest
 
-    from tests.server_utils import kill_tree
+    from harness.server_utils import kill_tree
 
     reason = unavailable_reason()
     if reason or not (Path(sys.executable).parent / "mooncake_master").exists():

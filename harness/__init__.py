@@ -1,0 +1,10 @@
+"""What tests and benchmarks use to run the real thing: server processes (``server_utils``), tiny
+models and the converted SmolLM2 (``model_utils``), network namespaces and the Mooncake master
+(``netns``), PD clusters (``pd_cluster``, also a script) and tensor-parallel ranks (``tp_utils``),
+a slowed-down LMDB store (``slow_storage``), a stand-in PD worker (``fake_pd_worker``), the CPU
+extension's variants (``cpu_variants``) and the frontend language's tutorial programs and checks
+(``lang_programs``, ``lang_checks``).
+
+``tests/`` and ``bench/`` import this package and never each other; it imports neither
+(``tests/test_layering.py``).
+"""
