@@ -12,10 +12,10 @@ import random
 
 import pytest
 
+from harness.model_utils import smollm2_path, tiny_model
 from serving.engine import Engine
 from serving.scheduler.overlap import OverlapScheduler
 from serving.speculative.cost import StepCost
-from tests.model_utils import smollm2_path, tiny_model
 
 PS = 4
 G = {"temperature": 0, "ignore_eos": True}
