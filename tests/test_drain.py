@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.netns import run_mooncake_script
-from tests.server_utils import ServerProcess
+from harness.netns import run_mooncake_script
+from harness.server_utils import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,9 +165,9 @@ def test_router_sees_a_worker_drain_itself(tiny_chat_model):
     """The worker is drained directly (POST /drain on it, as a SIGTERM with --drain-on-shutdown
     would): the router's health check sees /health 503 {"draining": true}, re-homes the worker's
     sessions on the other worker and removes it; the sessions' next requests are served there."""
+    from harness.server_utils import start_all
     from router.config import RouterConfig
     from router.embedded import RouterThread
-    from tests.server_utils import start_all
 
     args = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--max-total-tokens", "4096"]
     a, b = ServerProcess(args), ServerProcess(args)
