@@ -56,16 +56,21 @@ def _move_pages_kernel(
         tl.store(dst + d_off, tl.load(src + s_off, mask=ok), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "total", "n_chunks", "programs", "per_program"])  # one build for all sizes
 def _move_pages_persistent_kernel(
-    src, dst, src_ids, dst_ids, n_rows, total, n_chunks,
+    src, dst, src_ids, dst_ids, n_rows, total, n_chunks, programs, per_program,
     src_page_stride, src_row_stride, dst_page_stride, dst_row_stride,
     X: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """The same copies as ``_move_pages_kernel`` from a fixed number of programs: program ``p``
-    does work items ``p, p + programs, ...`` (item ``w`` = chunk ``w % n_chunks`` of row-page
-    ``w // n_chunks``), so the copy holds only that many SM slots while a forward pass runs."""
-    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+    """The same copies as ``_move_pages_kernel`` from ``programs`` programs: program ``p`` does
+    work items ``p, p + programs, ...`` (``per_program`` of them, the last ones masked past
+    ``total``; item ``w`` = chunk ``w % n_chunks`` of row-page ``w // n_chunks``), so the copy
+    holds only that many SM slots while a forward pass runs."""
+    pid = tl.program_id(0)
+    for k in range(0, per_program):
+        w = pid + k * programs
+        valid = w < total
+        w = tl.where(valid, w, 0)
         chunk = w % n_chunks
         pr = w // n_chunks
         i = pr // n_rows
@@ -75,11 +80,8 @@ def _move_pages_persistent_kernel(
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         s_off = sp * src_page_stride + r * src_row_stride + offs
         d_off = dp * dst_page_stride + r * dst_row_stride + offs
-        if X % BLOCK == 0:
-            tl.store(dst + d_off, tl.load(src + s_off))
-        else:
-            ok = offs < X
-            tl.store(dst + d_off, tl.load(src + s_off, mask=ok), mask=ok)
+        ok = offs < tl.where(valid, X, 0)  # an item past total copies nothing
+        tl.store(dst + d_off, tl.load(src + s_off, mask=ok), mask=ok)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -123,8 +125,10 @@ def move_pages(
     if grid[1] > 65535:
         raise ValueError("row too long for one grid axis; raise block")
     if max_programs is not None and grid[0] * grid[1] > max_programs:
+        total = grid[0] * grid[1]
         _move_pages_persistent_kernel[(max_programs,)](
-            _as_bits(src), _as_bits(dst), src_ids, dst_ids, rows, grid[0] * grid[1], grid[1],
+            _as_bits(src), _as_bits(dst), src_ids, dst_ids, rows, total, grid[1], max_programs,
+            triton.cdiv(total, max_programs),
             src.stride(src_page_dim), src.stride(1 - src_page_dim),
             dst.stride(dst_page_dim), dst.stride(1 - dst_page_dim),
             X=x, BLOCK=block, num_warps=num_warps,
