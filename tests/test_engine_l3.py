@@ -196,3 +196,31 @@ def test_prefetch_commits_batch_by_batch_and_loads_on_to_l1_early(tiny, tmp_path
     eng.check_integrity()
     assert all(n.lock_ref == 0 for n in eng.core.tree.nodes())
     eng.shutdown()
+
+
+def test_a_waiting_prefix_evicted_from_l2_comes_back_from_l3(tiny, tmp_path):
+    """A waiting request whose cached prefix sits in L2 (too long to pin) and whose tail L3 lacks
+    watches that prefix: when the request running before it demotes its own pages into L2 and so
+    evicts the prefix, the waiting request finds it again in L3 instead of recomputing it (the
+    multi-turn burst on the H200 lost a third of its hits so). Output stays HF's recompute."""
+    path, _, _ = tiny
+    p = prompts(1, 512, seed=41, lo=160, hi=160)[0]  # 40 pages: more than the 32-page pin budget
+    a = p + prompts(1, 512, seed=42, lo=12, hi=12)[0]  # its tail: 3 pages that L3 lacks
+    x, y = prompts(2, 512, seed=43, lo=200, hi=200)  # 50 pages each, fresh
+    ref = hf_greedy(path, [a], GREEDY["max_new_tokens"])
+    eng = make(path, tmp_path / "l3", "wait_complete", max_running_requests=1, hicache_ratio=1.0,
+               schedule_policy="fcfs")  # 64 L2 pages; y runs before a
+    assert eng.core.host_pool.allocator.num_pages == 64
+    for ids in (p, p):  # the second one hits: write_through backs p up to L2 and on to L3
+        eng.generate(input_ids=ids, sampling_params=GREEDY)
+    eng.generate(input_ids=x, sampling_params=GREEDY)  # pushes p out of L1: it stays in L2
+    eng.core.storage.poll(wait=True)
+    eng.check_integrity()
+    # y runs first; its L1 pages demote x into L2, which evicts p there, while a waits
+    outs = eng.generate(input_ids=[y, a], sampling_params=GREEDY)
+    assert outs[1]["output_ids"] == ref[0]
+    hits = outs[1]["meta_info"]["cached_tokens_details"]
+    assert hits["storage"] > 0, hits
+    eng.core.storage.poll(wait=True)
+    eng.check_integrity()
+    eng.shutdown()

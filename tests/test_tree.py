@@ -479,7 +479,9 @@ def test_evict_host_drops_backups_of_l1_nodes_only_when_asked():
     t.lock(m.last_device_node)
     assert t.evict_host(100, drop_backups=True) == 0  # locked: kept
     t.unlock(m.last_device_node)
-    assert t.evict_host(1, drop_backups=True) == 2  # a prefetch needs room: the backup goes, L1 stays
+    assert t.evict_host(1, drop_backups=True) == 0  # L3 lacks it: the backup is all an L1 eviction would keep
+    assert t.mark_stored([1, 1, 2, 2], 0, 2) == 2
+    assert t.evict_host(1, drop_backups=True) == 2  # on L3 too: a prefetch needs room, the backup goes, L1 stays
     assert t.cached_pages("host") == 0 and t.cached_pages("device") == 2
     assert t.match_prefix([1, 1, 2, 2]).device_hit_tokens == 4
     t.check_integrity()

@@ -130,12 +130,14 @@ class Tiering:
         return freed
 
     def _drop_backups(self, num_pages: int) -> int:
-        """Free the L2 copies of nodes that are on L1 too (policy order) until ``num_pages`` are
-        freed: the L1 copy stays, and an eviction from L1 backs the node up again. Locked, loading
-        and write-pinned nodes keep theirs."""
+        """Free the L2 copies of nodes that are on L1 and on L3 too (policy order) until
+        ``num_pages`` are freed: the L1 copy stays, and an eviction from L1 backs the node up
+        again or, without room, leaves it on L3. Locked, loading and pinned nodes keep theirs, and
+        so do nodes L3 lacks (their L2 copy is what an L1 eviction would otherwise lose)."""
         pins = self.pins
         cands = [nd for nd in self.shape.nodes() if nd.host_pages is not None and nd.device_pages is not None
-                 and nd.lock_ref == 0 and nd.load is None and not pins.any_pinned(nd.host_pages)]
+                 and nd.lock_ref == 0 and nd.load is None and not pins.any_pinned(nd.host_pages)
+                 and self.on_l3(nd)]
         cands.sort(key=self._evict_key("host"))
         freed = 0
         for nd in cands:
@@ -252,7 +254,8 @@ class Tiering:
         for nd in nodes:
             hp = self._alloc_host(len(nd.device_pages))
             if hp is None:
-                self.backups_skipped_pages += len(nd.device_pages)
+                if not self.on_l3(nd):
+                    self.backups_skipped_pages += len(nd.device_pages)
                 continue
             self.residency.set_host(nd, hp)
             src += nd.device_pages
@@ -262,14 +265,19 @@ class Tiering:
         if src:
             self._outbox.append(Transfer("backup", src, dst, tuple(done)))
 
+    def on_l3(self, node: TreeNode) -> bool:
+        """Whether all of ``node``'s pages are known to be on L3 (``storage_pages``, a hint: L3
+        evicts on its own): dropping its L1 / L2 copies then loses nothing a lookup cannot find."""
+        return node.storage_pages * self.shape.page_size >= len(node.key)
+
     def _evict_device_node(self, node: TreeNode) -> None:
         if self.host is not None and node.host_pages is None and self.write_policy.backup_on_evict:
             hp = self._alloc_host(len(node.device_pages))
             if hp is not None:
                 self.residency.set_host(node, hp)
                 self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
-            else:
-                self.backups_skipped_pages += len(node.device_pages)
+            elif not self.on_l3(node):
+                self.backups_skipped_pages += len(node.device_pages)  # lost: recomputed if asked for again
         self.residency.drop_device(node)
         if node.host_pages is None:
             self.residency.remove(node)

@@ -143,7 +143,8 @@ class HiRadixTree:
 
     @property
     def backups_skipped_pages(self) -> int:
-        """L1 pages that got no L2 copy because L2 had no room."""
+        """L1 pages that got no L2 copy because L2 had no room, while L3 lacks them (an eviction
+        then loses them)."""
         return self.tiering.backups_skipped_pages
 
     # ------------------------------------------------------------------ match / insert
@@ -267,6 +268,10 @@ class HiRadixTree:
     def evict_device(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L1 pages if possible (see :meth:`Tiering.evict_device`)."""
         return self.tiering.evict_device(num_pages)
+
+    def on_l3(self, node: TreeNode) -> bool:
+        """Whether all of ``node``'s pages are known to be on L3 (see :meth:`Tiering.on_l3`)."""
+        return self.tiering.on_l3(node)
 
     def evict_host(self, num_pages: int, drop_backups: bool = False) -> int:
         """Free ``num_pages`` L2 pages if possible (see :meth:`Tiering.evict_host`)."""

@@ -217,11 +217,16 @@ class Prefetcher:
         req.prefetch = op
 
     def _pin(self, tokens: list[int]) -> list[int]:
-        """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget)."""
+        """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget),
+        except those L3 holds: a prefix L3 holds comes back from there if it leaves L2
+        (:meth:`_recheck`), and pinning it would keep from L2 the L1 demotions that L3 lacks
+        (an L1 eviction without L2 room loses those)."""
         if not tokens:
             return []
         node, _ = self.tree.lookup(tokens)
-        pages = [p for nd in node.path_to_root() if nd.host_pages is not None for p in nd.host_pages]
+        on_l3 = self.tree.on_l3
+        pages = [p for nd in node.path_to_root() if nd.host_pages is not None and not on_l3(nd)
+                 for p in nd.host_pages]
         if not pages or self._pinned + len(pages) > self.pin_budget:
             return []
         self.tree.pin_host(pages)
@@ -279,10 +284,11 @@ class Prefetcher:
         self._fetching += 1  # counted once the fetch exists: finish() uncounts it
 
     def _watch(self, req: Req, op: PrefetchOp) -> None:
-        """Nothing to fetch: the request keeps only its pins (if any) while it waits."""
+        """Nothing to fetch now: the request keeps its pins (if any) and watches its cached prefix
+        while it waits -- a prefix that was not pinned (the budget was spent) can be evicted from
+        L2 by the requests that run first, and is then looked up in L3 (:meth:`_recheck`) instead
+        of being recomputed."""
         op.lookup = None
-        if not op.pinned:
-            req.prefetch = None
 
     def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
         """Wait for L2 room while other fetches or waiting requests hold it (they give it back once

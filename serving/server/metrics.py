@@ -84,7 +84,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "pages_deduplicated": _event("pages a prefetch found already being read by another request's fetch"),
     "fetches_in_flight": StorageMetric("gauge", "storage_fetches_in_flight", "L3 fetches in flight"),
     "write_pages_dropped": _event("pages whose write-back did not reach L3 (the store failed it)"),
-    "l2_backups_skipped_pages": _event("L1 pages whose L2 backup found no room (skipped)"),
+    "l2_backups_skipped_pages": _event("L1 pages whose L2 backup found no room while L3 lacks them (skipped)"),
     "write_pages_waiting": StorageMetric("gauge", "storage_write_waiting_pages",
                                          "Pages waiting for an L3 writer (back-pressure)"),
     "write_pages_waiting_max": StorageMetric("gauge", "storage_write_waiting_max_pages",
