@@ -6,8 +6,9 @@ listens to its HiRadixTree (``add_listener``) and keeps a bounded log of events:
     [seq, op, tier, keys]     op: "add" | "remove" | "clear";  tier: "L1" | "L2" (None for clear)
 
 ``keys`` are :func:`hicache.keys.page_keys` of the node's pages (the chain from the root,
-under the engine's namespace), so a router that tokenizes like the worker can compute the
-same keys for a request and see exactly which worker holds its prefix on which tier.
+under the engine's namespace, ``EngineCore.kv_namespace``: the keys L3 stores them under), so
+a router that tokenizes like the worker can compute the same keys for a request and see
+exactly which worker holds its prefix on which tier.
 
 ``GET /cache_events?since=SEQ&epoch=E`` answers the events after ``SEQ``; when ``E`` is not
 this engine's epoch (a restart) or the log no longer reaches back to ``SEQ``, it answers a
@@ -19,26 +20,14 @@ event costs hashing only the pages that are new.
 from __future__ import annotations
 
 import itertools
-import os
 import uuid
 from collections import deque
 from typing import Any
 
-from hicache.keys import namespace_for, page_keys
+from hicache.keys import page_keys
 
 MAX_EVENTS = 65536  # events kept; a reader further behind gets a snapshot
 MAX_BATCH = 4096  # events per answer ("more": true when there are further ones)
-
-
-def engine_namespace(core: Any) -> str:
-    """The namespace the engine's L3 uses (the same formula when no L3 is configured)."""
-    storage = getattr(core, "storage", None)
-    if storage is not None and getattr(storage, "namespace", None):
-        return str(storage.namespace)
-    cache, model = core.config.cache, core.config.model
-    model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
-    return namespace_for(model_id, core.runner.pool.layout, 0, cache.cache_salt, cache.page_size) + \
-        cache.kv_namespace_suffix
 
 
 class CacheEventLog:

@@ -55,6 +55,19 @@ class EngineCore:
         """The weights' tag and the L1 round trip: PD peers must agree on both (KVGeometry)."""
         return f"q:{self.weights_tag}|rt:{self.config.cache.kv_round_trip}"
 
+    @property
+    def kv_namespace(self) -> str:
+        """The namespace of this engine's page keys (hicache.keys), its one owner: L3 stores
+        pages under it and the cache events (serving/engine/cache_events.py) announce them
+        under it, with or without L3: model, L1 layout, rank 0, cache_salt, page size, the
+        lower tiers' KV encoding, and the weights' tag (KV of quantized weights is another
+        model's KV: keys apart)."""
+        cache, model = self.config.cache, self.config.model
+        model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
+        namespace = namespace_for(model_id, self.runner.pool.layout, 0, cache.cache_salt, cache.page_size) + \
+            cache.kv_namespace_suffix
+        return namespace if self.weights_tag == "none" else f"{namespace}|q:{self.weights_tag}"
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # The scheduler thread holds the GIL between kernel launches; a background thread (an L3
@@ -140,7 +153,7 @@ class EngineCore:
         return host
 
     def _make_storage(self) -> StorageController:
-        cache, model = self.config.cache, self.config.model
+        cache = self.config.cache
         extra, warning = sizing.plan_l3(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
         if warning is not None:  # a default capacity larger than the disk has room for
             log.warning("%s", warning)
@@ -150,10 +163,7 @@ class EngineCore:
                            encoding=cache.hicache_l3_encoding)
         if self.tp is not None:  # every rank reads and writes its part of each page
             tier = self.tp.wrap_tier(tier)
-        model_id = model.served_model_name or os.path.basename(os.path.normpath(model.model_path))
-        namespace = namespace_for(model_id, layout, 0, cache.cache_salt, cache.page_size) + cache.kv_namespace_suffix
-        if self.weights_tag != "none":  # KV of quantized weights is another model's KV: keys apart
-            namespace += f"|q:{self.weights_tag}"
+        namespace = self.kv_namespace
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(

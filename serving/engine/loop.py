@@ -40,7 +40,7 @@ from hicache.tenants import load_tenants
 from serving import ipc as m
 from serving.cache.kv_control import ControlError, ControlLimits, KVControl
 from serving.disagg.protocol import Bootstrap
-from serving.engine.cache_events import CacheEventLog, engine_namespace
+from serving.engine.cache_events import CacheEventLog
 from serving.engine.config import EngineProcessConfig
 from serving.engine.debug_hooks import StepHold
 from serving.engine.heartbeat import HeartbeatWriter
@@ -82,7 +82,7 @@ class EngineLoop:
         self._next_sweep = time.monotonic() + SESSION_SWEEP_S
         self.events: CacheEventLog | None = None
         if settings.enable_cache_events:
-            self.events = CacheEventLog(core.tree, engine_namespace(core), core.config.cache.page_size)
+            self.events = CacheEventLog(core.tree, core.kv_namespace, core.config.cache.page_size)
         limits = ControlLimits(settings.max_sessions, settings.max_sessions_per_tenant, settings.max_pin_leases,
                                settings.max_pin_leases_per_tenant)
         self.control = KVControl(core, limits)  # the KV control API: lookups, pin leases, session retention
