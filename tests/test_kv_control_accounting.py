@@ -4,6 +4,8 @@ notices per-page, per-lease and session accounting that disagrees with the lease
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from harness.model_utils import tiny_model
@@ -89,4 +91,28 @@ def test_sessions_are_unique_and_capped(engine):
     for sid in ("a", "b", "d"):
         ctl.close_session(sid)
         engine.core.close_session(sid)
+    ctl.check_integrity()
+
+
+def test_session_liveness_has_one_owner_each(engine):
+    """Which sessions are open is the tree's (``EngineCore.sessions`` is ``tree.sessions``); when each
+    was last used, and so when it idles out, is the KV control's registry (issue 28: the engine loop
+    kept its own times beside them)."""
+    ctl = control(engine)
+    assert engine.core.sessions is engine.core.tree.sessions
+    short = engine.core.open_session(ctl.open_session(None, None, {"ttl_s": 1e-3}))
+    long = engine.core.open_session(ctl.open_session(None, None, None))
+    assert short in engine.core.tree.sessions and set(ctl.sessions.used) == {short, long}
+    ctl.check_integrity()
+    used = ctl.sessions.used[short]
+    while time.monotonic() <= used + 1e-3:  # past its ttl_s (a bound, not a timed assertion)
+        pass
+    assert ctl.idle_sessions({short}, 600.0) == []  # a session with a live request is not idle
+    assert [sid for sid, _ in ctl.idle_sessions(set(), 600.0)] == [short]  # its ttl_s, else the default
+    ctl.session_idle(short)  # its last request finished: its idle time starts again
+    assert ctl.sessions.used[short] > used
+    for sid in (short, long):
+        engine.core.close_session(sid)
+        ctl.close_session(sid)
+    assert short not in engine.core.tree.sessions and not ctl.sessions.used
     ctl.check_integrity()

@@ -297,7 +297,7 @@ class KVControl:
         assert not over, f"KV control: tenants over max_pin_leases_per_tenant: {over[:8]}"
         stray = [s for s, lid in self.idle_lease.items() if lid not in self.leases]
         assert not stray, f"KV control: idle sessions whose lease is gone: {stray[:8]}"
-        self.sessions.check_integrity(set(self.core.sessions))
+        self.sessions.check_integrity(self.core.sessions)
         self.breakpoints.check_integrity()
 
     @property
@@ -317,16 +317,21 @@ class KVControl:
     def check_session(self, sid: str, tenant: str | None) -> None:
         self.sessions.check(sid, tenant)
 
-    def idle_timeout(self, sid: str, default: float) -> float:
-        return float(self.sessions.retention.get(sid, {}).get("ttl_s", default))
+    def idle_sessions(self, busy: set[str], default_ttl_s: float) -> list[tuple[str, float]]:
+        """(session, seconds idle) of the open sessions to close (serving/cache/kv_sessions.py)."""
+        return self.sessions.idle(busy, default_ttl_s)
 
     def session_active(self, sid: str) -> None:
+        """A request of ``sid`` was added: it is in use, and its idle lease (if any) ends."""
+        self.sessions.touch(sid)
         lease_id = self.idle_lease.pop(sid, None)
         if lease_id in self.leases:
             self._release(self.leases[lease_id])
 
     def session_idle(self, sid: str) -> None:
-        """The session's last request finished: with ``demote_on_idle``, keep its KV on L2."""
+        """The session's last request finished: its idle time starts now; with ``demote_on_idle``,
+        keep its KV on L2."""
+        self.sessions.touch(sid)
         hints = self.sessions.retention.get(sid)
         if not hints or not hints.get("demote_on_idle") or sid in self.idle_lease or self.tree.host is None:
             return

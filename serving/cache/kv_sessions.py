@@ -7,27 +7,46 @@ hints, and the caps on how many may be open (serving/cache/kv_control_limits.py)
   opening is a 429 naming the cap; closing one (or its idle timeout) makes room.
 - Another tenant's session is "unknown session_id" (a KeyError: 404), as if it did not exist.
 
-The engine core keeps its own set of open ids (``EngineCore.sessions``, what a request's
-``session_id`` is checked against); :meth:`SessionRegistry.check_integrity` checks both agree.
+- When each was last used (opened, a request of it added or its last live request finished):
+  the engine loop's sweep closes a session idle for longer than its ``ttl_s`` hint, or else
+  ``--session-idle-timeout-s`` (:meth:`SessionRegistry.idle`; ``time.monotonic()``, not the
+  lease clock).
+
+Which ids are open in the engine is the tree's (``EngineCore.sessions`` is ``tree.sessions``,
+what a request's ``session_id`` is checked against, and where a session's soft references
+live); :meth:`SessionRegistry.check_integrity` checks both agree.
 
 Concurrency contract: engine loop thread only.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from typing import Any
+from collections.abc import Container, Sized
+from typing import Any, Protocol
 
 from serving.cache.kv_control_limits import ControlError, ControlLimits
 
 
+class OpenSessions(Container[str], Sized, Protocol):
+    """What :meth:`SessionRegistry.check_integrity` needs of the engine's open sessions."""
+
+
 class SessionRegistry:
-    """See the module docstring."""
+    """Open sessions as the KV control API sees them: ``owner`` (session -> tenant),
+    ``retention`` (its ``/open_session`` hints) and ``used`` (session -> when it was last used,
+    ``time.monotonic()``), all of the same open ids.
+
+    Concurrency contract: the engine loop thread only (it is a part of ``KVControl``); nothing
+    here waits or takes a lock.
+    """
 
     def __init__(self, limits: ControlLimits) -> None:
         self.limits = limits
         self.owner: dict[str, str | None] = {}  # open session -> its tenant (None: the default one)
         self.retention: dict[str, dict[str, Any]] = {}  # session -> its /open_session hints
+        self.used: dict[str, float] = {}  # open session -> when it was last used (time.monotonic())
         self._per_tenant: Counter[str | None] = Counter()
 
     def __contains__(self, sid: str) -> bool:
@@ -57,8 +76,21 @@ class SessionRegistry:
         self.admit(sid, tenant)
         self.owner[sid] = tenant
         self._per_tenant[tenant] += 1
+        self.used[sid] = time.monotonic()
         if retention:
             self.retention[sid] = dict(retention)
+
+    def touch(self, sid: str) -> None:
+        """``sid`` was used now (a request of it was added, or its last live request finished)."""
+        if sid in self.owner:
+            self.used[sid] = time.monotonic()
+
+    def idle(self, busy: Container[str], default_ttl_s: float) -> list[tuple[str, float]]:
+        """(session, seconds idle) of each open session not in ``busy`` that has been idle for at
+        least its ``ttl_s`` hint, or else ``default_ttl_s``."""
+        now = time.monotonic()
+        return [(sid, now - used) for sid, used in list(self.used.items())
+                if sid not in busy and now - used >= float(self.retention.get(sid, {}).get("ttl_s", default_ttl_s))]
 
     def check(self, sid: str, tenant: str | None) -> None:
         """KeyError (404) when ``sid`` is another tenant's session."""
@@ -72,13 +104,17 @@ class SessionRegistry:
             if not self._per_tenant[tenant]:
                 del self._per_tenant[tenant]
         self.retention.pop(sid, None)
+        self.used.pop(sid, None)
 
-    def check_integrity(self, open_ids: set[str]) -> None:
+    def check_integrity(self, open_ids: OpenSessions) -> None:
         """Raise AssertionError unless the registry holds exactly the engine's open sessions,
-        its per-tenant counts are right and no cap is exceeded."""
-        assert set(self.owner) == open_ids, (
+        each with a time of last use, its per-tenant counts are right and no cap is exceeded."""
+        not_open = sorted(s for s in self.owner if s not in open_ids)
+        assert not not_open and len(self.owner) == len(open_ids), (
             "KV control: sessions open in the engine but not registered / registered but not open: "
-            f"{sorted(open_ids - set(self.owner))[:8]} / {sorted(set(self.owner) - open_ids)[:8]}")
+            f"{len(open_ids)} open in the engine, {len(self.owner)} registered; not open: {not_open[:8]}")
+        assert set(self.used) == set(self.owner), "KV control: sessions with a time of last use " \
+            f"{sorted(self.used)[:8]} != the open ones {sorted(self.owner)[:8]}"
         counts = Counter(self.owner.values())
         assert counts == self._per_tenant, f"KV control: per-tenant session counts {dict(self._per_tenant)} " \
                                            f"!= {dict(counts)}"

@@ -19,6 +19,7 @@ import torch
 from hicache import salt, sizing
 from hicache.hiradix import HiRadixTree
 from hicache.hiradix.quota import TenantLedger
+from hicache.hiradix.sessions import SessionTable
 from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, make_host_pool
 from hicache.tiers.kv_codec import get_encoding
@@ -32,6 +33,7 @@ from serving.config import EngineConfig
 from serving.grammar.runner import make_grammar_runner
 from serving.model.model_runner import ModelRunner
 from serving.parallel.leader import TPLeader
+from serving.scheduler.prompt_check import check_prompt
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.scheduler.scheduler import Scheduler
@@ -127,7 +129,6 @@ class EngineCore:
                 overlap=not config.scheduler.disable_overlap_schedule and self.runner.device.type == "cuda"))
         if self.storage is not None:  # the load-vs-recompute model learns the prefill rate
             self.scheduler.prefill_timer = PrefillTimer(self.storage.load_policy.observe_prefill, self.runner.device)
-        self.sessions: set[str] = set()
 
     def _make_host_pool(self) -> HostKVPool:
         """L2, sized against the memory the host can pin (hicache.sizing: --hicache-size past it is an
@@ -187,13 +188,7 @@ class EngineCore:
             if not isinstance(text, str):
                 raise InvalidRequest("text must be a string")
             input_ids = self.tokenizer.encode(text)
-        vocab = self.runner.arch.vocab_size
-        n, ctx = len(input_ids) if isinstance(input_ids, list) else 0, self.runner.context_len
-        if n >= ctx:  # before the O(n) scan below
-            raise InvalidRequest(f"the prompt has {n} tokens; this model's context length is {ctx}")
-        if not isinstance(input_ids, list) or not set(map(type, input_ids)) <= {int} or \
-                (input_ids and not (0 <= min(input_ids) and max(input_ids) < vocab)):  # type(): no bools
-            raise InvalidRequest(f"input_ids must be a list of integers in [0, {vocab})")
+        check_prompt(input_ids, self.runner.arch.vocab_size, self.runner.context_len)  # scheduler/prompt_check.py
         params = sampling_params if isinstance(sampling_params, SamplingParams) else \
             SamplingParams.from_dict(sampling_params)
         if session_id is not None and session_id not in self.sessions:
@@ -204,7 +199,7 @@ class EngineCore:
         req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id,
                   salt_tags=salt.salt_tags(cache_salt), tenant=tenant)
         self.ledger.register(req.salt_tags, tenant)
-        self.scheduler.validate(req)
+        self.scheduler.validate(req)  # the one rule only the engine knows: it fits in the KV cache
         # size-checked here (400); parsed and compiled off this thread, within the time budget, while
         # the request waits in the queue (the scheduler admits it once its grammar is ready)
         req.grammar = self.grammar.new_state(params)
@@ -223,6 +218,13 @@ class EngineCore:
         return self.scheduler.step()
 
     # -- sessions -------------------------------------------------------------------------
+    @property
+    def sessions(self) -> SessionTable:
+        """The open sessions: the tree's table is their one owner (a request's ``session_id`` is
+        checked against it; it holds each session's soft references). When a session was last
+        used, and its retention hints, are the KV control's (serving/cache/kv_sessions.py)."""
+        return self.tree.sessions
+
     def open_session(self, session_id: str | None = None) -> str:
         """Open ``session_id`` (a fresh id when None); ValueError when it is open already (as
         SGLang refuses it). The server's caps and id rules are checked before it gets here
@@ -231,13 +233,11 @@ class EngineCore:
         if sid in self.sessions:
             raise ValueError(f"session_id {sid!r} is already open")
         self.tree.open_session(sid)
-        self.sessions.add(sid)
         return sid
 
     def close_session(self, session_id: str) -> None:
         if session_id not in self.sessions:
             raise KeyError(f"unknown session_id {session_id!r}")
-        self.sessions.discard(session_id)
         self.tree.close_session(session_id)
 
     # -- maintenance ----------------------------------------------------------------------

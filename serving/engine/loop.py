@@ -75,7 +75,6 @@ class EngineLoop:
         self.hold = StepHold()  # tests only (unset: nothing)
         self.idle_timeout = settings.session_idle_timeout_s
         self.live: dict[str, _Live] = {}
-        self.session_used: dict[str, float] = {}
         self.out: list[m.Message] = []
         self.running = True
         self.broken: str | None = None  # why the cache's invariants broke (then the process exits)
@@ -227,7 +226,6 @@ class EngineLoop:
                 self.core.ledger.record(live.req.tenant, len(live.req.input_ids), live.req.cached_by_tier)
         if live is not None and live.req.session_id is not None:
             sid = live.req.session_id
-            self.session_used[sid] = time.monotonic()
             if sid in self.core.sessions and not any(lv.req.session_id == sid for lv in self.live.values()):
                 self.control.session_idle(sid)
 
@@ -278,7 +276,6 @@ class EngineLoop:
             return
         self.live[msg.rid] = _Live(req)
         if req.session_id is not None:
-            self.session_used[req.session_id] = time.monotonic()
             self.control.session_active(req.session_id)
 
     def _call(self, msg: m.Message) -> None:
@@ -306,14 +303,11 @@ class EngineLoop:
     def _call_value(self, msg: m.Message) -> Any:
         core = self.core
         if isinstance(msg, m.OpenSession):  # 409 for an open id, 429 at a cap (serving/cache/kv_sessions.py)
-            sid = core.open_session(self.control.open_session(msg.session_id, msg.tenant, msg.retention))
-            self.session_used[sid] = time.monotonic()
-            return sid
+            return core.open_session(self.control.open_session(msg.session_id, msg.tenant, msg.retention))
         if isinstance(msg, m.CloseSession):
             self.control.check_session(msg.session_id, msg.tenant)
             core.close_session(msg.session_id)
             self.control.close_session(msg.session_id)
-            self.session_used.pop(msg.session_id, None)
             return True
         if isinstance(msg, m.FlushCache):
             flushed = core.flush_cache()
@@ -377,12 +371,9 @@ class EngineLoop:
             return
         self._next_sweep = now + SESSION_SWEEP_S
         busy = {live.req.session_id for live in self.live.values()}
-        for sid, used in list(self.session_used.items()):
-            if sid in busy or now - used < self.control.idle_timeout(sid, self.idle_timeout):
-                continue
-            self.session_used.pop(sid)
+        for sid, idle_s in self.control.idle_sessions(busy, self.idle_timeout):  # serving/cache/kv_sessions.py
             if sid in self.core.sessions:
-                log.info("session %s idle for %.0f s: closed", sid, now - used)
+                log.info("session %s idle for %.0f s: closed", sid, idle_s)
                 self.core.close_session(sid)
             self.control.close_session(sid)
 

@@ -21,8 +21,8 @@ from serving.config import SchedulerConfig
 from serving.model.forward_batch import ForwardBatch
 from serving.model.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.model.sampler import Sampler
+from serving.scheduler.prompt_check import check_fits
 from serving.scheduler.request import Req
-from serving.scheduler.sampling_params import InvalidRequest
 from serving.scheduler.schedule_policy import make_schedule_policy
 from serving.scheduler.stop import StopChecker
 
@@ -83,20 +83,14 @@ class Scheduler:
 
     # -- queue --------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
-        """Raise InvalidRequest for a request that can never run."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty")
-        if n >= self.context_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; this model's context length is {self.context_len}")
-        capacity = self.cache.allocator.num_pages * self.page_size
-        if n + 1 > capacity:
-            raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds {capacity}")
+        """Raise InvalidRequest for a prompt that can never fit in the KV cache. Called once per
+        request, by ``EngineCore.make_request``, after the prompt's other rules
+        (serving/scheduler/prompt_check.py: non-empty, ids in the vocabulary, shorter than the context)."""
+        check_fits(len(req.input_ids), self.cache.allocator.num_pages * self.page_size)
 
     def add(self, req: Req) -> None:
+        """Queue a request made by ``EngineCore.make_request`` (which validated it)."""
         try:
-            self.validate(req)
             if len(self.waiting) >= self.config.max_queued_requests:
                 raise OverflowError(f"the queue is full ({len(self.waiting)} requests waiting)")
         except Exception:

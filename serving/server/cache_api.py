@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
+from serving.scheduler.prompt_check import PromptError, check_prompt
 from serving.server.context import ServerContext, check_salt, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -80,9 +81,11 @@ async def _ids(ctx: ServerContext, body: KVRequest) -> list[int]:
     else:
         ids = list(body.input_ids or [])
     vocab = int(ctx.info["vocab_size"])
-    if not ids or len(ids) >= ctx.context_len or any(not 0 <= t < vocab for t in ids):
+    try:  # the prompt's rules (serving/scheduler/prompt_check.py), this API's one message
+        check_prompt(ids, vocab, ctx.context_len)
+    except PromptError:
         raise APIError(400, f"the prompt must have 1 to {ctx.context_len - 1} tokens, each in [0, {vocab})",
-                       param="input_ids" if body.input_ids is not None else None)
+                       param="input_ids" if body.input_ids is not None else None) from None
     return ids
 
 

@@ -13,6 +13,7 @@ from fastapi import Request
 from hicache import salt
 from serving import ipc as m
 from serving.config import EngineConfig
+from serving.scheduler.prompt_check import PromptError, check_budget, check_prompt
 from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
@@ -121,23 +122,11 @@ class ServerContext:
             raise APIError(400, "seed must fit in 64 bits", param="seed")
         if 0 < sp.temperature < GREEDY_EPS:  # SGLang's rule: a vanishing temperature is greedy
             params = {**params, "temperature": 0.0}
-        vocab = int(self.info["vocab_size"])
-        if any(not 0 <= t < vocab for t in input_ids):
-            raise APIError(400, f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
-        n = len(input_ids)
-        if n == 0:
-            raise APIError(400, "the prompt is empty")
-        if n >= self.context_len:
-            raise APIError(
-                400, f"the prompt has {n} tokens; this model's context length is {self.context_len}"
-            )
-        if n + sp.max_new_tokens > self.context_len:
-            raise APIError(
-                400,
-                f"{param_name} is too large: the prompt has {n} tokens and {param_name} is "
-                f"{sp.max_new_tokens}, over this model's context length of {self.context_len}",
-                param=param_name,
-            )
+        try:  # the prompt's rules have one owner (serving/scheduler/prompt_check.py)
+            check_prompt(input_ids, int(self.info["vocab_size"]), self.context_len, prompt_param)
+            check_budget(len(input_ids), sp.max_new_tokens, self.context_len, param_name)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param) from None
         return m.GenerateReq(
             rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id,
             bootstrap=bootstrap, cache_salt=effective_salt(tenant, cache_salt),
