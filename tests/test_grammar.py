@@ -68,7 +68,7 @@ def _done(value: object) -> Future:
 
 
 def test_lru_hits_eviction_and_failures() -> None:
-    from serving.grammar.compile_pool import GrammarTimeout
+    from serving.grammar.compile_job import GrammarTimeout
 
     cache = CompiledGrammarCache(capacity=2)
     a = cache.get_or_start(("regex", "a"), lambda: _done("A"))

@@ -48,6 +48,21 @@ class _GpuLoad(Future):
 
 
 class CacheController:
+    """L1 <-> L2 copies for the tree's transfers (see the module docstring).
+
+    Concurrency contract: :meth:`execute` and :meth:`shutdown` are called on the scheduler
+    thread only. A backup runs there, synchronously; it waits only for an earlier load of the
+    same batch (``last.result()``), to keep the transfers' order. A load runs on the
+    ``hicache-load`` thread (one worker, so loads run in order), or is queued on the CUDA side
+    stream without a thread; readers wait for it through its ``PendingLoad``, never here.
+    Each mover is used by one thread: ``_backup_mover`` by the scheduler thread,
+    ``_load_mover`` by the loader thread (or the scheduler thread when it queues on the stream).
+    ``_lock`` guards ``pages_loaded``, which the loader thread and the scheduler thread both
+    add to. ``pages_backed_up`` is written only by the scheduler thread (backups run there),
+    so it needs no lock; a reader on another thread sees a value at most one batch old.
+    :meth:`shutdown` waits for the loads in flight.
+    """
+
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool

@@ -29,6 +29,17 @@ from serving.scheduler.request import Req
 
 
 class StorageController:
+    """L2 <-> L3 for the scheduler: a :class:`WriteBack` and a :class:`Prefetcher` over one
+    storage tier and namespace (see the module docstring).
+
+    Concurrency contract: every method is called on the scheduler thread and returns without
+    waiting on the store, except :meth:`persist_all` (waits for every write) and
+    :meth:`shutdown` (stops both parts' threads, then closes the tier); ``poll(wait=True)``
+    waits too, and is for tests and shutdown. No lock and no thread of its own: its parts'
+    background threads (L3 writers; lookup and fetch threads) touch only what their class
+    docstrings say, and hand results back through futures the scheduler thread polls here.
+    """
+
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
                  policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,

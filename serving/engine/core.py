@@ -45,6 +45,17 @@ GIL_SWITCH_S = 0.0005  # the interpreter's switch interval while an engine runs 
 
 
 class EngineCore:
+    """Everything one engine process owns (see the module docstring), built in this order: the
+    model runner (L1), L2, the tree, L3, the request cache, the scheduler, the grammar runner.
+
+    Concurrency contract: one thread, the scheduler thread (the engine loop, or the offline
+    Engine's caller), calls every method; the tree, the pools' bookkeeping and the scheduler
+    are touched by it alone, so there is no lock here. The background threads the parts start
+    (the ``hicache-load`` loader, L3 readers and writers, grammar compiles and mask fills, the
+    tensor-parallel monitor) are each described by their class. :meth:`step` waits for one
+    forward pass; :meth:`shutdown` waits for the L3 writes (``persist``) and the threads' exit.
+    """
+
     @property
     def weights_tag(self) -> str:
         """What the weights' --quantization makes of the KV: ``none`` or the method's tag (``:gguf``

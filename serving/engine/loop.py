@@ -61,9 +61,16 @@ class _Live:
 
 
 class EngineLoop:
-    """Everything here runs on the loop thread (the process's main thread) but the
-    receiver of ``inbox`` (see EngineInbox for that contract): the loop only ever takes
-    messages from the inbox's queue, and sends its frames through ``inbox.send``."""
+    """The engine process's step loop (see the module docstring).
+
+    Concurrency contract: everything here runs on the loop thread (the process's main thread,
+    also the scheduler thread: it owns the EngineCore, ``live``, the KV control and the cache
+    events) but the receiver of ``inbox`` (see EngineInbox for that contract): the loop only
+    ever takes messages from the inbox's queue, and sends its frames through ``inbox.send``.
+    No lock. It waits for messages only while idle (at most ``SESSION_SWEEP_S``, or
+    ``STALL_WAIT_S`` when work makes no progress), for one forward pass per turn, and for a
+    test's ``hold``; an L3 lookup of the KV control is not waited for (answered by a later
+    turn)."""
 
     def __init__(
         self, core: Any, rx: Connection, tx: Connection, settings: EngineProcessConfig, heartbeat: Any = None

@@ -9,6 +9,8 @@
 - ``lru``: compiled grammars cached by ``(kind, text)``.
 - ``runner``: what the scheduler calls: per-request matchers, masks filled on a worker thread
   while the forward pass runs, applied to the logits before sampling, jump-forward.
+- ``compile_pool`` / ``compile_job`` / ``compile_worker`` / ``memory_limits``: compiles with a
+  time and a memory budget (a trial in a worker process first), and the future of one.
 """
 
 # Nothing is imported here: serving.scheduler.sampling_params imports serving.grammar.spec, and the

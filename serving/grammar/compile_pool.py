@@ -27,7 +27,6 @@ finishes or is aborted: the last one to leave cancels the job (dequeues it, or k
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import select
@@ -36,11 +35,12 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from serving.grammar.base import GrammarBackend, GrammarError
+from serving.grammar.compile_job import CompileJob, CompileUnavailable, GrammarMemoryLimit, GrammarTimeout
 from serving.grammar.compile_worker import read_frame, write_frame
 from serving.grammar.memory_limits import memory_bytes
 
@@ -52,46 +52,32 @@ START_RETRY_S = 5.0  # after a worker failed to start
 _ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the ``serving`` package
 
 
-class GrammarTimeout(GrammarError):
-    """A grammar that did not compile within the time budget. Kept in the compiled-grammar
-    cache (``cached``), so the same grammar sent again fails at once instead of costing
-    another budget of a worker's time."""
-
-    cached = True
-
-
-class GrammarMemoryLimit(GrammarError):
-    """A grammar whose compile needed more than the memory budget; cached like a timeout."""
-
-    cached = True
-
-
-class CompileUnavailable(RuntimeError):
-    """No worker could compile (it could not start, or the engine is shutting down): a 503."""
-
-    status = 503
-
-
-class CompileJob(Future):
-    """The compile of one grammar ``(kind, text)``; its result is the compiled grammar."""
-
-    _ids = itertools.count()
-
-    def __init__(self, key: tuple[str, str]) -> None:
-        super().__init__()
-        self.key = key
-        self.id = next(self._ids)
-        self.waiters = 0  # requests waiting for it (scheduler thread only)
-        self.phase = "queued"  # queued -> trial -> compiling -> done
-        self.cancel_requested = False  # every waiter left during the trial: the slot kills it
-        self.started = 0.0  # when the trial began (monotonic)
-        self.trial_s: float | None = None  # how long the trial compile took
-
-
 _TIMEOUT, _CANCELLED, _CLOSED, _MEMORY = object(), object(), object(), object()
 
 
 class CompilePool:
+    """Runs grammar compiles within their budgets (see the module docstring).
+
+    Concurrency contract. Threads: the scheduler thread (through ``serving.grammar.runner``)
+    calls :meth:`submit`, :meth:`release`, :meth:`stats` and :meth:`shutdown`; one
+    ``grammar-trial-<i>`` thread per worker process (a ``_Slot``) takes queued jobs and runs
+    their trials; the ``grammar-compile`` threads (``_local``) compile grammars that passed
+    their trial. The scheduler thread never waits for a compile: it polls each job's future;
+    it blocks only briefly on ``_cv``, and in :meth:`shutdown`, which kills the workers and
+    joins their threads (5 s each at most). A slot's thread waits on ``_cv`` for a job, and on
+    its worker's pipe (``select``, every ``POLL_S``) during a trial or a start. Three locks:
+
+    - ``_cv`` (a condition) guards the queue, ``_pending``, ``_slots``, ``_closed``, ``counts``
+      and each job's ``phase`` / ``cancel_requested`` / ``waiters``; it is notified when a job
+      is queued and at shutdown. A job's result is set outside it (the future's own lock).
+    - ``_spec_lock`` guards ``_spec``, the workers' start message, built once on the first
+      worker start; held while it is built (a tokenizer's vocabulary is serialized), which is
+      why it is not ``_cv``: :meth:`submit` and :meth:`release` never wait for that.
+    - ``_Slot._lock`` guards the slot's ``proc``, swapped by its thread when it starts a worker
+      and by :meth:`_Slot.kill` (its thread, or :meth:`shutdown` on the scheduler thread), so a
+      worker is killed exactly once.
+    """
+
     def __init__(self, backend: GrammarBackend, workers: int = 2, timeout_s: float = 10.0,
                  max_pending: int = 128, max_memory_mb: int = 1024) -> None:
         if workers <= 0 or timeout_s <= 0 or max_pending <= 0 or max_memory_mb <= 0:

@@ -55,7 +55,8 @@ from typing import Any
 import torch
 
 from serving.grammar.base import GrammarBackend, GrammarError, Matcher
-from serving.grammar.compile_pool import CompileJob, CompilePool
+from serving.grammar.compile_job import CompileJob
+from serving.grammar.compile_pool import CompilePool
 from serving.grammar.lru import CompiledGrammarCache
 from serving.grammar.registry import make_grammar_backend
 from serving.grammar.spec import grammar_spec

@@ -55,6 +55,22 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 class TPLeader:
+    """Rank 0's side of tensor parallelism: the followers' processes, their command pipes
+    (``_cmds``, one-way, in the scheduler's order) and request pipes (``_rpcs``).
+
+    Concurrency contract. The scheduler thread calls everything but the L3 methods: ``setup``,
+    the wrapped ``forward`` / ``execute`` (each sends its command down every command pipe, then
+    runs rank 0's part; ``seq`` counts them and only this thread writes it), ``check_integrity``
+    and ``shutdown``. ``mirrored`` (through :class:`TPStorageTier`) is called from L3's reader and
+    writer threads as well; each :class:`serving.parallel.rpc.RpcClient` serialises its sends
+    under its own lock and answers on its ``tp-rpc<r>`` reader thread. Waits: a collective waits
+    at most ``--dist-timeout``; ``_answers`` waits for each follower's answer at most
+    ``2 * dist_timeout + 10`` s, then takes the engine down (``_die``). The ``tp-monitor`` thread
+    only waits for a follower to exit and then takes the engine down (unless ``_stopping``, set
+    by ``shutdown`` before the followers are told to stop). No lock of its own: ``_cmds`` is
+    used by the scheduler thread only, the rest is fixed at construction.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         from serving.model.model_runner import resolve_device
         from serving.parallel.follower import follower_main

@@ -38,6 +38,19 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """Continuous batching over one model and one request cache (see the module docstring).
+
+    Concurrency contract: one thread, the scheduler thread (the engine loop's, or the offline
+    Engine caller's), calls every method and owns ``waiting``, ``running``, ``stats`` and the
+    requests in them; no lock. A step waits only for its own forward pass (the sampled tokens
+    reach the host; with overlap scheduling, on CUDA, for the previous step's while the next
+    one is queued) and for this step's grammar masks, filled on the runner's ``grammar-mask``
+    thread while the forward pass runs. It never waits for the cache's background work: L2
+    loads, L3 lookups and fetches and grammar compiles are polled (``cache.poll``,
+    ``cache.poll_load``, ``_poll_grammars``), and a request whose KV or grammar is not ready
+    stays in the queue (on CUDA a layered load is waited for on the GPU, layer by layer).
+    """
+
     def __init__(
         self,
         config: SchedulerConfig,

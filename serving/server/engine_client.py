@@ -54,6 +54,21 @@ class EngineStartError(RuntimeError):
 
 
 class EngineClient:
+    """The engine process and the two pipes to it, as the HTTP process sees them.
+
+    Concurrency contract. Threads: the asyncio event loop owns ``handles``, ``calls``,
+    ``alive``, ``_waiting_since`` and ``watchdog_tripped`` (the routes, :meth:`submit`,
+    :meth:`call`, :meth:`watch`, and ``_dispatch`` / ``_on_engine_gone``, which the reader
+    posts to it with ``call_soon_threadsafe``); the ``engine-writer`` thread takes frames from
+    ``_outbox`` (a thread-safe queue; ``None`` stops it) and is the only writer of the pipe to
+    the engine once attached; the ``engine-reader`` thread blocks on the pipe from the engine
+    and touches nothing but the loop it posts to. No lock: nothing is shared but the queue and
+    ``call_soon_threadsafe``. :meth:`spawn`, :meth:`wait_ready` (blocks, polling the pipe, up
+    to its timeout) and :meth:`stop` (blocks up to ``shutdown_timeout_s`` for the engine to
+    persist and exit) run before the loop serves / after it stopped. Waits on the event loop
+    are bounded (see the module docstring): a request's acceptance, a control call's answer.
+    """
+
     def __init__(self, engine: EngineConfig, server: ServerConfig, metrics: Any) -> None:
         self.engine_config, self.server_config = engine, server
         self.metrics = metrics
