@@ -33,7 +33,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def lang_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny chat model with SmolLM2's real EOS (``<|im_end|>``, a special token, so its text
-    never shows), for serving.lang's tests."""
+    never shows), for serving.lang's and the grammar tests."""
     from harness.model_utils import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("lang-chat"), with_tokenizer=True, max_position_embeddings=512,
