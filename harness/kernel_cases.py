@@ -15,6 +15,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The relative error of ``out`` against ``ref`` (Frobenius norms, in float64)."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
 @dataclass
 class Case:
     batch: ForwardBatch

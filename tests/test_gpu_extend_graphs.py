@@ -17,14 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.kernel_cases import rel_err
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP = 400_000_000  # torch.cuda._sleep cycles: ~0.2 s on an H200, far longer than any host step here
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 # -- the semantics GraphLayerWaits relies on ------------------------------------------------
