@@ -42,6 +42,9 @@ the mix within ``HTTP_AFTER_MB`` / ``ENGINE_AFTER_MB`` (measured here: see the c
 After the mix ``check_integrity()`` holds with nothing running and no page or lock left over,
 and a SIGTERM shuts the server down cleanly with its L3 persisted (the engine's report says how
 many pages, and that none were left unwritten).
+
+The traffic (the canary, the streams, the abusers, the memory sampler) is harness/soak_mix.py;
+the scripted events and the verdict are here.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import signal
 import statistics
@@ -64,24 +66,19 @@ import pytest
 import yaml
 
 from harness.server_utils import ServerProcess, running_server
+from harness.soak_mix import CANARY, CANARY_EVERY_S, MB, Mix, proc_status, run_mix
 
 pytestmark = pytest.mark.slow
 SOAK_S = float(os.environ.get("HICACHE_SOAK_S", "30"))
 BASELINE_S = 15.0
-CANARY_EVERY_S = 0.5
-CANARY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 WATCHDOG_S = 10.0
-STALL = "the engine has made no progress"  # the watchdog's 503 message
 MAX_SESSIONS, OPENS, BULK_CONNECTIONS = 4096, 20_000, 128
 PINS, PREFIX = 300, [(7 * i) % 400 + 30 for i in range(120)]  # 7 full pages of 16
 HUGE = "word " * 1_560_000  # 7.8 MB, 1.56 M tokens
-MB = 2**20
 # growth over the mix's start, in MB; measured here (2 cores, tiny model): HTTP peak +117, after +1;
 # engine peak +52, after +35 (before issue 25's fixes the 8 huge prompts alone took the HTTP process to 9.1 GB)
 HTTP_PEAK_MB, HTTP_AFTER_MB = 512, 256
 ENGINE_PEAK_MB, ENGINE_AFTER_MB = 512, 256
-RECURSIVE_SCHEMA = json.dumps({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
-                                               "required": ["c"]}}, "$ref": "#/$defs/n"})
 
 
 def config(tmp_path: Path, model: Path) -> Path:
@@ -98,110 +95,6 @@ def config(tmp_path: Path, model: Path) -> Path:
     out = tmp_path / "soak.yaml"
     out.write_text(yaml.safe_dump(cfg))
     return out
-
-
-class Mix:
-    """What one run records: answers by kind as (status, sent, answered, 5xx message), the
-    canary's (sent, answered), the stall window, and the scripted events' state."""
-
-    def __init__(self, soak_s: float, scripted: bool) -> None:
-        self.deadline = time.monotonic() + soak_s
-        self.events_done = not scripted
-        self.abuse_done = False
-        self.answers: dict[str, list[tuple[int, float, float, str]]] = {}
-        self.canary: list[tuple[float, float]] = []
-        self.window: tuple[float, float] | None = None  # SIGSTOP .. /health 200 again
-        self.notes: dict[str, Any] = {}
-        self.pause_streams = False  # no new burst while set (the session flood)
-        self.no_burst = asyncio.Event()  # set while no burst of streams is in flight
-
-    def active(self) -> bool:
-        return time.monotonic() < self.deadline or not self.events_done
-
-    def add(self, kind: str, status: int, sent: float, message: str = "") -> None:
-        self.answers.setdefault(kind, []).append((status, sent, time.monotonic(), message))
-
-    async def add_response(self, kind: str, r: httpx.Response, sent: float) -> None:
-        self.add(kind, r.status_code, sent, await _message(r) if r.status_code >= 500 else "")
-
-    def allowed_503(self, status: int, sent: float, answered: float, message: str) -> bool:
-        w = self.window
-        return status == 503 and STALL in message and w is not None and sent < w[1] and answered >= w[0]
-
-    def codes(self, kind: str) -> set[int]:
-        """The statuses of ``kind``'s answers, the allowed 503s left out."""
-        return {c for c, t0, t1, msg in self.answers.get(kind, []) if not self.allowed_503(c, t0, t1, msg)}
-
-
-async def _message(r: httpx.Response) -> str:
-    await r.aread()
-    try:
-        return str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return r.text[:300]
-
-
-async def canary(client: httpx.AsyncClient, mix: Mix) -> None:
-    while not mix.abuse_done:
-        t0 = time.monotonic()
-        r = await client.post("/generate", json=CANARY, timeout=120)
-        await mix.add_response("canary", r, t0)
-        mix.canary.append((t0, time.monotonic()))
-        await asyncio.sleep(max(0.0, CANARY_EVERY_S - (time.monotonic() - t0)))
-
-
-async def stream(client: httpx.AsyncClient, rng: random.Random, mix: Mix) -> None:
-    drop = rng.random() < 0.5
-    body = {"text": f"story {rng.random()}", "stream": True,
-            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0.7}}
-    t0 = time.monotonic()
-    async with client.stream("POST", "/generate", json=body, timeout=120) as r:
-        await mix.add_response("stream", r, t0)
-        n = 0
-        async for line in r.aiter_lines():
-            n += line.startswith("data: ")
-            if drop and n >= 3:
-                return  # the client goes away mid-stream: the server aborts the request
-
-
-def _chat(**kw: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **kw}
-
-
-async def abuse(client: httpx.AsyncClient, rng: random.Random, mix: Mix) -> None:
-    deep = "[" * 10_000 + "]" * 10_000
-    gen = "/generate"
-    bad = [
-        ("regex", gen, dict(json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, "regex": "(a|b)*" * 2000}})),
-        ("schema", gen, dict(json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, "json_schema": json.dumps(
-            {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "(a|b)*" * 50}
-                                              for i in range(200)}})}})),
-        ("recursive", gen, dict(json={"text": "Hi", "sampling_params": {"max_new_tokens": 8,
-                                                                        "json_schema": RECURSIVE_SCHEMA}})),
-        ("recursive", gen, dict(json={"text": "Hi", "sampling_params": {"max_new_tokens": 8,
-                                                                        "ebnf": 'root ::= "ab" root'}})),
-        ("recursive", "/v1/chat/completions", dict(json=_chat(response_format={
-            "type": "json_schema", "json_schema": {"name": "n", "schema": json.loads(RECURSIVE_SCHEMA)}}))),
-        ("huge", gen, dict(json={"text": "word " * 60_000, "sampling_params": {"max_new_tokens": 2}})),
-        ("deep", gen, dict(content=f'{{"text": "x", "sampling_params": {deep}}}',
-                           headers={"Content-Type": "application/json"})),
-        ("broken", gen, dict(content=b'{"text": "x", ', headers={"Content-Type": "application/json"})),
-        ("types", gen, dict(json={"text": 5, "sampling_params": {"max_new_tokens": "many"}})),
-        ("plain", gen, dict(content=b'{"text": "x"}', headers={"Content-Type": "text/plain"})),
-    ]
-    while mix.active():
-        kind, path, kw = rng.choice(bad)
-        t0 = time.monotonic()
-        await mix.add_response(kind, await client.post(path, timeout=120, **kw), t0)
-        t0 = time.monotonic()
-        await mix.add_response("model", await client.post("/v1/chat/completions", timeout=120,
-                                                          json={**_chat(), "model": "gpt-4"}), t0)
-        if rng.random() < 0.3:  # started, then aborted right away (the client gives up)
-            try:
-                await client.post("/generate", timeout=0.05, json={
-                    "text": f"abort me {rng.random()}", "sampling_params": {"max_new_tokens": 200}})
-            except httpx.TimeoutException:
-                pass
 
 
 # -- the scripted events ------------------------------------------------------------------------
@@ -355,54 +248,6 @@ async def events(s: ServerProcess, client: httpx.AsyncClient, mix: Mix) -> None:
         mix.events_done = True
 
 
-# -- memory ---------------------------------------------------------------------------------------
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS since the last reset) of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-async def sample_memory(pids: dict[str, int], mix: Mix) -> None:
-    peaks = mix.notes.setdefault("sampled_rss_mb", dict.fromkeys(pids, 0))
-    while not mix.abuse_done:
-        for name, pid in pids.items():
-            peaks[name] = max(peaks[name], proc_status(pid)["VmRSS"] // MB)
-        await asyncio.sleep(0.25)
-
-
-# -- the run --------------------------------------------------------------------------------------
-async def run_mix(s: ServerProcess, soak_s: float, abusive: bool, pids: dict[str, int] | None = None) -> Mix:
-    mix = Mix(soak_s, scripted=abusive)
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
-    async with httpx.AsyncClient(base_url=s.url, limits=limits) as client:
-        rng = random.Random(7)
-        watched = [asyncio.create_task(canary(client, mix))]
-        if pids:
-            watched.append(asyncio.create_task(sample_memory(pids, mix)))
-        busy = [asyncio.create_task(abuse(client, random.Random(i), mix)) for i in range(3)] if abusive else []
-        if abusive:
-            busy.append(asyncio.create_task(events(s, client, mix)))
-        try:
-            while mix.active():
-                if mix.pause_streams:
-                    mix.no_burst.set()
-                    await asyncio.sleep(0.1)
-                    continue
-                mix.no_burst.clear()
-                await asyncio.gather(*(stream(client, rng, mix) for _ in range(100)))
-            mix.no_burst.set()
-            await asyncio.gather(*busy)
-        finally:
-            mix.abuse_done = True  # the canary and the sampler stop after everyone else
-            await asyncio.gather(*watched, return_exceptions=True)
-    return mix
-
-
 async def start_compile_workers(url: str) -> None:
     """The first grammar starts the compile workers (seconds of CPU). Plain requests run
     meanwhile: a request waiting for its compile makes no progress, and alone it would trip
@@ -428,7 +273,7 @@ def test_canary_survives_the_abusive_mix(tmp_path, tiny_chat_model):
             with open(f"/proc/{pid}/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS: the peak from here on
         t_mix = time.monotonic()
-        mix = asyncio.run(run_mix(s, SOAK_S, abusive=True, pids=pids))
+        mix = asyncio.run(run_mix(s, SOAK_S, abusive=True, pids=pids, events=events))
         mix_s = time.monotonic() - t_mix
         end = {name: proc_status(pid) for name, pid in pids.items()}
         assert mix.window is not None
