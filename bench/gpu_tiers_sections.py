@@ -211,7 +211,7 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
     out = {"prompt_tok_s": tokens / sum(times), "hit_tokens": hits, "prompt_tokens": tokens,
            "hit_share": sum(hits.values()) / tokens if tokens else 0.0}
     if not concurrent:
-        out.update(ttft_p50_s=statistics.median(times), ttft_mean_s=statistics.mean(times))
+        out.update(ttft_p50_s=statistics.median(times), ttft_mean_s=statistics.mean(times), ttft_max_s=max(times))
     else:
         out["turn_wall_p50_s"] = statistics.median(times)
     if eng.core.storage is not None:
@@ -220,6 +220,7 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
             "pages_written", "hits", "pages_prefetched", "read_s", "write_pages_dropped", "cost_l3_refusals",
             "cost_l3_read_gbps", "cost_prefill_tok_s", "fetches_followed", "pages_loaded_early",
             "l2_backups_skipped_pages")}
+        out["storage"]["write_pages_waiting_max"] = st.get("write_pages_waiting_max", 0)
     eng.check_integrity()
     close(eng)
     return out

@@ -109,7 +109,8 @@ def test_prefetch_locks_and_makes_room_before_it_allocates(model, tmp_path):
     warm = engine(model, db, max_total_tokens=512)
     warm.generate(input_ids=full, sampling_params=GREEDY)
     warm.shutdown()
-    eng = engine(model, db, max_total_tokens=256, hicache_ratio=0.25, hicache_write_policy="write_through",
+    eng = engine(model, db, max_total_tokens=256, hicache_ratio=0.25,  # backed up on the first hit:
+                 hicache_write_policy="write_through_selective", write_through_threshold=1,
                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_timeout_base=30.0,
                  hicache_storage_prefetch_threshold=44)
     core = eng.core

@@ -159,8 +159,10 @@ def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
           f"L3 pages written {l3['pages_written']} read {l3['hits']} committed {l3['pages_prefetched']} "
           f"loaded on to L1 early {l3['pages_loaded_early']}")
     assert not wrong, f"{len(wrong)} of {answered} answers differ from recompute: {wrong[:3]}"
-    # the waves did exercise every tier (else this test proves nothing)
-    assert by_tier["device"] > 0 and by_tier["host"] > 0, by_tier
+    # the waves did exercise every tier (else this test proves nothing); write_through backs every
+    # node up when inserted, so prefetches drop L2 copies of L1 nodes that L3 holds first and the
+    # lower tiers' hits may all come from L3
+    assert by_tier["device"] > 0 and by_tier["host" if write != "write_through" else "storage"] > 0, by_tier
     assert l3["pages_written"] > 0, l3
     if prefetch != "best_effort":
         assert l3["hits"] > 0 and l3["pages_prefetched"] > 0, l3

@@ -170,12 +170,19 @@ def test_session_referenced_evicted_after_unreferenced():
 
 @pytest.mark.parametrize(
     ("policy", "backup_after_hits"),
-    [("write_through", 1), ("write_through_selective", 2), ("write_back", None)],
+    [("write_through", 0), ("write_through_selective", 2), ("write_back", None)],
 )
 def test_write_policies(policy, backup_after_hits):
+    """write_through backs a node up when it is inserted (SGLang's meaning), selective after
+    ``threshold`` hits, write_back only on eviction."""
     t = make(dev=16, host=16, policy=policy, write_through_threshold=2)
     put(t, [1, 1, 2, 2])
-    assert t.take_transfers() == []  # insert never backs up
+    tr = t.take_transfers()
+    if backup_after_hits == 0:
+        assert len(tr) == 1 and tr[0].kind == "backup" and len(tr[0].src_pages) == 2
+        assert t.cached_pages("host") == 2
+    else:
+        assert tr == []
     for hit in (1, 2, 3):
         t.match_prefix([1, 1, 2, 2])
         tr = t.take_transfers()
@@ -188,7 +195,7 @@ def test_write_policies(policy, backup_after_hits):
     # eviction demotes: a backup only if the node has no L2 copy yet
     assert t.evict_device(2) == 2
     tr = t.take_transfers()
-    assert [x.kind for x in tr] == ([] if backup_after_hits else ["backup"])
+    assert [x.kind for x in tr] == ([] if backup_after_hits is not None else ["backup"])
     m = t.match_prefix([1, 1, 2, 2, 3, 3])
     assert m.device_hit_tokens == 0 and m.host_hit_tokens == 4
     t.check_integrity()
@@ -479,9 +486,22 @@ def test_evict_host_drops_backups_of_l1_nodes_only_when_asked():
     t.lock(m.last_device_node)
     assert t.evict_host(100, drop_backups=True) == 0  # locked: kept
     t.unlock(m.last_device_node)
-    assert t.evict_host(1, drop_backups=True) == 0  # L3 lacks it: the backup is all an L1 eviction would keep
-    assert t.mark_stored([1, 1, 2, 2], 0, 2) == 2
-    assert t.evict_host(1, drop_backups=True) == 2  # on L3 too: a prefetch needs room, the backup goes, L1 stays
+    assert t.evict_host(1, drop_backups=True) == 2  # a prefetch needs room: the backup goes, L1 stays
     assert t.cached_pages("host") == 0 and t.cached_pages("device") == 2
     assert t.match_prefix([1, 1, 2, 2]).device_hit_tokens == 4
+    t.check_integrity()
+
+
+def test_drop_backups_takes_nodes_on_l3_first():
+    """A prefetch that drops L2 backups of L1 nodes takes those of nodes L3 holds first: an L1
+    eviction without L2 room then loses nothing. Policy order (LRU) would take [1, 1] first."""
+    t = make(dev=16, host=16, policy="write_through")
+    for toks in ([1, 1, 2, 2], [3, 3, 4, 4]):
+        put(t, toks)
+        t.match_prefix(toks)  # backed up: on L1 and L2
+        t.take_transfers()
+    assert t.mark_stored([3, 3, 4, 4], 0, 2) == 2
+    assert t.evict_host(1, drop_backups=True) == 2
+    assert t.lookup([3, 3, 4, 4])[0].host_pages is None
+    assert t.lookup([1, 1, 2, 2])[0].host_pages is not None
     t.check_integrity()

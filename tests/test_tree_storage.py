@@ -11,7 +11,8 @@ PS = 2
 
 
 def make(dev: int = 16, host: int = 32) -> HiRadixTree:
-    return HiRadixTree(PS, PageAllocator(dev), PageAllocator(host) if host else None)
+    """write_back: inserted nodes stay L1-only until evicted (the cases below need them so)."""
+    return HiRadixTree(PS, PageAllocator(dev), PageAllocator(host) if host else None, write_policy="write_back")
 
 
 def put_device(t: HiRadixTree, tokens: list[int]) -> list[int]:
@@ -124,9 +125,9 @@ def test_mark_stored_is_split_safe():
 
 
 def test_pinned_host_pages_survive_eviction_and_are_freed_after_unpin():
-    t = make(dev=8, host=8)
+    t = HiRadixTree(PS, PageAllocator(8), PageAllocator(8))  # write_through: backed up on insert
     put_device(t, [1, 2, 3, 4])
-    node = t.match_prefix([1, 2, 3, 4]).last_device_node  # write_through: backed up on the hit
+    node = t.match_prefix([1, 2, 3, 4]).last_device_node
     t.take_transfers()
     hp = list(node.host_pages)
     t.pin_host(hp)

@@ -130,15 +130,17 @@ class Tiering:
         return freed
 
     def _drop_backups(self, num_pages: int) -> int:
-        """Free the L2 copies of nodes that are on L1 and on L3 too (policy order) until
-        ``num_pages`` are freed: the L1 copy stays, and an eviction from L1 backs the node up
-        again or, without room, leaves it on L3. Locked, loading and pinned nodes keep theirs, and
-        so do nodes L3 lacks (their L2 copy is what an L1 eviction would otherwise lose)."""
+        """Free the L2 copies of nodes that are on L1 too until ``num_pages`` are freed: the L1
+        copy stays, and an eviction from L1 backs the node up again. Nodes on L3 go first (an L1
+        eviction without L2 room then loses nothing), each group in policy order. Loading and
+        pinned nodes keep theirs, and so do locked nodes L3 lacks (a locked node on L3 keeps its
+        L1 copy while locked, and L3 has the rest)."""
         pins = self.pins
         cands = [nd for nd in self.shape.nodes() if nd.host_pages is not None and nd.device_pages is not None
-                 and nd.lock_ref == 0 and nd.load is None and not pins.any_pinned(nd.host_pages)
-                 and self.on_l3(nd)]
-        cands.sort(key=self._evict_key("host"))
+                 and (nd.lock_ref == 0 or self.on_l3(nd)) and nd.load is None
+                 and not pins.any_pinned(nd.host_pages)]
+        key = self._evict_key("host")
+        cands.sort(key=lambda nd: (not self.on_l3(nd), key(nd)))
         freed = 0
         for nd in cands:
             if freed >= num_pages:

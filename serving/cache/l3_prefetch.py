@@ -265,11 +265,12 @@ class Prefetcher:
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
             tree.evict_host(n - host.num_free, drop_backups=True)
-        n = min(n, host.num_free)
+        if host.num_free < n and self._worth_waiting(op, d):
+            tree.unlock(node)
+            return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
+        n = min(n, host.num_free)  # all of it, or as much as L2 can ever give it now
         if n * ps < self.threshold_tokens:
             tree.unlock(node)
-            if self._worth_waiting(op, d):
-                return  # other requests hold L2; their pages become evictable once they run: retry
             self._watch(req, op)
             return
         pages = host.alloc(n)  # cannot fail: n <= num_free
@@ -291,11 +292,12 @@ class Prefetcher:
         op.lookup = None
 
     def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
-        """Wait for L2 room while other fetches or waiting requests hold it (they give it back once
-        committed / run), as long as waiting and then loading would still beat recomputing (the
-        cost model's estimates; without them, until the op's deadline)."""
+        """Wait for L2 room while others hold it -- fetches, pins of waiting requests and of L3
+        writes in flight (they give it back once committed / run / written) -- as long as waiting
+        and then loading would still beat recomputing (the cost model's estimates; without them,
+        until the op's deadline). A fetch of part of the prefix would recompute the rest."""
         now = time.monotonic()
-        if not (self.fetches.active or self._pinned > len(op.pinned)) or now >= op.deadline:
+        if not (self.fetches.active or self.tree.host_pinned > len(op.pinned)) or now >= op.deadline:
             return False
         if not op.room_wait_since:
             op.room_wait_since = now
