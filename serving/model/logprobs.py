@@ -13,6 +13,11 @@ Prompt (input) logprobs: the logprob of prompt token ``t`` needs the logits at p
 
 Cheap when off: a request without ``return_logprob`` has ``Req.logprob = None``, and the
 scheduler does nothing extra for a batch where no request has one.
+
+One owner per part: the numbers, here (:class:`LogprobState`, engine side); a request's options
+and SGLang's ``meta_info`` shape, ``serving.model.logprob_meta`` (torch-free: the offline Engine
+and the HTTP process both use it); the OpenAI shapes, ``serving.server.logprob_format``; across
+a PD transfer, ``serving.disagg.logprob_handoff``.
 """
 
 from __future__ import annotations

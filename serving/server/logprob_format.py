@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from serving.model.logprob_meta import LogprobOptions, sglang_meta, token_text
+from serving.model.logprob_meta import token_text
 from serving.tokenizer import Tokenizer
 
-__all__ = ["LogprobOptions", "chat_logprobs", "completion_logprobs", "sglang_meta", "token_bytes", "token_text"]
+__all__ = ["chat_logprobs", "completion_logprobs", "token_bytes"]
 
 
 @functools.cache

@@ -14,12 +14,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from serving.model.logprob_meta import LogprobOptions, sglang_meta
 from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
-from serving.server.logprob_format import LogprobOptions, sglang_meta
 from serving.server.protocol import GenerateRequest
 from serving.server.req_handle import ReqHandle, ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text

@@ -16,12 +16,13 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
+from serving.model.logprob_meta import LogprobOptions
 from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
 from serving.server.http_io import parse_body, sse_stream, unless_disconnected
-from serving.server.logprob_format import LogprobOptions, chat_logprobs, completion_logprobs
+from serving.server.logprob_format import chat_logprobs, completion_logprobs
 from serving.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from serving.server.req_handle import ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text
