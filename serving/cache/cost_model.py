@@ -107,7 +107,14 @@ class AlwaysLoad(LoadPolicy):
 
 
 class CostModel(LoadPolicy):
-    """See the module docstring."""
+    """Load or recompute, from the store's measured fixed cost and bandwidth and the measured
+    prefill rate (see the module docstring).
+
+    Concurrency contract: the scheduler thread only: the prefetcher's fetches
+    (``serving.cache.l3_fetch.Fetches``) report finished reads there (:meth:`observe_read`),
+    ``PrefillTimer`` reports prefills (:meth:`observe_prefill`), the prefetcher asks
+    :meth:`decide`. No lock, no thread, nothing here waits.
+    """
 
     MIN_PREFILL_TOKENS = 64  # steps with fewer prefill tokens are dominated by decode: not timed
 

@@ -46,7 +46,13 @@ class _Point:
 
 
 class Breakpoints:
-    """See the module docstring. ``control``: the owning KVControl."""
+    """A tenant's ``cache_control`` breakpoints as pin leases of ``control`` (the owning
+    KVControl): :meth:`admit` before a request runs, :meth:`apply` after it finished (see the
+    module docstring for the rules).
+
+    Concurrency contract: the engine loop thread only, as a part of KVControl; no lock, no
+    thread, and nothing here waits (the leases' pages are pinned in the tree synchronously).
+    """
 
     def __init__(self, control: Any) -> None:
         self.control = control
