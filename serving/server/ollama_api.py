@@ -110,6 +110,10 @@ class ChatRequest(_Base):
     neutral_fields = {"tools": ((), []), "think": (False,), "logprobs": (False,), "top_logprobs": (0,)}
     messages: Annotated[list[OllamaMessage], Field(min_length=1)]
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages the chat template sees (router/routing_key.py rebuilds them from the body)."""
+        return [{"role": x.role, "content": x.content} for x in self.messages]
+
 
 class GenerateRequest(_Base):
     neutral_fields = {"images": ((), []), "think": (False,), "logprobs": (False,), "top_logprobs": (0,),
@@ -118,6 +122,12 @@ class GenerateRequest(_Base):
     prompt: str = ""
     system: str | None = None
     raw: bool = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Without ``raw``, the prompt goes through the chat template as the user's message, after
+        ``system`` (router/routing_key.py rebuilds them from the body)."""
+        return ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.prompt}]
 
 
 class ShowRequest(StrictModel):
@@ -189,7 +199,7 @@ async def chat(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await _body(request, ChatRequest)
     _model(ctx, body.model)
-    ids = await run_in_threadpool(ctx.chat_ids, [{"role": x.role, "content": x.content} for x in body.messages])
+    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     return await _run(request, ctx, body, ids, "message", lambda t: {"role": "assistant", "content": t})
 
 
@@ -204,9 +214,7 @@ async def generate(request: Request) -> Any:
     if body.raw:
         ids = await run_in_threadpool(ctx.encode, body.prompt)
     else:
-        msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
-            {"role": "user", "content": body.prompt}]
-        ids = await run_in_threadpool(ctx.chat_ids, msgs)
+        ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     return await _run(request, ctx, body, ids, "response", lambda t: t)
 
 
