@@ -1,11 +1,17 @@
 // Causal GQA attention over paged float32 KV for every variant of vec.h
 // (serving/kernels/attention_cpu.py).
 //
-// Each (token, kv head) pair is computed on its own, from its query and the keys it may see:
-// scores s_j = dot(q, k_j) * scale, p_j = exp(s_j - max s), out = sum_j p_j v_j / sum_j p_j, every
-// sum in key order (a dot over head_dim: 16 lanes fused-multiply-added chunk by chunk, then one
-// fixed 16-lane tree). So a token's output has the same bits in a decode batch, in a prefill chunk
-// and alone -- prefill and decode compute identical KV for the same token -- and on every variant.
+// Each (token, query head) is computed from its query and the keys it may see: scores
+// s_j = dot(q, k_j) * scale, p_j = exp(s_j - max s), out = sum_j p_j v_j / sum_j p_j, every sum in
+// key order (a dot over head_dim: 16 lanes fused-multiply-added chunk by chunk, then one fixed
+// 16-lane tree). So a token's output has the same bits in a decode batch, in a prefill chunk and
+// alone -- prefill and decode compute identical KV for the same token -- and on every variant.
+//
+// Speed without changing a bit: a work item is up to kRows consecutive tokens of one sequence and
+// one kv head, so every key and value row is loaded once for all of them (a verify pass of k + 1
+// tokens, or a prefill chunk, reads the KV once, not once per token); scores are made 16 keys at a
+// time, their 16 trees summed together by shuffles (reduce_block: each key's tree is vec.h's
+// reduce_add16, operand for operand) instead of one horizontal sum per key.
 #include "ops.h"
 #include "vec.h"
 
@@ -20,8 +26,11 @@ namespace {
 
 using namespace hv;
 
-constexpr int kMaxGroup = 16;   // q heads per kv head
-constexpr int kMaxChunks = 16;  // head_dim / 16
+constexpr int kMaxGroup = 16;     // q heads per kv head
+constexpr int kMaxChunks = 16;    // head_dim / 16
+constexpr int kBlock = 16;        // keys per score block
+constexpr int64_t kRows = 16;     // tokens of one sequence per work item (they share each K / V load)
+constexpr int64_t kVChunk = 64;   // keys per pass of the value sums (in L1 while every query reads them)
 
 inline F16 mul16(const F16& a, const F16& b) {
   F16 r;
@@ -34,46 +43,138 @@ inline F16 fmadd16(const F16& a, const F16& b, const F16& c) {
   return r;
 }
 
-// One (token, kv head): G query heads of D floats at q (stride D), n keys at k_rows[j] / v_rows[j].
-void attend(const float* q, int G, int D, const float* k, const float* v, const int64_t* slots, int64_t n,
-            int64_t row_stride, float scale, float* out, std::vector<float>& scores) {
-  const int chunks = D / 16;
-  const int64_t padded = (n + 15) / 16 * 16;
-  scores.assign(static_cast<size_t>(G * padded), -INFINITY);
-  F16 qv[kMaxGroup][kMaxChunks];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < chunks; ++c) qv[g][c] = load16(q + g * D + c * 16);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kr = k + slots[j] * row_stride;
-    for (int g = 0; g < G; ++g) {
-      F16 acc = mul16(qv[g][0], load16(kr));
-      for (int c = 1; c < chunks; ++c) acc = fmadd16(qv[g][c], load16(kr + c * 16), acc);
-      scores[g * padded + j] = reduce_add16(acc) * scale;
+// s[i] = reduce_add16(a[i]) * scale for the 16 sums of a key block: vec.h's tree for each --
+// (i, i + 8), (i, i + 4), (i, i + 2), (0, 1), the same operands in the same order -- with the pairs
+// of W keys added in one vector (shuffles gather them), then the lanes put back in key order.
+inline void reduce_block(const F16* a, float scale, float* s) {
+#if HV_W == 16
+  __m512 v[8], w[4], x[2];
+  for (int m = 0; m < 8; ++m) {  // lanes 0..7: key 2m's (i, i + 8) sums, 8..15: key 2m + 1's
+    const __m512 p = a[2 * m].p[0], q = a[2 * m + 1].p[0];
+    v[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x44), _mm512_shuffle_f32x4(p, q, 0xEE));
+  }
+  for (int n = 0; n < 4; ++n)  // quarter i: key 4n + i's (i, i + 4) sums
+    w[n] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0xDD));
+  for (int r = 0; r < 2; ++r)  // quarter i: (i, i + 2) sums of keys 8r + i, 8r + 4 + i
+    x[r] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * r], w[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * r], w[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4i + c: key 4c + i
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  store(s, mul(_mm512_permutexvar_ps(order, y), splat(scale)));
+#elif HV_W == 8
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int b = 0; b < 16; b += 8) {
+    __m256 t[8], v[4], x[2];
+    for (int j = 0; j < 8; ++j) t[j] = _mm256_add_ps(a[b + j].p[0], a[b + j].p[1]);  // (i, i + 8)
+    for (int m = 0; m < 4; ++m)  // half 0: key 2m's (i, i + 4) sums, half 1: key 2m + 1's
+      v[m] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * m], t[2 * m + 1], 0x20),
+                           _mm256_permute2f128_ps(t[2 * m], t[2 * m + 1], 0x31));
+    for (int r = 0; r < 2; ++r)  // half i: (i, i + 2) sums of keys 4r + i, 4r + 2 + i
+      x[r] = _mm256_add_ps(_mm256_shuffle_ps(v[2 * r], v[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(v[2 * r], v[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4i + c: key 2c + i
+    store(s + b, mul(_mm256_permutevar8x32_ps(y, order), splat(scale)));
+  }
+#else
+  for (int i = 0; i < 16; ++i) s[i] = reduce_add16(a[i]) * scale;
+#endif
+}
+
+// acc_q += sum_{j0 <= j < je} p_qj v_j in key order for Q queries (scores s + q * ps, sums at
+// acc + q * D): Q * chunks independent chains, each value row loaded once for all Q.
+template <int kChunks, int Q>
+inline void value_sums(const float* s, int64_t ps, float* acc, int64_t D, int64_t j0, int64_t je, const int64_t* sl,
+                       const float* v, int64_t stride, int chunks) {
+  constexpr int kC = kChunks > 0 ? kChunks : kMaxChunks;
+  F16 a[Q][kC];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < chunks; ++c) a[q][c] = load16(acc + q * D + c * 16);
+  for (int64_t j = j0; j < je; ++j) {
+    const float* vr = v + sl[j] * stride;
+    for (int c = 0; c < chunks; ++c) {
+      const F16 vc = load16(vr + c * 16);
+      for (int q = 0; q < Q; ++q) a[q][c] = fmadd16(splat16(s[q * ps + j]), vc, a[q][c]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* s = scores.data() + g * padded;
-    V vmx = splat(-INFINITY);
-    for (int64_t j = 0; j < padded; j += W) vmx = vmax(vmx, load(s + j));
-    const V m = splat(reduce_max(vmx));  // exact in any order
-    F16 vsum = splat16(0.0f);
-    for (int64_t j = 0; j < padded; j += 16) {
-      for (int i = 0; i < 16 / W; ++i) {
-        const V e = exp_nonpositive(sub(load(s + j + i * W), m));  // padding: -inf -> 0
-        store(s + j + i * W, e);
-        vsum.p[i] = add(vsum.p[i], e);
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < chunks; ++c) store16(acc + q * D + c * 16, a[q][c]);
+}
+
+// Tokens [t0, t1) of one sequence (its slots sl) and one kv head: G query heads each at q (token t's
+// at q + t * H * D), keys / values at k / v rows sl[j] * stride, outputs at out like q.
+template <int kChunks>
+void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, const float* k, const float* v,
+            const int64_t* sl, const int64_t* nkeys, int64_t stride, float scale, float* out, std::vector<float>& sc,
+            std::vector<float>& accs) {
+  const int chunks = kChunks > 0 ? kChunks : D / 16;
+  int64_t nmax = 0;
+  for (int64_t t = t0; t < t1; ++t) nmax = std::max(nmax, nkeys[t]);
+  const int64_t padded = (nmax + kBlock - 1) / kBlock * kBlock, nq = (t1 - t0) * G;
+  sc.resize(static_cast<size_t>(nq * padded));
+  for (int64_t j0 = 0; j0 < nmax; j0 += kBlock) {  // scores, a block of keys for every query
+    const float* kr[kBlock];
+    for (int i = 0; i < kBlock; ++i) kr[i] = k + sl[j0 + i < nmax ? j0 + i : 0] * stride;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = nkeys[t];
+      if (j0 >= n) continue;
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + (t * H + g) * D;
+        F16 qv[kMaxChunks], acc[kBlock];
+        for (int c = 0; c < chunks; ++c) qv[c] = load16(qg + c * 16);
+        for (int i = 0; i < kBlock; ++i) {
+          acc[i] = mul16(qv[0], load16(kr[i]));
+          for (int c = 1; c < chunks; ++c) acc[i] = fmadd16(qv[c], load16(kr[i] + c * 16), acc[i]);
+        }
+        float* s = sc.data() + ((t - t0) * G + g) * padded + j0;
+        reduce_block(acc, scale, s);
+        for (int64_t j = n - j0; j < kBlock; ++j) s[j] = -INFINITY;  // keys it may not see
       }
     }
-    const float inv_sum = 1.0f / reduce_add16(vsum);
-    F16 acc[kMaxChunks];
-    for (int c = 0; c < chunks; ++c) acc[c] = splat16(0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const F16 pj = splat16(s[j]);
-      const float* vr = v + slots[j] * row_stride;
-      for (int c = 0; c < chunks; ++c) acc[c] = fmadd16(pj, load16(vr + c * 16), acc[c]);
+  }
+  float inv[kRows * kMaxGroup];
+  for (int64_t i = 0; i < nq; ++i) {  // p_j = exp(s_j - max) in place, 1 / sum p
+    float* s = sc.data() + i * padded;
+    const int64_t pt = (nkeys[t0 + i / G] + 15) / 16 * 16;
+    V vmx = splat(-INFINITY);
+    for (int64_t j = 0; j < pt; j += W) vmx = vmax(vmx, load(s + j));
+    const V m = splat(reduce_max(vmx));  // exact in any order
+    F16 vsum = splat16(0.0f);
+    for (int64_t j = 0; j < pt; j += 16) {
+      for (int c = 0; c < 16 / W; ++c) {
+        const V e = exp_nonpositive(sub(load(s + j + c * W), m));  // -inf -> 0
+        store(s + j + c * W, e);
+        vsum.p[c] = add(vsum.p[c], e);
+      }
     }
-    const F16 is = splat16(inv_sum);
-    for (int c = 0; c < chunks; ++c) store16(out + g * D + c * 16, mul16(acc[c], is));
+    inv[i] = 1.0f / reduce_add16(vsum);
+  }
+  accs.assign(static_cast<size_t>(nq * D), 0.0f);
+  constexpr int kQ = kChunks == 0 ? 1 : std::max(1, std::min(4, 16 / kChunks));  // 16 accumulators (zmm)
+  for (int64_t j0 = 0; j0 < nmax; j0 += kVChunk) {  // sum p_j v_j in key order, a chunk of values for every query
+    const int64_t j1 = std::min(nmax, j0 + kVChunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t je = std::min(j1, nkeys[t]);
+      if (j0 >= je) continue;
+      for (int g = 0; g < G; g += kQ) {  // up to kQ heads of the token at once (independent sums)
+        const int64_t i = (t - t0) * G + g;
+        const float* s = sc.data() + i * padded;
+        float* ai = accs.data() + i * D;
+        switch (std::min(kQ, G - g)) {
+          case 4: value_sums<kChunks, 4>(s, padded, ai, D, j0, je, sl, v, stride, chunks); break;
+          case 3: value_sums<kChunks, 3>(s, padded, ai, D, j0, je, sl, v, stride, chunks); break;
+          case 2: value_sums<kChunks, 2>(s, padded, ai, D, j0, je, sl, v, stride, chunks); break;
+          default: value_sums<kChunks, 1>(s, padded, ai, D, j0, je, sl, v, stride, chunks);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t t = t0 + i / G, g = i % G;
+    const F16 is = splat16(inv[i]);
+    for (int c = 0; c < chunks; ++c) store16(out + (t * H + g) * D + c * 16, mul16(load16(accs.data() + i * D + c * 16), is));
   }
 }
 
@@ -82,17 +183,28 @@ void attend(const float* q, int G, int D, const float* k, const float* v, const 
 void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float* k, const float* v, int64_t KH,
                     const int64_t* slots, int64_t L, const int64_t* seq, const int64_t* nkeys, float scale, float* out) {
   const int G = static_cast<int>(H / KH);
-  const int64_t work = T * KH;
+  std::vector<int64_t> starts;  // runs of up to kRows consecutive tokens of one sequence
   int64_t keys = 0;
-  for (int64_t t = 0; t < T; ++t) keys += nkeys[t];
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(nkeys[t] >= 1 && nkeys[t] <= L, "a token must see 1 to L keys");
+    if (t == 0 || seq[t] != seq[t - 1] || t - starts.back() == kRows) starts.push_back(t);
+    keys += nkeys[t];
+  }
+  starts.push_back(T);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1, work = runs * KH;
   const int64_t grain = std::max<int64_t>(1, work * 4096 / std::max<int64_t>(1, keys * H * D));
   at::parallel_for(0, work, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores;
+    std::vector<float> sc, accs;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t t = w / KH, h = w % KH, n = nkeys[t];
-      TORCH_CHECK(n >= 1 && n <= L, "a token must see 1 to L keys");
-      attend(q + (t * H + h * G) * D, G, static_cast<int>(D), k + h * D, v + h * D, slots + seq[t] * L, n, KH * D, scale,
-             out + (t * H + h * G) * D, scores);
+      const int64_t r = w / KH, h = w % KH, t0 = starts[r], t1 = starts[r + 1];
+      const float* qh = q + h * G * D;
+      const int64_t* sl = slots + seq[t0] * L;
+      float* oh = out + h * G * D;
+      switch (D) {
+        case 64: attend<4>(qh, t0, t1, G, H, 64, k + h * D, v + h * D, sl, nkeys, KH * D, scale, oh, sc, accs); break;
+        case 128: attend<8>(qh, t0, t1, G, H, 128, k + h * D, v + h * D, sl, nkeys, KH * D, scale, oh, sc, accs); break;
+        default: attend<0>(qh, t0, t1, G, H, static_cast<int>(D), k + h * D, v + h * D, sl, nkeys, KH * D, scale, oh, sc, accs);
+      }
     }
   });
 }
@@ -101,7 +213,6 @@ void check_attention_shape(int64_t H, int64_t KH, int64_t D) {
   TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks, "head_dim must be 16..256, a multiple of 16");
   TORCH_CHECK(H % KH == 0 && H / KH <= kMaxGroup, "q heads must be a multiple of kv heads (at most 16 per kv head)");
 }
-
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                               torch::Tensor seq, torch::Tensor nkeys, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, H, D] float32");
