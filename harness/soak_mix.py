@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from harness.server_utils import ServerProcess
+from harness.server_utils import ServerProcess, proc_status
 
 CANARY_EVERY_S = 0.5
 CANARY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -132,17 +132,6 @@ async def abuse(client: httpx.AsyncClient, rng: random.Random, mix: Mix) -> None
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS since the last reset) of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 async def sample_memory(pids: dict[str, int], mix: Mix) -> None:
     peaks = mix.notes.setdefault("sampled_rss_mb", dict.fromkeys(pids, 0))
     while not mix.abuse_done:

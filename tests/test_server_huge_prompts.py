@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.server_utils import ServerProcess, running_server
+from harness.server_utils import ServerProcess, proc_status, running_server
 from serving.tokenizer import PIECE_CHARS, Tokenizer, TooManyTokens
 
 CONTEXT = 512
@@ -34,17 +34,6 @@ ROUTES: list[tuple[str, dict[str, Any]]] = [
     ("/api/generate", {"model": "m", "prompt": HUGE, "raw": True, "stream": False, "options": {"num_predict": 2}}),
 ]
 MB = 2**20
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS since the last reset) of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def error_message(r: httpx.Response) -> str:

@@ -65,8 +65,8 @@ import httpx
 import pytest
 import yaml
 
-from harness.server_utils import ServerProcess, running_server
-from harness.soak_mix import CANARY, CANARY_EVERY_S, MB, Mix, proc_status, run_mix
+from harness.server_utils import ServerProcess, proc_status, running_server
+from harness.soak_mix import CANARY, CANARY_EVERY_S, MB, Mix, run_mix
 
 pytestmark = pytest.mark.slow
 SOAK_S = float(os.environ.get("HICACHE_SOAK_S", "30"))
