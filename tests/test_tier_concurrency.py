@@ -162,7 +162,8 @@ def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
     # the waves did exercise every tier (else this test proves nothing); write_through backs every
     # node up when inserted, so prefetches drop L2 copies of L1 nodes that L3 holds first and the
     # lower tiers' hits may all come from L3
-    assert by_tier["device"] > 0 and by_tier["host" if write != "write_through" else "storage"] > 0, by_tier
+    below = by_tier["host"] + (by_tier["storage"] if write == "write_through" else 0)
+    assert by_tier["device"] > 0 and below > 0, by_tier
     assert l3["pages_written"] > 0, l3
     if prefetch != "best_effort":
         assert l3["hits"] > 0 and l3["pages_prefetched"] > 0, l3
