@@ -9,16 +9,7 @@ reading a prefix (a second request with the same prefix follows it instead of re
 same keys again), commits landed pages into the tree as they arrive and releases a fetch
 once no request holds it.
 
-Concurrency contract (the class owns it): scheduler thread only for every method and every
-tree call; reader threads only write the fetch's uncommitted host pages (which belong to
-nobody else) and its job's counters. Rules that keep readers exact:
-- a page is handed to the tree only once the job counts it landed *and verified*
-  (``job.loaded``); pages past it are never in the tree;
-- the fetch's node is locked from its start until it is released, and the lock moves down
-  with each commit, so nothing it committed (nor the prefix it hangs below) is evicted
-  while a request waits for it; host pages it has not committed are in no tree node;
-- a released fetch whose job still runs keeps its uncommitted pages in ``draining`` until
-  the job has ended; only then are they freed.
+The concurrency contract is :class:`Fetches`'.
 """
 
 from __future__ import annotations
@@ -61,7 +52,19 @@ class FetchOp:
 
 
 class Fetches:
-    """See the module docstring."""
+    """The L3 -> L2 fetches in flight (see the module docstring for what they do).
+
+    Concurrency contract: scheduler thread only for every method and every
+    tree call; reader threads only write the fetch's uncommitted host pages (which belong to
+    nobody else) and its job's counters. Rules that keep readers exact:
+    - a page is handed to the tree only once the job counts it landed *and verified*
+      (``job.loaded``); pages past it are never in the tree;
+    - the fetch's node is locked from its start until it is released, and the lock moves down
+      with each commit, so nothing it committed (nor the prefix it hangs below) is evicted
+      while a request waits for it; host pages it has not committed are in no tree node;
+    - a released fetch whose job still runs keeps its uncommitted pages in ``draining`` until
+      the job has ended; only then are they freed.
+    """
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier,
                  on_read: Callable[[int, float], None], fetch_workers: int = 4) -> None:

@@ -11,23 +11,7 @@ A prefetch runs in two background phases, so the scheduler never waits on the st
    (the same keys are never read twice at once); once it has what that fetch had of its
    prefix, it looks up the rest, if any, from there.
 
-Concurrency contract (the class owns it):
-- Scheduler thread only: :meth:`Prefetcher.advance`, :meth:`ready`, :meth:`finish`,
-  :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
-  (thread-safe) and write the host pages of a fetch, which belong to nobody else.
-- Before a fetch starts, the node where the cached prefix ends is locked and L2 room is
-  made (eviction cannot touch the locked path; L2 backups of pages on L1 may go); the page
-  count is then capped at what is free, so the allocation cannot fail. When other fetches
-  hold the L2 it needs, the request waits (retried each step) while waiting and loading
-  would still beat recomputing, instead of giving up at once.
-- Landed, verified pages are committed into the tree as they arrive (:meth:`advance`, so
-  the read is *pipelined*): each commit moves the fetch's lock down to the new end, and --
-  when L1 has that many free pages -- loads the committed chain on to L1 at once (an
-  ordinary tree ``load_back``, whose lock :meth:`poll` releases once the copy has landed),
-  so the L2 -> L1 copy of chunk k overlaps the read of chunk k+1, and the request finds its
-  prefix on L1 (its forward pass waiting per layer for the last copy, on the GPU).
-  :meth:`finish` never blocks: it commits what has landed; a fetch no request holds any more
-  stops, and its pages still in flight are freed by :meth:`poll` once its readers are done.
+The concurrency contract is :class:`Prefetcher`'.
 """
 
 from __future__ import annotations
@@ -121,7 +105,29 @@ PIN_SHARE = 0.5
 
 
 class Prefetcher:
-    """See the module docstring."""
+    """Prefetches for waiting requests (see the module docstring for the two phases).
+
+    Concurrency contract:
+    - Scheduler thread only: :meth:`Prefetcher.advance`, :meth:`ready`, :meth:`finish`,
+      :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
+      (thread-safe) and write the host pages of a fetch, which belong to nobody else.
+    - Before a fetch starts, the node where the cached prefix ends is locked and L2 room is
+      made (eviction cannot touch the locked path; L2 backups of pages on L1 may go, those L3
+      holds first). When others hold the L2 it needs (fetches, pins of waiting requests or of
+      L3 writes in flight), the request waits (retried each step) while waiting and loading
+      would still beat recomputing, instead of fetching part of its prefix; otherwise the page
+      count is capped at what is free, so the allocation cannot fail.
+    - A waiting request watches its cached prefix (each step and when it is scheduled): if
+      the prefix left L2 meanwhile (it is not pinned when L3 holds it), it is looked up again.
+    - Landed, verified pages are committed into the tree as they arrive (:meth:`advance`, so
+      the read is *pipelined*): each commit moves the fetch's lock down to the new end, and --
+      when L1 has that many free pages -- loads the committed chain on to L1 at once (an
+      ordinary tree ``load_back``, whose lock :meth:`poll` releases once the copy has landed),
+      so the L2 -> L1 copy of chunk k overlaps the read of chunk k+1, and the request finds its
+      prefix on L1 (its forward pass waiting per layer for the last copy, on the GPU).
+      :meth:`finish` never blocks: it commits what has landed; a fetch no request holds any more
+      stops, and its pages still in flight are freed by :meth:`poll` once its readers are done.
+    """
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
                  policy: str = "best_effort", threshold_tokens: int = 256,
