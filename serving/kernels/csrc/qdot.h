@@ -159,6 +159,14 @@ inline void quantize_groups(const float* x, int64_t K, int16_t* q, uint8_t* ql, 
     int32_t s = 0;
     for (int i = 0; i < 32; i += W) {
       const IV iq = to_int(vmin(vmax(round_even(mul(load(xg + i), vid)), lo), hi));
+#if HV_W == 16  // the same codes by vector truncations (every value fits its type)
+      const int64_t k = g * 32 + i;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtepi32_epi16(iq));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qh + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(iq, 8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ql + k), _mm512_cvtepi32_epi8(_mm512_and_si512(iq, _mm512_set1_epi32(255))));
+      s += reduce_add_int(iq);
+      continue;
+#endif
       int32_t t[W];
       std::memcpy(t, &iq, sizeof(t));
       for (int j = 0; j < W; ++j) {
