@@ -160,14 +160,19 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
 #else  // VNNI keeps the byte path: vpdpbusd does twice the products per op of many_rows.h's vpdpwssd
   const bool many = false;
 #endif
-  std::vector<uint8_t> q(static_cast<size_t>(M * K)), aq(many ? 0 : q.size());
+#if HV_W == 8 && !defined(__AVXVNNI__)
+  const bool parts = !many;  // q - 128 and |q - 128|: only AVX2's vpmaddubsw products read them
+#else
+  const bool parts = false;
+#endif
+  std::vector<uint8_t> q(static_cast<size_t>(M * K)), aq(parts ? q.size() : 0);
   std::vector<int8_t> sq(aq.size());
   std::vector<float> xs(M), zero(M);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      auto sz = quantize_row(xp + m * K, K, q.data() + m * K, many ? nullptr : sq.data() + m * K,
-                             many ? nullptr : aq.data() + m * K);
+      auto sz = quantize_row(xp + m * K, K, q.data() + m * K, parts ? sq.data() + m * K : nullptr,
+                             parts ? aq.data() + m * K : nullptr);
       xs[m] = sz.first;
       zero[m] = sz.second;
     }
@@ -218,7 +223,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, 
       }
 #endif
       for (int64_t m = t * kRowTile; m < std::min(M, (t + 1) * kRowTile); ++m) {
-        const Row row{q.data() + m * K, sq.data() + m * K, aq.data() + m * K};
+        const Row row{q.data() + m * K, parts ? sq.data() + m * K : nullptr, parts ? aq.data() + m * K : nullptr};
         if (nb == 4) {
           dot<4>(row, wb, K, sp + n, acc);
         } else {
