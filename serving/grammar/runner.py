@@ -286,7 +286,7 @@ class GrammarRunner:
 
 def _failure(message: str, status: int) -> dict[str, Any]:
     """The finish reason of a request whose grammar could not be used: the engine process
-    answers it with an error of ``status`` (see serving.engine.loop)."""
+    answers it with an error of ``status`` (see serving.engine.requests)."""
     return {"type": "abort", "message": message, "status": status}
 
 
