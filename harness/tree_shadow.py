@@ -263,10 +263,7 @@ class TreeShadow:
                 self.write_dev(p, tuple(tokens[: (len(r.pages) + i + 1) * ps]))
             self.integrity(device_in_use=need)
             dup = tree.insert(tokens, r.pages + new)
-            if tree.write_policy.backup_on_insert:  # write_through: the new node's backup, if L2 has room
-                self.drain()
-            else:
-                assert tree.take_transfers() == []
+            assert tree.take_transfers() == []
             assert set(dup) <= set(new) and len(set(dup)) == len(dup)
             tree.device.free(dup)
             self.inserted.update(tuple(tokens[: (i + 1) * ps]) for i in range(npages))

@@ -42,8 +42,7 @@ class CacheConfig:
     hicache_ratio: float = 0.0
     hicache_size: float = 0.0  # L2 in GiB (wins over hicache_ratio when > 0); more than the host can pin is an error
     hicache_mem_layout: str = choice("layer_first", HOST_LAYOUTS)  # page_first: a page is contiguous (one L3 value)
-    # when L1 pages are copied down to L2: when inserted (SGLang's write_through), after
-    # write_through_threshold hits, on eviction
+    # when L1 pages are copied down to L2: on a node's first hit, after write_through_threshold hits, on eviction
     hicache_write_policy: str = choice("write_through", _write_policies)
     write_through_threshold: int = 2  # hits before write_through_selective backs a node up
     load_back_threshold: int = 1  # pages; smaller L2 hits are recomputed instead of loaded

@@ -125,9 +125,9 @@ def test_mark_stored_is_split_safe():
 
 
 def test_pinned_host_pages_survive_eviction_and_are_freed_after_unpin():
-    t = HiRadixTree(PS, PageAllocator(8), PageAllocator(8))  # write_through: backed up on insert
+    t = HiRadixTree(PS, PageAllocator(8), PageAllocator(8))
     put_device(t, [1, 2, 3, 4])
-    node = t.match_prefix([1, 2, 3, 4]).last_device_node
+    node = t.match_prefix([1, 2, 3, 4]).last_device_node  # write_through: backed up on the hit
     t.take_transfers()
     hp = list(node.host_pages)
     t.pin_host(hp)

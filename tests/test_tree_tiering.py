@@ -199,17 +199,3 @@ def test_drop_backups_takes_nodes_on_l3_first():
     assert t.lookup([1, 1, 2, 2])[0].host_pages is not None
     t.check_integrity()
 
-
-def test_l1_eviction_takes_nodes_with_a_copy_below_first():
-    """L1 eviction takes nodes that have an L2 or L3 copy before LRU-older ones that have none:
-    those need L2 room for a backup and, in a burst that filled L2, would be lost."""
-    t = make(dev=4, host=4, policy="write_back")  # PS = 2: four L1 pages, two nodes of two
-    put(t, [1, 1, 2, 2])  # older, no copy below
-    put(t, [3, 3, 4, 4])
-    assert t.backup_prefix([3, 3, 4, 4]) == 2
-    t.take_transfers()
-    assert t.evict_device(2) == 2
-    assert t.take_transfers() == []  # nothing to copy: the node with a copy went
-    assert t.lookup([1, 1, 2, 2])[0].device_pages is not None
-    assert t.lookup([3, 3, 4, 4])[0].device_pages is None
-    t.check_integrity()

@@ -1,11 +1,8 @@
 """Strategy classes for the tree, chosen by name through registries (no if/elif over names).
 
 Write policies (when L1 pages are copied down to L2), with SGLang's meanings:
-- ``write_through``: back a node up when it is inserted (as SGLang's write_through, whose
-  insert counts as the node's first hit): every node is on L2 -- and, with L3, written on
-  there -- before it can leave L1, so a burst that evicts it while L2 is full loses nothing.
-- ``write_through_selective``: back a node up once ``hit_count >= threshold`` (hits are
-  matches; the insert does not count).
+- ``write_through``: back a node up on its first hit (when it is first reused).
+- ``write_through_selective``: back a node up once ``hit_count >= threshold``.
 - ``write_back``: back a node up only when it is evicted from L1.
 All three demote on eviction (``backup_on_evict``): a node evicted from L1 that has no
 L2 copy yet is copied to L2 before its L1 pages are freed, when L2 has room.
@@ -25,7 +22,6 @@ class WritePolicy:
     """Decides when a node on L1 gets an L2 copy."""
 
     backup_on_evict: ClassVar[bool] = True
-    backup_on_insert: ClassVar[bool] = False
 
     def __init__(self, threshold: int = 2) -> None:
         if threshold < 1:
@@ -38,8 +34,6 @@ class WritePolicy:
 
 
 class WriteThrough(WritePolicy):
-    backup_on_insert: ClassVar[bool] = True
-
     def should_backup_on_hit(self, node: TreeNode) -> bool:
         return node.hit_count >= 1
 

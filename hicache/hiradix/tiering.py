@@ -72,20 +72,13 @@ class Tiering:
     def evict_device(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L1 pages if possible; return how many were freed.
 
-        Candidates: unlocked L1 nodes without an L1 child, in eviction-policy order; with an
-        L2, nodes with a copy below (on L2 or L3) go first: evicting one loses nothing and copies
-        nothing, while a node without one needs L2 room for its backup -- in a burst, when L2 is
-        full of pages still being written to L3, it would be lost. With an L2 the node is
-        demoted (backed up first if it has no L2 copy and L2 has room), otherwise dropped.
+        Candidates: unlocked L1 nodes without an L1 child, in eviction-policy order.
+        With an L2 the node is demoted (backed up first if it has no L2 copy and L2
+        has room), otherwise dropped.
         """
         if num_pages <= 0:
             return 0
-        policy_key = self._evict_key("device")
-        if self.host is None:
-            key = policy_key
-        else:
-            def key(nd: TreeNode) -> tuple:
-                return (nd.host_pages is None and not self.on_l3(nd), policy_key(nd))
+        key = self._evict_key("device")
         heap = [(key(nd), nd.id, nd) for nd in self.residency.device_leaves()]
         heapq.heapify(heap)
         root = self.shape.root

@@ -206,8 +206,7 @@ class HiRadixTree:
         ``device_pages`` needs one id per full page (extra ids are ignored and stay
         the caller's). Returns the ids the caller must free: those of pages the tree
         already holds on L1 under a different id. Nodes on the path that are on L2
-        only adopt the given pages. New nodes get ``hit_count == 0``; a write policy that
-        backs up on insert (``write_through``) gives them an L2 copy (a backup transfer).
+        only adopt the given pages. New nodes get ``hit_count == 0``.
         """
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         shape, residency = self.shape, self.residency
@@ -222,8 +221,6 @@ class HiRadixTree:
             if child is None:
                 new = shape.add_child(node, tokens[pos:n], tick)
                 residency.set_device(new, list(device_pages[pos // ps : n // ps]))
-                if self.host is not None and self.tiering.write_policy.backup_on_insert:
-                    self.tiering.backup([new], protect=new)
                 break
             child, end = shape.descend(child, tokens, pos, n)
             given = list(device_pages[pos // ps : end // ps])
