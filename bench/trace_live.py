@@ -6,6 +6,12 @@ them from the hash ids), ``max_new_tokens`` = the trace's output length capped a
 ``max_new_tokens``, ``ignore_eos``, ``stream: true`` (TTFT = the first chunk with a token). At
 most ``concurrency`` requests are in flight, started in trace order; with ``speedup`` > 0 a
 request also waits for its timestamp divided by ``speedup`` (time-compressed arrivals).
+With ``settle``, each request starts only once the server reports no L3 write waiting or in
+flight (``write_pages_waiting`` + ``write_pages_in_flight`` in ``/get_server_info``): the policy
+replay assumes a page is on L3 as soon as it is written, so a settled closed-loop replay
+measures the live path against the policy itself, whatever the disk's speed (an fsync per LMDB
+commit on a loaded CI disk takes long); without it, writes that lag behind the requests show
+as fewer L3 hits than predicted (the regime ``write_pages_waiting_max`` describes).
 Tokens hit per tier come from each response's ``meta_info.cached_tokens_details``
 (device / host / storage); the server's capacities (pages per tier, the L3 store's capacity
 over its bytes per page), page size, write policy and prefetch threshold come from
@@ -128,8 +134,22 @@ async def _one(client: httpx.AsyncClient, rec: _Rec, ids: list[int], max_new: in
         rec.end = time.perf_counter()
 
 
+async def _settle(client: httpx.AsyncClient, timeout_s: float) -> None:
+    """Wait until the server has no L3 write waiting or in flight (see the module docstring)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        r = await client.get("/get_server_info")
+        r.raise_for_status()
+        st = r.json()["internal_states"][0].get("storage") or {}
+        if not st.get("write_pages_waiting", 0) + st.get("write_pages_in_flight", 0):
+            return
+        if time.monotonic() > end:
+            raise TimeoutError(f"L3 writes did not settle within {timeout_s} s: {st}")
+        await asyncio.sleep(0.005)
+
+
 async def _replay(url: str, prompts: list[tuple[TraceRequest, list[int], int]], concurrency: int, speedup: float,
-                  headers: dict[str, str], timeout_s: float) -> tuple[list[_Rec], float]:
+                  headers: dict[str, str], timeout_s: float, settle: bool = False) -> tuple[list[_Rec], float]:
     recs = [_Rec(len(ids)) for _, ids, _ in prompts]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
@@ -147,6 +167,8 @@ async def _replay(url: str, prompts: list[tuple[TraceRequest, list[int], int]], 
                     delay = (r.timestamp_ms - base_ms) / 1000 / speedup - (time.perf_counter() - t0)
                     if delay > 0:
                         await asyncio.sleep(delay)
+                if settle:
+                    await _settle(client, timeout_s)
                 await _one(client, recs[i], ids, max_new)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -167,7 +189,7 @@ def server_stats(url: str, headers: dict[str, str] | None = None) -> dict[str, A
 
 def run_live(url: str, reqs: Sequence[TraceRequest], blocks: BlockTokens, concurrency: int = 8,
              max_new_tokens: int = 1, speedup: float = 0.0, headers: dict[str, str] | None = None,
-             timeout_s: float = 3600.0, caps: ServerCaps | None = None) -> dict[str, Any]:
+             timeout_s: float = 3600.0, caps: ServerCaps | None = None, settle: bool = False) -> dict[str, Any]:
     """Replay ``reqs`` against the server at ``url`` and predict the same slice (see the module
     docstring). ``blocks.vocab_size`` is replaced by the server's."""
     headers = headers or {}
@@ -176,7 +198,7 @@ def run_live(url: str, reqs: Sequence[TraceRequest], blocks: BlockTokens, concur
     todo, skipped = runnable(reqs, blocks, caps, max_new_tokens)
     prompts = [(r, blocks.tokens(r), max(1, min(r.output_length, max_new_tokens))) for r in todo]
     before = server_stats(url, headers)
-    recs, wall = asyncio.run(_replay(url, prompts, concurrency, speedup, headers, timeout_s))
+    recs, wall = asyncio.run(_replay(url, prompts, concurrency, speedup, headers, timeout_s, settle))
     after = server_stats(url, headers)
     ok = [r for r in recs if r.error is None and r.cached is not None]
     hit = {k: sum(r.cached.get(k, 0) for r in ok) for k in ("device", "host", "storage")}

@@ -137,7 +137,8 @@ def run_live_cli(args) -> dict[str, Any]:  # noqa: ANN001
 
     reqs = select(load_trace(args.trace), args.start, args.count, args.busiest)
     blocks = BlockTokens(args.block_tokens)
-    kw = dict(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, speedup=args.speedup)
+    kw = dict(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, speedup=args.speedup,
+              settle=args.settle)
     results: dict[str, Any] = {}
     if args.url:
         results["server"] = run_live(args.url, reqs, blocks, **kw)
@@ -162,13 +163,13 @@ def run_live_cli(args) -> dict[str, Any]:  # noqa: ANN001
                      m["hit_tokens_device"], m["hit_tokens_host"], m["hit_tokens_storage"], m["hit_rate"],
                      p["hit_rate"], r["hit_rate_vs_predicted"], m.get("write_pages_dropped", "-")])
     print(f"{len(reqs)} requests, concurrency {args.concurrency}, max_new_tokens {args.max_new_tokens}, "
-          f"speedup {args.speedup or 'none (closed loop)'}")
+          f"speedup {args.speedup or 'none (closed loop)'}{', settled L3 writes' if args.settle else ''}")
     print_table(["setup", "reqs", "errors", "TTFT p50", "TTFT p90", "prompt tok/s", "hit L1", "hit L2", "hit L3",
                  "hit rate", "predicted", "x predicted", "wb dropped"], rows)
     names = list(results)
     data: dict[str, Any] = {"mode": "live", "trace": str(args.trace), "requests": len(reqs),
                             "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
-                            "speedup": args.speedup, "block_tokens": args.block_tokens,
+                            "speedup": args.speedup, "settle": args.settle, "block_tokens": args.block_tokens,
                             "slice": {"start": args.start, "count": args.count, "busiest": args.busiest},
                             "setups": results}
     if len(names) >= 2:  # the last setup against the first (L1+L2+L3 against L1)
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-new-tokens", type=int, default=1, help="live: cap on each request's output length")
     p.add_argument("--speedup", type=float, default=0.0,
                    help="live: send at timestamp / speedup (0: as fast as the concurrency allows)")
+    p.add_argument("--settle", action="store_true",
+                   help="live: start each request once the server's L3 writes are done (the policy's assumption)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="live: seconds a started server may take")
     args = p.parse_args(argv)
     setup_args = {}

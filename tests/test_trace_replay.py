@@ -144,13 +144,15 @@ def tiny_ctx2k(tmp_path_factory):
 @pytest.mark.slow
 def test_live_replay_against_tiny_servers_matches_the_policy(tiny_ctx2k, tmp_path):
     """One command, two servers (L1 only; L1+L2+L3 with LMDB), 16 requests of the 8 busiest chains
-    (8 tokens per hash id), one at a time. L1 only: every response's hits are exactly what the
-    policy replay predicts. L1+L2+L3: hits on every tier, never more than predicted, no
-    write-back dropped, the server's integrity check passes."""
+    (8 tokens per hash id), one at a time, each once the server's L3 writes are done (--settle:
+    the policy's assumption; a slow fsync on a loaded CI disk otherwise leaves L3 behind and
+    the L3 hits at 0). L1 only: every response's hits are exactly what the policy replay
+    predicts. L1+L2+L3: hits on every tier, never more than predicted, no write-back dropped,
+    the server's integrity check passes."""
     out = tmp_path / "live.json"
     data = trace_replay.main([
         "live", "--serve", "--setups", "L1,L1+L2+L3", "--busiest", "8", "--count", "16", "--block-tokens", "8",
-        "--concurrency", "1", "--l2-ratio", "1", "--l3-gb", "0.05", "--l3-dir", str(tmp_path),
+        "--concurrency", "1", "--settle", "--l2-ratio", "1", "--l3-gb", "0.05", "--l3-dir", str(tmp_path),
         "--server-args", f"--model-path {tiny_ctx2k} --max-total-tokens 1024 --device cpu",
         "--setup-args", "L1+L2+L3=--hicache-storage-load-policy always_load --hicache-storage-prefetch-threshold 16",
         "--json", str(out)])

@@ -106,6 +106,11 @@ class WriteBack:
     def waiting_pages(self) -> int:
         return self._waiting_pages
 
+    @property
+    def in_flight_pages(self) -> int:
+        """Pages handed to the writers and not finished (not yet marked stored)."""
+        return self._queued_pages
+
     def write(self, node: TreeNode) -> None:
         """Write ``node``'s L2 pages that are not on L3 yet (no-op if none, or one is waiting or in
         flight). Never drops: a write over the cap waits in the backlog, its pages pinned."""

@@ -72,6 +72,13 @@ class StorageController:
             self.writeback.write(node)
             node = node.parent
 
+    @property
+    def busy(self) -> bool:
+        """Writes waiting or in flight, or fetches not settled: an idle engine loop keeps polling
+        (:meth:`poll`) so their L2 pins are released and their progress marked without a step."""
+        wb, f = self.writeback, self.prefetcher.fetches
+        return bool(wb.waiting or wb.in_flight or f.active or f.draining)
+
     def poll(self, wait: bool = False) -> None:
         """Record finished write-backs and free pages of finished cancelled fetches."""
         self.writeback.poll(wait)
@@ -118,6 +125,7 @@ class StorageController:
                   **self.prefetcher.stats(),
                   write_pages_dropped=self.writeback.pages_dropped,
                   write_pages_waiting=self.writeback.waiting_pages,
+                  write_pages_in_flight=self.writeback.in_flight_pages,
                   write_pages_waiting_max=self.writeback.max_waiting_pages,
                   l2_backups_skipped_pages=self.tree.backups_skipped_pages,
                   **self.load_policy.stats())

@@ -258,6 +258,15 @@ class EngineCore:
         self.tree.reset()
         return True
 
+    @property
+    def storage_busy(self) -> bool:
+        """L3 writes or fetches still settling (see :attr:`StorageController.busy`)."""
+        return self.storage is not None and self.storage.busy
+
+    def poll_storage(self) -> None:
+        """Settle finished L3 writes and fetches without a step (the loop calls it while idle)."""
+        self.scheduler.cache.poll()
+
     def storage_stats(self) -> dict[str, float]:
         """L3 counters (pages): hits, misses, corrupt, stored, errors ...; empty without L3."""
         return {} if self.storage is None else self.storage.stats()

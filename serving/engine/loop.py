@@ -53,6 +53,7 @@ from serving.engine.requests import Outbox, RequestTable
 
 log = logging.getLogger("hicache.engine")
 STALL_WAIT_S = 0.002
+STORAGE_POLL_S = 0.01  # while idle with L3 writes or fetches in flight
 
 __all__ = ["SESSION_SWEEP_S", "STALL_WAIT_S", "EngineLoop"]
 
@@ -66,7 +67,8 @@ class EngineLoop:
     EngineInbox for that contract): the loop only ever takes messages from the inbox's queue,
     and sends its frames through ``inbox.send``. No lock; ``running`` may also be cleared by the
     process's SIGTERM handler (on this thread, between bytecodes). It waits for messages only
-    while idle (at most ``SESSION_SWEEP_S``, or ``STALL_WAIT_S`` when work makes no progress),
+    while idle (at most ``SESSION_SWEEP_S``, ``STORAGE_POLL_S`` while L3 writes or fetches are in
+    flight -- it settles them between waits -- or ``STALL_WAIT_S`` when work makes no progress),
     for one forward pass per turn, and for a test's ``hold``; an L3 lookup of the KV control is
     not waited for (answered by a later turn)."""
 
@@ -114,6 +116,8 @@ class EngineLoop:
             # progress (work waiting for pages, say), wait a moment instead of spinning.
             timeout = (STALL_WAIT_S if stalled else 0.0) if self.core.scheduler.has_work else SESSION_SWEEP_S
             timeout = min(timeout, STALL_WAIT_S) if self.control.busy else timeout
+            storage_busy = self.core.storage_busy  # L3 writes / fetches settle on this thread
+            timeout = min(timeout, STORAGE_POLL_S) if storage_busy else timeout
             try:
                 msgs = self.inbox.get(timeout)
             except EOFError:
@@ -128,6 +132,8 @@ class EngineLoop:
             if self.running and self.core.scheduler.has_work:
                 self._step()
                 stalled = self.core.scheduler.stats.forward_passes == passes
+            elif storage_busy:  # idle: finished L3 writes release their L2 pins now, not at the next step
+                self.core.poll_storage()
             self._collect()
             self.housekeeping.sweep_sessions()
             self.housekeeping.control_turn()
