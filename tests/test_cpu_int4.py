@@ -39,7 +39,7 @@ def test_kernel_equals_reference_bit_for_bit(ext, mm, n, k):  # noqa: F811 - the
         assert torch.isfinite(y).all()
         assert torch.equal(y, cpu_int4.int4_linear_ref(x, w))  # 70 rows: the twin's row chunks too
         # a row alone (the few-row path) gives the bits it gave in the batch: from 16 rows the batch takes
-        # csrc/many_rows.h (16-bit products, 6 or 8 rows a pass, 96-row items, the rest in smaller passes)
+        # csrc/many_rows.h (16-bit products, 3 (AVX2) or 8 rows a pass, 96-row items, the rest in smaller passes)
         for r in range(mm):
             assert torch.equal(ext.int4_linear(x[r:r + 1].clone(), w), y[r:r + 1])
 

@@ -31,7 +31,7 @@ constexpr int64_t kQ8Bytes = 8 * 64 + kRows * 2;      // codes, d[16]
 constexpr int kTile = W == 8 ? 3 : 4;                 // activation rows per pass over a block (AVX2: 16 registers)
 constexpr int64_t kRowTile = 64;                      // activation rows per work item
 constexpr int64_t kManyRows = 16;                     // int4 batches from this size take many_rows.h
-constexpr int kManyTile = W == 8 ? 6 : 8;             // rows per pass of many_rows.h (AVX2: 16 registers)
+constexpr int kManyTile = W == 8 ? 3 : 8;             // rows per pass of many_rows.h (AVX2: 16 registers, both halves)
 constexpr int64_t kManyRowTile = 96;                  // activation rows per work item there (passes of 6 or 8)
 
 struct Acts {  // the quantized activations of M rows: codes q = 256 qh + ql, scales, code sums
@@ -69,6 +69,13 @@ Acts quantize(const torch::Tensor& x, bool permuted) {
 #if HV_W > 1
 template <int R>
 void q4_many(const uint8_t* wb, const Acts& a, int64_t row0, float* y, int64_t N) {
+#if HV_W == 8
+  if constexpr (R <= 4) {
+    q4_rows_both<R>(wb, kQ4Bytes, a.G, a.qq.data() + row0 * a.K, a.K, a.dx.data() + row0 * a.G,
+                    a.sx.data() + row0 * a.G, y, N);
+    return;
+  }
+#endif
   for (int h = 0; h < 16 / W; ++h)
     q4_rows<R>(wb, kQ4Bytes, a.G, h, a.qq.data() + row0 * a.K, a.K, a.dx.data() + row0 * a.G, a.sx.data() + row0 * a.G,
                y + h * W, N);

@@ -13,7 +13,9 @@
 // of the row permuted into that order (quantize_permuted): the group's dot is an exact int32 sum, the
 // same integer the byte products give, and then the epilogue is group_linear.cpp's, step for step.
 // Each unpacked register serves R rows, so a pass over the weights serves R tokens for six
-// integer ops, where the byte path pays per row twice the multiplies plus int16 widening.
+// integer ops, where the byte path pays per row twice the multiplies plus int16 widening. On AVX2
+// (q4_rows_both) a pass takes both halves of a block, so each broadcast pair of activation codes
+// serves two multiplies, and each accumulator stays a register chain (qdot.h keep()).
 #pragma once
 
 #include "qdot.h"
@@ -58,6 +60,7 @@ inline IV splat16i(int16_t v) { return _mm512_set1_epi16(v); }
 inline IV zero_i() { return _mm512_setzero_si512(); }
 inline void store_i(int32_t* p, IV a) { _mm512_storeu_si512(p, a); }
 inline IV madd_acc(IV acc, IV w, IV x) { return _mm512_dpwssd_epi32(acc, w, x); }
+inline IV madd_first(IV w, IV x) { return _mm512_madd_epi16(w, x); }
 #else
 inline IV load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline IV and16(IV a, IV b) { return _mm256_and_si256(a, b); }
@@ -68,8 +71,10 @@ inline IV zero_i() { return _mm256_setzero_si256(); }
 inline void store_i(int32_t* p, IV a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
 #if defined(__AVXVNNI__)
 inline IV madd_acc(IV acc, IV w, IV x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
+inline IV madd_first(IV w, IV x) { return _mm256_madd_epi16(w, x); }
 #else
-inline IV madd_acc(IV acc, IV w, IV x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+inline IV madd_first(IV w, IV x) { return _mm256_madd_epi16(w, x); }
+inline IV madd_acc(IV acc, IV w, IV x) { return keep(_mm256_add_epi32(acc, _mm256_madd_epi16(w, x))); }  // qdot.h
 #endif
 #endif
 
@@ -80,12 +85,21 @@ template <int R>
 inline void q4_rows(const uint8_t* blk, int64_t bytes, int64_t G, int h, const int16_t* qq, int64_t K, const float* dx,
                     const int32_t* sx, float* y, int64_t N) {
   const IV mask = splat16i(0x000f);
-  for (int r = 0; r < R; ++r) store(y + r * N, splat(0.0f));
+  V out[R];  // y's R rows stay in registers over the groups (the same float steps, in the same order)
+  for (int r = 0; r < R; ++r) out[r] = splat(0.0f);
   for (int64_t g = 0; g < G; ++g, blk += bytes) {
     IV acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = zero_i();
     const int16_t* qg = qq + g * 32;
-    for (int p = 0; p < 4; ++p) {
+    {
+      const IV v = load_bytes(blk + 4 * W * h);
+      const IV w0 = and16(v, mask), w1 = and16(srl16<8>(v), mask);
+      for (int r = 0; r < R; ++r) acc[r] = madd_first(w0, bcast32(qg + r * K));
+      for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w1, bcast32(qg + r * K + 2));
+      const IV w2 = and16(srl16<4>(v), mask), w3 = srl16<12>(v);
+      for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w2, bcast32(qg + r * K + 4));
+      for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w3, bcast32(qg + r * K + 6));
+    }
+    for (int p = 1; p < 4; ++p) {
       const IV v = load_bytes(blk + 64 * p + 4 * W * h);
       const IV w0 = and16(v, mask), w1 = and16(srl16<8>(v), mask);
       for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w0, bcast32(qg + r * K + 8 * p));
@@ -98,10 +112,57 @@ inline void q4_rows(const uint8_t* blk, int64_t bytes, int64_t G, int h, const i
     const V d = halves(scales + h * W), m = halves(scales + 16 + h * W);
     for (int r = 0; r < R; ++r) {  // group_linear.cpp's epilogue, the same operations in the same order
       const V t = add(mul(d, to_float(acc[r])), mul(m, splat(static_cast<float>(sx[r * G + g]))));
-      store(y + r * N, add(load(y + r * N), mul(splat(dx[r * G + g]), t)));
+      out[r] = add(out[r], mul(splat(dx[r * G + g]), t));
+    }
+  }
+  for (int r = 0; r < R; ++r) store(y + r * N, out[r]);
+}
+
+#if HV_W == 8
+// AVX2 / AVX-VNNI: both halves of a block (16 outputs) per pass, so each broadcast activation pair
+// serves two multiplies; R rows (AVX2's 16 registers: 2 R accumulators, the two halves' codes, the
+// mask and the broadcast). The same integers and the same epilogue as q4_rows, per half.
+template <int R>
+inline void q4_step(IV* a0, IV* a1, IV c0, IV c1, const int16_t* const* q, int64_t off) {
+  for (int r = 0; r < R; ++r) {
+    const IV x = bcast32(q[r] + off);
+    a0[r] = madd_acc(a0[r], c0, x);
+    a1[r] = madd_acc(a1[r], c1, x);
+  }
+}
+
+template <int R>
+inline void q4_rows_both(const uint8_t* blk, int64_t bytes, int64_t G, const int16_t* qq, int64_t K, const float* dx,
+                         const int32_t* sx, float* y, int64_t N) {
+  const IV mask = splat16i(0x000f);
+  const int16_t* q[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = qq + r * K;
+    store(y + r * N, splat(0.0f));
+    store(y + r * N + W, splat(0.0f));
+  }
+  for (int64_t g = 0; g < G; ++g, blk += bytes) {
+    IV a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = zero_i();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const IV v0 = load_bytes(blk + 64 * p), v1 = load_bytes(blk + 64 * p + 32);
+      q4_step<R>(a0, a1, and16(v0, mask), and16(v1, mask), q, 32 * g + 8 * p);
+      q4_step<R>(a0, a1, and16(srl16<8>(v0), mask), and16(srl16<8>(v1), mask), q, 32 * g + 8 * p + 2);
+      q4_step<R>(a0, a1, and16(srl16<4>(v0), mask), and16(srl16<4>(v1), mask), q, 32 * g + 8 * p + 4);
+      q4_step<R>(a0, a1, srl16<12>(v0), srl16<12>(v1), q, 32 * g + 8 * p + 6);
+    }
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + 256);
+    for (int h = 0; h < 2; ++h) {
+      const V d = halves(scales + h * W), m = halves(scales + 16 + h * W);
+      for (int r = 0; r < R; ++r) {  // group_linear.cpp's epilogue, the same operations in the same order
+        const V t = add(mul(d, to_float(h ? a1[r] : a0[r])), mul(m, splat(static_cast<float>(sx[r * G + g]))));
+        store(y + r * N + h * W, add(load(y + r * N + h * W), mul(splat(dx[r * G + g]), t)));
+      }
     }
   }
 }
+#endif
 
 // int8 (i8_rows): a block of 16 output rows widened once to int16 pairs (widen_block: one int32
 // lane per output, codes 2 pp and 2 pp + 1 of the row; K padded to even with 0), times pairs of a

@@ -59,6 +59,13 @@ inline void q8_part(const uint8_t* blk, int /*h*/, const int16_t* const* q, IV* 
   }
 }
 #elif HV_W == 8  // AVX2 (+ AVX-VNNI)
+// An accumulator kept a register chain: without it GCC reassociates integer sums (legal for
+// integers) into a tree of all the products and spills most of them (no change to the integers).
+inline IV keep(IV a) {
+  asm("" : "+x"(a));
+  return a;
+}
+
 template <int R>
 inline void q4_part(const uint8_t* blk, int h, const uint8_t* const* ql, const int8_t* const* qh, const int16_t* const*,
                     IV* out) {
@@ -87,10 +94,10 @@ inline void q4_part(const uint8_t* blk, int h, const uint8_t* const* ql, const i
     const IV v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * h));
     const IV lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
     for (int r = 0; r < R; ++r) {
-      hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(lo, bcast32(qh[r] + 4 * p)));
-      hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, bcast32(qh[r] + 4 * p + 16)));
-      lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(bcast32(ql[r] + 4 * p), lo));
-      lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(bcast32(ql[r] + 4 * p + 16), hi));
+      hi16[r] = keep(_mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(lo, bcast32(qh[r] + 4 * p))));
+      hi16[r] = keep(_mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, bcast32(qh[r] + 4 * p + 16))));
+      lo16[r] = keep(_mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(bcast32(ql[r] + 4 * p), lo)));
+      lo16[r] = keep(_mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(bcast32(ql[r] + 4 * p + 16), hi)));
     }
     if (p & 1) {
       for (int r = 0; r < R; ++r) {
@@ -112,7 +119,7 @@ inline void q8_part(const uint8_t* blk, int h, const int16_t* const* q, IV* out)
 #if defined(__AVXVNNI__)
       out[r] = _mm256_dpwssd_avx_epi32(out[r], w, bcast32(q[r] + 2 * p));
 #else
-      out[r] = _mm256_add_epi32(out[r], _mm256_madd_epi16(w, bcast32(q[r] + 2 * p)));
+      out[r] = keep(_mm256_add_epi32(out[r], _mm256_madd_epi16(w, bcast32(q[r] + 2 * p))));
 #endif
     }
   }
