@@ -11,9 +11,11 @@ the time of ``1 + N`` new tokens minus the time of 1 new token (so prefill is no
 with the prefix cache flushed before each; ``--repeats`` samples, the median reported (min and
 max beside it: on a shared machine the spread is the noise). llama-cpp-python's high-level API
 decodes one sequence, so llama.cpp has no batch-8 figure. Prefill tok/s: one prompt of
-``--prefill-tokens`` tokens (TEXT repeated), one new token, the cache flushed; ``--prefill-only``
-times only that (no decode, no HF or llama.cpp speed rows), and reports each mode's best sample
-beside the median (``prefill_best_tok_s``: on a shared machine the least disturbed run).
+``--prefill-tokens`` tokens (TEXT repeated), one new token, the cache flushed; every mode's engine
+is loaded at once and the samples are taken in rounds, one per mode per round, so a busy moment
+of a shared machine falls on every mode alike; each mode's best sample is reported beside the
+median (``prefill_best_tok_s``: the least disturbed run). ``--prefill-only`` times only that (no
+decode, no HF or llama.cpp speed rows).
 
 Accuracy on TEXT (the opening paragraph of Dickens' *A Tale of Two Cities*, 1859, public domain),
 teacher-forced: perplexity, and top-1 agreement with HF transformers fp32 (the share of positions
@@ -147,20 +149,36 @@ def ours_engine(mode: str, tok, args) -> dict:
         if mode in args.bs8_modes.split(",") and not args.prefill_only:
             out["decode_bs8"] = stats(_timed_decode(gen(chat_ids(tok, 8)), eng.flush_cache, 8, args.new_tokens,
                                                     args.repeats))
-        long = (tok(TEXT)["input_ids"] * (args.prefill_tokens // 100 + 1))[: args.prefill_tokens]
-        gen([long[:64]])(1)  # warm-up: the first forward of an engine pays one-off costs
-        samples = []
-        for _ in range(args.prefill_repeats):
-            eng.flush_cache()
-            t0 = time.perf_counter()
-            gen([long])(1)
-            samples.append(len(long) / (time.perf_counter() - t0))
-        out["prefill"] = stats(samples)
         answer = eng.generate(input_ids=chat_ids(tok, 1), sampling_params={"temperature": 0, "max_new_tokens": 32})
         out["answer"] = answer[0]["text"]
         return out
     finally:
         eng.shutdown()
+
+
+def interleaved_prefill(modes: list[str], tok, args) -> dict[str, dict]:
+    """Prefill samples of every mode, taken in rounds (see the module docstring)."""
+    from serving.engine import Engine
+
+    long = (tok(TEXT)["input_ids"] * (args.prefill_tokens // 100 + 1))[: args.prefill_tokens]
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1}
+    engines = {}
+    try:
+        for mode in modes:
+            engines[mode] = Engine(model_path=MODEL, quantization=mode,
+                                   max_total_tokens=max(8192, args.prefill_tokens + 64))
+            engines[mode].generate(input_ids=[long[:64]], sampling_params=params)  # warm-up: one-off costs
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(args.prefill_repeats):
+            for mode, eng in engines.items():
+                eng.flush_cache()
+                t0 = time.perf_counter()
+                eng.generate(input_ids=[long], sampling_params=params)
+                samples[mode].append(len(long) / (time.perf_counter() - t0))
+        return {m: stats(v) for m, v in samples.items()}
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
 
 
 def _timed_decode(gen, flush, batch: int, n: int, repeats: int) -> list[float]:
@@ -294,9 +312,11 @@ def main() -> None:
         "decode_bs8": stats(hf_decode(hf, tok, chat_ids(tok, 8), args.new_tokens, args.repeats))}
     rows = [row("hf-transformers", "fp32", {**ref, "top1_agreement": 1.0}, hf_res)]
     del hf
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    prefill = interleaved_prefill(modes, tok, args)
+    for mode in modes:
         s = score(ours_logits(mode, ids), ids, ref["top1"])
-        rows.append(row("hicache", mode, s, ours_engine(mode, tok, args)))
+        rows.append(row("hicache", mode, s, {**ours_engine(mode, tok, args), "prefill": prefill[mode]}))
         rows[-1]["default"] = mode == default_mode
         log(f"hicache {mode}: " + ", ".join(f"{k} {rows[-1][k]}" for k in ("decode_bs1_tok_s", "decode_bs8_tok_s",
                                                                            "prefill_tok_s", "perplexity", "paris")))
