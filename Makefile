@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	@# NIXL (PD disaggregation KV transport, serving/disagg/transport_nixl.py); imported as nixl_cu12.
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
-	@# SGLang's benchmark client (tests/test_sglang_bench.py); its import needs only the test extras.
+	@# SGLang's benchmark client (tests/server/test_sglang_bench.py); its import needs only the test extras.
 	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	touch $@
 

@@ -40,7 +40,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-DEVICE = "cuda"  # a CPU runs the same code for a smoke test (tests/test_speculative_bench.py)
+DEVICE = "cuda"  # a CPU runs the same code for a smoke test (tests/benchmarks/test_speculative_bench.py)
 
 
 def sync() -> None:

@@ -7,5 +7,5 @@ extension's variants (``cpu_variants``) and the frontend language's tutorial pro
 (``import_graph``) and the soak test's traffic (``soak_mix``).
 
 ``tests/`` and ``bench/`` import this package and never each other; it imports neither
-(``tests/test_harness_layering.py``).
+(``tests/layout/test_harness_layering.py``).
 """

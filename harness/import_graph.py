@@ -1,5 +1,5 @@
 """The import graph of ``hicache/``, ``serving/`` and ``router/``, from their ASTs: what the layering
-tests (``tests/test_layering.py``, ``tests/test_private_access.py``) check their rules on.
+tests (``tests/layout/test_layering.py``, ``tests/layout/test_private_access.py``) check their rules on.
 
 Every import statement counts, lazy ones inside functions included; ``from x import y`` resolves
 to the module ``x.y`` where that is a module, else to ``x``; a module of ours named in a string

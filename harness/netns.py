@@ -138,8 +138,8 @@ class MooncakeMaster:
         self.proc = None
 
 
-def run_mooncake_script(script: str, *args: str, timeout: float = 400) -> dict:
-    """Run ``tests/<script>`` (its last stdout line a JSON object) in a network namespace of its
+def run_mooncake_script(script: str | Path, *args: str, timeout: float = 400) -> dict:
+    """Run the Python file ``script`` (its last stdout line a JSON object) in a network namespace of its
     own, with the namespace's address as its last argument; skips the test where namespaces or
     ``mooncake_master`` are unavailable. Whatever happens, no server or master outlives it."""
     import json
@@ -156,7 +156,7 @@ def run_mooncake_script(script: str, *args: str, timeout: float = 400) -> dict:
     ns.create()
     proc = None
     try:
-        proc = ns.popen([sys.executable, str(root / "tests" / script), *args, ns.address], stdout=subprocess.PIPE,
+        proc = ns.popen([sys.executable, str(script), *args, ns.address], stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, cwd=root)
         out, _ = proc.communicate(timeout=timeout)
     finally:

@@ -1,4 +1,4 @@
-"""Driver for tests/test_pd_e2e.py: a real 1 prefill + 1 decode cluster behind the real router,
+"""Driver for tests/disagg/test_pd_e2e.py: a real 1 prefill + 1 decode cluster behind the real router,
 beside a colocated server (the reference). For Mooncake it runs INSIDE a test network
 namespace (the transfer engine needs a LAN address); NIXL runs over UCX on loopback.
 

@@ -1,4 +1,4 @@
-"""The soak test's traffic (tests/test_soak.py): a canary that sends one short greedy /generate every
+"""The soak test's traffic (tests/server/test_soak.py): a canary that sends one short greedy /generate every
 ``CANARY_EVERY_S``, bursts of 100 streams of which about half disconnect after a few tokens, the
 abusers (pathological and self-recursive grammars, prompts over the context, 10,000-deep JSON,
 broken bodies, wrong content types, an unknown model, requests aborted right after they start),

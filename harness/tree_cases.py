@@ -1,5 +1,5 @@
 """The HiRadixTree's unit-test cases: a small tree over page allocators and a request's life on it
-(tests/test_tree.py, tests/test_tree_tiering.py)."""
+(tests/cache/test_tree.py, tests/cache/test_tree_tiering.py)."""
 
 from __future__ import annotations
 

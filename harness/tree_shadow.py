@@ -1,4 +1,4 @@
-"""The HiRadixTree state machine's world (tests/test_tree_property.py): the tree under test, a
+"""The HiRadixTree state machine's world (tests/cache/test_tree_property.py): the tree under test, a
 shadow of every L1 and L2 page's contents, and the slow copies in flight (L2 -> L1 loads, L2 -> L3
 write-backs, L3 -> L2 prefetches) that the machine's rules start and land, checking as they go
 that no page is read before it arrived nor written while something reads it.
@@ -71,7 +71,7 @@ class Prefetch:
 
 class TreeShadow:
     """The tree under test, a shadow of its pools' contents and the copies in flight (see
-    tests/test_tree_property.py's docstring); the state machine's rules drive it. One thread."""
+    tests/cache/test_tree_property.py's docstring); the state machine's rules drive it. One thread."""
 
     def __init__(self, tree: HiRadixTree, ps: int) -> None:
         self.ps = ps

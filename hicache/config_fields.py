@@ -7,7 +7,7 @@
   naming the field, the value and the allowed names.
 - A field's description is its comment in the class's source: the trailing ``# ...`` on the
   field's line, else the comment block right above it (parsed once per class; a blank line ends
-  a block); every field has one (tests/test_cli_help.py checks). ``hicache serve --help`` shows
+  a block); every field has one (tests/server/test_cli_help.py checks). ``hicache serve --help`` shows
   it with the allowed values and the effective default.
 
 Torch-free, imported by every config module (hicache and serving alike).

@@ -6,7 +6,7 @@ exit, in the HTTP process that never runs torch. For the folders where its answe
 without them (``tokenizer_config.json`` names ``TokenizersBackend``, no custom code, a model
 type whose registered tokenizer does not override that class) the same class is built
 directly, with the arguments AutoTokenizer passes it; every other folder goes through
-AutoTokenizer as before. tests/test_tokenizer_load.py checks the direct path against
+AutoTokenizer as before. tests/models/test_tokenizer_load.py checks the direct path against
 AutoTokenizer (same class, same ids, texts and chat template) and against transformers' tables.
 """
 

@@ -5,7 +5,7 @@ The torch backend gathers each sequence's keys, builds a mask and calls SDPA: ~1
 layer at decode, more time than the attention itself for a small model. Here every (token, kv
 head) pair is computed alone from its own query and the keys it may see, in key order, so a
 token's output has the same bits in a decode batch, in a prefill chunk and alone (the same KV
-for the same token whichever path computed it; tests/test_attention_cpu.py).
+for the same token whichever path computed it; tests/kernels/test_attention_cpu.py).
 
 Storing K/V is one C++ copy (the torch backend's store with a lossy-tier round trip). KV in another dtype
 than float32, a head_dim that is not a multiple of 16, or a machine without the C++ ops: the

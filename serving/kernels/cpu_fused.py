@@ -2,7 +2,7 @@
 ``rope_qk`` -- the rotary embedding of q and k straight out of the fused qkv projection, reading
 the cos/sin tables at each token's position, one call per layer instead of ~16 torch ops. Same
 signature as ``serving.kernels.triton_fused.rope_qk``, and the same bits as the torch path
-(``serving.models.rope.apply_rope``): tests/test_attention_cpu.py."""
+(``serving.models.rope.apply_rope``): tests/kernels/test_attention_cpu.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ activations (Q8_1, this kernel's first form) cost +1.9 % perplexity and turned t
 is the capital of France?" into "L'Étoile, la Marseillaise..." where fp32 names Paris. 16-bit
 codes cost about twice the byte products of 8-bit ones, still a fraction of fp32's work.
 
-Two implementations give the same bits (tests/test_cpu_int4.py):
+Two implementations give the same bits (tests/kernels/test_cpu_int4.py):
 - ``csrc/group_linear.cpp``, every variant of serving.kernels.cpu_ext (AVX-512 VNNI, AVX-VNNI,
   AVX2, scalar): the codes are unpacked from nibbles in registers, so the weights stream at 0.625
   bytes per weight; batches of 16 rows or more (prefill) take ``csrc/many_rows.h``, the same

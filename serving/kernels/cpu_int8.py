@@ -7,7 +7,7 @@ quantized on its own (asymmetric, codes 0..255: ``xs = max(hi - lo, 1e-12) / 255
 with ``1 / xs``), the product accumulates in int32 (exact), and
 ``y = float(acc - zero * wsum) * xs * ws``.
 
-Two implementations give the same bits (tests/test_cpu_int8.py):
+Two implementations give the same bits (tests/kernels/test_cpu_int8.py):
 - ``csrc/int8_linear.cpp``, every variant of serving.kernels.cpu_ext (``vpdpbusd`` with VNNI,
   ``vpmaddubsw`` on AVX2, scalar), quantization and epilogue inside; on AVX2 without VNNI batches
   of 64 rows or more (prefill) take ``csrc/many_rows.h``: blocks of 16 output rows widened once to int16, 16-bit

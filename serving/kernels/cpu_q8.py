@@ -10,7 +10,7 @@ Q8_0, the converted weights are that table): with the int8 mode's head (per-chan
 per-token 8-bit activations) or 8-bit per-group activations the int4 model missed Paris in the
 README's first example.
 
-Two implementations give the same bits (tests/test_cpu_q8.py): ``q8_linear`` in
+Two implementations give the same bits (tests/kernels/test_cpu_q8.py): ``q8_linear`` in
 ``csrc/group_linear.cpp`` (every variant of serving.kernels.cpu_ext) and ``q8_linear_ref`` in torch
 ops. ``pack`` lays a layer out as the kernel reads it: per block of 16 output rows and group, 512
 bytes of codes (chunk ``p`` byte ``2 j + t``: row ``j``'s code ``2 p + t``) then ``d[16]``.

@@ -41,7 +41,7 @@ class GraphLayerWaits:
     happens on the host before the replay's launch; a wait node waits for the record that was
     the event's latest when the graph was launched (as ``cudaStreamWaitEvent`` does when it is
     called), so a later arming cannot move an earlier replay's waits (checked on the GPU by
-    tests/test_gpu.py). One user: the scheduler thread."""
+    tests/engine/test_gpu.py). One user: the scheduler thread."""
 
     @classmethod
     def create(cls, num_layers: int, device: torch.device) -> GraphLayerWaits | None:

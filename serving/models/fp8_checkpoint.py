@@ -10,7 +10,7 @@ Each fp8 weight is multiplied by its scale in float32 on the way in (``.input_sc
 scales themselves are not parameters and are skipped). Served with ``--quantization fp8`` the
 weights are quantized again per output channel: for per-channel checkpoints that gives back the
 checkpoint's own e4m3 codes (the float product moves a weight by far less than half an e4m3
-step), with scales within the model dtype's rounding (tests/test_fp8_checkpoint.py). Per-tensor
+step), with scales within the model dtype's rounding (tests/models/test_fp8_checkpoint.py). Per-tensor
 and block scales become per-channel ones: a requantization, each weight within an e4m3 step of
 the checkpoint's, not its codes (a block-scaled GEMM would keep them; not built). Without
 ``--quantization fp8`` the model runs in ``--dtype`` on the dequantized weights (CPU included).

@@ -13,7 +13,7 @@ are penalized with that history and masked by the grammar in that state, like th
   ``d_{j+1}``: accept ``d_{j+1}`` with probability ``min(1, p_j(d) / q_j(d)) = p_j(d)``; on
   rejection sample from ``max(0, p_j - q_j)`` normalized, i.e. ``p_j`` without ``d``, and stop; when
   every draft was accepted, sample the bonus from ``p_k``. Each output token then has exactly the
-  distribution ``p`` plain sampling gives (tests/test_speculative_sampling.py checks it on a small
+  distribution ``p`` plain sampling gives (tests/engine/test_speculative_sampling.py checks it on a small
   vocabulary). ``p`` is the sampler's (serving.model.sampler.Sampler.probs: temperature, top-k/p, min-p).
   A seeded request draws from its own generator: the same tokens every run, though not the same
   tokens as without speculation (the draws differ), as in SGLang and vLLM.

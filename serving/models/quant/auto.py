@@ -3,7 +3,7 @@ this machine, decided at start-up from the CPU and the C++ ops that built.
 
 - CPU with a SIMD variant of the C++ ops (serving.kernels.cpu_ext: avx512vnni, avxvnni, avx2):
   ``int4`` -- on SmolLM2 5-7x fp32's decode and llama.cpp's speed (bench/cpu_decode.py), the
-  README's first question answered as fp32 answers it (tests/test_quant_server.py);
+  README's first question answered as fp32 answers it (tests/server/test_quant_server.py);
 - CPU without them (no g++, another ISA: only the torch twins or the scalar variant): ``none``
   (fp32), whose torch path is faster there than int4's torch twin;
 - CUDA: ``none`` (the model's dtype; fp8 is opt-in).

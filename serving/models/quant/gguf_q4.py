@@ -5,7 +5,7 @@ every projection there is Q4_1 -- blocks of 32 input channels, ``w = d * q + m``
 -- the int4 kernel takes the blocks as they are: codes, ``d`` and ``m``, the half floats exact.
 Rows come back in HF order (the GGUF stores q/k rows permuted
 for llama.cpp's rope: ``reverse_permute``), q/k/v and gate/up are stacked as the fused layers are.
-The float weights converted from the same file give the same codes (tests/test_quant.py), so this
+The float weights converted from the same file give the same codes (tests/models/test_quant.py), so this
 changes where the codes come from, not which they are; the scales are the file's own half floats
 (the recovered ones can differ in the last bits, hence the L3 tag ``int4v3:gguf``).
 """

@@ -1,0 +1,167 @@
+"""The layering of the code base, as a test: an AST import graph of ``hicache/``, ``serving/`` and
+``router/``. Every import statement counts, lazy ones inside functions included; ``from x import y``
+resolves to the module ``x.y`` where that is a module, else to ``x``; a module of ours named in a
+string for importlib (a registry's ``"pkg.mod:Attr"``) is an import too.
+
+Rules (one test each; a failure lists every violation as ``file:line``):
+- ``hicache`` imports neither ``serving`` nor ``router``;
+- ``router`` never imports ``serving``; ``serving`` imports ``router`` only in the launcher
+  (``LAUNCHER``, the one place that starts both);
+- only the HTTP packages (``HTTP_PACKAGES``) import an HTTP framework (``HTTP_FRAMEWORKS``);
+- no module of the engine process (``ENGINE_ENTRY`` and every module it reaches) imports one;
+- no import cycle between modules.
+The graph is built by ``harness/import_graph.py``; the last rule of issue 28, no module touches
+another module's private attributes, is ``tests/layout/test_private_access.py``. The package rules count
+``if TYPE_CHECKING:`` imports too (a dependency all the same); the engine process and the cycles
+leave them out (they never run).
+
+The constants below are what the restructuring (issue 28) updates as modules move.
+"""
+
+from __future__ import annotations
+
+from harness.import_graph import Import, imports, module_graph, report, within
+
+# The launcher: the one sanctioned place that imports both serving and router.
+LAUNCHER = ("serving.launch",)
+# The packages whose job is HTTP (a module or package name covers everything below it): the HTTP
+# process, the router, and serving.lang's RuntimeEndpoint (an HTTP client of a server, by design).
+HTTP_PACKAGES = ("serving.server", "router", "serving.lang.backends.runtime_endpoint")
+HTTP_FRAMEWORKS = frozenset({"fastapi", "starlette", "httpx", "uvicorn"})
+# The engine process's entry point: its modules are the ones this reaches through imports that run.
+ENGINE_ENTRY = "serving.engine.main"
+
+
+# ---------------------------------------------------------------------------------------------
+# The package arrows
+
+
+def test_hicache_imports_neither_serving_nor_router():
+    bad = [f"{i.where()}: {i.source} imports {i.target}" for i in imports()
+           if within(i.source, ("hicache",)) and not i.external and within(i.target, ("serving", "router"))]
+    assert not bad, report("hicache imports serving or router", bad)
+
+
+def test_router_and_serving_meet_only_in_the_launcher():
+    bad = []
+    for i in imports():
+        if i.external:
+            continue
+        if within(i.source, ("router",)) and within(i.target, ("serving",)):
+            bad.append(f"{i.where()}: {i.source} imports {i.target}")
+        if (within(i.source, ("serving",)) and within(i.target, ("router",))
+                and not within(i.source, LAUNCHER)):
+            bad.append(f"{i.where()}: {i.source} imports {i.target} (outside the launcher {LAUNCHER})")
+    assert not bad, report("imports between router and serving", bad)
+
+
+def test_only_http_packages_import_http_frameworks():
+    bad = [f"{i.where()}: {i.source} imports {i.target}" for i in imports()
+           if i.external and i.target in HTTP_FRAMEWORKS and not within(i.source, HTTP_PACKAGES)]
+    assert not bad, report(f"HTTP frameworks imported outside {HTTP_PACKAGES}", bad)
+
+
+def _engine_process() -> dict[str, list[Import]]:
+    """Every module the engine process's entry reaches through imports that run, with the chain
+    of imports that reaches it."""
+    graph = module_graph()
+    assert ENGINE_ENTRY in graph, f"ENGINE_ENTRY {ENGINE_ENTRY} is no module: update it"
+    chains: dict[str, list[Import]] = {ENGINE_ENTRY: []}
+    todo = [ENGINE_ENTRY]
+    while todo:
+        name = todo.pop(0)
+        for i in graph[name].imports:
+            if not i.external and i.runs and i.target not in chains:
+                chains[i.target] = chains[name] + [i]
+                todo.append(i.target)
+    return chains
+
+
+def test_engine_process_imports_no_http_framework():
+    bad = []
+    for name, chain in sorted(_engine_process().items()):
+        for i in module_graph()[name].imports:
+            if i.external and i.target in HTTP_FRAMEWORKS and i.runs:
+                via = " -> ".join([ENGINE_ENTRY] + [f"{c.target} ({c.where()})" for c in chain])
+                bad.append(f"{i.where()}: {name} imports {i.target}; reached by {via}")
+    assert not bad, report(f"HTTP frameworks in the engine process (from {ENGINE_ENTRY})", bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cycles
+
+
+def _cycles() -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), over imports that run."""
+    graph = module_graph()
+    succ = {n: sorted({i.target for i in m.imports if not i.external and i.runs}) for n, m in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # iterative, so a deep graph cannot overflow the stack
+        work = [(v, iter(succ[v]))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(succ[nxt])))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _one_cycle(comp: list[str]) -> list[Import]:
+    """A shortest cycle through the component's first module (breadth first inside it)."""
+    graph, members, start = module_graph(), set(comp), comp[0]
+    prev: dict[str, Import] = {}
+    todo = [start]
+    while todo:
+        name = todo.pop(0)
+        for i in graph[name].imports:
+            if i.external or not i.runs or i.target not in members:
+                continue
+            if i.target == start:
+                path = [i]
+                while path[0].source != start:
+                    path.insert(0, prev[path[0].source])
+                return path
+            if i.target not in prev:
+                prev[i.target] = i
+                todo.append(i.target)
+    raise AssertionError(f"no cycle in {comp}")
+
+
+def test_no_import_cycles():
+    bad = []
+    for comp in _cycles():
+        cycle = " -> ".join(f"{i.source} ({i.where()})" for i in _one_cycle(comp)) + f" -> {comp[0]}"
+        bad.append(f"{len(comp)} modules {comp}; e.g. {cycle}")
+    assert not bad, report("import cycles", bad)

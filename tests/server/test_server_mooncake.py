@@ -1,0 +1,28 @@
+"""Real servers sharing one real Mooncake master (in a network namespace of their own):
+B hits KV that A computed; the master killed mid-load fails no request; hits resume after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.netns import run_mooncake_script
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_servers_share_mooncake(tmp_path, tiny_chat_model):
+    res = run_mooncake_script(Path(__file__).parent / "mooncake_two_servers.py", str(tiny_chat_model), str(tmp_path))
+    assert res["a_stored"], res
+    assert res["b_same_output"], res
+    assert res["b_storage_hit_tokens"] > 0, res  # B served KV that A computed (prefetch policy timeout)
+    assert res["c_same_output"] and res["c_storage_hit_tokens"] > 0, res  # C too (best_effort)
+    assert res["c_integrity"] and res["c_exit"] == 0, res
+    assert res["statuses_during_master_kill"] and all(s == 200 for s in res["statuses_during_master_kill"]), res
+    assert res["healthy_after_kill"], res
+    assert res["errors_counted"] > 0, res
+    assert res["hits_resume"], res
+    assert all(res["integrity"]), res
+    assert res["exit_codes"] == [0, 0], res
