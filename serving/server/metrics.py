@@ -89,6 +89,8 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
                                          "Pages waiting for an L3 writer (back-pressure)"),
     "write_pages_waiting_max": StorageMetric("gauge", "storage_write_waiting_max_pages",
                                              "Most pages ever waiting for an L3 writer"),
+    "write_pages_in_flight": StorageMetric("gauge", "storage_write_in_flight_pages",
+                                           "Pages an L3 writer is storing (not yet marked stored)"),
     # the load-or-recompute policy (serving.cache.cost_model)
     "cost_l3_read_gbps": StorageMetric("gauge", "cost_model_l3_read_bytes_per_second",
                                        "Estimated L3 read bandwidth", 1e9),

@@ -20,10 +20,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from harness.mooncake_master import Master, config  # noqa: E402
 from harness.server_utils import ServerProcess  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.embedded import RouterThread  # noqa: E402
-from tests.mooncake_two_servers import Master, config  # noqa: E402
 
 PS = 16
 SESSIONS = 3  # the default tenant's; then one of alice's
