@@ -6,15 +6,16 @@ Contract:
   path root→node (``session_ref += 1``), releasing the ref it held before.
 - ``close(sid)`` releases the ref and forgets the session; nothing is freed at once,
   the nodes just lose their eviction preference.
-- ``expire(now)`` closes sessions idle (no open/attach) for more than ``timeout``.
 - Any operation on a session that is not open raises :class:`UnknownSession`.
 Removed nodes keep their ``parent`` pointer, so releasing a ref on a node that was
 evicted meanwhile still decrements the ancestors that are in the tree.
+
+When a session was last used, and closing it once idle, is not the tree's:
+serving/cache/kv_sessions.py owns a session's liveness (its TTL and the engine loop's sweep),
+and closes it here.
 """
 
 from __future__ import annotations
-
-import time
 
 from hicache.hiradix.node import TreeNode
 
@@ -30,12 +31,10 @@ def _add_path_ref(node: TreeNode | None, delta: int) -> None:
 
 
 class SessionTable:
-    """Open sessions, their attached node and last activity time."""
+    """Open sessions and the node each is attached to."""
 
-    def __init__(self, timeout: float = 600.0) -> None:
-        self.timeout = timeout
+    def __init__(self) -> None:
         self._node: dict[str, TreeNode | None] = {}
-        self._last_active: dict[str, float] = {}
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._node
@@ -43,35 +42,24 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._node)
 
-    def open(self, session_id: str, now: float | None = None) -> None:
+    def open(self, session_id: str) -> None:
         self._node.setdefault(session_id, None)
-        self._last_active[session_id] = time.monotonic() if now is None else now
 
     def node_of(self, session_id: str) -> TreeNode | None:
         self._require(session_id)
         return self._node[session_id]
 
-    def attach(self, session_id: str, node: TreeNode, now: float | None = None) -> None:
+    def attach(self, session_id: str, node: TreeNode) -> None:
         self._require(session_id)
         if node.removed:
             raise ValueError(f"cannot attach session {session_id!r} to a removed node")
         _add_path_ref(node, +1)
         _add_path_ref(self._node[session_id], -1)
         self._node[session_id] = node
-        self._last_active[session_id] = time.monotonic() if now is None else now
 
     def close(self, session_id: str) -> None:
         self._require(session_id)
         _add_path_ref(self._node.pop(session_id), -1)
-        del self._last_active[session_id]
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """Close every session idle for more than ``timeout``; return their ids (sorted)."""
-        now = time.monotonic() if now is None else now
-        idle = sorted(s for s, t in self._last_active.items() if now - t > self.timeout)
-        for sid in idle:
-            self.close(sid)
-        return idle
 
     def detach_all(self) -> None:
         """Forget every attachment without touching refs (the tree was cleared)."""

@@ -91,7 +91,6 @@ class HiRadixTree:
         write_through_threshold: int = 2,
         load_back_threshold: int = 1,
         eviction_policy: str = "lru",
-        session_timeout: float = 600.0,
     ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -101,7 +100,7 @@ class HiRadixTree:
         self.pool_less = device is None
         self.device: PageAllocator | UnboundedAllocator = UnboundedAllocator() if device is None else device
         self.host = host
-        self.sessions = SessionTable(session_timeout)
+        self.sessions = SessionTable()
         self.shape = TreeShape(page_size)
         self.events = TreeEvents()
         self.pins = HostPins(host)  # L2 pages readers outside the tree hold (pin_host)
@@ -312,17 +311,14 @@ class HiRadixTree:
         self.events.set_ledger(ledger)
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self, session_id: str, now: float | None = None) -> None:
-        self.sessions.open(session_id, now)
+    def open_session(self, session_id: str) -> None:
+        self.sessions.open(session_id)
 
-    def attach_session(self, session_id: str, node: TreeNode, now: float | None = None) -> None:
-        self.sessions.attach(session_id, node, now)
+    def attach_session(self, session_id: str, node: TreeNode) -> None:
+        self.sessions.attach(session_id, node)
 
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)
-
-    def expire_sessions(self, now: float | None = None) -> list[str]:
-        return self.sessions.expire(now)
 
     # ------------------------------------------------------------------ admin / stats
     def reset(self) -> None:
