@@ -1,7 +1,8 @@
 """From a request body to a :class:`RouteRequest`: the routing key, ids and session.
 
 With a tokenizer (``tokenizer_path``, or the workers' tokenizer folder when it exists on this
-machine), the router reproduces what the worker will prefill: chat messages through the chat
+machine), the router reproduces what the worker will prefill: the chat messages in their one
+normal form (hicache/prompt_form.py, which the worker's API faces use too) through the chat
 template, then ``encode`` without special tokens (serving/tokenizer.py does the same), so keys
 are on token ids and the exact cache view can compute page keys. Without one, the key is the
 request's text (messages joined by role), and token ids sent by the client are used as they are.
@@ -13,6 +14,7 @@ import logging
 import os
 from typing import Any
 
+from hicache.prompt_form import anthropic_chat, ollama_chat, ollama_generate, openai_chat
 from router.approx_tree import text_key, token_key
 from router.policies import RouteRequest
 
@@ -57,7 +59,7 @@ class KeyMaker:
             if self.tok is not None and getattr(self.tok, "chat_template", None):
                 text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                 return self.encode(text), text
-            return None, "".join(f"<{m.get('role')}>{_content(m.get('content'))}" for m in messages)
+            return None, "".join(f"<{m.get('role')}>{m.get('content')}" for m in messages)
         if path in ("/v1/completions", "/api/generate"):
             prompt = body.get("prompt")
         else:  # /generate
@@ -74,28 +76,12 @@ class KeyMaker:
         return list(self.tok.encode(text, add_special_tokens=False))
 
 
-def _system_first(system: Any, messages: Any) -> list[dict[str, Any]]:
-    """The messages the worker prefills: an Anthropic / Ollama ``system`` field goes first."""
-    msgs = [{"role": m.get("role"), "content": _content(m.get("content"))}
-            for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)]
-    text = _content(system)
-    return ([{"role": "system", "content": text}] if text else []) + msgs
-
-
-# chat routes: the body's messages as the worker's chat template sees them
+# chat routes: the body's messages as the worker's chat template sees them (hicache/prompt_form.py,
+# the worker's API faces' own normal form: one owner)
 CHAT_PATHS = {
-    "/v1/chat/completions": lambda b: b.get("messages") or [],
-    "/v1/messages": lambda b: _system_first(b.get("system"), b.get("messages")),  # Anthropic
-    "/api/chat": lambda b: _system_first(None, b.get("messages")),  # Ollama
+    "/v1/chat/completions": lambda b: openai_chat(b.get("messages"), b.get("tools")),
+    "/v1/messages": lambda b: anthropic_chat(b.get("system"), b.get("messages"), b.get("tools")),  # Anthropic
+    "/api/chat": lambda b: ollama_chat(b.get("messages")),  # Ollama
     # Ollama's /api/generate goes through the chat template unless it is raw
-    "/api/generate": lambda b: None if b.get("raw") else _system_first(b.get("system"), [
-        {"role": "user", "content": b.get("prompt")}]),
+    "/api/generate": lambda b: None if b.get("raw") else ollama_generate(b.get("prompt"), b.get("system")),
 }
-
-
-def _content(c: Any) -> str:
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # OpenAI content parts, Anthropic text blocks
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
-    return ""

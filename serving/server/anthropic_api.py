@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from hicache.prompt_form import anthropic_chat
 from serving.compat_fields import ANY
 from serving.server import cache_control
-from serving.server.anthropic_tools import TOOL_CHOICES, Block, TextBlock, Tool, check_roles, system_text
+from serving.server.anthropic_tools import TOOL_CHOICES, Block, TextBlock, Tool, check_roles
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -67,12 +68,6 @@ class Message(StrictModel):
     content: str | list[Block]
 
 
-def _text(content: str | list[Any] | None) -> str:
-    if content is None:
-        return ""
-    return content if isinstance(content, str) else "".join(b.render() for b in content)
-
-
 def _check_messages(messages: list[Message]) -> None:
     for j, msg in enumerate(messages):
         if not isinstance(msg.content, str):
@@ -108,9 +103,10 @@ class MessagesRequest(StrictModel):
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
-        system = system_text(self.tools, _text(self.system))
-        msgs = [{"role": "system", "content": system}] if system else []
-        return msgs + [{"role": m.role, "content": _text(m.content)} for m in self.messages]
+        system = self.system if isinstance(self.system, str) or self.system is None else [
+            b.model_dump() for b in self.system]
+        return anthropic_chat(system, [m.model_dump() for m in self.messages],
+                              [t.model_dump() for t in self.tools or []])
 
     def sampling_params(self) -> dict[str, Any]:
         p = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,

@@ -12,21 +12,20 @@ content blocks, rendered into the prompt as text (serving/server/anthropic_api.p
   at them, and SmolLM2's has none.
 - ``tool_use`` (assistant) and ``tool_result`` (user) blocks in the history are rendered as
   ``<tool_call>{"name", "arguments"}</tool_call>`` and ``<tool_response>...</tool_response>``
-  (serving/server/tool_text.py). The model's answer stays one text
-  block: no tool call is parsed out of it (``stop_reason`` is never ``tool_use``).
+  (hicache/prompt_form.py, the one owner of how a body becomes the template's messages). The
+  model's answer stays one text block: no tool call is parsed out of it (``stop_reason`` is never ``tool_use``).
 
 Stateless: the models are frozen pydantic values, the functions pure.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from hicache.prompt_form import anthropic_tool_line, anthropic_tools_text, before_system, block_text
 from serving.server.protocol import StrictModel
-from serving.server.tool_text import before_system, tool_call, tool_response, tools_block
 
 # ``tool_choice`` values that change nothing here (no tool call is parsed): any or a named tool is a 400
 TOOL_CHOICES = ({"type": "none"}, {"type": "auto"}, {"type": "auto", "disable_parallel_tool_use": True},
@@ -40,7 +39,7 @@ class TextBlock(StrictModel):
     citations: list[Any] | None = None
 
     def render(self) -> str:
-        return self.text
+        return block_text(self.model_dump())
 
 
 class ToolUseBlock(StrictModel):
@@ -51,7 +50,7 @@ class ToolUseBlock(StrictModel):
     cache_control: dict[str, Any] | None = None
 
     def render(self) -> str:
-        return tool_call(self.name, self.input)
+        return block_text(self.model_dump())
 
 
 class ToolResultBlock(StrictModel):
@@ -62,9 +61,7 @@ class ToolResultBlock(StrictModel):
     cache_control: dict[str, Any] | None = None
 
     def render(self) -> str:
-        c = self.content
-        text = "" if c is None else c if isinstance(c, str) else "".join(b.text for b in c)
-        return tool_response(("Error: " if self.is_error else "") + text)
+        return block_text(self.model_dump())
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -85,15 +82,13 @@ class Tool(StrictModel):
         return v
 
     def line(self) -> str:
-        d = {"name": self.name, **({"description": self.description} if self.description else {}),
-             "input_schema": self.input_schema}
-        return json.dumps(d, ensure_ascii=False)
+        return anthropic_tool_line(self.model_dump())
 
 
 def tools_text(tools: list[Tool] | None) -> str:
     """The system text block the tools become ('' without tools); the text of ``tools[:k]`` is a
     prefix of the text of ``tools`` (a breakpoint on tool k - 1 ends inside the whole one)."""
-    return tools_block([t.line() for t in tools or []])
+    return anthropic_tools_text([t.model_dump() for t in tools or []])
 
 
 def system_text(tools: list[Tool] | None, system: str) -> str:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
+from hicache.prompt_form import ollama_chat, ollama_generate
 from serving import compat_fields
 from serving.grammar.spec import response_format_params
 from serving.server.context import ServerContext, get_ctx
@@ -111,8 +112,8 @@ class ChatRequest(_Base):
     messages: Annotated[list[OllamaMessage], Field(min_length=1)]
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages the chat template sees (router/routing_key.py rebuilds them from the body)."""
-        return [{"role": x.role, "content": x.content} for x in self.messages]
+        """The messages the chat template sees (hicache/prompt_form.py, as the router's key)."""
+        return ollama_chat([x.model_dump() for x in self.messages])
 
 
 class GenerateRequest(_Base):
@@ -125,9 +126,8 @@ class GenerateRequest(_Base):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Without ``raw``, the prompt goes through the chat template as the user's message, after
-        ``system`` (router/routing_key.py rebuilds them from the body)."""
-        return ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": self.prompt}]
+        ``system`` (hicache/prompt_form.py, as the router's key)."""
+        return ollama_generate(self.prompt, self.system)
 
 
 class ShowRequest(StrictModel):

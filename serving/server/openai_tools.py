@@ -9,12 +9,11 @@ is parsed out of the answer (``finish_reason`` is never ``tool_calls``); ``tool_
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serving.server.tool_text import before_system, tool_call, tool_response, tools_block
+from hicache.prompt_form import openai_tool_call, openai_tool_line
 
 
 class StrictModel(BaseModel):  # protocol.py's config (that module imports this one)
@@ -40,10 +39,7 @@ class FunctionTool(StrictModel):
     function: FunctionDef
 
     def line(self) -> str:
-        f = self.function
-        d = {"name": f.name, **({"description": f.description} if f.description else {}),
-             **({"parameters": f.parameters} if f.parameters is not None else {})}
-        return json.dumps(d, ensure_ascii=False)
+        return openai_tool_line(self.model_dump())
 
 
 class CalledFunction(StrictModel):
@@ -57,33 +53,12 @@ class ToolCall(StrictModel):
     function: CalledFunction
 
     def render(self) -> str:
-        try:
-            args: Any = json.loads(self.function.arguments)
-        except ValueError:
-            args = self.function.arguments  # kept as the text it is
-        return tool_call(self.function.name, args)
+        return openai_tool_call(self.model_dump())
 
 
-def with_tools(tools: list[FunctionTool] | None, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The template messages with the tools' text block before the system text (a system
-    message of its own when there is none)."""
-    head = tools_block([t.line() for t in tools or []])
-    if not head:
-        return msgs
-    if msgs and msgs[0]["role"] == "system":
-        return [{"role": "system", "content": before_system(head, msgs[0]["content"])}, *msgs[1:]]
-    return [{"role": "system", "content": head}, *msgs]
-
-
-def message_text(role: str, content: str, tool_calls: list[ToolCall] | None, tool_call_id: str | None
-                 ) -> dict[str, Any]:
-    """One chat message as the template sees it; a ValueError ("field: ...") for a tool field on
-    the wrong role."""
+def check_tool_fields(role: str, tool_calls: list[ToolCall] | None, tool_call_id: str | None) -> None:
+    """A ValueError ("field: ...") for a tool field on the wrong role."""
     if tool_calls and role != "assistant":
         raise ValueError("tool_calls: only assistant messages carry them")
     if (role == "tool") != (tool_call_id is not None):
         raise ValueError("tool_call_id: a tool message needs one, and only a tool message has one")
-    if role == "tool":
-        return {"role": "user", "content": tool_response(content)}
-    calls = "\n".join(c.render() for c in tool_calls or [])
-    return {"role": role, "content": "\n".join(x for x in (content, calls) if x)}

@@ -15,10 +15,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hicache.prompt_form import openai_chat, openai_message
 from serving import compat_fields
 from serving.grammar.spec import response_format_params
 from serving.model.logprob_meta import MAX_TOP_LOGPROBS
-from serving.server.openai_tools import FunctionTool, ToolCall, message_text, with_tools
+from serving.server.openai_tools import FunctionTool, ToolCall, check_tool_fields
 
 Strict = ConfigDict(extra="forbid", strict=True)
 Stop = str | list[str] | None
@@ -156,15 +157,11 @@ class ChatMessage(StrictModel):
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
-        self.as_template_dict()  # validates
+        check_tool_fields(self.role, self.tool_calls, self.tool_call_id)
         return self
 
     def as_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        return message_text(role, content or "", self.tool_calls, self.tool_call_id)
+        return openai_message(self.model_dump())
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -190,7 +187,7 @@ class ChatCompletionRequest(OpenAISampling):
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return with_tools(self.tools, [msg.as_template_dict() for msg in self.messages])
+        return openai_chat([m.model_dump() for m in self.messages], [t.model_dump() for t in self.tools or []])
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,9 +1,7 @@
-"""Prompt normalisation has two owners (issue 28): the worker renders a chat body with its request
-models (``template_messages()`` of each API face in serving/server/), the router rebuilds the
-messages from the raw body (router/routing_key.py) to key it on the same token ids. They cannot
-share code (the router never imports serving); this test holds them to the same ids, body by
-body, and names the bodies where they still differ (strict xfails: fixing one fails its xfail,
-then move it to AGREE)."""
+"""Prompt normalisation has one owner (issue 28): hicache/prompt_form.py. The worker's API faces
+(``template_messages()`` in serving/server/) hand their validated values to it, the router's key
+(router/routing_key.py) the raw body; this test holds both to the same token ids, body by body,
+tools, the developer role and content parts included (where they differed before the one owner)."""
 
 from __future__ import annotations
 
@@ -20,6 +18,8 @@ from serving.tokenizer import Tokenizer
 SYSTEM_USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 TURNS = [*SYSTEM_USER, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And now?"}]
 TOOL = {"name": "get_time", "description": "The time", "input_schema": {"type": "object", "properties": {}}}
+OPENAI_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 AGREE: dict[str, tuple[str, dict[str, Any]]] = {
     "openai-chat": ("/v1/chat/completions", {"model": "m", "messages": TURNS}),
@@ -34,17 +34,22 @@ AGREE: dict[str, tuple[str, dict[str, Any]]] = {
     "ollama-generate-raw": ("/api/generate", {"model": "m", "prompt": "Hi there", "raw": True}),
     "completions": ("/v1/completions", {"model": "m", "prompt": "Hi there"}),
     "generate": ("/generate", {"text": "Hi there"}),
-}
-DIFFER: dict[str, tuple[str, dict[str, Any], str]] = {
     "openai-developer": ("/v1/chat/completions", {"model": "m", "messages": [
-        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
-        "the worker maps developer to system; the router passes the role as it is"),
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
     "openai-content-parts": ("/v1/chat/completions", {"model": "m", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]},
-        "the worker joins the parts' text; the router hands the list to the chat template"),
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}),
+    "openai-tools": ("/v1/chat/completions", {"model": "m", "tools": [OPENAI_TOOL], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]}),
     "anthropic-tools": ("/v1/messages", {"model": "m", "max_tokens": 4, "tools": [TOOL],
-                                         "messages": [{"role": "user", "content": "What time is it?"}]},
-                        "the worker writes the tools before the system text; the router leaves them out"),
+                                         "messages": [{"role": "user", "content": "What time is it?"}]}),
+    "anthropic-tool-blocks": ("/v1/messages", {"model": "m", "max_tokens": 4, "tools": [TOOL], "system": "Be brief.",
+                                               "messages": [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_time", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "12:00"}]}]}),
 }
 
 
@@ -68,11 +73,3 @@ def test_the_router_keys_a_body_on_the_ids_the_worker_prefills(toks, name):
     path, body = AGREE[name]
     want = worker_ids(tok, path, body)
     assert keys.for_body(path, body).token_ids == want, name
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=DIFFER[n][2]))
-                                  for n in DIFFER])
-def test_known_differences(toks, name):
-    tok, keys = toks
-    path, body, _ = DIFFER[name]
-    assert keys.for_body(path, body).token_ids == worker_ids(tok, path, body), name
