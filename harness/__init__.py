@@ -1,6 +1,7 @@
 """What tests and benchmarks use to run the real thing: server processes (``server_utils``), tiny
 models and the converted SmolLM2 (``model_utils``), network namespaces (``netns``), a real
-Mooncake master (``mooncake_master``), PD clusters (``pd_cluster``, also a script) and
+Mooncake master (``mooncake_master``), PD clusters (``pd_cluster``, also a script; ``pd_pair``, a
+NIXL pair behind the PD router beside a colocated reference) and
 tensor-parallel ranks (``tp_utils``),
 a slowed-down LMDB store (``slow_storage``), a stand-in PD worker (``fake_pd_worker``), the CPU
 extension's variants (``cpu_variants``) and the frontend language's tutorial programs and checks

@@ -150,9 +150,9 @@ def running_server(args: list[str], api_key: str | None = None, api_key_env: boo
     assert "Traceback" not in server.log(), server.log()
 
 
-def start_all(*servers: ServerProcess) -> None:
+def start_all(*servers: ServerProcess, timeout: float = 120.0) -> None:
     """Start servers in parallel threads (model loads overlap); every one must come up."""
-    threads = [threading.Thread(target=s.start) for s in servers]
+    threads = [threading.Thread(target=s.start, kwargs={"timeout": timeout}) for s in servers]
     for t in threads:
         t.start()
     for t in threads:

@@ -14,22 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from harness.server_utils import ServerProcess, free_port, start_all
+from harness.pd_pair import nixl_or_skip
+from harness.server_utils import ServerProcess, free_port, kill_tree, start_all
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 6.0  # --disaggregation-bootstrap-timeout-s of these servers (a busy 2-core machine must meet it)
-
-
-def _nixl_or_skip() -> None:
-    try:
-        from serving.disagg.transport_nixl import _api
-
-        _api()
-    except Exception as e:  # noqa: BLE001 - any import failure is a skip reason
-        pytest.skip(f"NIXL is not installed (make setup installs nixl-cu12): {e}")
 
 
 @pytest.fixture(autouse=True)
@@ -46,17 +37,6 @@ def _args(model: Path, mode: str, bootstrap_port: int | None = None) -> list[str
     if bootstrap_port is not None:
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return args
-
-
-def _kill(s: ServerProcess) -> None:
-    """SIGKILL the server and its engine process (a crash, not a shutdown)."""
-    procs = [psutil.Process(s.proc.pid), *psutil.Process(s.proc.pid).children(recursive=True)]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    s.proc.wait()
 
 
 def _pd(s: ServerProcess) -> dict:
@@ -92,7 +72,7 @@ def _body(bp: int, room: int, text: str = "hello there, how are you today?", **k
 
 @pytest.fixture(scope="module")
 def pair(tiny_chat_model: Path) -> Iterator[tuple[ServerProcess, ServerProcess, int]]:
-    _nixl_or_skip()
+    nixl_or_skip()
     bp = free_port()
     p, d = ServerProcess(_args(tiny_chat_model, "prefill", bp)), ServerProcess(_args(tiny_chat_model, "decode"))
     old = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "OMP_NUM_THREADS")}
@@ -150,7 +130,7 @@ def test_client_disconnect_while_kv_in_flight(pair: tuple[ServerProcess, ServerP
 
 
 def test_decode_dies_before_its_kv_is_written(tiny_chat_model: Path) -> None:
-    _nixl_or_skip()
+    nixl_or_skip()
     bp = free_port()
     p, d = ServerProcess(_args(tiny_chat_model, "prefill", bp)), ServerProcess(_args(tiny_chat_model, "decode"))
     start_all(p, d)
@@ -165,7 +145,7 @@ def test_decode_dies_before_its_kv_is_written(tiny_chat_model: Path) -> None:
 
         threading.Thread(target=doomed, daemon=True).start()
         assert _wait(lambda: _pd(p)["targets_waiting"] == 1)  # the decode side registered its pages
-        _kill(d)
+        kill_tree(d.proc)  # a crash, not a shutdown
         r = httpx.post(p.url + "/generate", json=_body(bp, room), timeout=60)
         assert r.status_code == 200, r.text  # the prefill itself completed
         assert _wait(lambda: _pd(p)["send_failed"] == 1)  # the write to a dead peer failed ...
@@ -180,7 +160,7 @@ def test_decode_dies_before_its_kv_is_written(tiny_chat_model: Path) -> None:
 
 
 def test_prefill_dies_decode_aborts_router_retries(tiny_chat_model: Path) -> None:
-    _nixl_or_skip()
+    nixl_or_skip()
     bp1, bp2 = free_port(), free_port()
     p1 = ServerProcess(_args(tiny_chat_model, "prefill", bp1))
     p2 = ServerProcess(_args(tiny_chat_model, "prefill", bp2))
@@ -191,7 +171,7 @@ def test_prefill_dies_decode_aborts_router_retries(tiny_chat_model: Path) -> Non
         room = random.getrandbits(63)
         t, res = _post_in_background(d.url, _body(bp1, room))
         assert _wait(lambda: _pd(p1)["targets_waiting"] == 1)
-        _kill(p1)
+        kill_tree(p1.proc)  # a crash
         t.join(30)
         assert res and res[0].status_code == 502, res  # well before the bootstrap timeout
         assert "went away" in res[0].text or "unreachable" in res[0].text, res[0].text
@@ -234,7 +214,7 @@ def test_transport_that_cannot_start_names_the_missing_piece(tiny_chat_model: Pa
 def test_peers_with_other_weights_refuse_each_others_kv(tiny_chat_model: Path) -> None:
     """A prefill server on int8 weights and a decode server on fp32 ones: same KV bytes, another
     model's KV. The transfer is refused with a message naming both modes, and nothing leaks."""
-    _nixl_or_skip()
+    nixl_or_skip()
     bp = free_port()
     p = ServerProcess([*_args(tiny_chat_model, "prefill", bp), "--quantization", "int8"])
     d = ServerProcess(_args(tiny_chat_model, "decode"))

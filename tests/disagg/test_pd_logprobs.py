@@ -11,18 +11,15 @@ not be made up there (it answered logprob 0.0 with one top entry, and no input l
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
-import psutil
 import pytest
 
-from harness.server_utils import ServerProcess, free_port, kill_tree
-from router.config import RouterConfig
+from harness.pd_pair import nixl_or_skip, nixl_pd_pair
+from harness.server_utils import ServerProcess, kill_tree
 from router.embedded import RouterThread
 
 pytestmark = pytest.mark.slow
@@ -30,70 +27,16 @@ TOL = 1e-4
 MSGS = [{"role": "user", "content": "Name three large animals and say why they are large."}]
 
 
-def _nixl_or_skip() -> None:
-    try:
-        from serving.disagg.transport_nixl import _api
-
-        _api()
-    except Exception as e:  # noqa: BLE001 - any import failure is a skip reason
-        pytest.skip(f"NIXL is not installed (make setup installs nixl-cu12): {e}")
-
-
-def kill(s: ServerProcess) -> None:
-    """SIGKILL the server and its engine process (a crash, not a shutdown)."""
-    assert s.proc is not None
-    procs = [psutil.Process(s.proc.pid), *psutil.Process(s.proc.pid).children(recursive=True)]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    s.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterThread, ServerProcess, ServerProcess]]:
     """(PD router, decode server, colocated server)."""
-    _nixl_or_skip()
+    nixl_or_skip()
     from harness.model_utils import tiny_model
 
     model = tiny_model(tmp_path_factory.mktemp("tiny-pd-long"), with_tokenizer=True, max_position_embeddings=16384)
     base = ["--model-path", str(model), "--served-model-name", "tiny", "--max-total-tokens", "32768"]
-    pd = ["--disaggregation-transfer-backend", "nixl", "--disaggregation-bootstrap-timeout-s", "30"]
-    bp = free_port()
-    p = ServerProcess([*base, *pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp)])
-    d = ServerProcess([*base, *pd, "--disaggregation-mode", "decode"])
-    c = ServerProcess(base)
-    old = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "OMP_NUM_THREADS")}
-    os.environ.update(UCX_TLS=old["UCX_TLS"] or "tcp,self,sm", UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
-    try:
-        _start_all(p, d, c)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    cfg = RouterConfig(pd_disaggregation=True, prefill_urls=((p.url, bp),), decode_urls=(d.url,),
-                       tokenizer_workers=0, health_check_interval_s=60.0)
-    try:
-        with RouterThread(cfg) as r:
-            yield r, d, c
-    finally:
-        for s in (p, d, c):
-            if s.proc is not None and s.proc.poll() is None:
-                s.stop()
-
-
-def _start_all(*servers: ServerProcess) -> None:
-    """Start the servers together, with a generous deadline (a shared 2-core machine)."""
-    threads = [threading.Thread(target=s.start, kwargs={"timeout": 360.0}) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if not all(s.ready.is_set() for s in servers):
-        for s in servers:
-            if s.proc is not None:
-                kill_tree(s.proc)
-        raise RuntimeError("a server did not start:\n" + next(s for s in servers if not s.ready.is_set()).log()[-3000:])
+    with nixl_pd_pair(base) as (r, _, d, c):
+        yield r, d, c
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -170,7 +113,7 @@ def test_decode_killed_mid_stream_ends_with_an_error(
         assert raw.status_code == 200
         lines = raw.iter_lines()
         assert next(lines).startswith("data: {")
-        kill(d)
+        kill_tree(d.proc)  # a crash, not a shutdown
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]", rest[-3:]
     err = json.loads(rest[-2].removeprefix("data: "))["error"]

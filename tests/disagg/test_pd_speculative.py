@@ -13,14 +13,13 @@ repeated text would be.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from harness.server_utils import ServerProcess, free_port, start_all
-from router.config import RouterConfig
+from harness.pd_pair import nixl_pd_pair
+from harness.server_utils import ServerProcess
 from router.embedded import RouterThread
 
 pytestmark = pytest.mark.slow
@@ -28,42 +27,13 @@ PROMPTS = ["one two three one two three one two three one two", "the cat sat on 
            "a b c d a b c d a b c", "Repeat after me: hello world hello world hello"]
 
 
-def _nixl_or_skip() -> None:
-    try:
-        from serving.disagg.transport_nixl import _api
-
-        _api()
-    except Exception as e:  # noqa: BLE001 - any import failure is a skip reason
-        pytest.skip(f"NIXL is not installed (make setup installs nixl-cu12): {e}")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model) -> Iterator[tuple[RouterThread, ServerProcess, ServerProcess]]:
     """(PD router, decode server with NGRAM speculation, colocated server without)."""
-    _nixl_or_skip()
     base = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--enable-debug-endpoints"]
-    pd = ["--disaggregation-transfer-backend", "nixl", "--disaggregation-bootstrap-timeout-s", "30"]
-    bp = free_port()
-    p = ServerProcess([*base, *pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp)])
-    d = ServerProcess([*base, *pd, "--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM",
-                       "--speculative-num-draft-tokens", "5"])
-    c = ServerProcess(base)
-    old = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "OMP_NUM_THREADS")}
-    os.environ.update(UCX_TLS=old["UCX_TLS"] or "tcp,self,sm", UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
-    try:
-        start_all(p, d, c)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    cfg = RouterConfig(pd_disaggregation=True, prefill_urls=((p.url, bp),), decode_urls=(d.url,),
-                       tokenizer_workers=0, health_check_interval_s=60.0)
-    try:
-        with RouterThread(cfg) as r:
-            yield r, d, c
-    finally:
-        for s in (p, d, c):
-            if s.proc is not None and s.proc.poll() is None:
-                s.stop()
+    with nixl_pd_pair(base, ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]) as (
+            r, _, d, c):
+        yield r, d, c
 
 
 def _generate(url: str, text: str | list[str], stream: bool = False) -> list[list[int]]:

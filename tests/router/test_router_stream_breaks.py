@@ -23,10 +23,9 @@ import anthropic
 import httpx
 import ollama
 import openai
-import psutil
 import pytest
 
-from harness.server_utils import ServerProcess
+from harness.server_utils import ServerProcess, kill_tree
 from router.config import RouterConfig
 from router.embedded import RouterThread
 from router.errors import OLLAMA, OPENAI, Shape
@@ -34,18 +33,6 @@ from router.relay import StreamRelay
 
 LONG = 12000  # tokens each stream asks for: far more than it gets before the kill
 MSGS = [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}]
-
-
-def kill(s: ServerProcess) -> None:
-    """SIGKILL the server and its engine process (a crash, not a shutdown)."""
-    assert s.proc is not None
-    procs = [psutil.Process(s.proc.pid), *psutil.Process(s.proc.pid).children(recursive=True)]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    s.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +77,7 @@ def test_worker_killed_mid_stream_every_client_sees_an_error(long_model: Path) -
             first = next(s_ollama)
             assert first.done is False
 
-            kill(worker)
+            kill_tree(worker.proc)  # a crash, not a shutdown
 
             with pytest.raises(openai.APIError) as e_openai:
                 for chunk in s_openai:
@@ -122,7 +109,7 @@ def test_worker_killed_mid_stream_every_client_sees_an_error(long_model: Path) -
             assert state["in_flight"] == 0, state
     finally:
         if worker.proc is not None and worker.proc.poll() is None:
-            kill(worker)
+            kill_tree(worker.proc)  # a crash, not a shutdown
 
 
 def _poll(get: Callable[[], dict], ok: Callable[[dict], bool], timeout: float = 15.0) -> dict:
