@@ -63,7 +63,16 @@ class OverlapScheduler:
         return False, self.resolve()
 
     def prepare(self, fb: ForwardBatch) -> ForwardBatch:
-        """Replace placeholder ids by the previous step's tokens, on the device."""
+        """Replace placeholder ids by the previous step's tokens, on the device. A placeholder
+        that names no row of the previous step is refused here, on the host (a RuntimeError: the
+        step fails), not left to the device's gather, whose failed bounds check would end the
+        CUDA context of every request."""
+        i64, _, t = fb.host[:3]
+        lowest = int(i64[:t].min()) if t else 0
+        if lowest < 0 and (self.prev is None or -1 - lowest >= len(self.prev.reqs)):
+            rows = 0 if self.prev is None else len(self.prev.reqs)
+            raise RuntimeError(f"overlap: a placeholder for row {-1 - lowest} of the previous step's tokens, "
+                               f"which has {rows} rows")
         if self.prev is None:
             return fb
         ids = fb.input_ids

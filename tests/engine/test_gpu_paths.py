@@ -50,6 +50,26 @@ def test_overlap_greedy_matches_hf(tiny, kw):
     eng.shutdown()
 
 
+def test_a_placeholder_of_no_previous_row_is_refused_on_the_host():
+    """A batch whose placeholder names a row the previous step does not have fails on the host
+    (on a GPU the gather's device-side bounds check would end the whole CUDA context)."""
+    import torch
+
+    from serving.model.forward_batch import ForwardBatch
+    from serving.scheduler.overlap import _Launched
+
+    ov = OverlapScheduler(None)
+    fb = ForwardBatch.build([([5, 6, -1 - 2], 0, [0])], 4, "cpu")  # the token of row 2 of the previous step
+    with pytest.raises(RuntimeError, match="row 2 of the previous step's tokens, which has 0 rows"):
+        ov.prepare(fb)
+    tokens = torch.tensor([7, 8])
+    ov.prev = _Launched(tokens, tokens, None, [object(), object()])  # two rows
+    with pytest.raises(RuntimeError, match="which has 2 rows"):
+        ov.prepare(fb)
+    ok = ForwardBatch.build([([5, 6, -1 - 1], 0, [0])], 4, "cpu")
+    assert ov.prepare(ok).input_ids.tolist() == [5, 6, 8]
+
+
 def test_overlap_stops_one_step_late_but_outputs_are_exact(tiny):
     """Stop tokens and max_new_tokens land on the same token as without overlap."""
     path, ps, ref = tiny
