@@ -60,7 +60,6 @@ inline IV splat16i(int16_t v) { return _mm512_set1_epi16(v); }
 inline IV zero_i() { return _mm512_setzero_si512(); }
 inline void store_i(int32_t* p, IV a) { _mm512_storeu_si512(p, a); }
 inline IV madd_acc(IV acc, IV w, IV x) { return _mm512_dpwssd_epi32(acc, w, x); }
-inline IV madd_first(IV w, IV x) { return _mm512_madd_epi16(w, x); }
 #else
 inline IV load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline IV and16(IV a, IV b) { return _mm256_and_si256(a, b); }
@@ -71,9 +70,7 @@ inline IV zero_i() { return _mm256_setzero_si256(); }
 inline void store_i(int32_t* p, IV a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
 #if defined(__AVXVNNI__)
 inline IV madd_acc(IV acc, IV w, IV x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
-inline IV madd_first(IV w, IV x) { return _mm256_madd_epi16(w, x); }
 #else
-inline IV madd_first(IV w, IV x) { return _mm256_madd_epi16(w, x); }
 inline IV madd_acc(IV acc, IV w, IV x) { return keep(_mm256_add_epi32(acc, _mm256_madd_epi16(w, x))); }  // qdot.h
 #endif
 #endif
@@ -89,17 +86,9 @@ inline void q4_rows(const uint8_t* blk, int64_t bytes, int64_t G, int h, const i
   for (int r = 0; r < R; ++r) out[r] = splat(0.0f);
   for (int64_t g = 0; g < G; ++g, blk += bytes) {
     IV acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = zero_i();
     const int16_t* qg = qq + g * 32;
-    {
-      const IV v = load_bytes(blk + 4 * W * h);
-      const IV w0 = and16(v, mask), w1 = and16(srl16<8>(v), mask);
-      for (int r = 0; r < R; ++r) acc[r] = madd_first(w0, bcast32(qg + r * K));
-      for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w1, bcast32(qg + r * K + 2));
-      const IV w2 = and16(srl16<4>(v), mask), w3 = srl16<12>(v);
-      for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w2, bcast32(qg + r * K + 4));
-      for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w3, bcast32(qg + r * K + 6));
-    }
-    for (int p = 1; p < 4; ++p) {
+    for (int p = 0; p < 4; ++p) {
       const IV v = load_bytes(blk + 64 * p + 4 * W * h);
       const IV w0 = and16(v, mask), w1 = and16(srl16<8>(v), mask);
       for (int r = 0; r < R; ++r) acc[r] = madd_acc(acc[r], w0, bcast32(qg + r * K + 8 * p));
