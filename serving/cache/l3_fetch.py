@@ -23,6 +23,7 @@ from hicache.hiradix.match import PendingLoad
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import ReadJob, StorageTier
+from serving.cache.transfers import TransferRunner
 
 
 @dataclass(eq=False)
@@ -66,7 +67,7 @@ class Fetches:
       the job has ended; only then are they freed.
     """
 
-    def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier,
+    def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, transfers: TransferRunner,
                  on_read: Callable[[int, float], None], fetch_workers: int = 4) -> None:
         self.tree = tree
         self.host_pool = host_pool
@@ -79,7 +80,7 @@ class Fetches:
         self._by_key: dict[str, tuple[FetchOp, int]] = {}  # key -> (active fetch, index in its keys)
         self._workers = None if isinstance(tier, StorageTier) else \
             ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="hicache-l3-fetch")
-        self.run_transfers: Callable[[], None] | None = None  # executes the tree's moves (ReqCache)
+        self.transfers = transfers  # runs the tree's moves (an early load's backups and copy)
         self.l1_loads: list[tuple[TreeNode, PendingLoad]] = []  # early L2 -> L1 loads to finish
         self.pages_loaded_early = 0
         self.pages_deduplicated = 0  # pages a request found already being read by another one's fetch
@@ -149,11 +150,11 @@ class Fetches:
             tree.lock(node)
             tree.unlock(op.node)
             op.node = node
-        if to_l1 and self.run_transfers is not None and tree.device.num_free >= fresh and \
+        if to_l1 and tree.device.num_free >= fresh and \
                 self._l2_only(node) <= tree.device.num_free:  # never evict L1 for an early load
             m = tree.match_prefix(op.tokens[:upto])
             loaded_m = tree.load_back(m)  # no eviction: L1 has the room
-            self.run_transfers()  # backups the match asked for; binds the load's PendingLoad
+            self.transfers.flush()  # backups the match asked for; binds the load's PendingLoad
             if loaded_m is not m:
                 self.l1_loads.append((loaded_m.last_device_node, loaded_m.pending_loads[-1]))
                 self.pages_loaded_early += m.host_hit_tokens // ps

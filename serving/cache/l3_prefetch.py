@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
 from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.cache.l3_fetch import Fetches, FetchOp
+from serving.cache.transfers import TransferRunner
 from serving.scheduler.request import Req
 
 
@@ -130,7 +130,7 @@ class Prefetcher:
     """
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
-                 policy: str = "best_effort", threshold_tokens: int = 256,
+                 transfers: TransferRunner, policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
                  load_policy: LoadPolicy | None = None) -> None:
         if policy not in PREFETCH_POLICIES:
@@ -146,20 +146,12 @@ class Prefetcher:
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.load_policy = load_policy or AlwaysLoad()
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-l3-lookup")
-        self.fetches = Fetches(tree, host_pool, tier, self.load_policy.observe_read)
+        self.fetches = Fetches(tree, host_pool, tier, transfers, self.load_policy.observe_read)
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
         self._fetching = 0  # requests holding a fetch (their own or one they follow)
         self.pin_budget = int(PIN_SHARE * host_pool.num_pages)
         self._pinned = 0  # L2 pages pinned by waiting requests (a page pinned twice counts twice)
-
-    @property
-    def run_transfers(self) -> Callable[[], None] | None:
-        return self.fetches.run_transfers
-
-    @run_transfers.setter
-    def run_transfers(self, run: Callable[[], None] | None) -> None:
-        self.fetches.run_transfers = run  # executes the tree's moves (ReqCache)
 
     @property
     def pages_loaded_early(self) -> int:

@@ -7,16 +7,13 @@ consistent with it and hands tier moves to the cache controller.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 
-from hicache.hiradix import HiRadixTree, MatchResult, Transfer
+from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
 from serving.cache.storage_controller import StorageController
+from serving.cache.transfers import TransferRunner
 from serving.model.forward_batch import LayerWaits
 from serving.scheduler.request import Req
-
-TransferSink = Callable[[list[Transfer]], "Future | None"]
 
 
 class ReqCache:
@@ -38,14 +35,12 @@ class ReqCache:
     L1_WAIT_S = 1.0
 
     def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
-                 run_transfers: TransferSink | None = None, storage: StorageController | None = None) -> None:
+                 transfers: TransferRunner, storage: StorageController | None = None) -> None:
         self.tree = tree
         self.allocator = allocator
         self.page_size = page_size
-        self._run_transfers = run_transfers
+        self.transfers = transfers  # the storage controller's runner when there is L3 (its backups go on to L3)
         self.storage = storage
-        if storage is not None:
-            storage.attach_transfers(self.flush_transfers)
         self._holders: set[str] = set()  # admitted requests not released yet (they hold L1)
         self._l1_waits: dict[str, float] = {}  # rid -> when it first waited for L1 room
         self._refuse: set[str] = set()  # admitted this step only to be put back (see the class docstring)
@@ -54,12 +49,7 @@ class ReqCache:
     def flush_transfers(self) -> None:
         """Execute the tree's pending tier moves (in order) before any freed page is reused;
         loads run on in the background (their PendingLoads say when they have landed)."""
-        transfers = self.tree.take_transfers()
-        if not transfers or self._run_transfers is None:
-            return
-        self._run_transfers(transfers)  # backups are done when this returns
-        if self.storage is not None:
-            self.storage.on_transfers_done(transfers)
+        self.transfers.flush()
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` L1 pages, evicting unlocked cached pages if needed; None if impossible."""

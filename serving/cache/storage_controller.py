@@ -16,15 +16,14 @@ each part's docstring says what its threads may touch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from hicache.hiradix import HiRadixTree, Transfer
+from hicache.hiradix import HiRadixTree
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.storage import StorageTier
 from serving.cache.cost_model import LoadPolicy
 from serving.cache.l3_prefetch import Prefetcher
 from serving.cache.l3_writeback import WriteBack
+from serving.cache.transfers import TransferRunner, TransferSink
 from serving.scheduler.request import Req
 
 
@@ -41,30 +40,21 @@ class StorageController:
     """
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
-                 policy: str = "best_effort", threshold_tokens: int = 256,
+                 execute: TransferSink, policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
                  load_policy: LoadPolicy | None = None, write_queue_pages: int = 16384,
                  write_rate_mb_s: float = 0.0) -> None:
         self.tree = tree
         self.tier = tier
         self.writeback = WriteBack(tree, host_pool, tier, namespace, write_queue_pages, write_rate_mb_s)
-        self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, policy, threshold_tokens,
+        # the one runner of the tree's moves (the request cache flushes through it too): backups
+        # it runs go on to the write-back; the prefetcher's early L2 -> L1 loads run through it
+        self.transfers = TransferRunner(tree, execute, self.writeback)
+        self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, self.transfers, policy, threshold_tokens,
                                      timeout_base_s, timeout_per_1k_tokens_s, load_policy)
         self.load_policy = self.prefetcher.load_policy
 
-    def attach_transfers(self, run: Callable[[], None]) -> None:
-        """``run()`` executes the tree's pending tier moves (the request cache's flush): the
-        prefetcher's early L2 -> L1 loads go through it."""
-        self.prefetcher.run_transfers = run
-
     # -- write-back -----------------------------------------------------------------------
-    def on_transfers_done(self, transfers: list[Transfer]) -> None:
-        """After backups ran: write their nodes on to L3."""
-        for t in transfers:
-            if t.kind == "backup":
-                for node in t.nodes:
-                    self.writeback.write(node)
-
     def on_hit(self, node: TreeNode) -> None:
         """A request matched the path to ``node``: retry write-backs that did not reach L3
         (the store was down, say) for its L2 nodes."""

@@ -29,6 +29,7 @@ from serving.cache.cost_model import make_load_policy
 from serving.cache.prefill_timer import PrefillTimer
 from serving.cache.req_cache import ReqCache
 from serving.cache.storage_controller import StorageController
+from serving.cache.transfers import TransferRunner, TransferSink
 from serving.config import EngineConfig
 from serving.grammar.runner import make_grammar_runner
 from serving.model.model_runner import ModelRunner
@@ -116,13 +117,14 @@ class EngineCore:
             cache, pool.allocator, self.host_pool.allocator if self.host_pool else None)
         self.ledger = TenantLedger(cache.page_size)  # per-tenant pages; quotas: set_quotas
         self.tree.set_ledger(self.ledger)
-        self.storage = self._make_storage() if cache.storage_enabled else None
         execute = self.controller.execute if self.controller else None
         forward = self.runner.forward
         if self.tp is not None:
             execute = execute and self.tp.wrap_execute(execute)
             forward = self.tp.wrap_forward(forward)
-        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, execute, self.storage)
+        self.storage = self._make_storage(execute) if cache.storage_enabled else None
+        transfers = self.storage.transfers if self.storage is not None else TransferRunner(self.tree, execute)
+        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.scheduler = Scheduler(
@@ -164,7 +166,7 @@ class EngineCore:
                      host.allocator.available, n)
         return host
 
-    def _make_storage(self) -> StorageController:
+    def _make_storage(self, execute: TransferSink) -> StorageController:
         cache = self.config.cache
         extra, warning = sizing.plan_l3(cache.hicache_storage_backend, cache.hicache_storage_backend_extra_config)
         if warning is not None:  # a default capacity larger than the disk has room for
@@ -179,7 +181,7 @@ class EngineCore:
         log.info("L3 storage: %s, namespace %s", cache.hicache_storage_backend, namespace)
         load_policy = make_load_policy(cache.hicache_storage_load_policy, tier.codec.value_nbytes, cache.page_size)
         return StorageController(
-            self.tree, self.host_pool, tier, namespace, cache.hicache_storage_prefetch_policy,
+            self.tree, self.host_pool, tier, namespace, execute, cache.hicache_storage_prefetch_policy,
             cache.hicache_storage_prefetch_threshold, cache.hicache_storage_prefetch_timeout_base,
             cache.hicache_storage_prefetch_timeout_per_ki_token, load_policy,
             cache.hicache_storage_write_queue_pages, cache.hicache_storage_write_rate_mb_s)
