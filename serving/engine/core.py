@@ -127,21 +127,22 @@ class EngineCore:
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
-        self.scheduler = Scheduler(
-            config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
-            self.runner.context_len, self.runner.device)
         self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
                                            self.eos_ids)
-        self.scheduler.grammar = self.grammar
+        # the load-vs-recompute model learns the prefill rate
+        prefill_timer = None if self.storage is None else \
+            PrefillTimer(self.storage.load_policy.observe_prefill, self.runner.device)
+        self.scheduler = Scheduler(
+            config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
+            self.runner.context_len, self.runner.device, self.grammar, prefill_timer)
         if config.scheduler.speculative_algorithm is not None:  # NGRAM: drafts from the tree (serving/speculative)
             from serving.speculative.worker import SpeculativeWorker
 
             self.scheduler.attach_speculative(SpeculativeWorker(
                 config.scheduler, self.req_cache, self.scheduler.sampler, self.runner.context_len,
                 self.runner.device,
-                overlap=not config.scheduler.disable_overlap_schedule and self.runner.device.type == "cuda"))
-        if self.storage is not None:  # the load-vs-recompute model learns the prefill rate
-            self.scheduler.prefill_timer = PrefillTimer(self.storage.load_policy.observe_prefill, self.runner.device)
+                overlap=not config.scheduler.disable_overlap_schedule and self.runner.device.type == "cuda",
+                grammar=self.grammar))
 
     def _make_host_pool(self) -> HostKVPool:
         """L2, sized against the memory the host can pin (hicache.sizing: --hicache-size past it is an

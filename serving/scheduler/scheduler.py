@@ -59,6 +59,8 @@ class Scheduler:
         stop_checker: StopChecker,
         context_len: int,
         device: torch.device | str = "cpu",
+        grammar=None,  # noqa: ANN001 - serving.grammar.runner.GrammarRunner (structured output)
+        prefill_timer: PrefillTimer | None = None,
     ) -> None:
         self.config = config
         self.cache = cache
@@ -73,9 +75,9 @@ class Scheduler:
         self._finished_outside_step: list[Req] = []  # finished while scheduling (not sampled)
         self.running: list[Req] = []  # admitted, in admission order
         self.stats = SchedulerStats()
-        self.grammar = None  # serving.grammar.runner.GrammarRunner (structured output), set by EngineCore
+        self.grammar = grammar  # None: no structured output
         # times the forward passes that prefill (GPU time on CUDA): the L3 cost model's prefill rate
-        self.prefill_timer: PrefillTimer | None = None
+        self.prefill_timer = prefill_timer
         self._step_prefill = 0
         self._overlap = None  # serving.scheduler.overlap.OverlapScheduler: batch N+1 prepared while N runs
         self.pd = None  # serving.disagg.role_base.PDRole of a prefill / decode server (None: colocated)
@@ -88,7 +90,6 @@ class Scheduler:
 
     def attach_speculative(self, worker) -> None:  # noqa: ANN001 - serving.speculative.worker.SpeculativeWorker
         self.spec = worker
-        worker.grammar = self.grammar
 
     def attach_role(self, role) -> None:  # noqa: ANN001 - serving.disagg.role_base.PDRole
         self.pd = role

@@ -68,7 +68,7 @@ class SpeculativeWorker:
     """See the module doc. ``grammar``: the scheduler's GrammarRunner (None: no structured output)."""
 
     def __init__(self, config: SchedulerConfig, cache: ReqCache, sampler: Sampler, context_len: int,
-                 device: torch.device, overlap: bool) -> None:
+                 device: torch.device, overlap: bool, grammar=None) -> None:  # noqa: ANN001 - GrammarRunner
         self.cache = cache
         self.sampler = sampler
         self.context_len = context_len
@@ -82,7 +82,7 @@ class SpeculativeWorker:
         self.policy = DraftPolicy(config.speculative_num_draft_tokens - 1, miss_limit=MISS_LIMIT if overlap else None)
         self.cost = StepCost(TOKEN_COST.get(device.type, 0.02))
         self._step: tuple[int, int] | None = None  # (decode rows, drafts) of the step being run
-        self.grammar = None
+        self.grammar = grammar  # the scheduler's (drafts of a constrained request follow its grammar)
         self.stats = SpecStats()
         # session id -> its last request's recent verifications: the next turn starts from them (an
         # agent's tool calls repeat across turns), not from the prior
