@@ -83,8 +83,20 @@ def cpu_info() -> dict:
         pass
     flags = cpu_ext.cpu_flags()
     keep = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx_vnni")
-    return {"model_name": name, "nproc": os.cpu_count(), "flags": [f for f in keep if f in flags],
-            "variants_runnable": [v.name for v in cpu_ext.runnable()], "variant_in_use": cpu_ext.variant()}
+    # an instruction-set cap set for this run (the kernels' variant, torch's, MKL's, oneDNN's): a run on
+    # an AVX-512 CPU capped at AVX2 says so here, with what llama.cpp was built for
+    caps = ("HICACHE_CPU_KERNELS", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+    info = {"model_name": name, "nproc": os.cpu_count(), "flags": [f for f in keep if f in flags],
+            "variants_runnable": [v.name for v in cpu_ext.runnable()], "variant_in_use": cpu_ext.variant(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_caps": {k: os.environ[k] for k in caps if k in os.environ}}
+    try:
+        import llama_cpp
+
+        info["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
+    except ImportError:
+        pass
+    return info
 
 
 def ours_logits(mode: str, ids: list[int]) -> torch.Tensor:
