@@ -11,7 +11,14 @@ import torch
 
 from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.device import KVLayout
-from hicache.tiers.host_pinning import HOLD_ENV, HostPinner, cuda_register, cuda_unregister, no_register
+from hicache.tiers.host_pinning import (
+    HOLD_ENV,
+    HostPinner,
+    aligned_empty,
+    cuda_register,
+    cuda_unregister,
+    no_register,
+)
 from hicache.tiers.kv_codec import get_encoding, storage_dtype
 
 
@@ -85,7 +92,8 @@ class HostKVPool(ABC):
         self.pinner: HostPinner | None = None
         self.allocator: PageAllocator
         if self.pin or hold:  # pageable, pinned in place chunk by chunk
-            self.buffer = torch.empty(self._shape(), dtype=self._buffer_dtype())  # each chunk zeroed as pinned
+            # its own whole OS pages (registering it pins nothing else); each chunk zeroed as pinned
+            self.buffer = aligned_empty(self._shape(), self._buffer_dtype())
             rows = self.buffer.shape[0] if self.page_dim == 1 else 1
             self.pinner = HostPinner(self.buffer, rows, num_pages, cuda_register if self.pin else no_register,
                                      cuda_unregister if self.pin else (lambda ptr: None), hold=hold)
@@ -301,13 +309,14 @@ def host_num_pages(device_pages: int, device_bytes_per_page: int, ratio: float, 
 
 
 def make_host_pool(name: str, layout: KVLayout, num_pages: int, page_size: int,
-                   encoding: str = "raw", background: bool = False) -> HostKVPool:
+                   encoding: str = "raw", background: bool = False, pin_memory: bool | None = None) -> HostKVPool:
     """``background``: pin in the background (see HostKVPool); only for a pool whose pages no
-    other process follows (tensor-parallel ranks pin theirs whole before serving)."""
+    other process follows (tensor-parallel ranks pin theirs whole before serving). ``pin_memory``:
+    None pins wherever CUDA is available; an engine on the CPU passes False."""
     try:
         cls = HOST_LAYOUTS[name]
     except KeyError:
         raise ValueError(f"unknown hicache_mem_layout {name!r}; choose from {sorted(HOST_LAYOUTS)}") from None
     if get_encoding(encoding).lossy:
-        return EncodedHostPool(layout, num_pages, page_size, encoding, name, background=background)
-    return cls(layout, num_pages, page_size, background=background)
+        return EncodedHostPool(layout, num_pages, page_size, encoding, name, pin_memory, background)
+    return cls(layout, num_pages, page_size, pin_memory, background)

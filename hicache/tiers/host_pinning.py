@@ -48,6 +48,16 @@ def cuda_unregister(ptr: int) -> None:
         raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor that starts at an ``ALIGN`` boundary and owns every OS page it
+    touches (its allocation is padded to whole ``ALIGN`` blocks): pinning it in place registers
+    no byte of any other object."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(-(-nbytes // ALIGN) * ALIGN + ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % ALIGN
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
 def no_register(ptr: int, size: int) -> None:
     """Stands in for cudaHostRegister where nothing is pinned (the CPU test hold)."""
 
@@ -88,12 +98,17 @@ class HostPinner:
 
     # -- geometry ---------------------------------------------------------------------
     def _cut(self, row: int, page: int) -> int:
+        """Where a registered range starts or ends: an ``ALIGN`` multiple, kept inside the buffer.
+        A cut rounded down past the buffer's start would register the memory below it: other
+        objects' bytes, which CUDA then reports as pinned (torch's ``pin_memory()`` returns such a
+        tensor itself, so its non-blocking copy reads memory that is freed and reused meanwhile)."""
         base = self.buffer.data_ptr()
         if row == 0 and page == 0:
             return base
         if row == self.rows - 1 and page == self.num_pages:
             return base + self.total
-        return (base + (row * self.num_pages + page) * self.page_bytes) // ALIGN * ALIGN
+        cut = (base + (row * self.num_pages + page) * self.page_bytes) // ALIGN * ALIGN
+        return min(base + self.total, max(base, cut))
 
     def _pieces(self, k: int) -> list[tuple[int, int]]:
         lo, hi = k * self.chunk_pages, min(self.num_pages, (k + 1) * self.chunk_pages)

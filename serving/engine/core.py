@@ -159,7 +159,7 @@ class EngineCore:
         n = max(1, nbytes // page_bytes)
         t0 = time.perf_counter()
         host = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size, enc.name,
-                              background=self.tp is None)
+                              background=self.tp is None, pin_memory=self.runner.device.type == "cuda")
         log.info("L2 host pool: %d pages, %s, %s (%.2f GiB)%s in %.1f s", n, cache.hicache_mem_layout, enc.name,
                  host.nbytes() / 2**30, " pinned" if host.pin else "", time.perf_counter() - t0)
         if host.growing:

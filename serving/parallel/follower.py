@@ -85,7 +85,8 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     assert isinstance(setup, msg.Setup)
     cache = config.cache
     host_pool = make_host_pool(cache.hicache_mem_layout, runner.pool.layout, setup.host_pages, cache.page_size,
-                               cache.hicache_l2_encoding) if setup.host_pages else None
+                               cache.hicache_l2_encoding, pin_memory=runner.device.type == "cuda") \
+        if setup.host_pages else None
     controller = CacheController(runner.pool, host_pool) if host_pool is not None else None
     tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
     progress = _Progress(1)  # Setup was command 1

@@ -69,17 +69,19 @@ def test_tp2_encodes_each_ranks_shard_and_matches_tp1(tiny, tmp_path):
     TP=2 answers equal TP=1's in the same mode, from L2 and from L3 after a restart."""
     path, ps, others, ref = tiny
     mode = MODES["l2_int8_l3_int8"]
-    one = make(path, tmp_path / "tp1", mode)
+    # two ranks on two GPUs where there are, else on the CPU (gloo; a one-GPU host too)
+    dev = {} if torch.cuda.device_count() >= 2 else {"device": "cpu"}
+    one = make(path, tmp_path / "tp1", mode, **dev)
     want = ids_of(one.generate(input_ids=ps, sampling_params=GREEDY))
     one.shutdown()
-    eng = make(path, tmp_path / "tp2", mode, tp_size=2)
+    eng = make(path, tmp_path / "tp2", mode, tp_size=2, **dev)
     assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == want
     eng.generate(input_ids=others, sampling_params=GREEDY)
     back = eng.generate(input_ids=ps, sampling_params=GREEDY)
     assert ids_of(back) == want and tier_hits(back, "host") > 0
     eng.check_integrity()
     eng.shutdown()
-    eng = make(path, tmp_path / "tp2", mode, tp_size=2)
+    eng = make(path, tmp_path / "tp2", mode, tp_size=2, **dev)
     try:
         outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
         assert ids_of(outs) == want and tier_hits(outs, "storage") > 0
