@@ -11,7 +11,10 @@ an H200 host: 100 ms per 256 MiB chunk, and the engine turned once per chunk); r
 resident pages runs at ~19 GB/s and stalls launches for at most ~25 ms, at p99 0.2 ms. A pool
 page joins L2 once every byte of it is pinned: chunks are cut at pool-page boundaries (rounded
 down to ``ALIGN``, so that no OS page belongs to two registered ranges), across every row of a
-``layer_first`` buffer alike.
+``layer_first`` buffer alike, and never outside the buffer. The buffer itself starts on an
+``ALIGN`` boundary and owns whole ``ALIGN`` blocks (:func:`aligned_empty`): registering memory that
+holds other objects makes CUDA call them pinned, and torch then copies them without blocking as if
+they were (``pin_memory()`` returns them as they are) while Python frees and reuses them.
 
 On a machine without CUDA nothing is pinned; a test can still run the same growth with a hold
 (``HICACHE_TEST_HOLD_L2_PIN``: while that file exists each chunk waits, and "registering" does
