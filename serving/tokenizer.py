@@ -37,7 +37,7 @@ class Tokenizer:
     bounded amount of the tokenizer's temporary memory."""
 
     def __init__(self, path: str) -> None:
-        from serving.tokenizer_load import load_hf_tokenizer
+        from hicache.tokenizer_load import load_hf_tokenizer
 
         self.hf = load_hf_tokenizer(path)
         self.path = path
