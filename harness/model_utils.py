@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -65,6 +64,3 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
             outs.append(y[0, len(ids):].tolist())
     return outs
 
-
-def env_threads() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -88,7 +88,7 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> None:
         env = {
             **os.environ,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # one of several processes per core
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }

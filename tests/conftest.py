@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread per process: the suite runs two test processes (pytest-xdist) on a 2-core
+# machine, each with engines and servers of its own; two threads each oversubscribe the cores
+# (a decode step of SmolLM2 in fp32 is faster on one thread than on two, even alone). Set before
+# torch is imported here; the servers a test starts inherit it (harness/server_utils.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Modules whose assertions depend on timing on this 2-core machine (a latency bound, a throttled
 # store against the prefill rate, a watchdog's deadline, a stream cut after so many tokens):

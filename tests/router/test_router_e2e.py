@@ -40,18 +40,12 @@ def worker_args(model: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workers(tiny_chat_model: Path) -> Iterator[list[ServerProcess]]:
-    threads_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # three workers on a small machine: no oversubscription
-    procs = [ServerProcess(worker_args(tiny_chat_model)) for _ in range(3)]
+    procs = [ServerProcess(worker_args(tiny_chat_model)) for _ in range(3)]  # one thread each (conftest.py)
     threads = [threading.Thread(target=p.start) for p in procs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if threads_before is None:
-        os.environ.pop("OMP_NUM_THREADS")
-    else:
-        os.environ["OMP_NUM_THREADS"] = threads_before
     try:
         for p in procs:
             assert p.ready.is_set(), p.log()
