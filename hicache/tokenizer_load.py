@@ -3,11 +3,11 @@
 ``transformers.AutoTokenizer`` imports torch (and torch._dynamo, the model configs, the
 processors) before it decides which class to build: about 4-6 CPU-seconds and 1.5 s more at
 exit, in processes that never run torch (the worker's HTTP process; the router and each of its
-key processes, which must build the worker's class to key on the ids the worker prefills). For the folders where its answer is known
-without them (``tokenizer_config.json`` names ``TokenizersBackend``, no custom code, a model
-type whose registered tokenizer does not override that class) the same class is built
-directly, with the arguments AutoTokenizer passes it; every other folder goes through
-AutoTokenizer as before. tests/models/test_tokenizer_load.py checks the direct path against
+key processes, which must build the worker's class to key on the ids the worker prefills).
+For the folders where its answer is known without them (``tokenizer_config.json`` names
+``TokenizersBackend``, no custom code, a model type whose registered tokenizer does not override
+that class) the same class is built directly, with the arguments AutoTokenizer passes it; every
+other folder goes through AutoTokenizer as before. tests/models/test_tokenizer_load.py checks the direct path against
 AutoTokenizer (same class, same ids, texts and chat template) and against transformers' tables.
 """
 

@@ -5,7 +5,8 @@
 - ``base`` / ``registry``: the grammar-backend contract and the registry behind
   ``--grammar-backend`` (``xgrammar``, or ``none`` to turn structured output off).
 - ``xgrammar_backend``: the xgrammar implementation (tokenizer info built once, compiler with
-  its own cache, batched bitmask fill / apply).
+  its own cache, batched bitmask fill / apply); ``deferred``: the engine's backend is built on
+  its first use (the first grammar), not at start.
 - ``lru``: compiled grammars cached by ``(kind, text)``.
 - ``runner``: what the scheduler calls: per-request matchers, masks filled on a worker thread
   while the forward pass runs, applied to the logits before sampling, jump-forward.

@@ -26,10 +26,9 @@ register_grammar_backend("xgrammar", _xgrammar)
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # the names the config accepts
 
 
-def make_grammar_backend(name: str, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> GrammarBackend | None:
-    """The backend called ``name`` for an HF tokenizer; None for ``none``."""
-    if name == "none":
-        return None
+def grammar_backend_factory(name: str) -> Callable[[Any, int, Sequence[int]], GrammarBackend]:
+    """The factory registered as ``name``; ValueError naming the known ones otherwise."""
     if name not in _FACTORIES:
         raise ValueError(f"unknown grammar backend {name!r} (known: {', '.join([*_FACTORIES, 'none'])})")
-    return _FACTORIES[name](tokenizer, vocab_size, stop_ids)
+    return _FACTORIES[name]
+

@@ -57,8 +57,9 @@ import torch
 from serving.grammar.base import GrammarBackend, GrammarError, Matcher
 from serving.grammar.compile_job import CompileJob
 from serving.grammar.compile_pool import CompilePool
+from serving.grammar.deferred import DeferredBackend
 from serving.grammar.lru import CompiledGrammarCache
-from serving.grammar.registry import make_grammar_backend
+from serving.grammar.registry import grammar_backend_factory
 from serving.grammar.spec import grammar_spec
 from serving.scheduler.sampling_params import InvalidRequest
 
@@ -137,7 +138,7 @@ class GrammarRunner:
         self.compiles = CompilePool(backend, compile_workers, compile_timeout_s, max_pending_compiles,
                                     compile_max_memory_mb) if backend is not None else None
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        self._mask = backend.allocate_mask(64) if backend is not None else None
+        self._mask: torch.Tensor | None = None  # the masks' buffer, allocated with the first constrained step
         self._job: MaskJob | None = None
 
     @property
@@ -212,9 +213,9 @@ class GrammarRunner:
             return None
         if self._job is not None:  # a step that failed before joining its job
             self._job.future.result()
-        assert self._mask is not None
-        if self._mask.shape[0] < len(reqs):
-            self._mask = self.backend.allocate_mask(max(len(reqs), 2 * self._mask.shape[0]))
+        if self._mask is None or self._mask.shape[0] < len(reqs):
+            grown = 64 if self._mask is None else 2 * self._mask.shape[0]
+            self._mask = self.backend.allocate_mask(max(len(reqs), grown))
         self.stats.masked_steps += 1
         self.stats.masked_rows += len(rows)
         states = [reqs[i].grammar for i in rows]
@@ -298,8 +299,10 @@ def make_grammar_runner(config: Any, tokenizer: Any, vocab_size: int, stop_ids: 
     if tokenizer is None:
         return GrammarRunner(None, off_reason="this model has no tokenizer")
     hf = getattr(tokenizer, "hf", tokenizer)
+    factory = grammar_backend_factory(config.grammar_backend)  # an unknown name fails now, not at the first grammar
+    backend = DeferredBackend(config.grammar_backend, vocab_size, lambda: factory(hf, vocab_size, stop_ids))
     return GrammarRunner(
-        make_grammar_backend(config.grammar_backend, hf, vocab_size, stop_ids), config.jump_forward,
+        backend, config.jump_forward,
         compile_timeout_s=config.grammar_compile_timeout_s, max_grammar_bytes=config.grammar_max_bytes,
         compile_workers=config.grammar_compile_workers, max_pending_compiles=config.grammar_max_pending_compiles,
         compile_max_memory_mb=config.grammar_compile_max_memory_mb,

@@ -161,6 +161,8 @@ def _run(engine, prompts, params, jump: bool = True):
 
 
 def test_engine_outputs_match(engine) -> None:
+    # the module's first engine test: the backend was not built at start, the first grammar builds it
+    assert not engine.core.grammar.backend.built
     prompts = ["Reply in JSON.", "Pick one.", "Code:", "Reply in JSON again."]
     params = [
         {**GREEDY, "max_new_tokens": 60, "json_schema": SCHEMA},
@@ -175,6 +177,7 @@ def test_engine_outputs_match(engine) -> None:
     assert re.fullmatch(r"Answer: (yes|no)\.", outs[1]["text"]), outs[1]["text"]
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", outs[2]["text"]), outs[2]["text"]
     jsonschema.validate(json.loads(outs[3]["text"]), SCHEMA)
+    assert engine.core.grammar.backend.built
 
 
 @pytest.mark.parametrize("min_jump", [1, None])  # every forced run / the default (runs that end the grammar)
