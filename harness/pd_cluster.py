@@ -215,7 +215,8 @@ def main() -> None:
     finally:
         if router.ready.is_set():
             router.stop()
-        out["exit_codes"] = [s.stop() if s.proc is not None else None for s in servers]
+        with ThreadPoolExecutor(len(servers)) as ex:  # each persists its cache on the way out: side by side
+            out["exit_codes"] = list(ex.map(lambda s: s.stop() if s.proc is not None else None, servers))
         if master is not None:
             master.kill()
     print(json.dumps(out), flush=True)

@@ -80,7 +80,7 @@ def bounded_jump_child(model_path: str) -> None:
 def bounded(tiny_chat_model: Path) -> dict:
     code = (f"from tests.engine.test_grammar_limits import bounded_jump_child; "
             f"bounded_jump_child({str(tiny_chat_model)!r})")
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"the engine failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
