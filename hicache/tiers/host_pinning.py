@@ -14,7 +14,8 @@ down to ``ALIGN``, so that no OS page belongs to two registered ranges), across 
 ``layer_first`` buffer alike, and never outside the buffer. The buffer itself starts on an
 ``ALIGN`` boundary and owns whole ``ALIGN`` blocks (:func:`aligned_empty`): registering memory that
 holds other objects makes CUDA call them pinned, and torch then copies them without blocking as if
-they were (``pin_memory()`` returns them as they are) while Python frees and reuses them.
+they were (``pin_memory()`` returns them as they are) while Python frees and reuses them. Its
+storage starts there too: torch asks whether a tensor is pinned at its storage's first byte.
 
 On a machine without CUDA nothing is pinned; a test can still run the same growth with a hold
 (``HICACHE_TEST_HOLD_L2_PIN``: while that file exists each chunk waits, and "registering" does
@@ -24,9 +25,11 @@ nothing), so the engine's handling of a growing L2 is tested on CPU.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -52,13 +55,19 @@ def cuda_unregister(ptr: int) -> None:
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor that starts at an ``ALIGN`` boundary and owns every OS page it
-    touches (its allocation is padded to whole ``ALIGN`` blocks): pinning it in place registers
-    no byte of any other object."""
+    """A zero-filled CPU tensor in memory of its own (an anonymous mapping, committed as it is
+    touched) whose storage starts on an ``ALIGN`` boundary and owns whole ``ALIGN`` blocks: pinning
+    it in place registers no byte of any other object. The storage itself starts there, not a view
+    into a larger one: torch asks CUDA whether a tensor is pinned at its storage's first byte
+    (``Tensor.is_pinned``, and with it every non-blocking copy and the page-move kernel)."""
     nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(-(-nbytes // ALIGN) * ALIGN + ALIGN, dtype=torch.uint8)
-    start = -raw.data_ptr() % ALIGN
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    padded = -(-nbytes // ALIGN) * ALIGN
+    region = mmap.mmap(-1, padded + ALIGN)  # anonymous, private, page-aligned; the tensor keeps it alive
+    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % ALIGN
+    with warnings.catch_warnings():  # frombuffer warns about sharing memory with a buffer: that is the point
+        warnings.simplefilter("ignore")
+        raw = torch.frombuffer(region, dtype=torch.uint8, offset=start, count=padded)
+    return raw[:nbytes].view(dtype).view(shape)
 
 
 def no_register(ptr: int, size: int) -> None:

@@ -38,7 +38,8 @@ def _ranges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("pages", [96, 700, 5000])
 def test_a_pool_registers_only_its_own_whole_pages(monkeypatch, tmp_path, layout, pages):
     """Every registered byte is the pool's, every byte of the pool is registered, and the pool
-    starts on an ALIGN boundary (no OS page it pins holds another object)."""
+    (its storage, not only a view) starts on an ALIGN boundary (no OS page it pins holds another
+    object)."""
     got = _ranges(monkeypatch)
     monkeypatch.setenv(HOLD_ENV, str(tmp_path / "no-hold"))  # the CPU path of pinning in place, not held
     pool = make_host_pool(layout, LAYOUT, pages, 4)
@@ -46,6 +47,9 @@ def test_a_pool_registers_only_its_own_whole_pages(monkeypatch, tmp_path, layout
         base = pool.buffer.data_ptr()
         end = base + pool.buffer.numel() * pool.buffer.element_size()
         assert base % ALIGN == 0
+        # torch asks CUDA about a tensor's storage's first byte (Tensor.is_pinned, non-blocking copies,
+        # the page-move kernel): the storage must start where the registered memory starts
+        assert pool.buffer.untyped_storage().data_ptr() == base
         shown = (hex(base), hex(end), [(hex(a), hex(b)) for a, b in got])
         assert got and all(base <= a < b <= end for a, b in got), shown
         covered = sorted(got)
