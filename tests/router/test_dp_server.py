@@ -103,13 +103,15 @@ def test_dp2_router_cached_share_and_shared_l3(tiny_chat_model, tmp_path):
 def test_replica_ports_skip_busy_ones_and_stay_held_for_the_replicas():
     from serving.launch.dp import replica_ports
 
-    base = free_port()
     busy = socket.socket()
-    try:
-        busy.bind(("127.0.0.1", base + 1))
-        busy.listen()
-    except OSError:
-        pass  # someone else has it: busy all the same
+    for _ in range(100):  # a base whose next port this test can hold itself: a port another socket had
+        base = free_port()  # (e.g. in TIME_WAIT) may refuse a plain bind yet be free for the replicas
+        try:
+            busy.bind(("127.0.0.1", base + 1))
+            break
+        except OSError:
+            continue
+    busy.listen()
     ports, holds = replica_ports(base, 2)
     try:
         assert base + 1 < ports[0] < ports[1], ports
