@@ -1,5 +1,9 @@
+// The one file that parses pybind11 and torch's Tensor casters (torch/csrc/utils/pybind.h, ~12 s of
+// g++; all of torch/extension.h would be ~23 s); the ops (ops.h) see ATen only.
 #include "ops.h"
 #include "vec.h"
+
+#include <torch/csrc/utils/pybind.h>
 
 #if defined(__AVX512F__)
 #define HV_ISA "avx512vnni"
@@ -20,5 +24,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk", &rope_qk, "rotary embedding of q and k from the fused qkv (float32, exact)");
   m.def("store_kv", &store_kv, "copy k/v rows into the caches' flat slots");
   m.def("paged_attention", &paged_attention, "causal GQA attention over paged float32 KV, one query at a time");
-  bind_decoder(m);
+  namespace py = pybind11;
+  // module_local: every variant's module binds the same C++ type; each keeps its own Python class
+  py::class_<DecoderStack>(m, "DecoderStack", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of rows in the fused decoder's order");
 }

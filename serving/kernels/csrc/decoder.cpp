@@ -24,11 +24,11 @@ enum Kind : int64_t { kF32 = 0, kInt4 = 1, kInt8 = 2, kQ8 = 3 };
 
 struct Linear {
   int64_t kind = kF32;
-  std::vector<torch::Tensor> w;  // f32: weight; int4 / q8: packed; int8: codes, wsum, scale
-  c10::optional<torch::Tensor> bias;
+  std::vector<at::Tensor> w;  // f32: weight; int4 / q8: packed; int8: codes, wsum, scale
+  c10::optional<at::Tensor> bias;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y;
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
     switch (kind) {
       case kF32:
         return at::linear(x, w[0], bias);
@@ -49,7 +49,7 @@ struct Linear {
 };
 
 struct Layer {
-  torch::Tensor norm1, norm2;
+  at::Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
 };
 
@@ -76,20 +76,24 @@ void add_rows(float* h, const float* d, int64_t n) {
   for (; i < n; ++i) h[i] = h[i] + d[i];
 }
 
-class DecoderStack {
+}  // namespace
+
+using namespace hv;
+
+struct DecoderStack::Impl {
  public:
-  DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps)
+  Impl(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inter_(inter),
         eps_(static_cast<float>(eps)) {
     TORCH_CHECK(hidden % 16 == 0 && inter % 16 == 0 && head_dim % 2 == 0, "hidden and intermediate sizes must be multiples of 16");
     check_attention_shape(heads, kv_heads, head_dim);
   }
 
-  void add_layer(torch::Tensor norm1, torch::Tensor norm2, int64_t qkv_kind, std::vector<torch::Tensor> qkv,
-                 c10::optional<torch::Tensor> qkv_bias, int64_t o_kind, std::vector<torch::Tensor> o,
-                 c10::optional<torch::Tensor> o_bias, int64_t gu_kind, std::vector<torch::Tensor> gu,
-                 c10::optional<torch::Tensor> gu_bias, int64_t down_kind, std::vector<torch::Tensor> down,
-                 c10::optional<torch::Tensor> down_bias) {
+  void add_layer(at::Tensor norm1, at::Tensor norm2, int64_t qkv_kind, std::vector<at::Tensor> qkv,
+                 c10::optional<at::Tensor> qkv_bias, int64_t o_kind, std::vector<at::Tensor> o,
+                 c10::optional<at::Tensor> o_bias, int64_t gu_kind, std::vector<at::Tensor> gu,
+                 c10::optional<at::Tensor> gu_bias, int64_t down_kind, std::vector<at::Tensor> down,
+                 c10::optional<at::Tensor> down_bias) {
     TORCH_CHECK(norm1.numel() == hidden_ && norm2.numel() == hidden_, "norm weights");
     layers_.push_back(Layer{norm1.contiguous(), norm2.contiguous(), Linear{qkv_kind, std::move(qkv), qkv_bias},
                             Linear{o_kind, std::move(o), o_bias}, Linear{gu_kind, std::move(gu), gu_bias},
@@ -98,19 +102,17 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // Layers [first, last) on the residual stream h [T, hidden] (updated in place); delta: the
-  // previous layer's output not yet added (None before layer 0). Returns this call's last delta.
-  torch::Tensor forward(torch::Tensor h, c10::optional<torch::Tensor> delta, const std::vector<torch::Tensor>& k_caches,
-                        const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin,
-                        torch::Tensor positions, torch::Tensor loc, torch::Tensor page_table, int64_t page_size,
-                        torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, int64_t first, int64_t last) {
-    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous() && h.scalar_type() == torch::kFloat32, "h");
+  at::Tensor forward(at::Tensor h, c10::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,
+                        const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
+                        at::Tensor positions, at::Tensor loc, at::Tensor page_table, int64_t page_size,
+                        at::Tensor prefix_lens, at::Tensor extend_lens, double scale, int64_t first, int64_t last) {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous() && h.scalar_type() == at::kFloat, "h");
     TORCH_CHECK(0 <= first && first < last && last <= num_layers(), "layer range");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() && v_caches.size() == k_caches.size(), "caches");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim_, "rope tables");
     const int64_t T = h.size(0), H = heads_, KH = kv_heads_, D = head_dim_, qw = H * D, kw = KH * D;
-    positions = positions.to(torch::kInt64).contiguous();
-    loc = loc.to(torch::kInt64).contiguous();
+    positions = positions.to(at::kLong).contiguous();
+    loc = loc.to(at::kLong).contiguous();
     const Meta meta = make_meta(T, page_table, page_size, prefix_lens, extend_lens);
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* lp = loc.data_ptr<int64_t>();
@@ -121,20 +123,20 @@ class DecoderStack {
     }
     for (int64_t s : meta.slots) TORCH_CHECK(s >= 0 && s < slots, "page table outside the cache");
     float* hp = h.data_ptr<float>();
-    auto x = torch::empty({T, hidden_}, h.options());
-    auto q = torch::empty({T, H, D}, h.options());
-    auto attn = torch::empty({T, qw}, h.options());
-    torch::Tensor d = delta.has_value() ? delta->contiguous() : torch::Tensor();
+    auto x = at::empty({T, hidden_}, h.options());
+    auto q = at::empty({T, H, D}, h.options());
+    auto attn = at::empty({T, qw}, h.options());
+    at::Tensor d = delta.has_value() ? delta->contiguous() : at::Tensor();
     for (int64_t i = first; i < last; ++i) {
       const Layer& L = layers_[i];
-      const torch::Tensor& kc = k_caches[i];
-      const torch::Tensor& vc = v_caches[i];
-      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
-                      vc.scalar_type() == torch::kFloat32 && kc.numel() == slots * kw && vc.numel() == kc.numel(),
+      const at::Tensor& kc = k_caches[i];
+      const at::Tensor& vc = v_caches[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
+                      vc.scalar_type() == at::kFloat && kc.numel() == slots * kw && vc.numel() == kc.numel(),
                   "KV caches must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
       if (d.defined()) add_rows(hp, d.data_ptr<float>(), T * hidden_);
       rmsnorm_rows(hp, L.norm1.data_ptr<float>(), eps_, T, hidden_, x.data_ptr<float>());
-      const torch::Tensor qkv = L.qkv(x).contiguous();
+      const at::Tensor qkv = L.qkv(x).contiguous();
       TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "qkv width");
       rope_store(qkv.data_ptr<float>(), pos, lp, cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.data_ptr<float>(),
                  kc.data_ptr<float>(), vc.data_ptr<float>());
@@ -143,9 +145,9 @@ class DecoderStack {
       d = L.o(attn).contiguous();
       add_rows(hp, d.data_ptr<float>(), T * hidden_);
       rmsnorm_rows(hp, L.norm2.data_ptr<float>(), eps_, T, hidden_, x.data_ptr<float>());
-      const torch::Tensor gu = L.gate_up(x).contiguous();
+      const at::Tensor gu = L.gate_up(x).contiguous();
       TORCH_CHECK(gu.size(1) == 2 * inter_, "gate_up width");
-      auto act = torch::empty({T, inter_}, h.options());
+      auto act = at::empty({T, inter_}, h.options());
       silu_rows(gu.data_ptr<float>(), T, act.data_ptr<float>());
       d = L.down(act).contiguous();
     }
@@ -158,11 +160,11 @@ class DecoderStack {
     int64_t width;
   };
 
-  static Meta make_meta(int64_t T, torch::Tensor page_table, int64_t ps, torch::Tensor prefix_lens,
-                        torch::Tensor extend_lens) {
-    page_table = page_table.to(torch::kInt64).contiguous();
-    prefix_lens = prefix_lens.to(torch::kInt64).contiguous();
-    extend_lens = extend_lens.to(torch::kInt64).contiguous();
+  static Meta make_meta(int64_t T, at::Tensor page_table, int64_t ps, at::Tensor prefix_lens,
+                        at::Tensor extend_lens) {
+    page_table = page_table.to(at::kLong).contiguous();
+    prefix_lens = prefix_lens.to(at::kLong).contiguous();
+    extend_lens = extend_lens.to(at::kLong).contiguous();
     const int64_t B = page_table.size(0), P = page_table.size(1);
     const int64_t* tab = page_table.data_ptr<int64_t>();
     const int64_t* pre = prefix_lens.data_ptr<int64_t>();
@@ -222,24 +224,40 @@ class DecoderStack {
   std::vector<Layer> layers_;
 };
 
-// y = w * (x * r) per row (the final norm of the fused path)
-torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 16 == 0, "x must be [T, K] float32, K % 16 == 0");
-  x = x.contiguous();
-  w = w.contiguous();
-  auto y = torch::empty_like(x);
-  rmsnorm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), x.size(0), x.size(1), y.data_ptr<float>());
-  return y;
+DecoderStack::DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                           double eps)
+    : impl_(std::make_unique<Impl>(hidden, heads, kv_heads, head_dim, inter, eps)) {}
+
+DecoderStack::~DecoderStack() = default;
+
+void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, int64_t qkv_kind, std::vector<at::Tensor> qkv,
+                             std::optional<at::Tensor> qkv_bias, int64_t o_kind, std::vector<at::Tensor> o,
+                             std::optional<at::Tensor> o_bias, int64_t gu_kind, std::vector<at::Tensor> gu,
+                             std::optional<at::Tensor> gu_bias, int64_t down_kind, std::vector<at::Tensor> down,
+                             std::optional<at::Tensor> down_bias) {
+  impl_->add_layer(std::move(norm1), std::move(norm2), qkv_kind, std::move(qkv), std::move(qkv_bias), o_kind,
+                   std::move(o), std::move(o_bias), gu_kind, std::move(gu), std::move(gu_bias), down_kind,
+                   std::move(down), std::move(down_bias));
 }
 
-}  // namespace
+int64_t DecoderStack::num_layers() const { return impl_->num_layers(); }
 
-void bind_decoder(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &DecoderStack::add_layer)
-      .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
-  m.def("rmsnorm", &rmsnorm, "RMSNorm of rows in the fused decoder's order");
+at::Tensor DecoderStack::forward(at::Tensor h, std::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,
+                                 const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
+                                 at::Tensor positions, at::Tensor loc, at::Tensor page_table, int64_t page_size,
+                                 at::Tensor prefix_lens, at::Tensor extend_lens, double scale, int64_t first,
+                                 int64_t last) {
+  return impl_->forward(std::move(h), std::move(delta), k_caches, v_caches, std::move(cos), std::move(sin),
+                        std::move(positions), std::move(loc), std::move(page_table), page_size, std::move(prefix_lens),
+                        std::move(extend_lens), scale, first, last);
+}
+
+// y = w * (x * r) per row (the final norm of the fused path)
+at::Tensor rmsnorm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 16 == 0, "x must be [T, K] float32, K % 16 == 0");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = at::empty_like(x);
+  rmsnorm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), x.size(0), x.size(1), y.data_ptr<float>());
+  return y;
 }

@@ -45,7 +45,7 @@ struct Acts {  // the quantized activations of M rows: codes q = 256 qh + ql, sc
 };
 
 // permuted: only what many_rows.h reads (qq, dx, sx); else what qdot.h's parts read
-Acts quantize(const torch::Tensor& x, bool permuted) {
+Acts quantize(const at::Tensor& x, bool permuted) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   const auto n = static_cast<size_t>(M * K), ng = static_cast<size_t>(M * G), nb = permuted ? 0 : n;
   Acts a{std::vector<int16_t>(nb), std::vector<int16_t>(n - nb), std::vector<uint8_t>(nb), std::vector<int8_t>(nb),
@@ -136,14 +136,14 @@ void block_rows(const uint8_t* wb, const Acts& a, int64_t row0, float* y, int64_
 }
 
 template <bool kQ4>
-torch::Tensor group_linear(torch::Tensor x, const torch::Tensor& w, const char* what) {
+at::Tensor group_linear(at::Tensor x, const at::Tensor& w, const char* what) {
   const int64_t bytes = kQ4 ? kQ4Bytes : kQ8Bytes;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == bytes, what);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == bytes, what);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), N = NB * kRows;
   TORCH_CHECK(K == w.size(1) * kGroup, "x and w disagree on K");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const bool many = kQ4 && W > 1 && M >= kManyRows;
   const Acts a = quantize(x, many);
@@ -172,10 +172,10 @@ torch::Tensor group_linear(torch::Tensor x, const torch::Tensor& w, const char* 
 
 }  // namespace
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor int4_linear(at::Tensor x, at::Tensor w) {
   return group_linear<true>(std::move(x), w, "w must be [N / 16, K / 32, 320] uint8");
 }
 
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor q8_linear(at::Tensor x, at::Tensor w) {
   return group_linear<false>(std::move(x), w, "w must be [N / 16, K / 32, 544] uint8");
 }

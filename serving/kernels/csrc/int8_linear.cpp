@@ -144,16 +144,16 @@ void i8_block(const int16_t* wb, int64_t K2, const int16_t* q, int64_t stride, i
 }  // namespace
 
 // x [M, K] float32, w [N, K] int8, wsum [N] int64 (sum of each row's codes), ws [N] float32 -> [M, N] float32
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, torch::Tensor ws) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be [N, K] int8");
-  TORCH_CHECK(wsum.scalar_type() == torch::kInt64 && ws.scalar_type() == torch::kFloat32, "wsum int64, ws float32");
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor wsum, at::Tensor ws) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "w must be [N, K] int8");
+  TORCH_CHECK(wsum.scalar_type() == at::kLong && ws.scalar_type() == at::kFloat, "wsum int64, ws float32");
   x = x.contiguous();
   wsum = wsum.contiguous();
   ws = ws.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && wsum.numel() == N && ws.numel() == N, "x, w, wsum and ws disagree");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 #if HV_W == 8 && !defined(__AVXVNNI__)
   const bool many = M >= kManyRows;

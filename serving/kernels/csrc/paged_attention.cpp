@@ -213,19 +213,19 @@ void check_attention_shape(int64_t H, int64_t KH, int64_t D) {
   TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks, "head_dim must be 16..256, a multiple of 16");
   TORCH_CHECK(H % KH == 0 && H / KH <= kMaxGroup, "q heads must be a multiple of kv heads (at most 16 per kv head)");
 }
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
-                              torch::Tensor seq, torch::Tensor nkeys, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, H, D] float32");
-  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kFloat32 && k.is_contiguous(), "k must be [S, KH, D]");
-  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == torch::kFloat32 && v.is_contiguous(), "v like k");
+at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots,
+                              at::Tensor seq, at::Tensor nkeys, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [T, H, D] float32");
+  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.is_contiguous(), "k must be [S, KH, D]");
+  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == at::kFloat && v.is_contiguous(), "v like k");
   q = q.contiguous();
-  slots = slots.to(torch::kInt64).contiguous();
-  seq = seq.to(torch::kInt64).contiguous();
-  nkeys = nkeys.to(torch::kInt64).contiguous();
+  slots = slots.to(at::kLong).contiguous();
+  seq = seq.to(at::kLong).contiguous();
+  nkeys = nkeys.to(at::kLong).contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), L = slots.size(1);
   TORCH_CHECK(k.size(2) == D, "q and k disagree on head_dim");
   check_attention_shape(H, KH, D);
-  auto out = torch::empty({T, H, D}, q.options());
+  auto out = at::empty({T, H, D}, q.options());
   attention_rows(q.data_ptr<float>(), T, H, D, k.data_ptr<float>(), v.data_ptr<float>(), KH, slots.data_ptr<int64_t>(), L,
                  seq.data_ptr<int64_t>(), nkeys.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
   return out;

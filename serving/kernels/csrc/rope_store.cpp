@@ -10,16 +10,16 @@
 #include <cstdint>
 #include <cstring>
 
-torch::Tensor rope_qk(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+at::Tensor rope_qk(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                       int64_t heads, int64_t kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32, "qkv must be [T, W] float32");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous(), "tables");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat, "qkv must be [T, W] float32");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "tables");
   TORCH_CHECK(head_dim % 2 == 0 && cos.size(1) == head_dim, "head_dim");
   qkv = qkv.contiguous();
-  positions = positions.to(torch::kInt64).contiguous();
+  positions = positions.to(at::kLong).contiguous();
   const int64_t T = qkv.size(0), W = qkv.size(1), n = heads + kv_heads, half = head_dim / 2;
   TORCH_CHECK(W >= n * head_dim, "qkv too narrow");
-  auto out = torch::empty({T, n, head_dim}, qkv.options());
+  auto out = at::empty({T, n, head_dim}, qkv.options());
   const float* x = qkv.data_ptr<float>();
   const float* ct = cos.data_ptr<float>();
   const float* st = sin.data_ptr<float>();
@@ -47,12 +47,12 @@ torch::Tensor rope_qk(torch::Tensor qkv, torch::Tensor positions, torch::Tensor 
   return out;
 }
 
-void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k, torch::Tensor v) {
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor loc, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtypes");
   k = k.contiguous();
   v = v.contiguous();
-  loc = loc.to(torch::kInt64).contiguous();
+  loc = loc.to(at::kLong).contiguous();
   const int64_t T = loc.size(0), row = k.numel() / std::max<int64_t>(1, T) * k.element_size();
   const int64_t slots = k_cache.numel() * k_cache.element_size() / std::max<int64_t>(1, row);
   TORCH_CHECK(v.numel() == k.numel() && k_cache.numel() == v_cache.numel(), "k and v disagree");
