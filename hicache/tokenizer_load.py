@@ -9,6 +9,11 @@ For the folders where its answer is known without them (``tokenizer_config.json`
 that class) the same class is built directly, with the arguments AutoTokenizer passes it; every
 other folder goes through AutoTokenizer as before. tests/models/test_tokenizer_load.py checks the direct path against
 AutoTokenizer (same class, same ids, texts and chat template) and against transformers' tables.
+
+``load_tokenizer`` is what the worker and the router call: the LightTokenizer of
+hicache/tokenizer_light.py when the folder has a snapshot (no transformers import at all), else
+the HF tokenizer, whose snapshot it writes for the next process. ``hf_tokenizer`` is the HF one
+behind either (for xgrammar).
 """
 
 from __future__ import annotations
@@ -43,6 +48,26 @@ def builds_directly(path: str) -> bool:
         and model_cfg.get("model_type") in DIRECT_MODEL_TYPES
         and os.path.exists(os.path.join(path, "tokenizer.json"))
     )
+
+
+def load_tokenizer(path: str) -> Any:
+    """A tokenizer for ``path`` that encodes, decodes and renders chats as the HF one does: the
+    light one from the folder's snapshot, else the HF one (and its snapshot written)."""
+    from hicache import tokenizer_light
+
+    state = tokenizer_light.recall(path)
+    if state is not None and state["light"]:
+        return tokenizer_light.LightTokenizer(path, state, load_hf_tokenizer)
+    hf = load_hf_tokenizer(path)
+    if state is None:
+        tokenizer_light.remember(path, hf)
+    return hf
+
+
+def hf_tokenizer(tok: Any) -> Any:
+    """The HF tokenizer of ``tok`` (``load_tokenizer``'s answer)."""
+    full = getattr(tok, "full", None)
+    return full() if callable(full) else tok
 
 
 def load_hf_tokenizer(path: str) -> Any:

@@ -28,9 +28,9 @@ def load_tokenizer(path: str | None) -> Any:
     ):
         return None
     try:
-        from hicache.tokenizer_load import load_hf_tokenizer  # the worker's loader: the same class, ids and template
+        from hicache.tokenizer_load import load_tokenizer  # the worker's loader: the same ids and template
 
-        return load_hf_tokenizer(path)
+        return load_tokenizer(path)
     except Exception as e:  # no transformers, or a folder it cannot read: route on text
         log.warning("cannot load the tokenizer at %s (%s); routing on text", path, e)
         return None

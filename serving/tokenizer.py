@@ -31,15 +31,18 @@ class TooManyTokens(InvalidRequest):
 
 
 class Tokenizer:
-    """A HF tokenizer. Concurrency: ``encode`` may run in many threads at once (the HTTP server
-    runs it in its thread pool); at most LARGE_AT_ONCE of them tokenize a text longer than
-    PIECE_CHARS at a time, the others wait on ``_large``, so a burst of huge prompts holds a
-    bounded amount of the tokenizer's temporary memory."""
+    """A HF tokenizer folder's tokenizer (``hf``: hicache.tokenizer_load's answer, the light one
+    when the folder has a snapshot; ``hf_full()``: the HF one, for xgrammar).
+
+    Concurrency: ``encode`` may run in many threads at once (the HTTP server runs it in its
+    thread pool); at most LARGE_AT_ONCE of them tokenize a text longer than PIECE_CHARS at a
+    time, the others wait on ``_large``, so a burst of huge prompts holds a bounded amount of
+    the tokenizer's temporary memory."""
 
     def __init__(self, path: str) -> None:
-        from hicache.tokenizer_load import load_hf_tokenizer
+        from hicache.tokenizer_load import load_tokenizer
 
-        self.hf = load_hf_tokenizer(path)
+        self.hf = load_tokenizer(path)
         self.path = path
         self._large = threading.BoundedSemaphore(LARGE_AT_ONCE)
 
@@ -74,6 +77,12 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequest("this model has no chat template; use /v1/completions or /generate")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def hf_full(self) -> Any:
+        """The HF tokenizer itself (built on first call when ``hf`` is the light one)."""
+        from hicache.tokenizer_load import hf_tokenizer
+
+        return hf_tokenizer(self.hf)
 
     @property
     def vocab_size(self) -> int:

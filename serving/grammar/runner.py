@@ -298,9 +298,9 @@ def make_grammar_runner(config: Any, tokenizer: Any, vocab_size: int, stop_ids: 
         return GrammarRunner(None, off_reason="the server runs with --grammar-backend none")
     if tokenizer is None:
         return GrammarRunner(None, off_reason="this model has no tokenizer")
-    hf = getattr(tokenizer, "hf", tokenizer)
     factory = grammar_backend_factory(config.grammar_backend)  # an unknown name fails now, not at the first grammar
-    backend = DeferredBackend(config.grammar_backend, vocab_size, lambda: factory(hf, vocab_size, stop_ids))
+    hf = getattr(tokenizer, "hf_full", lambda: tokenizer)  # the HF tokenizer, built with the backend
+    backend = DeferredBackend(config.grammar_backend, vocab_size, lambda: factory(hf(), vocab_size, stop_ids))
     return GrammarRunner(
         backend, config.jump_forward,
         compile_timeout_s=config.grammar_compile_timeout_s, max_grammar_bytes=config.grammar_max_bytes,

@@ -38,17 +38,9 @@ CHATML = ChatTemplate(
 
 
 def _render(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from hicache.chat_jinja import render  # the server's rendering (transformers' environment)
 
-    def raise_exception(msg: str) -> None:
-        raise TemplateError(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: __import__("time").strftime(fmt)
-    tpl = env.from_string(template)
-    return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+    return render(template, messages, add_generation_prompt, bos_token="", eos_token="")
 
 
 def _cut(text: str, sentinel: str) -> tuple[str, str]:

@@ -99,7 +99,7 @@ def backend(lang_model):
     from serving.grammar.xgrammar_backend import XGrammarBackend
     from serving.tokenizer import Tokenizer
 
-    return XGrammarBackend(Tokenizer(str(lang_model)).hf, 49152, [2])
+    return XGrammarBackend(Tokenizer(str(lang_model)).hf_full(), 49152, [2])
 
 
 @pytest.mark.parametrize("kind,text,words", [
