@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hicache.tiers.device import DeviceKVPool
 from serving import convert
@@ -32,11 +31,15 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path):  # noqa: ANN201
+    from transformers import AutoTokenizer  # here, not at collection (~3 s of imports in every pytest process)
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
 def hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels.attention import get_attention_backend
@@ -36,23 +35,24 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+# transformers' config and model classes by name (imported by the fixture: not at collection)
 CASES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "llama_tied_llama3": (
-        LlamaConfig,
-        LlamaForCausalLM,
+        "LlamaConfig",
+        "LlamaForCausalLM",
         dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
     ),
     "llama_linear_bias": (
-        LlamaConfig,
-        LlamaForCausalLM,
+        "LlamaConfig",
+        "LlamaForCausalLM",
         dict(
             rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
             attention_bias=True,
             mlp_bias=True,
         ),
     ),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=False)),
 }
 
 
@@ -69,7 +69,10 @@ def _randomize(model: torch.nn.Module) -> None:
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    cfg_cls, model_cls, extra = CASES[request.param]
+    import transformers
+
+    cfg_name, model_name, extra = CASES[request.param]
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     torch.manual_seed(0)
     hf = model_cls(cfg_cls(**COMMON, **extra, attn_implementation="eager")).eval()
     _randomize(hf)
