@@ -19,7 +19,8 @@ gets a record saying why (its loads go to transformers without trying again).
 tests/models/test_tokenizer_light.py compares both on ids, texts, tokens and chat templates.
 
 Thread-safety: ``encode`` / ``decode`` / ``apply_chat_template`` may run on many threads at
-once (``tokenizers`` releases no state between calls); ``full()`` builds once under a lock.
+once (the Rust tokenizer is never changed after ``__init__``; compiled templates are cached
+read-only); ``full()`` builds the HF tokenizer once, under ``_lock``.
 """
 
 from __future__ import annotations
