@@ -38,8 +38,9 @@ serve: setup
 	$(VENV)/bin/hicache serve --config $(CONFIG) --quantization $(QUANTIZATION)
 
 # Two at a time (pytest-xdist, a file per worker, the files with slow tests first: tests/conftest.py),
-# then the timing-sensitive modules alone (the `serial` marker, tests/conftest.py). Exit 5 = that phase selected no test. The slowest tests
-# are listed at the end of each phase (--durations: where the suite's time goes, issue 28).
+# then the timing-sensitive modules alone (the `serial` marker, tests/conftest.py). Exit 5 = that phase
+# selected no test. The slowest tests are listed at the end of each phase (--durations: where the
+# suite's time goes, docs/testing.md).
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=30
 	$(PY) -m pytest -q -m serial --durations=15
