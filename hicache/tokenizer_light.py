@@ -143,10 +143,6 @@ class LightTokenizer:
     def __len__(self) -> int:
         return self._len
 
-    @property
-    def backend_tokenizer(self) -> Any:
-        return self._tok
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
