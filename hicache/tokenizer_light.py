@@ -18,9 +18,7 @@ renamed, so concurrent first loads never leave half a file; a folder that cannot
 gets a record saying why (its loads go to transformers without trying again).
 tests/models/test_tokenizer_light.py compares both on ids, texts, tokens and chat templates.
 
-Thread-safety: ``encode`` / ``decode`` / ``apply_chat_template`` may run on many threads at
-once (the Rust tokenizer is never changed after ``__init__``; compiled templates are cached
-read-only); ``full()`` builds the HF tokenizer once, under ``_lock``.
+Thread-safety: see ``LightTokenizer``.
 """
 
 from __future__ import annotations
@@ -121,7 +119,12 @@ def recall(path: str) -> dict[str, Any] | None:
 
 class LightTokenizer:
     """The part of a HF ``TokenizersBackend`` the server and the router call, from a snapshot
-    (see the module doc); ``full()`` is the HF tokenizer itself, built on first call."""
+    (see the module doc); ``full()`` is the HF tokenizer itself, built on first call.
+
+    Concurrency: any thread may call ``encode`` / ``decode`` / ``convert_ids_to_tokens`` /
+    ``apply_chat_template`` at any time (the Rust tokenizer is not changed after ``__init__``;
+    compiled templates are cached read-only); ``_lock`` guards only ``_full``, so concurrent first
+    calls of ``full()`` build the HF tokenizer once and the others wait for it."""
 
     def __init__(self, path: str, state: dict[str, Any], load_full: Any) -> None:
         from tokenizers import Tokenizer
