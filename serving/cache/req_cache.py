@@ -82,6 +82,11 @@ class ReqCache:
             device += len(nd.key)
         return min(device, matched) + matched
 
+    def uncached_len(self, req: Req) -> int:
+        """Prompt tokens a forward pass would compute were ``req`` admitted now: those past its prefix
+        cached on L1 or L2 (read-only, as :meth:`peek_prefix_len`; the scheduler's short-request test)."""
+        return req.seq_len - self.tree.peek_prefix_len(self._matchable(req))
+
     def match(self, req: Req) -> MatchResult:
         m = self.tree.match_prefix(self._matchable(req))
         self.flush_transfers()  # write-through backups of hit nodes run now, before anyone reads them

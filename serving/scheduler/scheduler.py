@@ -1,8 +1,9 @@
 """Continuous batching: admit, chunk, decode, retract, finish.
 
 Each ``step()`` runs one forward pass over a ragged batch that mixes decode tokens of
-running requests with prefill chunks (of a partly prefilled request first, then of
-newly admitted ones, in the schedule policy's order). With speculative decoding (``spec``,
+running requests with prefill chunks under the step's prompt-token budget
+(serving.scheduler.prefill: short waiting requests beside a prompt in chunks, then the partly
+prefilled ones, then newly admitted ones in the schedule policy's order). With speculative decoding (``spec``,
 serving.speculative.worker) a decode row also carries its request's drafts, verified in the
 same pass.
 """
@@ -21,6 +22,7 @@ from serving.config import SchedulerConfig
 from serving.model.forward_batch import ForwardBatch
 from serving.model.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.model.sampler import Sampler
+from serving.scheduler.prefill import PrefillPlanner
 from serving.scheduler.prompt_check import check_fits
 from serving.scheduler.request import Req
 from serving.scheduler.schedule_policy import make_schedule_policy
@@ -70,6 +72,7 @@ class Scheduler:
         self.device = torch.device(device)
         self.page_size = cache.page_size
         self.policy = make_schedule_policy(config.schedule_policy)
+        self.prefill = PrefillPlanner(self)
         self.sampler = Sampler()
         self.waiting: list[Req] = []
         self._finished_outside_step: list[Req] = []  # finished while scheduling (not sampled)
@@ -181,7 +184,7 @@ class Scheduler:
             self._pd_emitted = False
         self._poll_grammars()
         decode = self._reserve_decode()
-        chunks = self._schedule_prefill()
+        chunks = self.prefill.schedule()  # serving.scheduler.prefill: the step's prompt-token budget
         self._step_prefill = sum(n for _, n in chunks)
         spec = self.spec if decode and not overlap else None
         if spec is not None:
@@ -332,53 +335,3 @@ class Scheduler:
         r.num_retractions += 1
         self.stats.retractions += 1
         self.waiting.insert(0, r)
-
-    # -- prefill admission ----------------------------------------------------------------
-    def _budget(self) -> int:
-        n = self.config.chunked_prefill_size
-        return n if n > 0 else 1 << 62
-
-    def _schedule_prefill(self) -> list[tuple[Req, int]]:
-        budget = self._budget()
-        chunks: list[tuple[Req, int]] = []
-        for r in [r for r in self.running if r.prefilling]:
-            # a partly prefilled request continues first (once its load-back is done)
-            if not self.cache.poll_load(r):
-                continue
-            n = min(r.seq_len - r.kv_len, budget)
-            if n <= 0 or not self.cache.reserve(r, r.kv_len + n):
-                continue
-            chunks.append((r, n))
-            budget -= n
-        if budget <= 0 or not self.waiting:
-            return chunks
-        for r in self.waiting:
-            self.cache.advance_prefetch(r)
-        ready = [r for r in self.waiting if r.grammar is None or r.grammar.ready]  # the rest still compile
-        order = self.policy.order(ready, lambda r: self.cache.peek_prefix_len(r)) if ready else []
-        for r in order:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-                break
-            if not self.cache.prefetch_ready(r):
-                continue  # its L3 prefetch is still worth waiting for (prefetch policy)
-            self.cache.finish_prefetch(r)
-            match = self.cache.match(r)
-            first = not r.admitted
-            self.cache.admit(r, match)
-            n = min(r.seq_len - r.kv_len, budget)
-            if not self.cache.reserve(r, r.kv_len + n):
-                self.cache.release(r)
-                if first:
-                    r.admitted = False
-                break
-            self.waiting.remove(r)
-            self.running.append(r)
-            if first:
-                self.stats.cached_tokens += r.cached_tokens
-                for tier, v in r.cached_by_tier.items():
-                    self.stats.cached_by_tier[tier] += v
-            if not self.cache.poll_load(r):
-                continue  # runs once its L2 -> L1 copy is in (CPU); the budget stays free meanwhile
-            chunks.append((r, n))
-            budget -= n
-        return chunks
