@@ -18,6 +18,10 @@ Contract of every backend (the cache controller calls it from a background threa
   (backends serialise internally where they must: LMDB commits one write at a time).
 - **Mutation**: ``set``/``batch_set*``/``delete``/``clear`` mutate the store; every other
   method only reads it (a backend may update its own bookkeeping, e.g. recency).
+- **Opening**: the constructor raises :class:`StorageOpenError` (one line: the file, what is
+  wrong, what to do) for a store that exists but cannot be opened (a damaged header).
+- **Failed writes say why**: after a ``batch_set*`` that stored less than asked,
+  :meth:`StorageBackend.write_error` gives the cause in words, for the log.
 - ``set`` on an existing key may keep the old value (Mooncake does): equal keys mean
   equal values, so callers never rely on overwriting; a value found corrupt is deleted
   (``delete``) before it is written again.
@@ -42,6 +46,11 @@ TOO_LARGE = -3  # the value does not fit its span (the caller treats it as corru
 # ``copy(srcs, idx)`` of :meth:`StorageBackend.batch_get_pages`: copy ``srcs[k]`` into the
 # caller's ``dsts[idx[k]]``, all in one call (the storage tier copies and hashes them at once).
 PageCopy = Callable[[list[Any], list[int]], None]
+
+
+class StorageOpenError(RuntimeError):
+    """A backend's store exists but cannot be opened (e.g. a damaged LMDB header). The message
+    is one line naming the file, what is wrong and what to do; a server prints it and exits."""
 
 
 class StagingBuffer:
@@ -120,6 +129,11 @@ class StorageBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; the backend must not be used afterwards."""
+
+    def write_error(self) -> str | None:
+        """Why this thread's latest ``batch_set*`` stored less than asked, in words (e.g. "no
+        space left on device (ENOSPC) on the file system of /data/l3"); None when unknown."""
+        return None
 
     # ------------------------------------------------------------------ batches
     def batch_exists(self, keys: Sequence[str]) -> int:

@@ -194,9 +194,11 @@ class StorageTier:
             self._stats["bytes_written"] += done * codec.value_nbytes
             self._stats["stored"] += done
             self._stats["store_failed"] += len(keys) - done
-        if done < len(keys):
-            self._warn.warning("store_failed", "L3: %d of %d pages could not be written (%s); they are not marked "
-                               "stored", len(keys) - done, len(keys), type(self.backend).__name__)
+        if done < len(keys):  # the cause (e.g. ENOSPC and where) comes from the backend, on this thread
+            why = self.backend.write_error()
+            self._warn.warning("store_failed", "L3: %d of %d pages could not be written (%s%s); they are not marked "
+                               "stored", len(keys) - done, len(keys), type(self.backend).__name__,
+                               f": {why}" if why else "")
         return done
 
     def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> None:

@@ -3,14 +3,19 @@ map growth and LRU eviction (the rules are in :mod:`hicache.tiers.lmdb.store`)."
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
 import lmdb
 
+from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.base import Buffer
 from hicache.tiers.lmdb.config import U64, LMDBConfig, MapGeometry
+from hicache.tiers.lmdb.disk import allocate, mib, write_failure
 from hicache.tiers.lmdb.handles import LMDBHandles
+
+_warn = RateLimitedLog(logging.getLogger("hicache.storage"))
 
 
 class LMDBAccounting:
@@ -22,7 +27,8 @@ class LMDBAccounting:
     Contract (the store's threads: any number of readers and writers):
     - ``used`` and the stamp sequence change only inside write transactions, and every write
       path (the ``txn`` methods, :meth:`make_room`, :meth:`evict`, :meth:`grow_map`) runs with
-      the store's ``_wlock`` held, so they have one writer at a time. A write whose transaction
+      the store's ``_wlock`` held, so they have one writer at a time; ``grow_error`` (why the
+      latest growth failed, None after one that did not) is theirs too. A write whose transaction
       aborted puts ``used`` back (the store's ``_write``); :meth:`evict` does so itself.
       ``stats`` reads ``used`` without a lock (an int: at worst one write stale).
     - ``_touch_lock`` guards the touch buffer ``_touched`` (filled by readers, taken by the
@@ -40,6 +46,7 @@ class LMDBAccounting:
         self._touch_lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
         self._counts = {"errors": 0, "evicted": 0, "map_grows": 0, "deleted": 0}
+        self.grow_error: str | None = None
         with handles.env.begin() as txn:
             raw = txn.get(b"used", db=handles.meta)
             self.used = U64.unpack(raw)[0] if raw else 0
@@ -91,10 +98,21 @@ class LMDBAccounting:
             self.grow_map(need)
 
     def grow_map(self, need: int = 0) -> bool:
+        """Double the map (at least to ``need``, at most to the capacity); False when it cannot.
+        With writemap the new part's blocks are allocated first (the map never reaches past
+        them: hicache.tiers.lmdb.disk); a disk without room leaves the map as it is."""
         cur = self.h.env.info()["map_size"]
         if cur >= self.capacity:
             return False
         new = min(self.capacity, max(2 * cur, need) // self._psize * self._psize + self._psize)
+        if self.h.writemap:
+            err = allocate(self.h.data_file, new)
+            if err is not None:
+                self.grow_error = write_failure(err, self.h.path, new - cur)
+                _warn.warning("lmdb_grow", "L3: the LMDB map cannot grow from %s to %s: %s; the store evicts to "
+                              "make room instead", mib(cur), mib(new), self.grow_error)
+                return False
+        self.grow_error = None
         with self.h.rw.exclusive():
             self.h.env.set_mapsize(new)
         self.count("map_grows")

@@ -22,7 +22,9 @@ class LMDBConfig:
     sync: bool = True
     # LMDB's MDB_WRITEMAP: a write transaction writes values straight into the map (one copy less
     # than malloc'd pages written out at commit). Every process sharing the directory must agree;
-    # a store larger than RAM may read pages before overwriting them (LMDB's own caveat).
+    # a store larger than RAM may read pages before overwriting them (LMDB's own caveat). The map's
+    # blocks are allocated on disk up front, so a full disk never meets a write into the map
+    # (SIGBUS); where they cannot be, writemap is off with a warning (hicache.tiers.lmdb.disk).
     writemap: bool = False
     high_watermark: float = 0.85
     low_watermark: float = 0.75

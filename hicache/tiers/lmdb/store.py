@@ -20,6 +20,17 @@ write transactions; they remember the keys they hit (up to ``touch_buffer`` of t
 the next write transaction re-stamps them. So eviction order is by last write or read,
 with reads taking effect at the next write.
 
+A full disk: without ``writemap`` a commit fails (a write counted in ``errors``, its cause named
+by :meth:`LMDBStore.write_error`: ENOSPC and where) and the store serves on. With ``writemap``
+the map never reaches past the data file's allocated blocks (hicache.tiers.lmdb.disk): the map is
+allocated when the store opens (writemap is off, with a warning saying why, where it cannot be)
+and before it grows; a growth the disk has no room for is refused (logged) and the store evicts
+instead. Either way a full disk costs writes, never the process.
+
+Opening: a store that exists but cannot be opened (a damaged header, another LMDB version) is a
+:class:`~hicache.tiers.base.StorageOpenError`: one line naming the file, what is wrong and what
+to do (nothing is deleted: the directory may hold something else than a cache).
+
 Crash safety: plain LMDB transactions (no ``writemap``; ``sync`` on by default). A process
 killed mid-write loses at most the uncommitted transaction; committed values survive and
 the store reopens cleanly. ``sync=False`` keeps that for process crashes but may lose the
@@ -49,12 +60,14 @@ from hicache.tiers.base import (
     PageCopy,
     StagingBuffer,
     StorageBackend,
+    StorageOpenError,
     copy_each,
     same_len,
 )
 from hicache.tiers.lmdb.accounting import LMDBAccounting
 from hicache.tiers.lmdb.config import LMDBConfig, MapGeometry
-from hicache.tiers.lmdb.handles import LMDBHandles
+from hicache.tiers.lmdb.disk import mib, write_failure
+from hicache.tiers.lmdb.handles import LMDBHandles, open_failure
 
 
 class LMDBStore(StorageBackend):
@@ -76,6 +89,7 @@ class LMDBStore(StorageBackend):
       as LMDB requires that no transaction of this process be open then. Readers never take
       ``_wlock``: a read waits only for a resize.
     - ``acct``'s ``_touch_lock``: the touch buffer readers fill and counters (dict updates only).
+    - ``_cause``: thread-local, why this thread's latest write failed (:meth:`write_error`).
     """
 
     name = "lmdb"
@@ -85,8 +99,13 @@ class LMDBStore(StorageBackend):
         self.config = config
         geometry = MapGeometry.of(config)
         self.handles = LMDBHandles.open(config, geometry.initial)
-        self.acct = LMDBAccounting(self.handles, config, geometry)
+        try:
+            self.acct = LMDBAccounting(self.handles, config, geometry)
+        except lmdb.Error as e:  # the header was fine, the pages behind it are not
+            self.handles.env.close()
+            raise StorageOpenError(open_failure(e, self.handles.path)) from None
         self._wlock = threading.Lock()  # one writer at a time (LMDB would block anyway)
+        self._cause = threading.local()
 
     @property
     def capacity(self) -> int:
@@ -185,8 +204,12 @@ class LMDBStore(StorageBackend):
     def set(self, key: str, value: Buffer) -> bool:
         return self.batch_set([key], [value])[0]
 
+    def write_error(self) -> str | None:
+        return getattr(self._cause, "text", None)
+
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         same_len(keys, values)
+        self._cause.text = None
         items = []
         ok = []
         for k, v in zip(keys, values, strict=True):
@@ -195,6 +218,8 @@ class LMDBStore(StorageBackend):
             ok.append(fits)
             if fits:
                 items.append((kb, v))
+            elif self._cause.text is None:
+                self._cause.text = "an empty key, a key over 500 bytes or a value over the low watermark is not stored"
         if not items:
             return ok
         incoming = sum(self.acct.cost(len(k), len(v)) for k, v in items)
@@ -263,9 +288,10 @@ class LMDBStore(StorageBackend):
         self.acct.count("errors")
         return None
 
-    def _write(self, fn) -> bool:
+    def _write(self, fn, needed: int = 0) -> bool:
         """Run ``fn(txn)`` in a write transaction (caller holds ``_wlock``), growing the map
-        or evicting on ``MapFullError``. False when it could not commit."""
+        or evicting on ``MapFullError``. False when it could not commit (the cause in
+        ``_cause``: ``needed``, about the bytes the write adds, tells a full disk from others)."""
         stalls = 0
         for _ in range(12):
             used_before = self.acct.used
@@ -280,17 +306,27 @@ class LMDBStore(StorageBackend):
                     # nothing left to evict: the free pages are still pinned by readers'
                     # snapshots; give them a moment to end their transactions
                     if stalls >= 5:
-                        return False
+                        return self._failed(self._map_full())
                     time.sleep(0.005 * 2**stalls)
                     stalls += 1
             except lmdb.MapResizedError:
                 self.acct.used = used_before
                 with self.handles.rw.exclusive():
                     self.handles.env.set_mapsize(0)
-            except lmdb.Error:
+            except lmdb.Error as e:
                 self.acct.used = used_before
-                return False
+                return self._failed(write_failure(e, self.handles.path, needed))
+        return self._failed(self._map_full())
+
+    def _failed(self, cause: str) -> bool:
+        self._cause.text = cause
         return False
+
+    def _map_full(self) -> str:
+        if self.acct.grow_error is not None:  # writemap: the disk had no room for a larger map
+            return self.acct.grow_error
+        return (f"the LMDB map ({mib(self.handles.env.info()['map_size'])}) has no room left and nothing more could be "
+                f"evicted (readers still hold its free pages) ({self.handles.path})")
 
     def _store_items(self, items: list[tuple[bytes, Buffer]], incoming: int) -> bool:
         self.acct.make_room(incoming)
@@ -302,4 +338,4 @@ class LMDBStore(StorageBackend):
                 self.acct.put(txn, kb, v)
             self.acct.put_used(txn)
 
-        return self._write(run)
+        return self._write(run, incoming)
