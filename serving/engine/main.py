@@ -60,9 +60,11 @@ def engine_main(
         make_role(settings, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
     except Exception as e:
         from hicache.sizing import TierSizeError
+        from hicache.tiers.base import StorageOpenError
         from serving.models.quant import QuantizationError
 
-        if isinstance(e, QuantizationError | TierSizeError):  # a flag this machine cannot run: one line
+        # a flag this machine cannot run, an L3 store that cannot be opened: one line
+        if isinstance(e, QuantizationError | TierSizeError | StorageOpenError):
             tx.send_bytes(m.encode([m.Error(400, str(e))]))  # the HTTP process logs it, exits with status 2
             return
         log.exception("engine failed to start")
