@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-READY = "The server is fired up and ready to roll!"
+READY = "The server is fired up and ready to roll!"  # followed by the server's URL (serving/server/serve.py)
 
 
 # Ports for the servers tests start come from below the kernel's ephemeral range (32768-60999
@@ -82,7 +82,7 @@ class ServerProcess:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.strip() == READY:
+            if line.startswith(READY):
                 self.ready.set()
 
     def start(self, timeout: float = 120.0) -> None:

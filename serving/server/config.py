@@ -78,6 +78,14 @@ class ServerConfig:
     # fails with 504 when the engine has not answered within this many seconds
     engine_call_timeout_s: float = 60.0
     max_json_depth: int = 128  # request bodies nested deeper (arrays / objects) get HTTP 400
+    # a request's head (request line and headers) must arrive within this many seconds of the connection
+    # opening (or of the next request's first byte), else HTTP 408 and the connection is closed (slowloris)
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 300.0  # a request's whole body must arrive within this many seconds, else 408
+    body_idle_timeout_s: float = 30.0  # and with no gap between its bytes longer than this, else 408
+    # uvicorn's flag: past this many open connections plus running requests, new requests get HTTP 503
+    # (unset: no limit; idle and slow connections count too, so a low value lets them lock clients out)
+    limit_concurrency: int | None = None
     # data parallelism (SGLang's --dp-size): this many engine replicas behind the built-in cache-aware
     # router, in one command (serving/launch/dp.py); they share the configured L3
     dp_size: int = 1
@@ -120,6 +128,11 @@ class ServerConfig:
             raise ValueError("engine_call_timeout_s must be positive")
         if self.max_json_depth < 2:
             raise ValueError("max_json_depth must be at least 2")
+        for name in ("header_timeout_s", "body_timeout_s", "body_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError("limit_concurrency must be at least 1")
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError("disaggregation_bootstrap_port must be in 1..65535, "
                              f"got {self.disaggregation_bootstrap_port}")

@@ -2,6 +2,10 @@
 
 ``{"error": {"message", "type", "param", "code"}}`` for every status; FastAPI's 422 for a
 bad body becomes a 400 that names the field; unknown routes are 404s in the same shape.
+
+An error never echoes a client's input whole: a value a message quotes (a model name, a field
+name) shows at most ``ECHO_CHARS`` characters (``quoted``), and every message is cut at
+``MESSAGE_CHARS`` (``clip``, in ``APIError`` and ``error_body``), so a 1 MB ``model`` is not sent back.
 """
 
 from __future__ import annotations
@@ -33,15 +37,33 @@ _TYPES = {
 }
 
 
+ECHO_CHARS = 200  # of a client's value quoted in an error message
+MESSAGE_CHARS = 1000  # of an error message in all
+
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "function-before"}
 
 
+def clip(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """``text``, or its first characters and "... (N characters)" (at most ``limit`` in all)."""
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text)} characters)"
+    return text[: max(limit - len(tail), 0)] + tail
+
+
+def quoted(value: object, limit: int = ECHO_CHARS) -> str:
+    """A client's value for an error message: its repr, cut to about ``limit`` characters."""
+    text = value if isinstance(value, str) else str(value)
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 class APIError(Exception):
-    """An error the API answers with; ``status`` is the HTTP status."""
+    """An error the API answers with; ``status`` is the HTTP status; the message is clipped."""
 
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
     ) -> None:
+        message, param = clip(message), None if param is None else clip(param, ECHO_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -52,7 +74,8 @@ def error_body(
     """OpenAI's error shape; ``kind`` (its ``type``) defaults to one per status."""
     kind = kind or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
     return {
-        "error": {"message": message, "type": kind, "param": param, "code": code if code else str(status)}
+        "error": {"message": clip(message), "type": kind, "param": None if param is None else clip(param, ECHO_CHARS),
+                  "code": code if code else str(status)}
     }
 
 
@@ -66,8 +89,8 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """A readable message from pydantic errors, naming the field; and the top-level param."""
     parts, param = [], None
     for e in errors[:4]:
-        loc = [
-            str(x)
+        loc = [  # a field name can be the client's (an unknown one): cut, as every echo is
+            clip(str(x), ECHO_CHARS)
             for x in e.get("loc", ())
             if x != "body" and str(x) not in _UNION_TAGS and "[" not in str(x)
         ]

@@ -7,13 +7,18 @@ text/plain type, so this is a second guard after the Origin and Host checks (app
 trusted_hosts.py). Ollama's routes take a body of any declared type, as Ollama does
 (``json_type=False``; its clients send none, ``curl -d`` a form type). Bodies over the size
 limit are a 413, nested deeper than ``max_json_depth`` a 400 (checked before parsing), and a
-client that goes away while sending is not an error (499, nothing logged).
+client that goes away while sending is not an error (499, nothing logged); one too slow to send
+it (serving/server/http_protocol.py closed the connection) is a 408. A body sent with a
+``Content-Encoding`` other than identity is a 415 (none is decoded, as in SGLang and vLLM), and a
+string anywhere in the JSON with a lone surrogate (``"\\ud800"``, which no UTF-8 text can hold)
+is a 400 naming the field, once, here: every route's fields are then encodable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -23,13 +28,15 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
-from serving.server.errors import APIError, error_body, validation_message
+from serving.server.errors import APIError, clip, error_body, validation_message
+from serving.server.http_protocol import TIMED_OUT
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
 DEFAULT_MAX_DEPTH = 128  # ServerConfig.max_json_depth's default
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate (paired or not)
 _NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'"[]{}')))  # deleted before the depth scan
 
 
@@ -63,10 +70,50 @@ def check_json_type(request: Request) -> None:
                         + (f" (got {declared[:100]!r})" if declared else " (no Content-Type was sent)"))
 
 
+def check_identity_encoding(request: Request) -> None:
+    """415 for a compressed (or otherwise encoded) body: none is decoded."""
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {clip(encoding, 100)!r} is not supported: send the request body "
+                            "uncompressed (no Content-Encoding, or identity)")
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    return ".".join(clip(str(p), 100) for p in path) or "the request body"
+
+
+def check_unicode(data: Any) -> None:
+    """400 naming the first string (or field name) that holds a lone surrogate: valid JSON
+    (``"\\ud800"``) that is not valid Unicode, so no UTF-8 encoder (the tokenizer, the stop
+    strings' matcher, the salt's hash, the engine's messages) can take it."""
+    todo: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for key in value:
+                _check_text(key, path, "a field name is ")
+            todo.extend(reversed([((*path, k), v) for k, v in value.items()]))
+        elif isinstance(value, list):
+            todo.extend(reversed([((*path, i), v) for i, v in enumerate(value)]))
+        elif isinstance(value, str):
+            _check_text(value, path, "")
+
+
+def _check_text(text: str, path: tuple[str | int, ...], what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # the message shows the surrogate escaped: repr() does
+        raise APIError(400, f"{_where(path)}: {what}not valid Unicode, a lone surrogate ({text[e.start]!r}) at "
+                            f"character {e.start} (surrogates come in pairs)",
+                       param=str(path[0]) if path else None) from None
+
+
 async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_DEPTH, json_type: bool = True) -> Any:
-    """The body as JSON: 415 unless declared JSON (with ``json_type``), 413 over ``limit`` bytes,
-    400 for invalid UTF-8 or JSON or nesting deeper than ``max_depth``; 499 if the client
-    leaves meanwhile."""
+    """The body as JSON: 415 unless declared JSON (with ``json_type``) or when it is encoded
+    (``Content-Encoding``), 413 over ``limit`` bytes, 400 for invalid UTF-8 or JSON or
+    nesting deeper than ``max_depth`` or a lone surrogate in a string; 499 if the client
+    leaves meanwhile, 408 if it was too slow to send the body (the connection was closed)."""
+    check_identity_encoding(request)
     if json_type:
         check_json_type(request)
     length = request.headers.get("content-length")
@@ -80,6 +127,9 @@ async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_D
                 raise APIError(413, f"the request body is over the limit of {limit} bytes")
             chunks.append(chunk)
     except ClientDisconnect:
+        timed_out = (request.scope.get("state") or {}).get(TIMED_OUT)
+        if timed_out:  # the client was answered 408 and the connection closed (http_protocol.py)
+            raise APIError(408, timed_out) from None
         raise APIError(499, "the client closed the connection before it sent the whole body") from None
     raw = b"".join(chunks)
     if not raw.strip():
@@ -92,11 +142,14 @@ async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_D
     if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(raw) > max_depth:
         raise APIError(400, too_deep)
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        data = json.loads(text, parse_constant=_no_constants)
     except RecursionError:
         raise APIError(400, too_deep) from None
     except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(raw):  # only then can a string hold a lone one (UTF-8 text cannot)
+        check_unicode(data)
+    return data
 
 
 async def parse_body(request: Request, model: type[M], limit: int, max_depth: int = DEFAULT_MAX_DEPTH,

@@ -4,11 +4,14 @@ Latencies (time to first token, inter-token latency, end-to-end) are measured in
 process, where clients see them, and so is every HTTP request (serving.server.access_log):
 ``hicache_http_requests_total{route,method,status}`` (route: the route's template, e.g.
 ``/v1/chat/completions``, or ``unmatched``; method: GET/POST/... or ``other``) and
-``hicache_http_request_duration_seconds{route,method}``. Token and page counts come from the
-engine process: each scrape of /metrics asks it for a fresh ``Stats`` snapshot, exposed by a
-custom collector. When the engine cannot answer at once (stalled, or in a long forward pass),
-the last snapshot is served instead, marked ``hicache_engine_stats_stale 1`` with its age in
-``hicache_engine_stats_age_seconds``. No ``_created`` series (prometheus_client's are disabled).
+``hicache_http_request_duration_seconds{route,method}``; connections closed for how a client sent
+its request (serving.server.http_protocol): ``hicache_http_connections_closed_total{reason}``.
+Token and page counts come from the engine process: each scrape of /metrics asks it for a fresh
+``Stats`` snapshot, exposed by a custom collector. When the engine cannot answer at once
+(stalled, or in a long forward pass), the last snapshot is served instead, marked
+``hicache_engine_stats_stale 1`` with its age in ``hicache_engine_stats_age_seconds``; before
+its first answer there is no snapshot: ``hicache_engine_stats_stale 1`` alone. No ``_created``
+series (prometheus_client's are disabled).
 
 Names follow Prometheus' rules: counters end in ``_total``, gauges never do, and a quantity
 with a unit says it in base units (``_bytes``, ``_seconds``, ``_bytes_per_second``). The
@@ -218,11 +221,11 @@ class EngineCollector(Collector):
             value=self.stall_s,
         )
         s = self.snapshot
+        yield GaugeMetricFamily(f"{PREFIX}_engine_stats_stale",  # 1 too before the engine's first answer
+                                "1 when the engine's metrics below are from an earlier scrape (it did not answer)",
+                                value=1.0 if self.stale or not s else 0.0)
         if not s:
             return
-        yield GaugeMetricFamily(f"{PREFIX}_engine_stats_stale",
-                                "1 when the engine's metrics below are from an earlier scrape (it did not answer)",
-                                value=1.0 if self.stale else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_engine_stats_age_seconds", "Age of the engine's metrics below",
                                 value=max(0.0, time.monotonic() - self.taken_at))
         for name, key, doc in (
@@ -286,6 +289,11 @@ class ServerMetrics:
         self.http_requests = Counter(
             f"{PREFIX}_http_requests", "HTTP requests answered, by route template, method and status",
             labelnames=("route", "method", "status"), registry=self.registry,
+        )
+        self.http_closed = Counter(
+            f"{PREFIX}_http_connections_closed", "Client connections the server closed, by reason (header_timeout, "
+            "body_timeout, body_idle_timeout: a request not sent in time, answered 408; ambiguous_framing: "
+            "Transfer-Encoding with Content-Length, answered 400)", labelnames=("reason",), registry=self.registry,
         )
         self.http_duration = Histogram(
             f"{PREFIX}_http_request_duration_seconds", "HTTP request duration until its answer ended (streams: whole)",

@@ -3,7 +3,10 @@
 The port is bound (and listened on) first, before the engine process starts: a port in use
 fails at once with a clear message, without loading the model or opening the L3 store (which
 may be the live server's). Connections made while the model loads wait in the backlog and
-are served once the server is ready.
+are served once the server is ready. uvicorn runs with serving/server/http_protocol.py's
+connection class (h11 with read timeouts) and ``--limit-concurrency``. Once the warm-up
+generation passed, one line on stdout says so, with the server's URL: SGLang's
+``READY_MESSAGE`` followed by ``http://host:port`` (harness/server_utils.py waits for it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from serving.server.config import AppConfig
 from serving.server.context import ServerContext
 from serving.server.drain import drain
 from serving.server.engine_client import EngineClient, EngineStartError
+from serving.server.http_protocol import REASONS, ReadTimeouts, protocol_class
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
 from serving.server.tenants import load_tenants
@@ -47,6 +51,7 @@ class _Uvicorn(uvicorn.Server):
             self.should_exit = True
 
     warmup: Callable[[], Awaitable[None]] | None = None
+    url = ""  # printed on the ready line
     drain: Callable[[], Awaitable[dict]] | None = None  # --drain-on-shutdown (serving/server/drain.py)
     loop: asyncio.AbstractEventLoop | None = None
     failed = False
@@ -71,7 +76,7 @@ class _Uvicorn(uvicorn.Server):
                     log.error("warm-up generation failed: %s", e)
                     self.should_exit = self.failed = True
                     return
-            print(READY_MESSAGE, flush=True)
+            print(f"{READY_MESSAGE} {self.url}", flush=True)
 
 
 async def _warmup(client: EngineClient) -> None:
@@ -80,6 +85,11 @@ async def _warmup(client: EngineClient) -> None:
         rid="warmup", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}
     )
     await run_all(client, [req])
+
+
+def server_url(host: str, port: int) -> str:
+    """The URL clients use: ``http://host:port`` (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _raise_interrupt(sig: int, frame: FrameType | None) -> None:
@@ -139,17 +149,23 @@ def run_server(cfg: AppConfig) -> int:
             info["page_size"],
         )
         ctx = ServerContext(cfg.engine, cfg.server, client, tokenizer, metrics, tenants)
+        for reason in REASONS:  # each series from 0
+            metrics.http_closed.labels(reason)
+        timeouts = ReadTimeouts(cfg.server.header_timeout_s, cfg.server.body_timeout_s, cfg.server.body_idle_timeout_s)
         server = _Uvicorn(
             uvicorn.Config(
                 create_app(ctx),
                 host=cfg.server.host,
                 port=cfg.server.port,
+                http=protocol_class(timeouts, lambda reason: metrics.http_closed.labels(reason).inc()),
+                limit_concurrency=cfg.server.limit_concurrency,
                 log_level=cfg.server.log_level,
                 access_log=False,  # serving.server.access_log writes one (route templates, durations)
                 lifespan="on",
                 timeout_graceful_shutdown=cfg.server.graceful_shutdown_timeout_s,
             )
         )
+        server.url = server_url(cfg.server.host, cfg.server.port)
         server.warmup = lambda: _warmup(client)
         if cfg.server.drain_on_shutdown:
             server.drain = lambda: drain(ctx, cfg.server.drain_timeout_s)

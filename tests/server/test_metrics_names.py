@@ -134,5 +134,15 @@ def test_http_request_metrics_follow_the_rules_and_no_created_series(storage_sta
     assert stale["hicache_engine_stats_stale"].samples[0].value == 1
     assert stale["hicache_engine_stall_seconds"].samples[0].value == 7.0
     assert stale["hicache_forward_passes"].samples[0].value == 4  # the last snapshot's
-    assert families(ServerMetrics().render(None).decode()).keys() == {"hicache_engine_stall_seconds"} | {
+    first = {"hicache_engine_stall_seconds", "hicache_engine_stats_stale"}  # no snapshot yet: no engine families
+    assert families(ServerMetrics().render(None).decode()).keys() == first | {
         n for n in fams if n.startswith(("hicache_http", "hicache_time_", "hicache_inter_", "hicache_e2e_"))}
+
+
+def test_a_first_scrape_during_a_stall_says_stale() -> None:
+    """Issue 42: the engine never answered (stalled before the first scrape): there is no
+    snapshot to serve, and the scrape still says the engine's metrics are stale."""
+    fams = families(ServerMetrics().render(None, stall_s=12.0).decode())
+    assert fams["hicache_engine_stats_stale"].samples[0].value == 1
+    assert fams["hicache_engine_stall_seconds"].samples[0].value == 12.0
+    assert "hicache_engine_stats_age_seconds" not in fams  # the age of no snapshot: not made up

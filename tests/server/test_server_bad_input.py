@@ -215,3 +215,70 @@ def test_still_healthy_and_nothing_leaked(server: ServerProcess) -> None:
     report = server.check_integrity()
     assert report["ok"], report
     assert report["running"] == 0 and report["waiting"] == 0
+
+
+# -- issue 42, finding 13 ----------------------------------------------------------------------
+LONG = "x" * 150_000  # under --max-request-bytes
+
+
+@pytest.mark.parametrize("path,body", [
+    (C, chat(model=LONG)),
+    (P, comp(model=LONG)),
+    (C, {**chat(), LONG: 1}),  # an unknown field's name
+    (G, gen(sampling_params={"max_new_tokens": 2, LONG: 1})),
+    (C, chat(response_format={"type": LONG})),
+], ids=["chat-model", "completions-model", "unknown-field", "sampling-param", "response-format"])
+def test_client_input_is_not_echoed_whole(server: ServerProcess, path: str, body: Any) -> None:
+    r = post(server, path, body)
+    assert r.status_code in (400, 404), r.text[:300]
+    message = r.json()["error"]["message"]
+    assert len(message) < 1100 and "characters)" in message, message[:300]
+
+
+def test_an_unknown_model_shows_200_characters_of_its_name(server: ServerProcess) -> None:
+    for r in (post(server, C, chat(model=LONG)),
+              httpx.get(server.url + "/v1/models/" + LONG[:8000], headers=server.headers, timeout=30)):
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == "model_not_found", r.text[:300]
+        assert err["message"].count("x") == 200 and "..." in err["message"], err["message"][:300]
+    r = post(server, "/api/chat", {"model": LONG, "messages": [{"role": "user", "content": "hi"}]})  # Ollama's shape
+    assert r.status_code == 404 and r.json()["error"].count("x") == 200, r.text[:300]
+
+
+@pytest.mark.parametrize("path,raw,field", [
+    (C, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "a\\ud800"}', "stop"),
+    (C, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\\udfff"]}', "stop.1"),
+    (C, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "s\\ud800"}', "cache_salt"),
+    (C, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "regex": "[a-z]\\ud800"}', "regex"),
+    (P, b'{"model": "m", "prompt": "hi", "stop": "\\ud83d"}', "stop"),
+    (G, b'{"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop": ["\\ud800"]}}', "sampling_params.stop.0"),
+    (G, b'{"text": "hi", "sampling_params": {"max_new_tokens": 2, "regex": "\\ud800"}}', "sampling_params.regex"),
+    (G, b'{"text": "hi", "cache_salt": "\\udc00x"}', "cache_salt"),
+    (G, b'{"text": "hi", "sampling_params": {"st\\ud800op": 1}}', "sampling_params: a field name"),
+    ("/api/chat", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+                  b'"options": {"stop": ["\\ud800"]}}', "options.stop.0"),
+], ids=["chat-stop", "chat-stop-list", "chat-cache_salt", "chat-regex", "completions-stop", "generate-stop",
+        "generate-regex", "generate-cache_salt", "a-field-name", "ollama-stop"])
+def test_a_lone_surrogate_is_a_400_naming_its_field(server: ServerProcess, path: str, raw: bytes, field: str) -> None:
+    r = post(server, path, raw)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"] if path.startswith("/api/") else r.json()["error"]["message"]
+    assert message.startswith(field) and "not valid Unicode" in message and "codec" not in message, message
+
+
+def test_a_surrogate_pair_is_text(server: ServerProcess) -> None:
+    pair_and_escaped_backslash = b'{"text": "hi \\ud83d\\ude00", "sampling_params": {"stop": ["\\\\ud800"]}}'
+    r = post(server, G, pair_and_escaped_backslash)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_an_encoded_body_is_a_415_naming_the_encoding(server: ServerProcess, encoding: str) -> None:
+    import gzip
+
+    body = gzip.compress(json.dumps(chat()).encode())
+    r = post(server, C, body, headers={"content-encoding": encoding})
+    assert_error(r, 415, f"Content-Encoding {encoding!r}")
+    r = post(server, "/api/chat", body, headers={"content-encoding": encoding})
+    assert r.status_code == 415 and encoding in r.json()["error"], r.text
+    assert post(server, C, chat(), headers={"content-encoding": "identity"}).status_code == 200
