@@ -17,7 +17,7 @@ from serving.scheduler.prompt_check import PromptError, check_budget, check_prom
 from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
-from serving.server.errors import APIError
+from serving.server.errors import APIError, quoted
 from serving.server.metrics import ServerMetrics
 from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT, TenantTable, effective_salt
@@ -60,7 +60,7 @@ class ServerContext:
     def check_model(self, model: str) -> str:
         """The served name when ``model`` names the served model, else a 404 in OpenAI's shape."""
         if model not in self.model_names:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+            raise APIError(404, f"The model {quoted(model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found", kind="invalid_request_error")
         return self.model_name
 
