@@ -5,9 +5,12 @@ Proxied with routing: POST /v1/chat/completions, /v1/completions, /generate, Ant
 Ollama's default). Sessions: /open_session (a worker chosen by the policy; the returned id
 sticks to it), /close_session (to the session's worker). Forwarded to any available worker:
 /v1/models, /get_model_info, /health_generate, /v1/messages/count_tokens, /api/tags, /api/show,
-/api/version. Broadcast: /flush_cache. Router-own: /health (200 while any worker is available),
-/get_load, /add_worker and /remove_worker (``?url=`` or ``{"url": ...}``; ``&drain=true``: a warm drain,
-router/drain.py), /list_workers.
+/api/version. Broadcast: /flush_cache. Router-own: /health (200 while any worker is available;
+it names the router in ``x-hicache-router-id``), /get_load, /add_worker and /remove_worker
+(``?url=`` or ``{"url": ...}``; ``&drain=true``: a warm drain, router/drain.py), /list_workers.
+Those five are the admin routes: the admin key where the router has keys, and no registration
+without keys unless ``enable_worker_registration`` (router/admin.py). Bodies are read at most
+``max_request_bytes`` (413) and parsed at most ``max_json_depth`` deep (400; router/bodies.py).
 Every answer that came from a worker names it in ``x-hicache-worker``. The router's own errors
 (and unknown routes) answer in the shape of the path's API, as the workers do (router/errors.py).
 The KV control API (/cache/lookup, /cache/prefetch, /cache/pin) goes to the worker that holds
@@ -23,23 +26,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from router.admin import KeyMiddleware
+from router.bodies import BodyLimitMiddleware, json_object
 from router.config import RouterConfig
 from router.drain import DrainError, drain_worker
 from router.errors import error, install
 from router.kv_routes import add_kv_routes
 from router.pd_app import PDRouterState, add_pd_routes
 from router.policies import RouteRequest
-from router.proxy import json_object
 from router.state import RouterState
 from router.tenancy import scope_of, session_key
 from router.trusted_hosts import BrowserGuardMiddleware, HostPolicy
-from router.urls import check_url
+from router.urls import ROUTER_ID_HEADER, check_not_self, check_url, normal_url
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/api/chat",
                     "/api/generate")
@@ -68,32 +72,19 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                         f"SGLang's generation routes: {', '.join(PD_GENERATION_PATHS)})"
                   for path in GENERATION_PATHS if path not in PD_GENERATION_PATHS} if cfg.pd_disaggregation else None)
 
-    if state.tenancy.enforced:
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Any) -> Response:
-            """``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235) or Anthropic's
-            ``x-api-key: <key>``: the router's key or a tenant's, compared in constant time
-            (router/tenancy.py)."""
-            if request.url.path != "/health":
-                ok, tenant = state.tenancy.authenticate(request.headers.get("authorization", ""),
-                                                        request.headers.get("x-api-key", ""))
-                if not ok:
-                    return error(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                                 request.url.path)
-                request.state.tenant = tenant
-            return await call_next(request)
-
-    # added last, so it runs first: a rebinding page or a cross-origin POST never reaches the key check
+    # middleware added last runs first: a rebinding page or a cross-origin POST never reaches the key
+    # check, and a request without a valid key (or a tenant's on an admin route) never has its body read
+    app.add_middleware(BodyLimitMiddleware, limit=cfg.max_request_bytes)
+    app.add_middleware(KeyMiddleware, cfg=cfg, tenancy=state.tenancy)
     app.add_middleware(BrowserGuardMiddleware, policy=HostPolicy(cfg.host, cfg.allowed_hosts))
 
     async def generation(request: Request) -> Response:
         raw = await request.body()
         path = request.url.path
-        body = json_object(raw, path)
+        body = json_object(raw, path, cfg.max_json_depth)
         if not isinstance(body, dict):
             return body
-        route = await state.route(path, body, request)
+        route = await state.route(path, body, request, len(raw))
         stream = body.get("stream", path in STREAM_BY_DEFAULT) is True
         return await state.forwarder.forward(path, raw, state.headers(request), route, stream)
 
@@ -106,16 +97,15 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             return error(503, "no worker is available", request.url.path)
         w = min(avail, key=lambda w: w.load)
         body = await request.body() if request.method == "POST" else None
-        return await state.forwarder.call(
-            w, request.method, request.url.path, body, state.forwarder.headers_for(request.headers)
-        )
+        return await state.forwarder.call(w, request.method, request.url.path, body, state.headers(request))
 
     for path, methods in ANY_WORKER_ROUTES.items():
         app.add_api_route(path, to_any, methods=methods)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.pool.available() else 503)
+        return Response(status_code=200 if state.pool.available() else 503,
+                        headers={ROUTER_ID_HEADER: state.router_id})  # so it never takes itself as a worker
 
     @app.get("/get_load")
     async def get_load() -> dict[str, Any]:
@@ -124,10 +114,10 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @app.post("/open_session")
     async def open_session(request: Request) -> Response:
         raw = await request.body()
-        try:
-            sid = (json.loads(raw) or {}).get("session_id") if raw else None
-        except (ValueError, AttributeError):
-            return error(400, "the body must be a JSON object")
+        body = json_object(raw, "/open_session", cfg.max_json_depth) if raw.strip() else {}
+        if not isinstance(body, dict):
+            return body
+        sid = body.get("session_id")
         avail = state.pool.available()
         if not avail:
             return error(503, "no worker is available")
@@ -141,10 +131,10 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @app.post("/close_session")
     async def close_session(request: Request) -> Response:
         raw = await request.body()
-        try:
-            sid = json.loads(raw).get("session_id")
-        except (ValueError, AttributeError):
-            return error(400, "the body must be a JSON object with session_id")
+        body = json_object(raw, "/close_session", cfg.max_json_depth)
+        if not isinstance(body, dict):
+            return body
+        sid = body.get("session_id")
         scope = scope_of(getattr(request.state, "tenant", None), {})
         url = state.forwarder.sessions.owner.pop(session_key(scope, sid), None) if isinstance(sid, str) else None
         w = state.pool.workers.get(url) if url else None
@@ -167,33 +157,46 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             status_code=200 if ok else 502,
         )
 
-    async def _url(request: Request) -> str | None:
+    async def _url(request: Request) -> str | Response:
+        """The worker URL of an admin call: ``?url=``, else the JSON body's ``url``."""
         url = request.query_params.get("url")
-        if url is None and (raw := await request.body()):
-            with suppress(ValueError, AttributeError):
-                url = json.loads(raw).get("url")
-        return url
+        raw = await request.body()
+        if url is None and raw.strip():
+            body = json_object(raw, request.url.path, cfg.max_json_depth)
+            if not isinstance(body, dict):
+                return body
+            url = body.get("url")
+        return url if isinstance(url, str) else ""
 
     @app.post("/add_worker")
     async def add_worker(request: Request) -> Response:
+        url = await _url(request)
+        if isinstance(url, Response):
+            return url
         try:
-            url = check_url(await _url(request) or "")
+            url = check_not_self(check_url(url), cfg.host, cfg.port)
         except ValueError as e:
             return error(400, str(e))
+        if await state.pool.is_this_router(url):
+            return error(400, f"worker url {url} is this router itself (its /health answered with this router's "
+                              "id): a router cannot be its own worker")
         w = state.pool.add(url)
         await state.pool.check_one(w)
         return JSONResponse({"success": True, "worker": w.view()})
 
     @app.post("/remove_worker")
     async def remove_worker(request: Request) -> Response:
-        url = (await _url(request) or "").rstrip("/")
+        url = await _url(request)
+        if isinstance(url, Response):
+            return url
+        url = normal_url(url)
         if request.query_params.get("drain", "").lower() in ("1", "true", "yes"):  # a warm drain (router/drain.py)
             try:
                 return JSONResponse(await drain_worker(state, url))
             except DrainError as e:
                 return error(e.status, str(e))
         if not state.pool.remove(url):
-            return error(404, f"no worker {url!r}")
+            return error(404, f"no worker {url[:300]!r}")
         return JSONResponse({"success": True})
 
     @app.get("/list_workers")

@@ -3,7 +3,9 @@
 Every RouterConfig field of a simple type gets a flag named after it (``cache_threshold`` ->
 ``--cache-threshold``), ``worker_urls`` gets ``--worker-urls URL [URL ...]``, PD mode's workers
 ``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` (router/pd_config.py); a flag overrides
-the file, the file overrides the dataclass defaults (shown in ``--help``).
+the file (``--worker-urls`` replaces its list), the file overrides the dataclass defaults.
+``--help`` shows each flag's description (its field's comment, hicache/config_fields.py), its
+allowed values and its default.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from hicache.config_fields import field_choices, field_docs
 from router.config import ConfigError, RouterConfig, field_types, load_config
 from router.pd_config import add_pd_args
 
@@ -30,12 +33,24 @@ def _flag_type(tp: Any) -> Any:
     return real[0] if len(real) == 1 and real[0] in (str, int, float, bool) else None
 
 
+def _help(doc: str | None, default: Any) -> str:
+    """A flag's help: its field's description (hicache/config_fields.py) and its default."""
+    shown = "unset" if default is None else repr(list(default) if isinstance(default, tuple) else default)
+    text = (doc or "").rstrip(".")
+    return (f"{text} (default: {shown})" if text else f"default: {shown}").replace("%", "%%")
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="YAML", help="router config file (flat mapping of the fields below)")
-    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    parser.add_argument("--config", metavar="YAML",
+                        help="router config file (a flat mapping of the fields below, e.g. configs/router.yaml); "
+                             "flags override it")
+    fields = {f.name: f for f in dataclasses.fields(RouterConfig)}
+    docs = field_docs(RouterConfig)
     for name, tp in field_types().items():
+        if name in ("prefill_urls", "decode_urls"):  # --prefill / --decode (router/pd_config.py)
+            continue
         flag = "--" + name.replace("_", "-")
-        help_ = f"default: {defaults[name]!r}"
+        help_ = _help(docs.get(name), fields[name].default)
         if name == "worker_urls":
             parser.add_argument(flag, dest=name, nargs="+", metavar="URL", default=argparse.SUPPRESS, help=help_)
             continue
@@ -45,9 +60,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_
             )
         elif kind is not None:
-            parser.add_argument(
-                flag, dest=name, type=kind, metavar=kind.__name__.upper(), default=argparse.SUPPRESS, help=help_
-            )
+            choices = field_choices(fields[name])
+            metavar = "{" + ",".join(choices) + "}" if choices else kind.__name__.upper()
+            parser.add_argument(flag, dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS, help=help_)
     add_pd_args(parser)  # --prefill URL [BOOTSTRAP_PORT], --decode URL (prefill_urls, decode_urls)
 
 

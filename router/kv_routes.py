@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from router.bodies import json_object
 from router.errors import error
-from router.proxy import json_object
 
 if TYPE_CHECKING:
     from router.state import RouterState
@@ -34,11 +34,11 @@ def _keying(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def add_kv_routes(app: FastAPI, state: RouterState) -> None:
     async def routed(request: Request) -> Response:
         raw = await request.body()
-        body = json_object(raw, request.url.path)
+        body = json_object(raw, request.url.path, state.cfg.max_json_depth)
         if not isinstance(body, dict):
             return body
         path, keying = _keying(body)
-        route = await state.route(path, {**keying, "cache_salt": body.get("cache_salt")}, request)
+        route = await state.route(path, {**keying, "cache_salt": body.get("cache_salt")}, request, len(raw))
         try:
             w, _ = state.forwarder.pick(route, set())
         except LookupError as e:

@@ -27,12 +27,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hicache.json_depth import too_deep
+from router.bodies import json_object, too_deep_message
 from router.errors import error
 from router.pd import PDForwarder
 from router.policies import RouteRequest
 from router.state import RouterState
 from router.tenancy import scope_of, session_key
-from router.urls import check_url
+from router.urls import ROUTER_ID_HEADER, check_not_self, check_url, normal_url
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger("hicache.router")
@@ -48,7 +50,7 @@ class PDRouterState(RouterState):
     forwarder: PDForwarder
 
     def make_forwarder(self) -> PDForwarder:
-        self.decode = WorkerPool(self.cfg, self.client, self.worker_headers)
+        self.decode = WorkerPool(self.cfg, self.client, self.worker_headers, self.router_id)
         for pool in (self.pool, self.decode):
             pool.on_reset.append(lambda url, pool=pool: self._unlearn(pool, url))
         return PDForwarder(self.cfg, self.pool, self.decode, self.policy, self.client, self.worker_headers)
@@ -121,11 +123,14 @@ class PDRouterState(RouterState):
         return v
 
 
-async def _args(request: Request) -> dict[str, Any]:
-    """Query parameters, then a JSON object body's keys."""
+async def _args(request: Request, max_depth: int) -> dict[str, Any] | Response:
+    """Query parameters, then a JSON object body's keys (a 400 for a body nested too deeply)."""
     out: dict[str, Any] = dict(request.query_params)
-    with suppress(ValueError):
-        body = json.loads(await request.body() or b"{}")
+    raw = await request.body()
+    if too_deep(raw, max_depth):
+        return error(400, too_deep_message(max_depth), request.url.path)
+    with suppress(ValueError, RecursionError):  # not JSON: the query's parameters only
+        body = json.loads(raw or b"{}")
         if isinstance(body, dict):
             out.update(body)
     return out
@@ -147,7 +152,8 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.pool.available() and state.decode.available() else 503)
+        return Response(status_code=200 if state.pool.available() and state.decode.available() else 503,
+                        headers={ROUTER_ID_HEADER: state.router_id})  # so it never takes itself as a worker
 
     @app.api_route("/health_generate", methods=["GET", "POST"])
     async def health_generate(request: Request) -> Response:
@@ -155,7 +161,7 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
         if isinstance(ws, Response):
             return ws
         body = await request.body() if request.method == "POST" else None
-        headers = fwd.headers_for(request.headers)
+        headers = state.headers(request)
         return _first_error(list(await asyncio.gather(*(fwd.call(w, request.method, "/health_generate", body, headers)
                                                         for w in ws))))
 
@@ -191,12 +197,9 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
     @app.post("/open_session")
     async def open_session(request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except ValueError:
-            body = None
+        body = json_object(raw, "/open_session", state.cfg.max_json_depth) if raw.strip() else {}
         if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
+            return body
         sid = body.setdefault("session_id", uuid.uuid4().hex)  # one id for both sides
         key = session_key(scope_of(getattr(request.state, "tenant", None), {}), sid if isinstance(sid, str) else None)
         ws = pair(key)
@@ -216,7 +219,10 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
     @app.post("/close_session")
     async def close_session(request: Request) -> Response:
         raw = await request.body()
-        sid = (await _args(request)).get("session_id")
+        args = await _args(request, state.cfg.max_json_depth)
+        if isinstance(args, Response):
+            return args
+        sid = args.get("session_id")
         if not isinstance(sid, str):
             return error(400, "the body must be a JSON object with session_id")
         key = session_key(scope_of(getattr(request.state, "tenant", None), {}), sid)  # another tenant's: unknown
@@ -230,11 +236,17 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
 
     @app.post("/add_worker")
     async def add_worker(request: Request) -> Response:
-        args = await _args(request)
+        args = await _args(request, state.cfg.max_json_depth)
+        if isinstance(args, Response):
+            return args
         try:
-            url = check_url(str(args.get("url") or ""))
+            url = check_not_self(check_url(args.get("url") if isinstance(args.get("url"), str) else ""),
+                                 state.cfg.host, state.cfg.port)
         except ValueError as e:
             return error(400, str(e))
+        if await state.pool.is_this_router(url):
+            return error(400, f"worker url {url} is this router itself (its /health answered with this router's "
+                              "id): a router cannot be its own worker")
         info = await state.fetch_info(url)
         role = args.get("role") or args.get("worker_type") or (info or {}).get("disaggregation_mode")
         if role not in ROLES:
@@ -254,7 +266,10 @@ def add_pd_routes(app: FastAPI, state: PDRouterState) -> None:
 
     @app.post("/remove_worker")
     async def remove_worker(request: Request) -> Response:
-        url = str((await _args(request)).get("url") or "").rstrip("/")
+        args = await _args(request, state.cfg.max_json_depth)
+        if isinstance(args, Response):
+            return args
+        url = normal_url(args.get("url") if isinstance(args.get("url"), str) else "")
         if not any(pool.remove(url) for _, pool in state.pools()):
             return error(404, f"no worker {url!r}")
         fwd.ports.pop(url, None)

@@ -16,14 +16,13 @@ its slot until it ends); up to ``max_queued_requests`` more wait for a slot; bey
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from router.config import RouterConfig
 from router.errors import error, shape_for
@@ -36,17 +35,6 @@ log = logging.getLogger("hicache.router")
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 PASS_HEADERS = ("content-type", "x-request-id")
 WORKER_HEADER = "x-hicache-worker"
-
-
-def json_object(raw: bytes, path: str = "") -> dict[str, Any] | JSONResponse:
-    """A request body as a JSON object, or the 400 (in ``path``'s API shape) naming what is wrong."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return error(400, "the body is not valid JSON", path)
-    if not isinstance(body, dict):
-        return error(400, "the body must be a JSON object", path)
-    return body
 
 
 class Busy(Exception):

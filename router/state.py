@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import secrets
 from contextlib import suppress
 from typing import Any
 
@@ -16,7 +17,7 @@ from fastapi import Request
 from router.cache_view import CacheView
 from router.config import RouterConfig
 from router.drain import on_worker_draining
-from router.keypool import KeyPool
+from router.keypool import DEFAULT_ROUTING_TOKENS, KeyPool
 from router.policies import RouteRequest, make_policy
 from router.proxy import Forwarder
 from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_prefix, session_key
@@ -30,6 +31,7 @@ class RouterState:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        self.router_id = secrets.token_hex(8)  # its /health says it: the router never takes itself as a worker
         key = cfg.worker_api_key or cfg.api_key
         self.worker_headers = {"authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -45,7 +47,7 @@ class RouterState:
         self.leases: BoundedMap = BoundedMap(cfg.max_leases)  # pin lease id -> worker url
         self.lease_alias: BoundedMap = BoundedMap(cfg.max_leases)  # a drained worker's lease id -> its new id
         self.policy = make_policy(cfg, self.view)
-        self.pool = WorkerPool(cfg, self.client, self.worker_headers)
+        self.pool = WorkerPool(cfg, self.client, self.worker_headers, self.router_id)
         self.pool.on_reset.append(self.policy.forget)
         if self.view is not None:
             self.view.urls = lambda: [w.url for w in self.pool.workers.values() if w.healthy]
@@ -53,7 +55,7 @@ class RouterState:
         self.forwarder = self.make_forwarder()
         self.pool.on_reset.append(self.forwarder.sessions.forget_worker)
         self.pool.on_draining.append(lambda url: on_worker_draining(self, url))
-        self.keys = KeyPool(None, 0)
+        self.keys = KeyPool(None, 0, DEFAULT_ROUTING_TOKENS)
         self._maint: asyncio.Task[None] | None = None
 
     def make_forwarder(self) -> Forwarder:
@@ -64,9 +66,13 @@ class RouterState:
         for url in self.cfg.worker_urls:
             self.pool.add(url)
         await self.pool.check_health()
-        self.keys = KeyPool(self.cfg.tokenizer_path or await self._worker_tokenizer_path(), self.cfg.tokenizer_workers)
+        info = await self._worker_model_info()
+        budget = self.cfg.max_routing_tokens or info.get("context_length") or DEFAULT_ROUTING_TOKENS
+        self.keys = KeyPool(self.cfg.tokenizer_path or info.get("tokenizer_path"), self.cfg.tokenizer_workers,
+                            int(budget))
         await self.keys.warm()
-        log.info("routing on %s", "token ids" if self.keys.tok is not None else "text")
+        log.info("routing on %s (at most %d of a prompt's)", "token ids" if self.keys.tok is not None else "text",
+                 self.keys.max_tokens)
         self.pool.start()
         if self.view is not None:
             self.view.start()
@@ -91,9 +97,10 @@ class RouterState:
             # full scans, which would otherwise stall a routing decision for milliseconds at fleet scale
             gc.freeze()
 
-    async def route(self, path: str, body: dict[str, Any], request: Request) -> RouteRequest:
-        """The request's routing key, ids and session, in its tenant + cache_salt scope."""
-        route = await self.keys.for_body(path, body)
+    async def route(self, path: str, body: dict[str, Any], request: Request, size: int = 0) -> RouteRequest:
+        """The request's routing key, ids and session, in its tenant + cache_salt scope (``size``:
+        the body's bytes, which pick the key processes' lane, router/keypool.py)."""
+        route = await self.keys.for_body(path, body, size)
         scope = scope_of(getattr(request.state, "tenant", None), body)
         if scope is None:
             return route
@@ -115,14 +122,19 @@ class RouterState:
         owner = self.forwarder.sessions.owner
         return {"sessions": len(owner), "sessions_evicted": owner.evicted, "leases": len(self.leases),
                 "leases_evicted": self.leases.evicted, "keyed_off_loop": self.keys.offloaded,
+                "keyed_large": self.keys.offloaded_large,
                 **(self.view.stats() if self.view is not None else {})}
 
-    async def _worker_tokenizer_path(self) -> str | None:
+    async def _worker_model_info(self) -> dict[str, Any]:
+        """The first available worker's /get_model_info ({} when none answers)."""
         for w in self.pool.available():
             try:
                 r = await self.client.get(w.url + "/get_model_info", headers=self.worker_headers, timeout=5)
-                if r.status_code == 200:
-                    return r.json().get("tokenizer_path")
+                info = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 continue
-        return None
+            if isinstance(info, dict):
+                return {"tokenizer_path": info.get("tokenizer_path") if isinstance(info.get("tokenizer_path"), str)
+                        else None, "context_length": info.get("context_length")
+                        if type(info.get("context_length")) is int and info["context_length"] > 0 else None}
+        return {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from hicache import salt
@@ -40,16 +41,29 @@ class Tenancy:
     def authenticate(self, authorization: str, x_api_key: str = "") -> tuple[bool, Tenant | None]:
         """(allowed, tenant): the Bearer token (or, without an Authorization header, Anthropic's
         ``x-api-key``) is the router's key (default tenant) or a tenant's."""
+        caller = self.identify(authorization, x_api_key)
+        return caller.allowed, caller.tenant
+
+    def identify(self, authorization: str, x_api_key: str = "") -> Caller:
+        """Who sent the request: a tenant (its key is in the keys file), the admin (the key is the
+        router's ``api_key``: it may administer the router, router/admin.py), or nobody known."""
         if authorization.strip():
             scheme, _, token = authorization.strip().partition(" ")
             raw = token.strip().encode() if scheme.lower() == "bearer" else b""
         else:
             raw = x_api_key.strip().encode()
         if not raw:
-            return False, None
-        default = self.expected is not None and hmac.compare_digest(raw, self.expected)
+            return Caller(False, None, False)
+        admin = self.expected is not None and hmac.compare_digest(raw, self.expected)
         tenant = self.table.find(raw) if self.table is not None else None
-        return default or tenant is not None, tenant
+        return Caller(admin or tenant is not None, tenant, admin)
+
+
+@dataclass(frozen=True)
+class Caller:
+    allowed: bool
+    tenant: Tenant | None
+    admin: bool  # the router's api_key
 
 
 def scope_of(tenant: Tenant | None, body: dict[str, Any]) -> str | None:

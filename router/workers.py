@@ -11,6 +11,9 @@ requests) for ``circuit_cooldown_s``, then ``half_open``: one trial request, or 
 health check, closes it; a failure opens it again. A worker that is open is assumed to have
 lost its cache: ``on_reset`` listeners (the policies' trees) forget it when it comes back.
 A worker whose stream broke mid-answer is checked at once (:meth:`WorkerPool.suspect`).
+A "worker" whose ``/health`` answers with this router's id (router/urls.py) is this router
+under another name: it is removed at its first health check, and ``/add_worker`` refuses it
+(:meth:`WorkerPool.is_this_router`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from router.urls import ROUTER_ID_HEADER
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
@@ -64,10 +69,12 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient, headers: dict[str, str],
+                 router_id: str = "") -> None:
         self.cfg = cfg
         self.client = client
-        self.headers = headers  # auth for health / load polls
+        self.headers = headers  # auth for load polls
+        self.router_id = router_id  # what this router's /health answers in ROUTER_ID_HEADER
         self.workers: dict[str, Worker] = {}
         self.on_reset: list[Callable[[str], None]] = []  # a worker's cache is gone (removed / restarted)
         self.draining: set[str] = set()  # workers being drained (router/drain.py): no new requests
@@ -177,9 +184,25 @@ class WorkerPool:
     async def check_health(self) -> None:
         await asyncio.gather(*(self.check_one(w) for w in list(self.workers.values())))
 
+    async def is_this_router(self, url: str) -> bool:
+        """Whether ``url``'s /health answers with this router's id (no worker: an error is no)."""
+        try:
+            r = await self.client.get(url + "/health", timeout=self.cfg.health_check_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return self._is_me(r)
+
+    def _is_me(self, r: httpx.Response) -> bool:
+        return bool(self.router_id) and r.headers.get(ROUTER_ID_HEADER) == self.router_id
+
     async def check_one(self, w: Worker) -> None:
         try:
             r = await self.client.get(w.url + "/health", timeout=self.cfg.health_check_timeout_s)
+            if self._is_me(r):
+                log.error("worker %s is this router itself (its /health answered with this router's id): removed",
+                          w.url)
+                self.remove(w.url)
+                return
             ok = r.status_code == 200
             if r.status_code == 503 and b'"draining":true' in r.content.replace(b" ", b""):
                 for fn in self.on_draining:  # it drains on its own: re-home its sessions and leases

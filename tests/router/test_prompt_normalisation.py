@@ -73,3 +73,14 @@ def test_the_router_keys_a_body_on_the_ids_the_worker_prefills(toks, name):
     path, body = AGREE[name]
     want = worker_ids(tok, path, body)
     assert keys.for_body(path, body).token_ids == want, name
+
+
+@pytest.mark.parametrize("name", list(AGREE))
+def test_a_bounded_key_is_a_prefix_of_the_ids_the_worker_prefills(toks, name):
+    """A routing key of at most 12 tokens (the tokenizer sees at most 96 characters, the bodies
+    are clipped first: router/routing_key.py) is the start of what the worker prefills."""
+    tok, keys = toks
+    path, body = AGREE[name]
+    want = worker_ids(tok, path, body)
+    got = KeyMaker(keys.tok, 12).for_body(path, body).token_ids
+    assert got and len(got) <= 12 and got == want[: len(got)], (name, got, want[:12])

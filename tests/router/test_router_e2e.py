@@ -161,7 +161,7 @@ def test_events_view_finds_the_worker_that_holds_the_prefix(workers: list[Server
 
 
 def test_bounded_queue_and_worker_admin(workers: list[ServerProcess]) -> None:
-    with router(workers, max_concurrent_requests=1, max_queued_requests=1) as r:
+    with router(workers, max_concurrent_requests=1, max_queued_requests=1, enable_worker_registration=True) as r:
 
         def one(i: int) -> int:
             body = {"text": f"slow {i}", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}

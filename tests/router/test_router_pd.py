@@ -51,6 +51,7 @@ def pd(fleet: dict[str, FakeWorker]) -> Iterator[tuple[RouterThread, dict[str, F
         prefill_urls=((fleet["p0"].url, None), (fleet["p1"].url, P1_PORT)),
         decode_urls=(fleet["d0"].url, fleet["d1"].url),
         health_check_interval_s=0.2, load_poll_interval_s=0.05, retry_backoff_s=0.01, cache_threshold=0.5,
+        enable_worker_registration=True,  # test_admin_routes_cover_both_sets adds and removes workers
     )
     with RouterThread(cfg) as r:
         yield r, fleet

@@ -149,13 +149,14 @@ def test_router_with_tenants(fleet):
     assert httpx.post(r.url + "/close_session", headers={"Authorization": "Bearer sk-bob-00001"},
                       json={"session_id": sid}, timeout=30).status_code == 404
     assert httpx.post(r.url + "/close_session", headers=h, json={"session_id": sid}, timeout=30).status_code == 200
-    listing = httpx.get(r.url + "/list_workers", headers=h, timeout=30).json()
+    admin = {"Authorization": "Bearer admin-key-0001"}  # /list_workers is an admin route
+    listing = httpx.get(r.url + "/list_workers", headers=admin, timeout=30).json()
     assert listing["fleet"]["keyed_off_loop"] >= 1, listing["fleet"]
     # an attempt the worker refused leaves nothing behind in the routing tree
     before = listing["policy_stats"]["tree_sizes"]
     bad = gen(r.url, "sk-alice-0001", [10**6] * 50)
     assert bad.status_code == 400, bad.text
-    after = httpx.get(r.url + "/list_workers", headers=h, timeout=30).json()["policy_stats"]
+    after = httpx.get(r.url + "/list_workers", headers=admin, timeout=30).json()["policy_stats"]
     assert after["tree_sizes"] == before and after["retracted"] >= 50, after
     for w in workers:
         assert w.check_integrity()["ok"]

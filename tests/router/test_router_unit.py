@@ -200,3 +200,29 @@ def test_pages_prefetched_from_l3_are_l2_events() -> None:
     view = WorkerCache()
     CacheView.apply(view, log.read(0, None))
     assert view.held(page_keys(tokens, ps, ns)) == (2, 0)  # held, on L2 only
+
+
+def test_router_help_describes_every_flag() -> None:
+    """``hicache router --help``: every flag has its field's description and default (as ``hicache
+    serve --help``), enumerated fields their allowed values."""
+    import dataclasses
+    import re
+    import subprocess
+    import sys
+
+    from harness.server_utils import ROOT
+    from hicache.config_fields import field_docs
+
+    out = subprocess.run([sys.executable, "-m", "serving.launch.cli", "router", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env={"COLUMNS": "200", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    docs = field_docs(RouterConfig)
+    for f in dataclasses.fields(RouterConfig):
+        assert docs.get(f.name), f"RouterConfig.{f.name} has no comment (its --help description)"
+        flag = {"prefill_urls": "--prefill", "decode_urls": "--decode"}.get(f.name, "--" + f.name.replace("_", "-"))
+        m = re.search(rf"^\s+{re.escape(flag)}[ ,=].*?(?=^\s+--|\Z)", out.stdout, re.M | re.S)
+        assert m, f"{flag} not in --help"
+        text = " ".join(m.group(0).split())
+        if f.name not in ("prefill_urls", "decode_urls"):  # pd_config.py's own help
+            assert " ".join(docs[f.name].split()[:3]) in text and "(default: " in text, (flag, text)
+    assert "{approx,events}" in out.stdout and "--enable-worker-registration" in out.stdout
