@@ -12,6 +12,8 @@ callers (the tree, :class:`~hicache.hiradix.tiering.Tiering`) do.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.node import TreeNode
 from hicache.hiradix.pins import HostPins
@@ -136,6 +138,38 @@ class Residency:
             self.remove(child)
         self._dev_leaves.clear()
         self._host_leaves.clear()
+
+    def clear_except(self, keep: Collection[int]) -> None:
+        """A flush that keeps the nodes holding an L2 page of ``keep`` (pinned leases' pages)
+        and their ancestors, on L2 only (a kept node without an L2 copy keeps its L1 copy, and
+        so do its ancestors: L1 stays prefix-closed); every other node leaves the tree. Each
+        change goes through :meth:`drop_device` / :meth:`remove` (nothing may be locked)."""
+        root = self.shape.root
+        kept: set[TreeNode] = set()
+        for nd in self.shape.nodes():
+            if nd.host_pages is not None and any(p in keep for p in nd.host_pages):
+                while nd is not root and nd not in kept:
+                    kept.add(nd)
+                    nd = nd.parent
+        on_l1: set[TreeNode] = set()
+        for nd in [k for k in kept if k.host_pages is None]:
+            while nd is not root and nd not in on_l1:
+                on_l1.add(nd)
+                nd = nd.parent
+        for nd in self.shape.nodes():  # parents before children
+            if nd.removed:
+                continue  # it went with its parent
+            if nd in kept:
+                if nd.device_pages is not None and nd not in on_l1:
+                    self.drop_device(nd)
+                continue
+            stack = [nd]
+            while stack:
+                sub = stack.pop()
+                stack.extend(sub.children.values())
+                if sub.device_pages is not None:
+                    self.drop_device(sub)
+            self.remove(nd)
 
     def _drop_subtree_device(self, node: TreeNode) -> None:
         stack = [node]

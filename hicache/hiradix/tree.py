@@ -50,7 +50,7 @@ Typical request (scheduler)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from hicache.config import CacheConfig
@@ -321,16 +321,22 @@ class HiRadixTree:
         self.sessions.close(session_id)
 
     # ------------------------------------------------------------------ admin / stats
-    def reset(self) -> None:
+    def reset(self, keep: Collection[int] = ()) -> None:
         """Drop every node and its pages (flush). Refuses while anything is locked.
 
-        Pending transfers are discarded and sessions stay open but detached.
+        Pending transfers are discarded and sessions stay open but detached. With ``keep`` (L2
+        page ids: the KV control's pin leases), the nodes holding one of them stay with their
+        ancestors, on L2 only, and everything else goes as an eviction would drop it (one event
+        per node, sessions attached as before: :meth:`Residency.clear_except`).
         """
         root = self.shape.root
         if any(c.lock_ref for c in root.children.values()) or self.tiering.loading:
             raise RuntimeError("cannot reset the tree while requests hold locks")
-        self.residency.clear()
         self.tiering.discard_transfers()
+        if keep:
+            self.residency.clear_except(keep)
+            return
+        self.residency.clear()
         self.sessions.detach_all()
         self.events.emit("reset", root)
 

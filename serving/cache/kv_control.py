@@ -2,14 +2,19 @@
 sessions (the HTTP routes are serving/server/cache_api.py).
 
 - **lookup**: how many leading tokens of a (salted) prompt are cached on L1, on L2 only, and
-  in L3 after them. L1/L2 come from a read-only tree walk; the L3 count needs the store, so it
-  runs on a worker thread and the answer is deferred (:meth:`KVControl.poll` hands it back).
+  in L3 after them (serving/cache/kv_lookup.py; the L3 count's answer is deferred:
+  :meth:`KVControl.poll` hands it back).
 - **pin**: a lease that keeps a prefix's KV in L2 (and so in L3, where write-back puts it)
   until it ends: the path's L1-only nodes are backed up to L2 now and its L2 pages pinned
   (``tree.pin_host``: L2 eviction skips them, L1 eviction demotes instead of dropping). A
   tenant's pinned pages are bounded by its L2 quota, or else by half of L2; a page counts once
   however many of the tenant's leases hold it (re-pinning a pinned prefix costs nothing), and
-  the leases themselves are capped (``max_pin_leases`` and ``max_pin_leases_per_tenant``: 429).
+  the leases themselves are capped (``max_pin_leases`` and ``max_pin_leases_per_tenant``: 429),
+  their TTL too (``max_pin_ttl_s``: 400). cache_control breakpoints are leases that make room
+  instead of being refused (serving/cache/kv_breakpoints.py: :meth:`KVControl.room_for`).
+- **flush**: a cache flush keeps every lease (breakpoints and idle sessions' included): the
+  nodes holding a leased page stay, on L2 only, and everything else goes
+  (``EngineCore.flush_cache(keep=held_pages())``); :meth:`KVControl.flushed` says what it kept.
 - **session retention** (``/open_session`` hints): ``ttl_s`` closes the session after that
   long idle; ``demote_on_idle`` backs the session's KV up to L2 and pins it there while the
   session is idle (until its next request, or ``ttl_s``), instead of leaving it to be dropped.
@@ -23,15 +28,15 @@ import itertools
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from hicache import salt
-from hicache.keys import page_keys
 from serving.cache.kv_breakpoints import Breakpoints
 from serving.cache.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
 from serving.cache.kv_drain import drain_report
+from serving.cache.kv_lookup import PrefixLookup
 from serving.cache.kv_sessions import SessionRegistry
 
 __all__ = ["MAX_TTL_S", "ControlError", "ControlLimits", "KVControl", "Lease"]
@@ -54,9 +59,8 @@ class KVControl:
     """The KV control operations of one engine (see the module docstring for what each does).
 
     Concurrency contract: engine loop thread only (it owns the tree, the leases and the pins),
-    except the L3 existence check of a lookup, which runs on one worker thread (``_l3``) and
-    touches only the storage tier (thread-safe) and values computed before it was submitted;
-    :meth:`poll` hands its answers back on the loop thread.
+    except the L3 existence check of a lookup, which runs on PrefixLookup's worker thread
+    (serving/cache/kv_lookup.py); :meth:`poll` hands its answers back on the loop thread.
     """
 
     def __init__(self, core: Any, limits: ControlLimits | None = None) -> None:
@@ -71,9 +75,7 @@ class KVControl:
         self.sessions = SessionRegistry(self.limits)
         self.idle_lease: dict[str, str] = {}  # session -> lease held while it is idle
         self._ids = itertools.count(1)
-        self._deferred: list[tuple[int, Future]] = []
-        self._l3 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-kv-lookup") \
-            if core.storage is not None else None
+        self.lookups = PrefixLookup(core)  # /cache/lookup (its L3 check on a worker thread)
         self.clock_skew = 0.0  # seconds added to the lease clock (/debug/advance_kv_clock: tests)
         self.breakpoints = Breakpoints(self)  # cache_control breakpoints (serving/cache/kv_breakpoints.py)
 
@@ -86,11 +88,10 @@ class KVControl:
         whose time is up end first, so no call sees one (the loop's sweep may not have run yet)."""
         self.expire()
         ops = {
-            "lookup": lambda: self.lookup(args["input_ids"], args.get("cache_salt")),
+            "lookup": lambda: self.lookups.lookup(args["input_ids"], args.get("cache_salt")),
             "pin": lambda: self.pin(args["input_ids"], args.get("cache_salt"), tenant, float(args["ttl_s"]),
                                     request_salt=args.get("request_salt"), breakpoint=bool(args.get("breakpoint"))),
             "unpin": lambda: self.unpin(args["lease_id"], tenant),
-            "cache_control_admit": lambda: self.breakpoints.admit(self._salted(args), args["ends"], tenant),
             "cache_control": lambda: self.breakpoints.apply(self._salted(args), args["ends"], args["ttls"], tenant,
                                                             int(args["read"]), args.get("cache_salt"),
                                                             args["input_ids"], args.get("request_salt")),
@@ -111,50 +112,17 @@ class KVControl:
         self.expire()
         return {"clock_skew_s": self.clock_skew}
 
-    # -- lookups ------------------------------------------------------------------------
-    def lookup(self, input_ids: list[int], cache_salt: str | None) -> dict[str, int] | Future:
-        tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
-        ps = self.page_size
-        n = len(tokens) - len(tokens) % ps
-        device = host = 0
-        on_device = True
-        for node, _pos, m in self.tree.walk(tokens, n):
-            on_device = on_device and node.device_pages is not None
-            if on_device:
-                device += m
-            else:
-                host += m
-        out = {"L1": device, "L2": host, "L3": 0, "prompt_tokens": len(input_ids)}
-        storage = self.core.storage
-        if self._l3 is None or device + host >= n:
-            return out
-        namespace, tier = storage.writeback.namespace, storage.tier
-        start = (device + host) // ps
-
-        def check() -> dict[str, int]:
-            keys = page_keys(tokens[:n], ps, namespace)[start:]
-            return {**out, "L3": tier.batch_exists(keys) * ps}
-
-        return self._l3.submit(check)
-
+    # -- lookups (serving/cache/kv_lookup.py) -------------------------------------------
     def defer(self, call_id: int, future: Future) -> None:
-        self._deferred.append((call_id, future))
+        self.lookups.defer(call_id, future)
 
     @property
     def busy(self) -> bool:
-        return bool(self._deferred)
+        return self.lookups.busy
 
     def poll(self) -> list[tuple[int, Any, Exception | None]]:
         """Deferred answers that are ready: (call_id, value, error)."""
-        done, keep = [], []
-        for call_id, fut in self._deferred:
-            if fut.done():
-                err = fut.exception()
-                done.append((call_id, None if err else fut.result(), err))
-            else:
-                keep.append((call_id, fut))
-        self._deferred = keep
-        return done
+        return self.lookups.poll()
 
     # -- pins ---------------------------------------------------------------------------
     def pin(self, input_ids: list[int], cache_salt: str | None, tenant: str | None, ttl_s: float,
@@ -163,58 +131,104 @@ class KVControl:
         re-homes one so: a later request's breakpoint on it refreshes it, kv_breakpoints.py)."""
         if self.tree.host is None:
             raise ControlError(400, "pinning keeps KV in L2: this server has no L2 tier (--hicache-ratio)")
-        if not 0 < ttl_s <= MAX_TTL_S:
-            raise ControlError(400, f"ttl_s must be in (0, {MAX_TTL_S:g}]")
+        cap = self.limits.max_pin_ttl_s
+        if not 0 < ttl_s <= cap:
+            raise ControlError(400, f"ttl_s must be in (0, {cap:g}], got {ttl_s:g}: this server pins for at most "
+                                    f"{cap:g} s (max_pin_ttl_s); pin again before the lease ends to keep it")
         tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
         out = self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt, request_salt))
         if breakpoint:
             self.breakpoints.adopt(tokens, tenant, out["lease_id"])
         return out
 
-    def _admit_lease(self, tenant: str | None) -> None:
+    def refusal(self, tenant: str | None, pages: list[int] | None = None) -> ControlError | None:
+        """Why ``tenant`` may not take one more lease (a lease cap: 429), or one of ``pages`` (its
+        pin quota in distinct pages: 409); None when it may."""
         cap = self.limits.max_pin_leases
         if len(self.leases) >= cap:
-            raise ControlError(429, f"{len(self.leases)} pin leases are held, the most this server allows "
-                                    f"(max_pin_leases {cap}): release some (DELETE /cache/pin/{{lease_id}})")
+            return ControlError(429, f"{len(self.leases)} pin leases are held, the most this server allows "
+                                     f"(max_pin_leases {cap}): release some (DELETE /cache/pin/{{lease_id}})")
         cap = self.limits.max_pin_leases_per_tenant
         if tenant is not None and self._lease_count[tenant] >= cap:
-            raise ControlError(429, f"tenant {tenant!r} holds {self._lease_count[tenant]} pin leases, the most a "
-                                    f"tenant may (max_pin_leases_per_tenant {cap}): release some "
-                                    "(DELETE /cache/pin/{lease_id}) or let them expire")
+            return ControlError(429, f"tenant {tenant!r} holds {self._lease_count[tenant]} pin leases, the most a "
+                                     f"tenant may (max_pin_leases_per_tenant {cap}): release some "
+                                     "(DELETE /cache/pin/{lease_id}) or let them expire")
+        if pages is None:
+            return None
+        limit = self.pin_limit(tenant)
+        held = self._pinned.get(tenant, Counter())
+        new = len(set(pages).difference(held))  # pages this tenant's leases already hold count once
+        if len(held) + new > limit:
+            return ControlError(409, f"pinning {new} more pages would exceed the {limit}-page pin quota "
+                                     f"({len(held)} pinned): release a lease or pin a shorter prefix")
+        return None
 
-    def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float, session_id: str | None = None,
-                    origin: tuple[list[int] | None, str | None, str | None] = (None, None, None)) -> dict[str, Any]:
-        self._admit_lease(tenant)
+    def room_for(self, tenant: str | None, pages: list[int], candidates: list[Lease]) -> list[Lease] | None:
+        """The fewest leading ``candidates`` (leases of ``tenant``, in the order they give way)
+        whose release lets a new lease of ``pages`` pass :meth:`refusal`: [] when it passes now,
+        None when releasing all of them would not do."""
+        lim = self.limits
+        over_leases = len(self.leases) + 1 - lim.max_pin_leases
+        if tenant is not None:
+            over_leases = max(over_leases, self._lease_count[tenant] + 1 - lim.max_pin_leases_per_tenant)
+        held = self._pinned.get(tenant, Counter())
+        want = set(pages)
+        over_pages = len(held) + len(want.difference(held)) - self.pin_limit(tenant)
+        out: list[Lease] = []
+        gone: Counter[int] = Counter()
+        for lease in candidates:
+            if over_leases <= 0 and over_pages <= 0:
+                break
+            out.append(lease)
+            over_leases -= 1
+            for p in lease.pages:
+                gone[p] += 1
+                if gone[p] == held[p] and p not in want:  # no lease of the tenant holds it any more
+                    over_pages -= 1
+        return out if over_leases <= 0 and over_pages <= 0 else None
+
+    def lease_pages(self, tokens: list[int]) -> list[int]:
+        """The L2 pages of ``tokens``' cached prefix (salted; whole pages), its L1-only part backed
+        up to L2 first, as far as L2 has room; 404 when none is cached, 409 when L2 has no room."""
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         self.tree.backup_prefix(tokens[:n])
         self.core.req_cache.flush_transfers()  # the backups run before anything reads those pages
         pages: list[int] = []
+        short = False
         for node, _pos, m in self.tree.walk(tokens, n):
             if node.host_pages is None:
+                short = True
                 break  # no L2 room for its backup: the lease covers what is on L2
             pages += node.host_pages[: m // ps]
+        if not pages and short:
+            raise ControlError(409, "its KV is on L1, but L2 has no room for the copy a pin holds (L2 is full of "
+                                    "pinned pages and copies of L1 pages): try again later")
         if not pages:
             raise ControlError(404, "nothing of this prompt is cached (send it once, or /cache/prefetch it)")
-        limit = self._pin_limit(tenant)
-        held = self._pinned.get(tenant, Counter())
-        new = len(set(pages).difference(held))  # pages this tenant's leases already hold count once
-        if len(held) + new > limit:
-            raise ControlError(409, f"pinning {new} more pages would exceed the {limit}-page pin quota "
-                                    f"({len(held)} pinned): release a lease or pin a shorter prefix")
+        return pages
+
+    def hold(self, tenant: str | None, pages: list[int], ttl_s: float, session_id: str | None = None,
+             origin: tuple[list[int] | None, str | None, str | None] = (None, None, None)) -> dict[str, Any]:
+        """A new lease of ``pages`` (from :meth:`lease_pages`, past :meth:`refusal`) for ``ttl_s``."""
         self.tree.pin_host(pages)
         self._pinned.setdefault(tenant, Counter()).update(pages)
         self._lease_count[tenant] += 1
-        lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages, len(pages) * ps,
-                      self.now() + ttl_s, session_id, *origin)
+        lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages,
+                      len(pages) * self.page_size, self.now() + ttl_s, session_id, *origin)
         self.leases[lease.lease_id] = lease
         return {"lease_id": lease.lease_id, "pinned_tokens": lease.tokens, "ttl_s": ttl_s}
 
-    def pin_prefix(self, tokens: list[int], tenant: str | None, ttl_s: float,
-                   origin: tuple[list[int], str | None, str | None]) -> dict[str, Any]:
-        """Pin already salted ``tokens`` (a cache_control breakpoint's prefix; ``origin``: the
-        unsalted ids, the effective salt and the request's own salt)."""
-        return self._pin_tokens(tokens, tenant, ttl_s, None, origin)
+    def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float, session_id: str | None = None,
+                    origin: tuple[list[int] | None, str | None, str | None] = (None, None, None)) -> dict[str, Any]:
+        err = self.refusal(tenant)  # a lease cap first: refused before any backup
+        if err is not None:
+            raise err
+        pages = self.lease_pages(tokens)
+        err = self.refusal(tenant, pages)
+        if err is not None:
+            raise err
+        return self.hold(tenant, pages, ttl_s, session_id, origin)
 
     def pinned_pages_of(self, tenant: str | None) -> int:
         return len(self._pinned.get(tenant, ()))
@@ -236,9 +250,7 @@ class KVControl:
         return snap
 
     def pin_limit(self, tenant: str | None) -> int:
-        return self._pin_limit(tenant)
-
-    def _pin_limit(self, tenant: str | None) -> int:
+        """``tenant``'s pin quota in distinct L2 pages: its L2 quota, else half of L2."""
         quota = self.core.ledger.quotas.get(tenant, {}) if tenant is not None else {}
         return int(quota.get("host", self.tree.host.num_pages // 2))
 
@@ -270,9 +282,24 @@ class KVControl:
         for lease in [x for x in self.leases.values() if x.expires <= now]:
             self._release(lease)
 
+    def release(self, lease_id: str) -> None:
+        """End a lease now (a breakpoint's giving way: kv_breakpoints.py)."""
+        self._release(self.leases[lease_id])
+
     def release_all(self) -> None:
         for lease in list(self.leases.values()):
             self._release(lease)
+
+    def held_pages(self) -> set[int]:
+        """The L2 pages some lease holds: a flush keeps them (:meth:`flushed`)."""
+        return {p for lease in self.leases.values() for p in lease.pages}
+
+    def flushed(self) -> dict[str, int]:
+        """After a flush that kept :meth:`held_pages` (``EngineCore.flush_cache``): what it kept.
+        Every lease and breakpoint lives on, its pages in L2, so a later DELETE still finds it."""
+        points = self.breakpoints.breakpoint_leases()
+        return {"kept_leases": len(self.leases), "kept_breakpoints": len(points & self.leases.keys()),
+                "kept_pinned_pages": len(self.held_pages())}
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every lease's pages are pinned in the tree (at least once
@@ -288,7 +315,7 @@ class KVControl:
         bad = [p for p, k in held.items() if pins.count(p) < k]
         assert not bad, f"KV control: leased L2 pages not pinned in the tree: {bad[:8]}"
         assert per_tenant == self._pinned, "KV control: per-tenant pinned pages disagree with the leases"
-        over = [t for t, pages in per_tenant.items() if len(pages) > self._pin_limit(t)]
+        over = [t for t, pages in per_tenant.items() if len(pages) > self.pin_limit(t)]
         assert not over, f"KV control: tenants over their pin quota: {over[:8]}"
         counts = Counter(x.tenant for x in self.leases.values())
         assert counts == self._lease_count, "KV control: per-tenant lease counts disagree with the leases"
@@ -339,7 +366,7 @@ class KVControl:
         if node is None or node.removed:
             return
         tokens = self.tree.path_tokens(node)
-        ttl = float(hints.get("ttl_s", MAX_TTL_S))
+        ttl = min(float(hints.get("ttl_s", MAX_TTL_S)), self.limits.max_pin_ttl_s)
         try:
             lease = self._pin_tokens(tokens, self.sessions.owner.get(sid), ttl, session_id=sid)
         except ControlError:
@@ -351,5 +378,4 @@ class KVControl:
         self.sessions.close(sid)
 
     def shutdown(self) -> None:
-        if self._l3 is not None:
-            self._l3.shutdown(wait=True)
+        self.lookups.shutdown()

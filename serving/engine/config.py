@@ -24,6 +24,7 @@ class EngineProcessConfig:
     max_sessions_per_tenant: int
     max_pin_leases: int
     max_pin_leases_per_tenant: int
+    max_pin_ttl_s: float
     api_keys_file: str | None
     enable_cache_events: bool
     disaggregation_mode: str

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -255,10 +256,12 @@ class EngineCore:
         self.tree.close_session(session_id)
 
     # -- maintenance ----------------------------------------------------------------------
-    def flush_cache(self) -> bool:
+    def flush_cache(self, keep: Collection[int] = ()) -> bool:
+        """Drop the cache (False while requests run or wait). ``keep``: L2 pages of the KV
+        control's pin leases, whose nodes stay on L2 (``HiRadixTree.reset``)."""
         if self.scheduler.has_work:
             return False
-        self.tree.reset()
+        self.tree.reset(keep)
         return True
 
     @property

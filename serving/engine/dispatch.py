@@ -84,11 +84,11 @@ class Dispatch:
             core.close_session(msg.session_id)
             self.control.close_session(msg.session_id)
             return True
-        if isinstance(msg, m.FlushCache):
-            flushed = core.flush_cache()
-            if flushed:
-                self.control.release_all()  # their pages left the tree
-            return flushed
+        if isinstance(msg, m.FlushCache):  # pin leases and breakpoints keep their pages (kv_control.py)
+            self.control.expire()
+            if not core.flush_cache(keep=self.control.held_pages()):
+                return False
+            return self.control.flushed()  # {"kept_leases", "kept_breakpoints", "kept_pinned_pages"}
         if isinstance(msg, m.KVControlCall):
             return self.control.call(msg.op, msg.args, msg.tenant)
         if isinstance(msg, m.CheckIntegrity):

@@ -4,9 +4,9 @@ The same engine path as chat completions: ``system`` and ``messages`` go through
 template; ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` map onto
 SGLang sampling params; HiCache's ``session_id`` is accepted as on the other routes. ``tools``
 and ``tool_use`` / ``tool_result`` blocks are rendered as text (serving/server/anthropic_tools.py);
-the answer is one text block. Usage
-follows Anthropic: ``cache_control`` breakpoints pin prefixes (serving/server/cache_control.py);
-``cache_read_input_tokens`` are the prompt tokens served from the cache (any tier),
+the answer is one text block. Usage follows Anthropic: ``cache_control`` breakpoints pin
+prefixes, best-effort (serving/server/cache_control.py; /v1/messages/count_tokens checks them
+the same way); ``cache_read_input_tokens`` are the prompt tokens served from the cache (any tier),
 ``cache_creation_input_tokens`` those written into newly pinned prefixes, ``input_tokens`` the
 rest (the three sum to the prompt). Streaming sends Anthropic's events
 (``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
@@ -120,6 +120,7 @@ class CountTokensRequest(StrictModel):
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Content | None = None
     tools: list[Tool] | None = None
+    cache_control: dict[str, Any] | None = None  # checked as /v1/messages checks it; changes no count
 
     @model_validator(mode="after")
     def _checks(self) -> CountTokensRequest:
@@ -148,6 +149,7 @@ async def count_tokens(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await parse_body(request, CountTokensRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     ctx.check_model(body.model)
+    cache_control.anthropic_points(body)  # the breakpoints' 400s, the same as /v1/messages'
     ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     return {"input_tokens": len(ids)}
 
@@ -161,7 +163,6 @@ async def messages(request: Request) -> Any:
     ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     req = ctx.make_request(ids, body.sampling_params(), body.session_id)
     bps = await cache_control.breakpoints_for(ctx, body, ids)
-    await cache_control.admit(ctx, ids, bps)
     head = {"id": f"msg_{req.rid}", "type": "message", "role": "assistant", "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))

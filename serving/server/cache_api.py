@@ -10,10 +10,12 @@ tenant (its API key) and salt select the cache space, as for a generation.
   no tier holds is computed), e.g. while a tool call runs, so the next turn starts at L1 speed.
   Answers once it is there: ``{"prompt_tokens", "cached_tokens_details"}`` (where it came from).
 - ``POST /cache/pin`` with ``ttl_s`` -> ``{"lease_id", "pinned_tokens", "ttl_s"}``: the prefix
-  stays in L2 (and L3) until the lease ends; bounded by the tenant's L2 quota in distinct pages
-  (409 past it) and by the lease caps ``max_pin_leases`` / ``max_pin_leases_per_tenant`` (429).
-  ``DELETE /cache/pin/{lease_id}`` releases it early (404 for an unknown, expired or other
-  tenant's lease).
+  stays in L2 (and L3) until the lease ends, a flush included; bounded by the tenant's L2 quota
+  in distinct pages (409 past it), by the lease caps ``max_pin_leases`` /
+  ``max_pin_leases_per_tenant`` (429) and ``ttl_s`` by ``max_pin_ttl_s`` (400 naming it).
+  Unlike a cache_control breakpoint, it never makes room by releasing other leases: it is
+  refused. ``DELETE /cache/pin/{lease_id}`` releases it early (404 for an
+  unknown, expired or other tenant's lease).
 
 The engine side is serving/cache/kv_control.py.
 """
@@ -59,7 +61,7 @@ class PrefetchRequest(KVRequest):
 
 
 class PinRequest(KVRequest):
-    ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)]
+    ttl_s: Annotated[float, Field(gt=0)]  # at most --max-pin-ttl-s: the engine's 400 names it
     breakpoint: bool = False  # also the caller's cache_control breakpoint of this prefix (a drain's re-pin)
 
 

@@ -6,15 +6,24 @@ same field on the OpenAI and native routes (engine side: serving/cache/kv_breakp
   message's content block (text, tool_use, tool_result): the prefix up to and including that
   block is pinned for the TTL, for the caller's tenant. The top-level ``cache_control``
   (Anthropic's automatic caching) is a breakpoint on the last message. At most 4 breakpoints
-  a request (Anthropic's limit): a 400 past it, as for a bad type or TTL; a tenant past its
-  pinned pages or pin leases gets a 429 before any work.
+  a request (Anthropic's limit): a 400 past it, as for a bad type or TTL; /v1/messages and
+  /v1/messages/count_tokens check them with the one function :func:`anthropic_points`.
+- Best-effort, as Anthropic's prompt caching: a request is never refused for its
+  breakpoints. They are pinned after it ran (serving/cache/kv_breakpoints.py: the tenant's
+  least recently used breakpoints give way when its pin quota or a lease cap is reached); one
+  that cannot be pinned is reported, not failed.
 - OpenAI (/v1/chat/completions, /v1/completions) and native (/generate): a top-level
   ``cache_control`` with the same shape pins the whole prompt. Neither SGLang nor vLLM has a
   field for this (SGLang's pinning was reverted), so Anthropic's spelling is reused.
 - Accounting (:func:`anthropic_usage`): ``cache_read_input_tokens`` = prompt tokens served from
   the cache (any tier), ``cache_creation_input_tokens`` = tokens of newly pinned prefixes not
-  served from it, ``input_tokens`` the rest (the three sum to the prompt). The OpenAI and native
-  routes carry :func:`meta` (the same counts, per tier) in ``meta_info.cache_control``.
+  served from it (only what was pinned), by TTL in Anthropic's ``cache_creation``
+  (``ephemeral_5m_input_tokens``, ``ephemeral_1h_input_tokens``), ``input_tokens`` the rest
+  (the three sum to the prompt). HiCache's ``cache_control`` object in the usage says what
+  became of the breakpoints: ``pinned_tokens`` (the prompt's prefix pinned now, by this request
+  or an earlier one), ``not_pinned`` (each breakpoint not, or not wholly, pinned, with the
+  reason) and ``released_breakpoints`` (the tenant's older ones that gave way). The OpenAI and
+  native routes carry :func:`meta` (the same counts, per tier) in ``meta_info.cache_control``.
 - ``POST /debug/advance_kv_clock {"seconds"}`` (``--enable-debug-endpoints`` only) moves the lease
   clock on, so a test sees a TTL end without waiting for it.
 """
@@ -82,37 +91,45 @@ def _text(blocks: list[Any]) -> str:
     return "".join(b.render() for b in blocks)
 
 
-def anthropic_breakpoints(ctx: ServerContext, body: Any, ids: list[int]) -> list[Breakpoint]:
-    """The breakpoints of a MessagesRequest whose prompt is ``ids`` (runs in a worker thread: it
-    renders the chat template once per breakpoint). Each ends where the prompt rendered up to and
-    including its block stops agreeing with the whole prompt. Anthropic's order: tools (a text
-    block before the system text, serving/server/anthropic_tools.py), system, messages."""
+def anthropic_points(body: Any, prefixes: bool = False) -> list[tuple[list[dict[str, Any]], float]]:
+    """Every ``cache_control`` of a MessagesRequest or CountTokensRequest, checked (:func:`ttl_of`,
+    :func:`check_count`: a 400 naming the bad one), in Anthropic's order -- tools (a text block
+    before the system text, serving/server/anthropic_tools.py), system, messages, the top level
+    -- each with its TTL and, with ``prefixes``, the messages up to and including its block."""
     found: list[tuple[list[dict[str, Any]], float]] = []  # the messages up to the block, its TTL
     tools = body.tools or []
     for i, t in enumerate(tools):
         if t.cache_control is not None:
-            found.append(([{"role": "system", "content": tools_text(tools[: i + 1])}],
-                          ttl_of(t.cache_control, f"tools[{i}]")))
+            ttl = ttl_of(t.cache_control, f"tools[{i}]")
+            found.append(([{"role": "system", "content": tools_text(tools[: i + 1])}] if prefixes else [], ttl))
     system = _blocks(body.system)
-    whole = system_text(tools, _text(system) if system else body.system or "")
-    sys_msgs = [{"role": "system", "content": whole}] if whole else []
+    whole = system_text(tools, _text(system) if system else body.system or "") if prefixes else ""
+    done = [{"role": "system", "content": whole}] if whole else []
     for i, b in enumerate(system):
         if b.cache_control is not None:
-            found.append(([{"role": "system", "content": system_text(tools, _text(system[: i + 1]))}],
-                          ttl_of(b.cache_control, f"system[{i}]")))
-    done = [*sys_msgs]
+            ttl = ttl_of(b.cache_control, f"system[{i}]")
+            found.append(([{"role": "system", "content": system_text(tools, _text(system[: i + 1]))}]
+                          if prefixes else [], ttl))
     for j, msg in enumerate(body.messages):
         blocks = _blocks(msg.content)
         for i, b in enumerate(blocks):
             if b.cache_control is not None:
-                found.append(([*done, {"role": msg.role, "content": _text(blocks[: i + 1])}],
-                              ttl_of(b.cache_control, f"messages[{j}].content[{i}]")))
-        done.append({"role": msg.role, "content": msg.content if isinstance(msg.content, str) else _text(blocks)})
+                ttl = ttl_of(b.cache_control, f"messages[{j}].content[{i}]")
+                found.append(([*done, {"role": msg.role, "content": _text(blocks[: i + 1])}] if prefixes else [], ttl))
+        if prefixes:
+            done.append({"role": msg.role, "content": msg.content if isinstance(msg.content, str) else _text(blocks)})
     if body.cache_control is not None:  # automatic caching: the last message is the breakpoint
         found.append((done, ttl_of(body.cache_control, "request")))
     check_count(len(found))
+    return found
+
+
+def anthropic_breakpoints(ctx: ServerContext, body: Any, ids: list[int]) -> list[Breakpoint]:
+    """The breakpoints of a MessagesRequest whose prompt is ``ids`` (runs in a worker thread: it
+    renders the chat template once per breakpoint). Each ends where the prompt rendered up to and
+    including its block stops agreeing with the whole prompt."""
     out = []
-    for msgs, ttl in found:
+    for msgs, ttl in anthropic_points(body, prefixes=True):
         text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
         out.append(Breakpoint(_lcp(ids, ctx.encode(text)), ttl))
     return out
@@ -128,13 +145,6 @@ async def _control(ctx: ServerContext, op: str, **args: Any) -> Any:
     return await ctx.client.call(m.KVControlCall, op=op, args=args, tenant=None if tenant is None else tenant.name)
 
 
-async def admit(ctx: ServerContext, ids: list[int], bps: list[Breakpoint], cache_salt: str | None = None) -> None:
-    """A 429 (or a 400 without L2) before the request runs when its pins could not be held."""
-    if bps:
-        await _control(ctx, "cache_control_admit", input_ids=ids, ends=[b.end for b in bps],
-                       cache_salt=effective_salt(CURRENT.get(), cache_salt))
-
-
 async def apply(ctx: ServerContext, ids: list[int], bps: list[Breakpoint], st: ReqState,
                 cache_salt: str | None = None) -> dict[str, Any]:
     """Pin / refresh the breakpoints after the request ran; the counts for its usage."""
@@ -145,19 +155,30 @@ async def apply(ctx: ServerContext, ids: list[int], bps: list[Breakpoint], st: R
                           cache_salt=effective_salt(CURRENT.get(), cache_salt), request_salt=cache_salt)
 
 
+def _outcome(res: dict[str, Any]) -> dict[str, Any]:
+    """What became of a request's breakpoints (HiCache's; see the module docstring)."""
+    return {"pinned_tokens": int(res.get("pinned_tokens", 0)), "refreshed_tokens": int(res.get("refreshed_tokens", 0)),
+            "not_pinned": list(res.get("not_pinned", [])),
+            "released_breakpoints": int(res.get("released_breakpoints", 0))}
+
+
 def anthropic_usage(st: ReqState, res: dict[str, Any] | None) -> dict[str, Any]:
     created = int((res or {}).get("created_tokens", 0))
+    hour = sum(int(n) for ttl, n in (res or {}).get("created_by_ttl", []) if ttl >= TTLS_S["1h"])
     read = st.cached_tokens
-    return {"input_tokens": max(0, st.prompt_tokens - read - created), "output_tokens": len(st.output_ids),
-            "cache_read_input_tokens": read, "cache_creation_input_tokens": created,
-            "cache_read_input_tokens_details": dict(st.cached_by_tier)}  # HiCache's: by tier
+    out = {"input_tokens": max(0, st.prompt_tokens - read - created), "output_tokens": len(st.output_ids),
+           "cache_read_input_tokens": read, "cache_creation_input_tokens": created,
+           "cache_creation": {"ephemeral_5m_input_tokens": created - hour, "ephemeral_1h_input_tokens": hour},
+           "cache_read_input_tokens_details": dict(st.cached_by_tier)}  # HiCache's: by tier
+    if res and "not_pinned" in res:
+        out["cache_control"] = _outcome(res)  # HiCache's: what became of the breakpoints
+    return out
 
 
 def meta(st: ReqState, res: dict[str, Any]) -> dict[str, Any]:
     """``meta_info.cache_control`` of the OpenAI and native routes."""
     return {"cache_read_tokens": st.cached_tokens, "cache_read_tokens_details": dict(st.cached_by_tier),
-            "cache_creation_tokens": int(res.get("created_tokens", 0)),
-            "pinned_tokens": int(res.get("pinned_tokens", 0))}
+            "cache_creation_tokens": int(res.get("created_tokens", 0)), **_outcome(res)}
 
 
 @router.post("/debug/advance_kv_clock")

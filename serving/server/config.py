@@ -56,6 +56,9 @@ class ServerConfig:
     # pin leases (/cache/pin, and demote_on_idle sessions' idle leases) on this server, and per tenant: 429
     max_pin_leases: int = 4096
     max_pin_leases_per_tenant: int = 1024  # pin leases per tenant: 429 past it
+    # the longest /cache/pin lease (ttl_s past it: 400); idle sessions' leases and cache_control
+    # breakpoints are cut to it. Anthropic's longest cache TTL is 1 h
+    max_pin_ttl_s: float = 3600.0
     log_level: str = choice("info", LOG_LEVELS)  # of the server's and the engine's logs
     # one line per HTTP request (method, route, status, duration) on the hicache.access logger at INFO
     # (/health and /metrics at DEBUG); 5xx warnings and hicache_http_requests_total stay either way
@@ -112,6 +115,8 @@ class ServerConfig:
         for name in ("max_sessions", "max_sessions_per_tenant", "max_pin_leases", "max_pin_leases_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0 < self.max_pin_ttl_s <= 86400:
+            raise ValueError(f"max_pin_ttl_s must be in (0, 86400], got {self.max_pin_ttl_s:g}")
         if self.allowed_hosts is not None:
             from serving.server.trusted_hosts import parse_allowed_hosts
 

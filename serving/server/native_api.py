@@ -77,7 +77,6 @@ async def generate(request: Request) -> Any:
     bps = cache_control.whole_prompt(body.cache_control, ids[0])
     if bps and (len(ids) != 1 or n > 1 or score):
         raise APIError(400, "cache_control: needs one prompt and n = 1", param="cache_control")
-    await cache_control.admit(ctx, ids[0], bps, body.cache_salt)
     if n > 1:  # one prefill per prompt, n decodes sharing it
         await unless_disconnected(request, warm_prefix(ctx.client, reqs))
         reqs = [c for r in reqs for c in choices(r, n)]

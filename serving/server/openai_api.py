@@ -118,7 +118,6 @@ async def chat_completions(request: Request) -> Any:
     bps = cache_control.whole_prompt(body.cache_control, ids)
     if bps and n > 1:
         raise APIError(400, "cache_control: needs n = 1", param="cache_control")
-    await cache_control.admit(ctx, ids, bps, body.cache_salt)
     reqs, warm = await _fan_out(request, ctx, [req], n)
     if not body.stream:
         states = await unless_disconnected(request, run_all(ctx.client, reqs))

@@ -2,12 +2,15 @@
 real server with small L1 and L2 and an LMDB L3: a multi-turn agent conversation whose pinned
 prefixes survive floods that evict everything unpinned, Anthropic's usage counts, per-tenant
 /metrics, the TTL's end (the lease clock moved on by /debug/advance_kv_clock, no waiting), the
-limits (400 / 429), and the same field on /generate and /v1/chat/completions."""
+limits (400s; past the pin quota or a lease cap the oldest breakpoints give way: never a 429), a
+1 h breakpoint flood that locks no one out, a flush that keeps pins, /cache/pin's TTL cap, and the
+same field on /generate and /v1/chat/completions."""
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -124,18 +127,17 @@ def test_limits_and_bad_breakpoints(server) -> None:
     with pytest.raises(anthropic.BadRequestError, match="ephemeral"):
         client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "text", "text": "hi", "cache_control": {"type": "persistent"}}]}])
-    # distinct prompts of 4 breakpoints each until the lease cap (--max-pin-leases 12): a 429 before any work
-    codes = []
+    # distinct prompts of 4 breakpoints each past the lease cap (--max-pin-leases 12): never refused, the
+    # oldest breakpoints give way (issue 42: the cap used to be a 429 for every cache_control request)
+    httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 3601}, timeout=30).raise_for_status()
+    released = []
     for i in range(6):
         text = f"Prompt number {i} says " * 4
         content = [{"type": "text", "text": text * (j + 1), "cache_control": EPH} for j in range(4)]
-        try:
-            client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": content}])
-            codes.append(200)
-        except anthropic.RateLimitError as e:
-            assert "pin leases are held" in str(e)
-            codes.append(429)
-    assert 429 in codes and codes == sorted(codes), codes  # 200s, then 429s
+        u = client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": content}]).usage
+        assert u.cache_creation_input_tokens > 0 and not u.cache_control["not_pinned"], u
+        released.append(u.cache_control["released_breakpoints"])
+    assert released == [0, 0, 0, 4, 4, 4], released  # each took the 4 leases of the oldest request
     httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 301}, timeout=30).raise_for_status()
     # streaming: the final usage (message_delta) carries the pin's counts
     block = {"type": "text", "text": "Stream a pinned answer. " * 6, "cache_control": EPH}
@@ -307,3 +309,102 @@ def test_openai_tools_on_chat(server, tiny_chat_model: Path) -> None:
             {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model="tiny", max_tokens=1, messages=ask, tools=tools, tool_choice="required")
+
+
+def test_an_hour_of_breakpoints_locks_no_one_out(server) -> None:
+    """Issue 42, finding 6: 1 h breakpoints filled the default tenant's pin quota (half of L2: 64 pages
+    here) and every later cache_control request got a 429 for an hour. Now the oldest breakpoints give
+    way, and under a concurrent flood each answer says what became of its breakpoint."""
+    httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 3601}, timeout=30).raise_for_status()
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+    def ask(i: int):
+        text = f"Agent {i} reads its notes. " + f"The notes say many things about item {i}. " * 30
+        msgs = [{"role": "user", "content": [{"type": "text", "text": text, "cache_control": HOUR}]}]
+        return client.messages.create(model="tiny", max_tokens=1, messages=msgs, extra_body=GREEDY).usage
+
+    serial = [ask(i) for i in range(8)]  # ~20 pages each: 8 of them are over the quota and the lease cap
+    for u in serial:
+        assert u.cache_creation_input_tokens > 0 and not u.cache_control["not_pinned"], u
+        assert u.cache_creation.ephemeral_1h_input_tokens == u.cache_creation_input_tokens, u
+        assert u.cache_creation.ephemeral_5m_input_tokens == 0, u
+    assert sum(u.cache_control["released_breakpoints"] for u in serial) > 0
+    assert 0 < metric(server, "hicache_tenant_pinned_pages") <= 64
+    with ThreadPoolExecutor(8) as pool:
+        flood = list(pool.map(ask, range(100, 116)))
+    for u in flood:  # pinned, or it says why not: never a silent 0
+        cc = u.cache_control
+        assert u.cache_creation_input_tokens > 0 or cc["not_pinned"], u
+        assert all(miss["reason"] and miss["tokens"] > 0 for miss in cc["not_pinned"]), u
+        assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens > 0
+    assert metric(server, "hicache_tenant_pinned_pages") <= 64
+    assert server.check_integrity()["ok"]
+
+
+def test_count_tokens_checks_breakpoints_as_messages_does(server) -> None:
+    """Issue 42, finding 13: count_tokens took ttl "100h", which /v1/messages refuses."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    bad_ttl = {"type": "ephemeral", "ttl": "100h"}
+    cases = [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": bad_ttl}]}]},
+         'messages[0].content[0].cache_control.ttl: must be "5m" or "1h"'),
+        ({"messages": [{"role": "user", "content": "hi"}], "system": [{"type": "text", "text": "s",
+                                                                        "cache_control": {"type": "x"}}]},
+         "system[0].cache_control: must be"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{**TOOLS[0], "cache_control": bad_ttl}]},
+         "tools[0].cache_control.ttl"),
+        ({"messages": [{"role": "user", "content": "hi"}], "cache_control": bad_ttl}, "request.cache_control.ttl"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": EPH}] * 5}]},
+         "A maximum of 4 blocks with cache_control"),
+    ]
+    for body, why in cases:
+        for call in (lambda b: client.messages.create(model="tiny", max_tokens=1, **b),
+                     lambda b: client.messages.count_tokens(model="tiny", **b)):
+            with pytest.raises(anthropic.BadRequestError, match=re.escape(why)):
+                call(body)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi there", "cache_control": HOUR}]}]
+    counted = client.messages.count_tokens(model="tiny", messages=msgs, cache_control=EPH).input_tokens
+    assert counted == client.messages.count_tokens(model="tiny", messages=[
+        {"role": "user", "content": "hi there"}]).input_tokens  # breakpoints change no count
+
+
+def test_pin_ttl_is_capped(server) -> None:
+    """/cache/pin took ttl_s up to 24 h; --max-pin-ttl-s (1 h by default, Anthropic's longest TTL) caps it."""
+    ids = [(i * 41) % 30000 + 400 for i in range(40)]
+    httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
+               timeout=60).raise_for_status()
+    for ttl in (86400, 3601):
+        r = httpx.post(server.url + "/cache/pin", json={"input_ids": ids, "ttl_s": ttl}, timeout=30)
+        assert r.status_code == 400 and "max_pin_ttl_s" in r.text and "3600" in r.text, r.text
+    r = httpx.post(server.url + "/cache/pin", json={"input_ids": ids, "ttl_s": 3600}, timeout=30)
+    assert r.status_code == 200 and r.json()["pinned_tokens"] == 32, r.text
+    assert httpx.delete(server.url + "/cache/pin/" + r.json()["lease_id"], timeout=30).status_code == 200
+
+
+def test_a_flush_keeps_pins_and_breakpoints(server) -> None:
+    """Issue 42, finding 4: a flush dropped every pin lease and breakpoint without saying so (a later
+    DELETE of the lease said 404 "unknown or expired lease"). Their pages now stay, on L2; the rest goes."""
+    httpx.post(server.url + "/debug/advance_kv_clock", json={"seconds": 3601}, timeout=30).raise_for_status()
+    pinned, bp, bystander = ([(i * k) % 30000 + 500 for i in range(100)] for k in (43, 47, 53))
+    for ids in (pinned, bystander):
+        httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
+                   timeout=60).raise_for_status()
+    r = httpx.post(server.url + "/cache/pin", json={"input_ids": pinned, "ttl_s": 3600}, timeout=30)
+    assert r.status_code == 200 and r.json()["pinned_tokens"] == 96, r.text
+    lease = r.json()["lease_id"]
+    body = {"input_ids": bp, "sampling_params": {"temperature": 0, "max_new_tokens": 1}, "cache_control": HOUR}
+    cc = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]["cache_control"]
+    assert cc["pinned_tokens"] == 96 and cc["cache_creation_tokens"] == 96, cc
+    r = httpx.post(server.url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    for ids, on_l2 in ((pinned, 96), (bp, 96)):
+        r = httpx.post(server.url + "/cache/lookup", json={"input_ids": ids}, timeout=30)
+        assert r.json()["cached_tokens"]["L1"] == 0 and r.json()["cached_tokens"]["L2"] == on_l2, r.text
+    r = httpx.post(server.url + "/cache/lookup", json={"input_ids": bystander}, timeout=30)
+    assert r.json()["cached_tokens"]["L1"] == r.json()["cached_tokens"]["L2"] == 0, r.text  # it went
+    assert metric(server, "hicache_tenant_pinned_pages") == 12
+    cc = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]["cache_control"]
+    assert cc["cache_read_tokens"] == 96 and cc["refreshed_tokens"] == 96 and cc["cache_creation_tokens"] == 0, cc
+    r = httpx.delete(server.url + "/cache/pin/" + lease, timeout=30)
+    assert r.status_code == 200 and r.json()["pinned_tokens"] == 96, r.text
+    assert server.check_integrity()["ok"]
