@@ -218,10 +218,17 @@ async def generate(request: Request) -> Any:
     return await _run(request, ctx, body, ids, "response", lambda t: t)
 
 
+def quantization_level(info: dict[str, Any]) -> str:
+    """The weights' mode as the engine reports it (``/get_server_info``'s ``engine.quantization``:
+    what ``--quantization`` resolved to, e.g. int4); unquantized weights, their dtype (float32)."""
+    mode = str(info.get("quantization", "none"))
+    return mode if mode != "none" else str(info.get("dtype", ""))
+
+
 def _details(ctx: ServerContext) -> dict[str, Any]:
     arch = str(ctx.info.get("architecture", "llama"))
     return {"parent_model": "", "format": "safetensors", "family": arch, "families": [arch],
-            "parameter_size": "", "quantization_level": str(ctx.info.get("dtype", ""))}
+            "parameter_size": "", "quantization_level": quantization_level(ctx.info)}
 
 
 @router.get("/api/tags")

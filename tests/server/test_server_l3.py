@@ -1,5 +1,6 @@
-"""L3 through the real server: a conversation survives a restart (configs/l3.yaml), and a
-SIGKILL during heavy write-back loses nothing that was committed and serves nothing corrupt."""
+"""L3 through the real server: a conversation survives a restart (configs/l3.yaml), so does the
+README's first chat request under ``make serve``'s exact config, and a SIGKILL during heavy
+write-back loses nothing that was committed and serves nothing corrupt."""
 
 from __future__ import annotations
 
@@ -73,6 +74,34 @@ def test_conversation_survives_restart(tmp_path):
     cold = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8})
     assert cold["text"] == a3["choices"][0]["message"]["content"]
     eng.shutdown()
+
+
+README_CHAT = {"model": "SmolLM2-135M-Instruct", "max_tokens": 32, "temperature": 0,
+               "messages": [{"role": "user", "content": "What is the capital of France?"}]}  # README.md's curl
+
+
+def test_readme_chat_is_served_from_l3_after_a_restart(tmp_path):
+    """``make serve`` (configs/l3.yaml, --quantization auto) twice: the README's 37-token chat
+    prompt, asked again after the restart, comes from L3 (issue 42: a prefetch threshold of 64
+    tokens recomputed it). Its /api/tags names the weights' mode as /get_server_info does."""
+    # only the LMDB folder moves, and the prefetch wait is one a loaded 2-core machine meets
+    cfg = l3_config(tmp_path, hicache_storage_prefetch_timeout_base=30.0)
+    args = ["--config", str(cfg), "--quantization", "auto"]
+    with running_server(args) as s:
+        first = httpx.post(s.url + "/v1/chat/completions", json=README_CHAT, timeout=120)
+        assert first.status_code == 200, first.text
+        engine = httpx.get(s.url + "/get_server_info", timeout=30).json()["engine"]
+        tags = httpx.get(s.url + "/api/tags", timeout=30).json()["models"][0]["details"]
+    mode = engine["quantization"] if engine["quantization"] != "none" else engine["dtype"]
+    assert tags["quantization_level"] == mode, (tags, engine)
+    with running_server(args) as s:  # L1 and L2 start empty: a cached token can only come from L3
+        again = httpx.post(s.url + "/v1/chat/completions", json=README_CHAT, timeout=120)
+        assert again.status_code == 200, again.text
+        from_l3 = metric(s, "hicache_cache_hit_tokens_total", "storage")
+    usage = again.json()["usage"]
+    assert usage["prompt_tokens"] == first.json()["usage"]["prompt_tokens"] == 37
+    assert usage["prompt_tokens_details"]["cached_tokens"] == from_l3 == 32, (usage, from_l3)  # two full pages
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
 
 
 def kill_tree(proc) -> None:
