@@ -2,6 +2,13 @@
 page that L3 lacks on to L3, and say what this engine holds that another worker should take
 over (open sessions, pin leases), so a router can re-home them (router/drain.py).
 
+The report is what a router needs to re-home them, and nothing more (it reaches the admin only:
+``POST /drain`` needs the admin key): each session's id (the client's, in its tenant's namespace:
+serving/scoped_ids.py), tenant and retention hints; each pin lease's id, tenant, prompt ids (the
+target re-pins them), the request's own ``cache_salt`` (``request_salt``: the target combines it
+with the tenant's seed again), its time left and whether it is a cache_control breakpoint. Never
+an effective salt: a tenant's seed (hicache/tenants.py) does not leave the server.
+
 The HTTP side calls this once no request is running or waiting (it stopped admitting first).
 With L3: the L1-only nodes get an L2 copy, then every L2 page not in L3 is written (the writes
 are waited for, as at shutdown: serving/engine/shutdown.py), and the counts are taken over the
@@ -18,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.cache.kv_control_limits import ControlError
+from serving.scoped_ids import unscoped
 
 
 def persist(core: Any) -> dict[str, Any]:
@@ -47,11 +55,11 @@ def drain_report(control: Any) -> dict[str, Any]:
     control.expire()
     now = control.now()
     report = persist(core)
-    sessions = [{"session_id": sid, "tenant": tenant, "retention": dict(control.sessions.retention.get(sid, {}))}
-                for sid, tenant in control.sessions.owner.items()]
+    sessions = [{"session_id": unscoped(key), "tenant": tenant,
+                 "retention": dict(control.sessions.retention.get(key, {}))}
+                for key, tenant in control.sessions.owner.items()]
     points = control.breakpoints.breakpoint_leases()
     leases = [{"lease_id": x.lease_id, "breakpoint": x.lease_id in points, "tenant": x.tenant,
-               "input_ids": list(x.input_ids), "cache_salt": x.cache_salt, "request_salt": x.request_salt,
-               "ttl_s": max(0.001, x.expires - now), "pinned_tokens": x.tokens}
+               "input_ids": list(x.input_ids), "request_salt": x.request_salt, "ttl_s": max(0.001, x.expires - now)}
               for x in control.leases.values() if x.session_id is None and x.input_ids is not None]
     return {**report, "sessions": sessions, "leases": leases}

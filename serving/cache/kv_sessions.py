@@ -1,11 +1,15 @@
 """Open sessions as the KV control API sees them: who owns each, its ``/open_session`` retention
 hints, and the caps on how many may be open (serving/cache/kv_control_limits.py).
 
-- Opening an id that is open is a 409: "already open" for its own tenant (as SGLang refuses
-  it: "Check if a session with the same id is still open"), "taken" for another tenant's.
+- Each tenant has its own namespace of session ids: the ids here are the engine's keys,
+  ``session_key(tenant, id)`` (serving/scoped_ids.py; the HTTP process sends them so), so two
+  tenants may open the same id independently, and every message names the client's id
+  (``unscoped``), never another tenant's.
+- Opening an id that is open is a 409 "already open" (as SGLang refuses it: "Check if a session
+  with the same id is still open").
 - Past ``max_sessions`` open sessions, or ``max_sessions_per_tenant`` of one keys-file tenant,
   opening is a 429 naming the cap; closing one (or its idle timeout) makes room.
-- Another tenant's session is "unknown session_id" (a KeyError: 404), as if it did not exist.
+- A session that is not open, or not the caller's, is "unknown session_id" (a KeyError: 404).
 
 - When each was last used (opened, a request of it added or its last live request finished):
   the engine loop's sweep closes a session idle for longer than its ``ttl_s`` hint, or else
@@ -27,6 +31,7 @@ from collections.abc import Container, Sized
 from typing import Any, Protocol
 
 from serving.cache.kv_control_limits import ControlError, ControlLimits
+from serving.scoped_ids import unscoped
 
 
 class OpenSessions(Container[str], Sized, Protocol):
@@ -57,11 +62,9 @@ class SessionRegistry:
 
     def admit(self, sid: str, tenant: str | None) -> None:
         """Raise ControlError (409 / 429) unless ``tenant`` may open ``sid`` now."""
-        if sid in self.owner:
-            if self.owner[sid] == tenant:
-                raise ControlError(409, f"session_id {sid!r} is already open: close it first (/close_session), "
-                                        "or open a session without session_id to get a fresh id")
-            raise ControlError(409, f"session_id {sid!r} is taken")
+        if sid in self.owner:  # the caller's own: another tenant's ids are other keys (scoped_ids)
+            raise ControlError(409, f"session_id {unscoped(sid)!r} is already open: close it first "
+                                    "(/close_session), or open a session without session_id to get a fresh id")
         cap = self.limits.max_sessions
         if len(self.owner) >= cap:
             raise ControlError(429, f"{len(self.owner)} sessions are open, the most this server allows "
@@ -93,9 +96,10 @@ class SessionRegistry:
                 if sid not in busy and now - used >= float(self.retention.get(sid, {}).get("ttl_s", default_ttl_s))]
 
     def check(self, sid: str, tenant: str | None) -> None:
-        """KeyError (404) when ``sid`` is another tenant's session."""
-        if sid in self.owner and self.owner[sid] != tenant:
-            raise KeyError(f"unknown session_id {sid!r}")
+        """KeyError (404) unless ``sid`` is an open session of ``tenant``'s (named as its client
+        knows it)."""
+        if sid not in self.owner or self.owner[sid] != tenant:
+            raise KeyError(f"unknown session_id {unscoped(sid)!r}")
 
     def close(self, sid: str) -> None:
         if sid in self.owner:

@@ -4,7 +4,9 @@
 :class:`RequestTable` admits a ``GenerateReq`` (a request object in the scheduler's queue),
 queues a ``TokenOut`` for every live request with news, forgets a request once it finished or
 was aborted (its tenant's ledger, its session going idle), and after a failed step fails the
-requests that took part in it. The loop that drives both: serving.engine.loop.
+requests that took part in it. Rids and session ids arrive scoped by their tenant (the HTTP
+process's doing, serving/scoped_ids.py); a message names the client's id. The loop that drives
+both: serving.engine.loop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from serving.engine.inbox import EngineInbox
 from serving.model.logprobs import LogprobState
 from serving.scheduler.request import Req
 from serving.scheduler.sampling_params import InvalidRequest
+from serving.scoped_ids import unscoped
 
 log = logging.getLogger("hicache.engine")
 
@@ -82,8 +85,8 @@ class RequestTable:
 
     def generate(self, msg: m.GenerateReq) -> None:
         """Admit a request (into the scheduler's waiting queue), or answer it with an error."""
-        if msg.rid in self.live:
-            self.out.put(m.Error(400, f"a request with rid {msg.rid!r} is already running", rid=msg.rid))
+        if msg.rid in self.live:  # the HTTP side refuses it first; a rid is scoped by its tenant there
+            self.out.put(m.Error(400, f"a request with rid {unscoped(msg.rid)!r} is already running", rid=msg.rid))
             return
         try:
             if msg.session_id is not None:

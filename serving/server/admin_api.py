@@ -1,5 +1,12 @@
 """Operational routes: health, model/server info, cache flush, sessions, metrics, debug.
 
+``/flush_cache``, ``/get_server_info`` (``/server_info``), ``/metrics``, ``/cache_events`` and
+``/debug/*`` are admin routes: they act on the whole server or show every tenant's state, so
+wherever keys are configured they need the admin key, the server's ``--api-key`` (a tenant's key
+gets a 403; serving/server/app.py's ``ADMIN_PATHS`` declares them). ``/get_load`` (counts only,
+what a router balances on), ``/get_model_info``, the health routes and sessions are every key's.
+A session id is its tenant's own (serving/scoped_ids.py): two tenants may open the same id.
+
 ``GET /health`` is 200 while the engine process runs and makes progress: 503 once it is gone,
 or once the watchdog saw no progress for ``watchdog_timeout`` seconds with work pending, or the
 engine's loop not turning for that long, pending work or not (see serving.server.watchdog); it
@@ -30,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from serving import ipc as m
+from serving.scoped_ids import session_key
 from serving.server.cache_api import Retention
 from serving.server.context import DRAINING, get_ctx
 from serving.server.drain import draining_health
@@ -131,9 +139,9 @@ async def open_session(request: Request) -> JSONResponse:
     if body.session_id is not None:  # 1-256 of [A-Za-z0-9._:-]; 409 when open, 429 at a cap (kv_sessions)
         check_session_id(body.session_id)
     retention = _retention(body.retention)
-    tenant = CURRENT.get()
-    sid = await ctx.client.call(m.OpenSession, session_id=body.session_id, retention=retention,
-                                tenant=None if tenant is None else tenant.name)
+    tenant = None if CURRENT.get() is None else CURRENT.get().name
+    sid = body.session_id or uuid.uuid4().hex  # the engine's key is the tenant's (serving/scoped_ids.py)
+    await ctx.client.call(m.OpenSession, session_id=session_key(tenant, sid), retention=retention, tenant=tenant)
     return JSONResponse(sid)
 
 
@@ -154,8 +162,8 @@ async def close_session(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     body = await parse_body(request, CloseSessionRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     check_session_id(body.session_id)
-    tenant = CURRENT.get()
-    await ctx.client.call(m.CloseSession, session_id=body.session_id, tenant=None if tenant is None else tenant.name)
+    tenant = None if CURRENT.get() is None else CURRENT.get().name
+    await ctx.client.call(m.CloseSession, session_id=session_key(tenant, body.session_id), tenant=tenant)
     return {"success": True}
 
 

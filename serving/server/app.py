@@ -1,4 +1,5 @@
-"""The FastAPI application: routers, error handlers, API-key check, cross-origin and Host checks."""
+"""The FastAPI application: routers, error handlers, API-key check (admin routes need the admin
+key: ``ADMIN_PATHS``), cross-origin and Host checks."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ from serving.server.trusted_hosts import HostPolicy, TrustedHostMiddleware
 
 OPEN_PATHS = frozenset({"/health"})
 TENANT_HEADER = b"x-hicache-tenant"  # with the admin key: act as that tenant (APIKeyMiddleware)
+# Admin routes: they act on the whole server or show every tenant's state. Wherever keys are
+# configured they need the admin key, the server's --api-key (APIKeyMiddleware); /get_load stays
+# open to every key (a router balances on it; it shows counts only).
+ADMIN_PATHS = frozenset({"/drain", "/undrain", "/flush_cache", "/get_server_info", "/server_info", "/metrics",
+                         "/cache_events"})
+ADMIN_PREFIXES = ("/debug/",)
+
+
+def is_admin_path(path: str) -> bool:
+    return path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)
 
 
 def bearer_token(header: bytes) -> bytes | None:
@@ -46,6 +57,11 @@ class APIKeyMiddleware:
     ``x-api-key: <key>``) names ``api_key`` (the default tenant) or a tenant's key
     (``--api-keys-file``: the request then runs as that tenant, see serving/server/tenants.py);
     /health stays open. Constant-time comparisons.
+
+    ``api_key`` is also the admin key: an admin route (:func:`is_admin_path`) with a tenant's key
+    is a 403 naming it, and on a server with tenants but no ``api_key`` every admin route is a 403
+    saying so (start it with --api-key). This middleware runs only where a key is configured:
+    without keys (a local single user) every route is open.
 
     ``x-hicache-tenant: <name>`` runs a request made with ``api_key`` (the worker / admin key a
     router holds) as that tenant: how a router re-homes a tenant's sessions and leases on a warm
@@ -66,6 +82,8 @@ class APIKeyMiddleware:
             default = self.expected is not None and hmac.compare_digest(token, self.expected)
             tenant = self.tenants.find(token) if self.tenants is not None else None
             if default or tenant is not None:
+                if not default and is_admin_path(scope["path"]):
+                    return await asgi_refuse(send, 403, self._admin_only(scope["path"]))
                 as_tenant = headers.get(TENANT_HEADER)
                 if as_tenant is not None:
                     if tenant is not None or self.tenants is None:
@@ -83,6 +101,12 @@ class APIKeyMiddleware:
                     CURRENT.reset(reset)
         await asgi_refuse(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
                       ((b"www-authenticate", b"Bearer"),))
+
+    def _admin_only(self, path: str) -> str:
+        if self.expected is None:
+            return (f"{path} is an admin route and this server has no admin key: start it with --api-key "
+                    "(the admin key) to use it")
+        return f"{path} needs the admin key (the server's --api-key); a tenant's key cannot use it"
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -15,6 +15,7 @@ from serving import ipc as m
 from serving.config import EngineConfig
 from serving.scheduler.prompt_check import PromptError, check_budget, check_prompt
 from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
+from serving.scoped_ids import scoped, session_key
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError, quoted
@@ -24,8 +25,8 @@ from serving.server.tenants import CURRENT, TenantTable, effective_salt
 from serving.tokenizer import Tokenizer, TooManyTokens
 
 GREEDY_EPS = 1e-6
-DRAINING = ("this server is draining (POST /drain or a SIGTERM with --drain-on-shutdown): it admits no new "
-            "requests; send them to another worker")  # serving/server/drain.py
+DRAINING = ("this server is draining (POST /drain or a SIGTERM with --drain-on-shutdown; POST /undrain ends "
+            "it): it admits no new requests; send them to another worker")  # serving/server/drain.py
 
 
 @dataclass
@@ -37,6 +38,7 @@ class ServerContext:
     metrics: ServerMetrics
     tenants: TenantTable | None = None  # --api-keys-file
     draining: bool = False  # POST /drain (serving/server/drain.py): no new generation is admitted
+    drains_running: int = 0  # drains not yet reported (POST /undrain waits for them: a 409)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -105,7 +107,9 @@ class ServerContext:
         logprobs: dict[str, Any] | None = None,
     ) -> m.GenerateReq:
         """Check what can be checked here (the engine checks the rest) and build the message.
-        ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space."""
+        ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space. A client's
+        ``rid`` and ``session_id`` are in its tenant's own namespace: the message's are scoped
+        here (serving/scoped_ids.py); answers give the client's back (ReqState.rid)."""
         if self.draining:
             raise APIError(503, DRAINING)
         check_salt(cache_salt)
@@ -127,10 +131,11 @@ class ServerContext:
             check_budget(len(input_ids), sp.max_new_tokens, self.context_len, param_name)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param) from None
-        return m.GenerateReq(
-            rid=rid or uuid.uuid4().hex, input_ids=input_ids, sampling_params=params, session_id=session_id,
-            bootstrap=bootstrap, cache_salt=effective_salt(tenant, cache_salt),
-            tenant=None if tenant is None else tenant.name, logprobs=logprobs,
+        name = None if tenant is None else tenant.name
+        return m.GenerateReq(  # a client's rid and session id in its tenant's namespace (serving/scoped_ids.py)
+            rid=uuid.uuid4().hex if not rid else scoped(name, rid), input_ids=input_ids, sampling_params=params,
+            session_id=None if session_id is None else session_key(name, session_id), bootstrap=bootstrap,
+            cache_salt=effective_salt(tenant, cache_salt), tenant=name, logprobs=logprobs,
         )
 
 

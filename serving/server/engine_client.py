@@ -36,6 +36,7 @@ from typing import Any
 from serving import ipc as m
 from serving.config import EngineConfig
 from serving.engine.main import engine_main
+from serving.scoped_ids import unscoped
 from serving.server.config import ServerConfig
 from serving.server.errors import APIError
 from serving.server.req_handle import ReqHandle
@@ -283,7 +284,7 @@ class EngineClient:
                 self.on_gone()
         err = m.Error(503, "the engine process is not running")
         for handle in list(self.handles.values()):
-            handle.queue.put_nowait(m.Error(err.status, err.message, rid=handle.state.rid))
+            handle.queue.put_nowait(m.Error(err.status, err.message, rid=handle.rid))
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(APIError(err.status, err.message))
@@ -299,8 +300,8 @@ class EngineClient:
     async def submit(self, req: m.GenerateReq) -> ReqHandle:
         """Send a request; return once the engine accepted it (raises APIError otherwise)."""
         self._check_alive()
-        if req.rid in self.handles:
-            raise APIError(400, f"a request with rid {req.rid!r} is already running", param="rid")
+        if req.rid in self.handles:  # rids are per tenant (serving/scoped_ids.py): only the caller's own
+            raise APIError(400, f"a request with rid {unscoped(req.rid)!r} is already running", param="rid")
         self._start_waiting()
         handle = ReqHandle(self, req.rid)
         self.handles[req.rid] = handle

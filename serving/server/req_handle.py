@@ -1,6 +1,7 @@
 """One request as the HTTP side sees it: cumulative state, the handle that streams it, and
 helpers to run several at once. Closing a handle before its request finished aborts it in
-the engine, which frees its pages."""
+the engine, which frees its pages. A client's rid is its tenant's (serving/scoped_ids.py): the
+engine's rid is scoped, the state's is the client's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from serving import ipc as m
+from serving.scoped_ids import unscoped
 from serving.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -53,9 +55,13 @@ class ReqState:
 
 
 class ReqHandle:
+    """``rid``: the engine's (a client's rid scoped by its tenant, serving/scoped_ids.py), what
+    ``EngineClient.handles`` is keyed by; ``state.rid``: the client's, what answers carry."""
+
     def __init__(self, client: EngineClient, rid: str) -> None:
         self.client = client
-        self.state = ReqState(rid)
+        self.rid = rid
+        self.state = ReqState(unscoped(rid))
         self.queue: asyncio.Queue[m.Message] = asyncio.Queue()
         self.closed = False
         self.received = False  # the engine acknowledged receipt (messages.Received); not yet accepted
@@ -97,9 +103,9 @@ class ReqHandle:
         if self.closed:
             return
         self.closed = True
-        self.client.handles.pop(self.state.rid, None)
+        self.client.handles.pop(self.rid, None)
         if not self.state.finished:
-            self.client.send(m.AbortReq(self.state.rid))
+            self.client.send(m.AbortReq(self.rid))
 
 
 async def submit_all(client: EngineClient, reqs: list[m.GenerateReq]) -> list[ReqHandle]:
