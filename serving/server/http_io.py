@@ -22,12 +22,12 @@ import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
+from hicache.json_depth import DEFAULT_MAX_DEPTH, too_deep
 from serving.server.errors import APIError, clip, error_body, validation_message
 from serving.server.http_protocol import TIMED_OUT
 
@@ -35,29 +35,11 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
-DEFAULT_MAX_DEPTH = 128  # ServerConfig.max_json_depth's default
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate (paired or not)
-_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'"[]{}')))  # deleted before the depth scan
 
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
-
-
-def json_depth(raw: bytes) -> int:
-    """How deeply arrays and objects nest in a JSON text (brackets inside strings do not count).
-    A few passes in C and numpy, never a Python loop per byte (8 MB: well under 0.2 s).
-
-    In valid JSON a backslash appears only in strings, where it escapes the next byte; so
-    dropping every ``\\\\`` pair, then every ``\\"``, leaves only the quotes that open and close
-    strings; a bracket is inside a string when an odd number of quotes precede it."""
-    s = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
-    a = np.frombuffer(s, dtype=np.uint8)
-    steps = np.zeros(a.size, dtype=np.int8)
-    steps[(a == 0x5B) | (a == 0x7B)] = 1
-    steps[(a == 0x5D) | (a == 0x7D)] = -1
-    steps[np.bitwise_xor.accumulate(a == 0x22)] = 0  # inside a string
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 def check_json_type(request: Request) -> None:
@@ -138,13 +120,13 @@ async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_D
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
-    too_deep = f"the request body nests arrays and objects deeper than the limit of {max_depth} (max_json_depth)"
-    if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(raw) > max_depth:
-        raise APIError(400, too_deep)
+    deep = f"the request body nests arrays and objects deeper than the limit of {max_depth} (max_json_depth)"
+    if too_deep(raw, max_depth):  # checked before parsing (hicache/json_depth.py, as the router does)
+        raise APIError(400, deep)
     try:
         data = json.loads(text, parse_constant=_no_constants)
     except RecursionError:
-        raise APIError(400, too_deep) from None
+        raise APIError(400, deep) from None
     except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if _SURROGATE_ESCAPE.search(raw):  # only then can a string hold a lone one (UTF-8 text cannot)
