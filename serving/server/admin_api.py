@@ -119,9 +119,12 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> dict[str, Any]:
-    if not await get_ctx(request).client.call(m.FlushCache):
+    """SGLang's answer plus what the flush kept (pin leases and breakpoints keep their pages:
+    ``kept_leases``, ``kept_breakpoints``, ``kept_pinned_pages``, serving/cache/kv_control.py)."""
+    kept = await get_ctx(request).client.call(m.FlushCache)
+    if not kept:
         raise APIError(400, "cannot flush the cache while requests are running or waiting")
-    return {"success": True, "message": "Cache flushed."}
+    return {"success": True, "message": "Cache flushed.", **kept}
 
 
 @router.post("/open_session")

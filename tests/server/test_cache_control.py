@@ -397,6 +397,8 @@ def test_a_flush_keeps_pins_and_breakpoints(server) -> None:
     assert cc["pinned_tokens"] == 96 and cc["cache_creation_tokens"] == 96, cc
     r = httpx.post(server.url + "/flush_cache", timeout=60)
     assert r.status_code == 200, r.text
+    assert r.json()["kept_leases"] == r.json()["kept_breakpoints"] + 1 >= 2, r.text  # the answer says what stayed
+    assert r.json()["kept_pinned_pages"] == 12, r.text
     for ids, on_l2 in ((pinned, 96), (bp, 96)):
         r = httpx.post(server.url + "/cache/lookup", json={"input_ids": ids}, timeout=30)
         assert r.json()["cached_tokens"]["L1"] == 0 and r.json()["cached_tokens"]["L2"] == on_l2, r.text
