@@ -61,11 +61,13 @@ async def _post(state: RouterState, url: str, path: str, body: dict[str, Any] | 
     return await state.client.post(url + path, json=body, headers=headers, timeout=state.cfg.request_timeout_s)
 
 
-def _tenant_scope(state: RouterState, tenant: str | None) -> str | None:
-    """A tenant's unsalted scope as the router keys it (None: unknown to the router, or the default)."""
+def _scope(state: RouterState, tenant: str | None, request_salt: str | None = None) -> str | None:
+    """The scope a tenant's requests were routed in (RouterState.route): its seed (the router loads
+    the same keys file) combined with the request's own ``cache_salt``; None for the default tenant
+    unsalted (or a tenant the router does not know). The drain report never carries a seed."""
     table = state.tenancy.table
     t = None if tenant is None or table is None else table.tenants.get(tenant)
-    return None if t is None else effective_salt(t, None)
+    return effective_salt(t, request_salt)
 
 
 async def drain_worker(state: RouterState, url: str) -> dict[str, Any]:
@@ -110,7 +112,7 @@ async def _move_sessions(state: RouterState, url: str, sessions: list[dict[str, 
         sid, tenant = s["session_id"], s.get("tenant")
         # the router's affinity keys of this session (one per scope it was used in: session_key)
         keys = [k for k, u in owner.items() if u == url and (k == sid or k.endswith("|" + sid))]
-        key = keys[0] if keys else session_key(_tenant_scope(state, tenant), sid)
+        key = keys[0] if keys else session_key(_scope(state, tenant), sid)
         w = state.policy.select(RouteRequest("", None, key), others)
         body: dict[str, Any] = {"session_id": sid, **({"retention": s["retention"]} if s.get("retention") else {})}
         try:
@@ -136,10 +138,8 @@ async def _move_leases(state: RouterState, leases: list[dict[str, Any]], others:
                        not_moved: list[dict[str, Any]]) -> int:
     moved = 0
     for x in leases:
-        tenant, scope, own = x.get("tenant"), x.get("cache_salt"), x.get("request_salt")
-        if scope is not None and "request_salt" not in x:  # a worker that does not report it (older)
-            not_moved.append({"kind": "lease", "id": x["lease_id"], "reason": "its request's cache_salt is not known"})
-            continue
+        tenant, own = x.get("tenant"), x.get("request_salt")
+        scope = _scope(state, tenant, own)  # the report holds no seed: the router derives the scope
         route = await state.keys.for_body("/generate", {"input_ids": x["input_ids"]})
         if scope is not None:  # routed in its scope, as its requests were (RouterState.route)
             route = RouteRequest(scope_prefix(scope) + route.key, salted_ids(route.token_ids, scope), None)
