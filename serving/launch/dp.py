@@ -131,8 +131,11 @@ def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config
             return 1
         log.info("data parallelism: %d replicas at %s behind the router on %s:%d", n, " ".join(urls),
                  cfg.server.host, cfg.server.port)
+        # the router takes the replicas' keys and request limits, so clients see one server
         rcfg = RouterConfig(host=cfg.server.host, port=cfg.server.port, worker_urls=tuple(urls),
-                            api_key=key, log_level=cfg.server.log_level, allowed_hosts=cfg.server.allowed_hosts)
+                            api_key=key, api_keys_file=cfg.server.api_keys_file, log_level=cfg.server.log_level,
+                            allowed_hosts=cfg.server.allowed_hosts, max_request_bytes=cfg.server.max_request_bytes,
+                            max_json_depth=cfg.server.max_json_depth)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn installs its own handler
         return serve(rcfg)
     except KeyboardInterrupt:

@@ -1,6 +1,8 @@
 """`hicache serve --dp-size 2` (CPU): one command starts two replicas and the cache-aware router;
 on shared-prefix groups the router's cached share is at least 90 % of a single replica's, and
-the replicas share one L3 (a prefix written by one is a storage hit on the other)."""
+the replicas share one L3 (a prefix written by one is a storage hit on the other). The DP server
+runs with ``--api-key`` and ``--api-keys-file``: its router takes the tenants' keys as the replicas
+do (issue 42: it was started without the keys file, so a tenant's key was a 401 at the router)."""
 
 from __future__ import annotations
 
@@ -51,11 +53,14 @@ def _groups() -> list[str]:
     return out
 
 
-def _cached_share(url: str, prompts: list[str]) -> float:
+ADMIN, TENANT = "dp-admin-key-01", "sk-dp-tenant-01"
+
+
+def _cached_share(url: str, prompts: list[str], headers: dict[str, str] | None = None) -> float:
     cached = total = 0
     for p in prompts:
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": p, "max_tokens": 2, "temperature": 0},
-                       timeout=120)
+                       timeout=120, headers=headers)
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         total += usage["prompt_tokens"]
@@ -73,26 +78,30 @@ def test_dp2_router_cached_share_and_shared_l3(tiny_chat_model, tmp_path):
         share_single = _cached_share(single.url, prompts)
     finally:
         assert single.stop() == 0
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": {TENANT: "t"}}))
     dp = DPServer(["--config", _config(tmp_path, tiny_chat_model, "l3-dp"), "--served-model-name", "m",
-                   "--dp-size", "2"])
+                   "--dp-size", "2", "--api-keys-file", str(keys)], api_key=ADMIN)
     dp.start(timeout=300)
+    h = {"Authorization": f"Bearer {TENANT}"}
     try:
-        workers = [w["url"] for w in httpx.get(dp.url + "/list_workers", timeout=10).json()["workers"]]
+        workers = [w["url"] for w in httpx.get(dp.url + "/list_workers", timeout=10, headers=dp.headers).json()[
+            "workers"]]
         assert len(workers) == 2
-        share_dp = _cached_share(dp.url, prompts)
+        share_dp = _cached_share(dp.url, prompts, h)  # a tenant's key, through the router
         assert share_dp >= 0.9 * share_single, (share_dp, share_single)
         # one L3: a prompt computed on replica 0 is read from storage by replica 1
         text = "Shared store check: " + "lorem ipsum dolor " * 40
         for _ in range(2):  # the second request hits the first's pages: backed up to L2, written on to L3
             r = httpx.post(workers[0] + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}},
-                           timeout=60)
+                           timeout=60, headers=h)
             assert r.status_code == 200, r.text
         deadline = time.monotonic() + 60  # the write-back to L3 runs in the background: until replica 1 sees it
         while time.monotonic() < deadline and httpx.post(workers[1] + "/cache/lookup", json={"prompt": text},
-                                                          timeout=30).json()["cached_tokens"]["L3"] == 0:
+                                                          timeout=30, headers=h).json()["cached_tokens"]["L3"] == 0:
             time.sleep(0.2)
         r = httpx.post(workers[1] + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}},
-                       timeout=60)
+                       timeout=60, headers=h)
         assert r.json()["meta_info"]["cached_tokens_details"]["storage"] > 0, r.json()["meta_info"]
     finally:
         code = dp.stop(timeout=120)
