@@ -5,9 +5,10 @@ first chunk, a short request arrives, and the short request's prefill runs in th
 pass, beside the long prompt's next chunk; its decode steps run interleaved with the long prompt's
 remaining chunks (it finishes before the long prompt's prefill does). The long prompt keeps at least
 half of every step's prefill budget, so a short request arriving at every step cannot starve it. A
-second long prompt waits for the first one's prefill (one prompt in chunks at a time). Every greedy
-output is token-identical to the same request run alone. Counted in forward passes (each ``step()``
-runs one; ``Req.kv_len`` says what each pass computed), never timed.
+second long prompt waits for the first one's prefill (one prompt in chunks at a time). The same with
+overlap scheduling (its tokens one pass late). Every greedy output is token-identical to the same
+request run alone. Counted in forward passes (each ``step()`` runs one; ``Req.kv_len`` says what
+each pass computed), never timed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from harness.model_utils import tiny_model
 from serving.engine import Engine
+from serving.scheduler.overlap import OverlapScheduler
 
 PS = 4
 CHUNK = 32  # chunked_prefill_size: prompt tokens per forward pass
@@ -77,6 +79,26 @@ def test_a_short_request_runs_beside_a_long_prefill(tiny, policy):
     assert short_r.output_ids == alone(tiny, short_p, 12)
     assert long_r.output_ids == alone(tiny, long_p, 8)
     assert core.scheduler.in_use_pages() == 0
+
+
+def test_beside_a_long_prefill_with_overlap_scheduling(tiny):
+    """Overlap scheduling (forced on, as tests/engine/test_gpu_paths.py does on a CPU): the short
+    request's prefill runs in the next pass; its token, read one pass late, comes out in the one after."""
+    long_p, short_p = ids(500, 7), ids(6, 8)
+    core = engine(tiny).core
+    core.scheduler._overlap = OverlapScheduler(core.scheduler)
+    long_r = submit(core, long_p, 6)
+    core.step()
+    short_r = submit(core, short_p, 10)
+    core.step()
+    assert short_r.kv_len == len(short_p) and long_r.kv_len < len(long_p)
+    core.step()
+    assert short_r.output_ids
+    while core.scheduler.has_work:
+        core.step()
+        core.check_integrity()
+    assert core.scheduler._overlap.overlapped_steps > 0
+    assert [short_r.output_ids, long_r.output_ids] == [alone(tiny, short_p, 10), alone(tiny, long_p, 6)]
 
 
 def test_short_requests_every_step_cannot_starve_the_long_one(tiny):
