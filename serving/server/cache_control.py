@@ -41,6 +41,7 @@ from serving.cache.kv_breakpoints import MAX_BREAKPOINTS
 from serving.server.anthropic_tools import system_text, tools_text
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
+from serving.server.http_io import read_json
 from serving.server.req_handle import ReqState
 from serving.server.tenants import CURRENT, effective_salt
 
@@ -186,8 +187,8 @@ async def advance_kv_clock(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     if not ctx.server.enable_debug_endpoints:
         raise APIError(404, "no such route (start the server with --enable-debug-endpoints)")
+    body = await read_json(request, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     try:
-        body = await request.json()
         seconds = float(body["seconds"])
     except (ValueError, KeyError, TypeError):
         raise APIError(400, 'the body must be {"seconds": <number>}', param="seconds") from None

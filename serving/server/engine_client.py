@@ -38,7 +38,7 @@ from serving.config import EngineConfig
 from serving.engine.main import engine_main
 from serving.scoped_ids import unscoped
 from serving.server.config import ServerConfig
-from serving.server.errors import APIError
+from serving.server.errors import APIError, quoted
 from serving.server.req_handle import ReqHandle
 from serving.server.watchdog import silence_seconds, stall_seconds
 
@@ -301,7 +301,7 @@ class EngineClient:
         """Send a request; return once the engine accepted it (raises APIError otherwise)."""
         self._check_alive()
         if req.rid in self.handles:  # rids are per tenant (serving/scoped_ids.py): only the caller's own
-            raise APIError(400, f"a request with rid {unscoped(req.rid)!r} is already running", param="rid")
+            raise APIError(400, f"a request with rid {quoted(unscoped(req.rid))} is already running", param="rid")
         self._start_waiting()
         handle = ReqHandle(self, req.rid)
         self.handles[req.rid] = handle
