@@ -1,4 +1,4 @@
-"""The import graph of ``hicache/``, ``serving/`` and ``router/``, from their ASTs: what the layering
+"""The import graph of ``hicache/``, ``edge/``, ``serving/`` and ``router/``, from their ASTs: what the layering
 tests (``tests/layout/test_layering.py``, ``tests/layout/test_private_access.py``) check their rules on.
 
 Every import statement counts, lazy ones inside functions included; ``from x import y`` resolves
@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hicache", "serving", "router")
+PACKAGES = ("hicache", "edge", "serving", "router")
 
 
 def within(module: str, prefixes: tuple[str, ...]) -> bool:

@@ -8,7 +8,7 @@ trusted_hosts.py). Ollama's routes take a body of any declared type, as Ollama d
 (``json_type=False``; its clients send none, ``curl -d`` a form type). Bodies over the size
 limit are a 413, nested deeper than ``max_json_depth`` a 400 (checked before parsing), and a
 client that goes away while sending is not an error (499, nothing logged); one too slow to send
-it (serving/server/http_protocol.py closed the connection) is a 408. A body sent with a
+it (edge/http_protocol.py closed the connection) is a 408. A body sent with a
 ``Content-Encoding`` other than identity is a 415 (none is decoded, as in SGLang and vLLM), and a
 string anywhere in the JSON with a lone surrogate (``"\\ud800"``, which no UTF-8 text can hold)
 is a 400 naming the field, once, here: every route's fields are then encodable.
@@ -27,9 +27,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
+from edge.http_protocol import TIMED_OUT
 from hicache.json_depth import DEFAULT_MAX_DEPTH, too_deep
 from serving.server.errors import APIError, clip, error_body, validation_message
-from serving.server.http_protocol import TIMED_OUT
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")

@@ -5,7 +5,7 @@ process, where clients see them, and so is every HTTP request (serving.server.ac
 ``hicache_http_requests_total{route,method,status}`` (route: the route's template, e.g.
 ``/v1/chat/completions``, or ``unmatched``; method: GET/POST/... or ``other``) and
 ``hicache_http_request_duration_seconds{route,method}``; connections closed for how a client sent
-its request (serving.server.http_protocol): ``hicache_http_connections_closed_total{reason}``.
+its request (edge.http_protocol): ``hicache_http_connections_closed_total{reason}``.
 Token and page counts come from the engine process: each scrape of /metrics asks it for a fresh
 ``Stats`` snapshot, exposed by a custom collector. When the engine cannot answer at once
 (stalled, or in a long forward pass), the last snapshot is served instead, marked

@@ -3,7 +3,7 @@
 The port is bound (and listened on) first, before the engine process starts: a port in use
 fails at once with a clear message, without loading the model or opening the L3 store (which
 may be the live server's). Connections made while the model loads wait in the backlog and
-are served once the server is ready. uvicorn runs with serving/server/http_protocol.py's
+are served once the server is ready. uvicorn runs with edge/http_protocol.py's
 connection class (h11 with read timeouts) and ``--limit-concurrency``. Once the warm-up
 generation passed, one line on stdout says so, with the server's URL: SGLang's
 ``READY_MESSAGE`` followed by ``http://host:port`` (harness/server_utils.py waits for it).
@@ -21,13 +21,14 @@ from types import FrameType
 
 import uvicorn
 
+from edge.http_protocol import REASONS, ReadTimeouts, protocol_class
 from serving import ipc as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig
 from serving.server.context import ServerContext
 from serving.server.drain import drain
 from serving.server.engine_client import EngineClient, EngineStartError
-from serving.server.http_protocol import REASONS, ReadTimeouts, protocol_class
+from serving.server.errors import error_body
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
 from serving.server.tenants import load_tenants
@@ -157,7 +158,9 @@ def run_server(cfg: AppConfig) -> int:
                 create_app(ctx),
                 host=cfg.server.host,
                 port=cfg.server.port,
-                http=protocol_class(timeouts, lambda reason: metrics.http_closed.labels(reason).inc()),
+                http=protocol_class(timeouts, lambda reason: metrics.http_closed.labels(reason).inc(),
+                                    lambda status, message, path: error_body(status, message), log,
+                                    "hicache_http_connections_closed_total"),
                 limit_concurrency=cfg.server.limit_concurrency,
                 log_level=cfg.server.log_level,
                 access_log=False,  # serving.server.access_log writes one (route templates, durations)

@@ -1,10 +1,12 @@
-"""The layering of the code base, as a test: an AST import graph of ``hicache/``, ``serving/`` and
-``router/``. Every import statement counts, lazy ones inside functions included; ``from x import y``
+"""The layering of the code base, as a test: an AST import graph of ``hicache/``, ``edge/``,
+``serving/`` and ``router/``. Every import statement counts, lazy ones inside functions included; ``from x import y``
 resolves to the module ``x.y`` where that is a module, else to ``x``; a module of ours named in a
 string for importlib (a registry's ``"pkg.mod:Attr"``) is an import too.
 
 Rules (one test each; a failure lists every violation as ``file:line``):
-- ``hicache`` imports neither ``serving`` nor ``router``;
+- ``hicache`` imports neither ``serving`` nor ``router`` nor ``edge``;
+- ``edge`` (the HTTP edge the worker's HTTP process and the router share) imports neither ``serving``
+  nor ``router``;
 - ``router`` never imports ``serving``; ``serving`` imports ``router`` only in the launcher
   (``LAUNCHER``, the one place that starts both);
 - only the HTTP packages (``HTTP_PACKAGES``) import an HTTP framework (``HTTP_FRAMEWORKS``);
@@ -25,8 +27,9 @@ from harness.import_graph import Import, imports, module_graph, report, within
 # The launcher: the one sanctioned place that imports both serving and router.
 LAUNCHER = ("serving.launch",)
 # The packages whose job is HTTP (a module or package name covers everything below it): the HTTP
-# process, the router, and serving.lang's RuntimeEndpoint (an HTTP client of a server, by design).
-HTTP_PACKAGES = ("serving.server", "router", "serving.lang.backends.runtime_endpoint")
+# process, the router, the edge both serve with, and serving.lang's RuntimeEndpoint (an HTTP client
+# of a server, by design).
+HTTP_PACKAGES = ("serving.server", "router", "edge", "serving.lang.backends.runtime_endpoint")
 HTTP_FRAMEWORKS = frozenset({"fastapi", "starlette", "httpx", "uvicorn"})
 # The engine process's entry point: its modules are the ones this reaches through imports that run.
 ENGINE_ENTRY = "serving.engine.main"
@@ -36,10 +39,16 @@ ENGINE_ENTRY = "serving.engine.main"
 # The package arrows
 
 
-def test_hicache_imports_neither_serving_nor_router():
+def test_hicache_imports_neither_serving_nor_router_nor_edge():
     bad = [f"{i.where()}: {i.source} imports {i.target}" for i in imports()
-           if within(i.source, ("hicache",)) and not i.external and within(i.target, ("serving", "router"))]
-    assert not bad, report("hicache imports serving or router", bad)
+           if within(i.source, ("hicache",)) and not i.external and within(i.target, ("serving", "router", "edge"))]
+    assert not bad, report("hicache imports serving, router or edge", bad)
+
+
+def test_edge_imports_neither_serving_nor_router():
+    bad = [f"{i.where()}: {i.source} imports {i.target}" for i in imports()
+           if within(i.source, ("edge",)) and not i.external and within(i.target, ("serving", "router"))]
+    assert not bad, report("edge imports serving or router", bad)
 
 
 def test_router_and_serving_meet_only_in_the_launcher():

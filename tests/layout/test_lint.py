@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_ruff_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    out = subprocess.run([ruff, "check", "hicache", "serving", "router", "bench", "tests", "harness"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run([ruff, "check", "hicache", "edge", "serving", "router", "bench", "tests", "harness"],
+                         cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

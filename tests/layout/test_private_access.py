@@ -1,4 +1,4 @@
-"""No module of ``hicache/``, ``serving/`` or ``router/`` touches another module's private attributes
+"""No module of ``hicache/``, ``edge/``, ``serving/`` or ``router/`` touches another module's private attributes
 (issue 28; the import-graph rules are ``tests/layout/test_layering.py``, the graph ``harness/import_graph.py``).
 
 A private name is one with a leading underscore that is not a dunder (``_x``, not ``__x__``).

@@ -1,11 +1,12 @@
 """The HTTP/1.1 connection: uvicorn's h11 protocol with the read timeouts uvicorn lacks, and
-the framing RFC 9112 says to refuse.
+the framing RFC 9112 says to refuse; the worker's HTTP process and the router both serve with it.
 
 uvicorn closes a kept-alive connection that stays silent (``timeout_keep_alive``, 5 s) but puts
 no bound on how long a client may take to send a request: a head or body sent a byte at a time
 (slowloris), a ``Content-Length`` larger than the body, a chunked body without its last chunk
 each hold a connection, and a task waiting on the body, until the client gives up. Here
-(``ServerConfig``, nginx's ``client_header_timeout`` / ``client_body_timeout`` in spirit):
+(the worker's ``ServerConfig`` and the router's ``RouterConfig`` fields of these names, nginx's
+``client_header_timeout`` / ``client_body_timeout`` in spirit):
 
 - ``header_timeout_s``: a request's head (request line and headers) is complete within this
   long of the connection opening, or of the first byte of the next request on a kept-alive one;
@@ -14,12 +15,14 @@ each hold a connection, and a task waiting on the body, until the client gives u
   the server itself is not reading, its flow control, does not count).
 
 Past one, the client gets ``408 Request Timeout`` (when no answer has started yet; the app
-waiting on the body sees its connection close and counts a 408: http_io.read_json) and the
-connection is closed; each is counted in ``hicache_http_connections_closed_total{reason}`` and
-logged at most every 10 s. A request with both ``Transfer-Encoding`` and ``Content-Length``
-is answered 400 and its connection closed (RFC 9112 6.3: the two framings disagree, a proxy in
-front may have read the other one: request smuggling), counted with reason
-``ambiguous_framing``.
+waiting on the body sees its connection close, and why in ``scope["state"][TIMED_OUT]``: the
+worker's http_io.read_json counts a 408) and the connection is closed; each is counted
+(``protocol_class``'s ``count``: the worker's ``hicache_http_connections_closed_total{reason}``)
+and logged at most every 10 s per reason. A request with both ``Transfer-Encoding`` and
+``Content-Length`` is answered 400 and its connection closed (RFC 9112 6.3: the two framings
+disagree, a proxy in front may have read the other one: request smuggling), counted with reason
+``ambiguous_framing``. Both answers' JSON bodies are the caller's (``error_body``: the worker's
+OpenAI shape, the router's shape of the path's API), so this package imports neither.
 
 All of it runs on the event loop: a connection's timers are its own protocol object's, armed
 and cancelled only from the loop's callbacks (``connection_made``, ``data_received``, the
@@ -40,11 +43,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hicache.ratelimited_log import RateLimitedLog
-from serving.server.errors import error_body
 
-log = logging.getLogger("hicache.server")
 TIMED_OUT = "hicache.timed_out"  # scope["state"] key: why the protocol closed the connection (http_io)
 REASONS = ("header_timeout", "body_timeout", "body_idle_timeout", "ambiguous_framing")
+# (status, message, the request's path: "" before its head arrived) -> the JSON body of the answer
+ErrorBody = Callable[[int, str, str], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,9 @@ class ReadTimeouts:
     body_idle_s: float  # between two reads of the body
 
 
-def raw_response(status: int, reason: str, message: str) -> bytes:
-    """A whole HTTP/1.1 answer that closes the connection, in the API's error shape."""
-    body = json.dumps(error_body(status, message)).encode()
+def raw_response(status: int, reason: str, body_json: dict[str, Any]) -> bytes:
+    """A whole HTTP/1.1 answer with this JSON body that closes the connection."""
+    body = json.dumps(body_json).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("ascii") + body
@@ -65,16 +68,16 @@ def raw_response(status: int, reason: str, message: str) -> bytes:
 class FramingGuard:
     """ASGI: 400 and close for a request that gives both Transfer-Encoding and Content-Length."""
 
-    def __init__(self, app: ASGIApp, on_refused: Callable[[str, Any], None]) -> None:
-        self.app, self.on_refused = app, on_refused
+    def __init__(self, app: ASGIApp, on_refused: Callable[[str, Any], None], error_body: ErrorBody) -> None:
+        self.app, self.on_refused, self.error_body = app, on_refused, error_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             names = {name.lower() for name, _ in scope["headers"]}
             if b"transfer-encoding" in names and b"content-length" in names:
                 self.on_refused("ambiguous_framing", scope.get("client"))
-                body = json.dumps(error_body(400, "the request has both Transfer-Encoding and Content-Length "
-                                                  "(RFC 9112 6.3): send one of them")).encode()
+                body = json.dumps(self.error_body(400, "the request has both Transfer-Encoding and Content-Length "
+                                                       "(RFC 9112 6.3): send one of them", scope["path"])).encode()
                 await send({"type": "http.response.start", "status": 400,
                             "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
                 await send({"type": "http.response.body", "body": body})
@@ -89,6 +92,7 @@ class TimedH11Protocol(H11Protocol):
     timeouts: ClassVar[ReadTimeouts]
     on_closed: ClassVar[Callable[[str, Any], None]]  # (reason of REASONS, client address): counts and logs
     guard: ClassVar[Callable[[ASGIApp], ASGIApp]]
+    error_body: ClassVar[ErrorBody]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -162,7 +166,8 @@ class TimedH11Protocol(H11Protocol):
         type(self).on_closed(reason, self.client)
         cycle = self.cycle if self.conn.their_state is h11.SEND_BODY else None
         if cycle is None or not cycle.response_started:
-            self.transport.write(raw_response(408, "Request Timeout", message))
+            path = cycle.scope.get("path", "") if cycle is not None else ""
+            self.transport.write(raw_response(408, "Request Timeout", type(self).error_body(408, message, path)))
         if cycle is not None and not cycle.response_complete:  # the app sees a disconnect, and why
             state = cycle.scope.get("state")
             if isinstance(state, dict):
@@ -172,18 +177,23 @@ class TimedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(timeouts: ReadTimeouts, count: Callable[[str], None]) -> type[TimedH11Protocol]:
+def protocol_class(timeouts: ReadTimeouts, count: Callable[[str], None], error_body: ErrorBody,
+                   log: logging.Logger, counted_in: str | None = None) -> type[TimedH11Protocol]:
     """The protocol class to give uvicorn (``http=``): these timeouts; ``count(reason)`` for each
-    connection closed (or request refused) for a reason of ``REASONS``."""
+    connection closed (or request refused) for a reason of ``REASONS`` (on the event loop);
+    ``error_body`` builds the 408's and 400's JSON; the closes are logged on ``log``, at most once
+    per 10 s per reason, naming ``counted_in`` (where they are counted) when given."""
     warn = RateLimitedLog(log)
+    where_counted = f" ({counted_in})".replace("%", "%%") if counted_in else ""
 
     def on_closed(reason: str, client: Any) -> None:
         count(reason)
         where = f"{client[0]}:{client[1]}" if client else "a client"
-        warn.warning(reason, "closed the connection of %s: %s (hicache_http_connections_closed_total)", where, reason)
+        warn.warning(reason, "closed the connection of %s: %s" + where_counted, where, reason)
 
     def guard(app: ASGIApp) -> ASGIApp:
-        return FramingGuard(app, on_closed)
+        return FramingGuard(app, on_closed, error_body)
 
     return type("TimedH11Protocol", (TimedH11Protocol,), {
-        "timeouts": timeouts, "on_closed": staticmethod(on_closed), "guard": staticmethod(guard)})
+        "timeouts": timeouts, "on_closed": staticmethod(on_closed), "guard": staticmethod(guard),
+        "error_body": staticmethod(error_body)})
