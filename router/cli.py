@@ -5,7 +5,8 @@ Every RouterConfig field of a simple type gets a flag named after it (``cache_th
 ``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` (router/pd_config.py); a flag overrides
 the file (``--worker-urls`` replaces its list), the file overrides the dataclass defaults.
 ``--help`` shows each flag's description (its field's comment, hicache/config_fields.py), its
-allowed values and its default.
+allowed values and its default. uvicorn reads connections with the router's read timeouts and
+framing guard (router/connections.py).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def serve(cfg: RouterConfig) -> int:
     import uvicorn
 
     from router.app import create_app
+    from router.connections import protocol_class
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -104,7 +106,8 @@ def serve(cfg: RouterConfig) -> int:
 
     server = _Server(
         uvicorn.Config(
-            create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, lifespan="on"
+            create_app(cfg), host=cfg.host, port=cfg.port, http=protocol_class(cfg), log_level=cfg.log_level,
+            access_log=False, lifespan="on"
         )
     )
     server.run()

@@ -82,6 +82,11 @@ class RouterConfig:
     enable_worker_registration: bool = False
     max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413 (the workers' default too)
     max_json_depth: int = DEFAULT_MAX_DEPTH  # request bodies nested deeper (arrays / objects) get HTTP 400
+    # a request's head (request line and headers) must arrive within this many seconds of the connection
+    # opening (or of the next request's first byte), else HTTP 408 and the connection is closed (slowloris)
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 300.0  # a request's whole body must arrive within this many seconds, else 408
+    body_idle_timeout_s: float = 30.0  # and with no gap between its bytes longer than this, else 408
     # routing keys cover at most this many tokens of a prompt, and the tokenizer sees at most 8 characters
     # per token of it (unset: the workers' context length, else 131072)
     max_routing_tokens: int | None = None

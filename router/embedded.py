@@ -1,5 +1,7 @@
 """Run a router inside this process, on its own thread and event loop (tests, benchmarks,
-embedding). ``with RouterThread(cfg) as r: httpx.get(r.url + "/health")``."""
+embedding). ``with RouterThread(cfg) as r: httpx.get(r.url + "/health")``. It reads connections
+as ``hicache router`` does (router/connections.py: read timeouts, framing guard) and counts the
+ones it closed, by reason, in ``connections_closed`` (written on the router's loop only)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -15,6 +18,7 @@ import uvicorn
 
 from router.app import create_app
 from router.config import RouterConfig
+from router.connections import protocol_class
 from router.state import RouterState
 
 
@@ -31,9 +35,15 @@ class RouterThread:
         self.cfg = cfg
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.app = create_app(cfg)
+        self.connections_closed: Counter[str] = Counter()  # reason (edge.http_protocol.REASONS) -> count
         logging.getLogger("httpx").setLevel(logging.WARNING)
+
+        def count(reason: str) -> None:
+            self.connections_closed[reason] += 1
+
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="on")
+            uvicorn.Config(self.app, host=cfg.host, port=cfg.port, http=protocol_class(cfg, count),
+                           log_level="warning", lifespan="on")
         )
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)
