@@ -173,7 +173,7 @@ def test_router_sees_a_worker_drain_itself(tiny_chat_model):
     a, b = ServerProcess(args), ServerProcess(args)
     start_all(a, b)
     router = RouterThread(RouterConfig(worker_urls=(a.url,), health_check_interval_s=0.2,
-                                       enable_worker_registration=True)).start()  # a keyless router: /add_worker needs it
+                                       enable_worker_registration=True)).start()  # keyless: /add_worker needs it
     try:
         sids = [httpx.post(router.url + "/open_session", json={}, timeout=30).json() for _ in range(2)]
         body = {"input_ids": list(range(100, 140)), "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
