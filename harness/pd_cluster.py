@@ -16,7 +16,6 @@ import json
 import random
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,39 +26,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.server_utils import ServerProcess, free_port, start_all  # noqa: E402
+from harness.server_utils import RouterProcess, ServerProcess, free_port, start_all  # noqa: E402
 
 MODEL = str(ROOT / "models" / "SmolLM2-135M-Instruct")
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
-ROUTER_READY = "The router is ready to route!"
 RPC, HTTP, METRICS = 50061, 50081, 50091
-
-
-class Router:
-    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "serving.launch.cli", "router", "--pd-disaggregation",
-                     "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
-                     "--host", "127.0.0.1", "--port", str(self.port)]
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self.ready.wait(60):
-            raise RuntimeError("router did not start:\n" + "".join(self.lines))
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if ROUTER_READY in line:
-                self.ready.set()
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(30)
 
 
 def start_master(work: Path) -> subprocess.Popen:
@@ -120,7 +91,8 @@ def chat_stream(url: str, messages: list[dict]) -> str:
     return text
 
 
-def scenarios(out: dict, router: Router, P: ServerProcess, D: ServerProcess, C: ServerProcess, quick: bool) -> None:
+def scenarios(out: dict, router: RouterProcess, P: ServerProcess, D: ServerProcess, C: ServerProcess,
+              quick: bool) -> None:
     prompts = ["The capital of France is", "List three colours:", "def fibonacci(n):"]
     # single prompts, token-identical to the colocated server
     same = []
@@ -162,7 +134,7 @@ def scenarios(out: dict, router: Router, P: ServerProcess, D: ServerProcess, C: 
     out["integrity_session"] = integrity(P, D)
 
 
-def l3_scenario(out: dict, router: Router, P: ServerProcess, D: ServerProcess, C: ServerProcess) -> None:
+def l3_scenario(out: dict, router: RouterProcess, P: ServerProcess, D: ServerProcess, C: ServerProcess) -> None:
     """Turn 1 through PD; the prefill side forgets everything (flush); turn 2 = turn 1 +
     answer + more: its prefill must find the answer's KV in L3, written by the decode side."""
     rng = random.Random(5)
@@ -200,7 +172,7 @@ def main() -> None:
     D = ServerProcess([*base, *pd, "--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache"])
     C = ServerProcess(base)
     servers = [P, D, C]
-    router = Router(P, bp, D)
+    router = RouterProcess(["--pd-disaggregation", "--prefill", P.url, str(bp), "--decode", D.url])
     out: dict = {"backend": backend}
     try:
         start_all(*servers)

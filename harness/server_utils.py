@@ -19,6 +19,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "The server is fired up and ready to roll!"  # followed by the server's URL (serving/server/serve.py)
+ROUTER_READY = "The router is ready to route!"  # router/cli.py
 
 
 # Ports for the servers tests start come from below the kernel's ephemeral range (32768-60999
@@ -57,6 +58,8 @@ def free_port() -> int:
 class ServerProcess:
     """``api_key_env``: pass the key in the environment (HICACHE_API_KEY), not as a flag."""
 
+    command, ready_line = "serve", READY
+
     def __init__(self, args: list[str], api_key: str | None = None, api_key_env: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -67,6 +70,7 @@ class ServerProcess:
             self.env["HICACHE_API_KEY"] = api_key
         elif api_key:
             self.args += ["--api-key", api_key]
+        self.prefix: list[str] = []  # a command the server runs under (e.g. unshare ... sh -c 'exec "$@"')
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
         self.ready = threading.Event()
         self.proc: subprocess.Popen[str] | None = None
@@ -82,7 +86,7 @@ class ServerProcess:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith(READY):
+            if line.startswith(self.ready_line):
                 self.ready.set()
 
     def start(self, timeout: float = 120.0) -> None:
@@ -95,14 +99,15 @@ class ServerProcess:
         if "HICACHE_API_KEY" not in self.env:
             env.pop("HICACHE_API_KEY", None)  # only the key this test means
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.launch.cli", "serve", *self.args],
+            [*self.prefix, sys.executable, "-m", "serving.launch.cli", self.command, *self.args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
         deadline = time.monotonic() + timeout
         while not self.ready.wait(0.2):
             if self.proc.poll() is not None:
@@ -123,6 +128,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
                 raise RuntimeError(f"server did not stop within {timeout} s:\n{self.log()}") from None
+        self.reader.join(10)  # its last lines (the shutdown's) are in self.lines
         return self.proc.returncode
 
     def check_integrity(self, settle_s: float = 10.0) -> dict:
@@ -135,6 +141,17 @@ class ServerProcess:
             if (body["running"] == 0 and body["waiting"] == 0) or time.monotonic() > deadline:
                 return body
             time.sleep(0.1)
+
+
+class RouterProcess(ServerProcess):
+    """``hicache router ARGS`` on a free port (``api_key``: its --api-key)."""
+
+    command, ready_line = "router", ROUTER_READY
+
+    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+        super().__init__([], api_key)
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)] + (
+            ["--api-key", api_key] if api_key else [])
 
 
 @contextmanager

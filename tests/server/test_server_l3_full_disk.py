@@ -21,8 +21,6 @@ import errno
 import os
 import re
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -63,19 +61,7 @@ class ServerOnSmallDisk(ServerProcess):
     def __init__(self, args: list[str], disk: Path) -> None:
         super().__init__(args)
         self.disk = disk
-
-    def start(self, timeout: float = 120.0) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-        env.pop("HICACHE_API_KEY", None)
-        self.proc = subprocess.Popen(  # unshare and sh exec: proc.pid is the server's
-            [*_mount_tmpfs(DISK_MB, self.disk), sys.executable, "-m", "serving.launch.cli", "serve", *self.args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"server not ready (exit {self.proc.poll()}):\n{self.log()}")
+        self.prefix = _mount_tmpfs(DISK_MB, disk)  # unshare and sh exec: proc.pid is the server's
 
     def seen_disk(self) -> Path:
         """The tmpfs as the server sees it."""
