@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import select
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.raw_http import RawHttp, assert_openai_408, until_seen
 from harness.server_utils import READY, ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
@@ -46,30 +46,9 @@ def server(tiny_chat_model: Path) -> Iterator[ServerProcess]:
         yield s
 
 
-def connect(server: ServerProcess) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.port), timeout=BOUND_S)
-
-
-def post_head(server: ServerProcess, length: int | None = None, chunked: bool = False) -> bytes:
-    framing = "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {length}\r\n"
-    return (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
-            f"{framing}\r\n").encode()
-
-
-def until_closed(sock: socket.socket, since: float) -> bytes:
-    """What the server sent until it closed the connection; fails past BOUND_S after ``since``."""
-    out = b""
-    while True:
-        sock.settimeout(max(since + BOUND_S - time.monotonic(), 0.01))
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            raise AssertionError(f"the connection stayed open over {BOUND_S} s (got {out[:200]!r})") from None
-        except ConnectionResetError:  # closed while a byte of ours was in flight: a reset, not a FIN
-            return out
-        if not chunk:
-            return out
-        out += chunk
+@pytest.fixture(scope="module")
+def raw(server: ServerProcess) -> RawHttp:
+    return RawHttp("127.0.0.1", server.port, BOUND_S)
 
 
 def closed_count(server: ServerProcess, reason: str) -> float:
@@ -82,145 +61,100 @@ def closed_count(server: ServerProcess, reason: str) -> float:
     return 0.0
 
 
-def assert_408(answer: bytes, names: str) -> None:
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408 "), answer[:300]
-    assert b"connection: close" in head.lower(), head
-    err = json.loads(body)["error"]
-    assert names in err["message"] and err["code"] == "408", err
-
-
 def generate(server: ServerProcess) -> int:
     return httpx.post(server.url + "/generate", content=BODY, headers={"content-type": "application/json"},
                       timeout=60).status_code
 
 
-def trickle(server: ServerProcess, n: int, first: bytes, drip: bytes, every: float = 0.5,
-            ) -> tuple[list[bytes], float]:
-    """``n`` connections that send ``first`` at once, then ``drip`` a byte every ``every`` s
-    until the server closes them; what each got, and how long the last one stayed open."""
-    socks = [connect(server) for _ in range(n)]
-    t0 = time.monotonic()
-    for s in socks:
-        s.sendall(first)
-    answers: dict[int, bytes] = {}
-    pos = 0
-    while len(answers) < n:
-        assert time.monotonic() - t0 < BOUND_S, f"{n - len(answers)} of {n} connections still open"
-        for i, s in enumerate(socks):
-            if i in answers:
-                continue
-            if select.select([s], [], [], 0)[0]:  # the server answered (or closed): read to the end
-                answers[i] = until_closed(s, t0)
-                continue
-            try:
-                s.send(drip[pos % len(drip):pos % len(drip) + 1])
-            except OSError:
-                answers[i] = until_closed(s, t0)
-        pos += 1
-        time.sleep(every)
-    for s in socks:
-        s.close()
-    return [answers[i] for i in range(n)], time.monotonic() - t0
-
-
-def test_slowloris_heads_are_closed_while_other_requests_flow(server: ServerProcess) -> None:
+def test_slowloris_heads_are_closed_while_other_requests_flow(server: ServerProcess, raw: RawHttp) -> None:
     before = closed_count(server, "header_timeout")
-    out: dict[str, object] = {}
-    head = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Slow: ".encode()
-    t = threading.Thread(target=lambda: out.update(r=trickle(server, 50, b"", head + b"a" * 10_000)))
+    out: dict[str, list[bytes]] = {}
+    head = raw.request_line("GET", "/health") + b"X-Slow: "
+    t = threading.Thread(target=lambda: out.update(r=raw.trickle(50, b"", head + b"a" * 10_000, every=0.5)))
     t.start()
     codes = []
     while t.is_alive():  # other clients meanwhile
         codes.append(generate(server))
         codes.append(httpx.get(server.url + "/health", timeout=30).status_code)
     t.join()
-    answers, _ = out["r"]  # type: ignore[misc]
+    answers = out["r"]
     assert codes and set(codes) == {200}, codes
     for a in answers:
         if a:  # empty: the close raced a byte of ours (a reset); the counter below still counts it
-            assert_408(a, "header_timeout_s")
+            assert_openai_408(a, "header_timeout_s")
     assert closed_count(server, "header_timeout") - before == 50
     assert generate(server) == 200
 
 
-def test_a_body_sent_a_byte_at_a_time_is_closed(server: ServerProcess) -> None:
+def test_a_body_sent_a_byte_at_a_time_is_closed(server: ServerProcess, raw: RawHttp) -> None:
     before = closed_count(server, "body_timeout")
-    answers, _ = trickle(server, 10, post_head(server, 10_000), b" ")  # every 0.5 s: never idle for 2 s
+    answers = raw.trickle(10, raw.post_head("/generate", 10_000), b" ", every=0.5)  # never idle for 2 s
     for a in answers:
         if a:
-            assert_408(a, "body_timeout_s")
+            assert_openai_408(a, "body_timeout_s")
     assert closed_count(server, "body_timeout") - before == 10
     assert '"POST /generate" 408' in server.log()  # the access log and its counter say 408 too
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length-larger-than-the-body", "no-last-chunk"])
-def test_a_body_that_stops_short_is_a_408(server: ServerProcess, chunked: bool) -> None:
+def test_a_body_that_stops_short_is_a_408(server: ServerProcess, raw: RawHttp, chunked: bool) -> None:
     before = closed_count(server, "body_idle_timeout")
-    with connect(server) as sock:
+    with raw.connect() as sock:
         t0 = time.monotonic()
         if chunked:
-            sock.sendall(post_head(server, chunked=True) + b"%x\r\n" % len(BODY[:10]) + BODY[:10] + b"\r\n")
+            sock.sendall(raw.post_head("/generate", chunked=True) + b"%x\r\n" % len(BODY[:10]) + BODY[:10] + b"\r\n")
         else:
-            sock.sendall(post_head(server, len(BODY) + 100) + BODY)
-        assert_408(until_closed(sock, t0), "body_idle_timeout_s")
+            sock.sendall(raw.post_head("/generate", len(BODY) + 100) + BODY)
+        assert_openai_408(raw.until_closed(sock, t0), "body_idle_timeout_s")
     assert closed_count(server, "body_idle_timeout") - before == 1
     assert generate(server) == 200
 
 
-def test_a_silent_connection_is_closed(server: ServerProcess) -> None:
-    with connect(server) as sock:
-        assert_408(until_closed(sock, time.monotonic()), "header_timeout_s")
+def test_a_silent_connection_is_closed(raw: RawHttp) -> None:
+    with raw.connect() as sock:
+        assert_openai_408(raw.until_closed(sock, time.monotonic()), "header_timeout_s")
 
 
-def test_a_slow_head_on_a_kept_alive_connection_is_closed(server: ServerProcess) -> None:
-    with connect(server) as sock:
-        sock.sendall(post_head(server, len(BODY)) + BODY)
-        first = b""
-        while b'"meta_info"' not in first:
-            chunk = sock.recv(65536)
-            assert chunk, first
-            first += chunk
+def test_a_slow_head_on_a_kept_alive_connection_is_closed(raw: RawHttp) -> None:
+    with raw.connect() as sock:
+        sock.sendall(raw.post_head("/generate", len(BODY)) + BODY)
+        first = until_seen(sock, b'"meta_info"')
         assert first.startswith(b"HTTP/1.1 200 "), first[:200]
         t0 = time.monotonic()
-        for byte in post_head(server, len(BODY))[:30]:  # the next request's head, a byte every 0.5 s
+        for byte in raw.post_head("/generate", len(BODY))[:30]:  # the next request's head, a byte every 0.5 s
             if select.select([sock], [], [], 0)[0]:
                 break
             sock.send(bytes([byte]))
             time.sleep(0.5)
-        assert_408(until_closed(sock, t0), "header_timeout_s")
+        assert_openai_408(raw.until_closed(sock, t0), "header_timeout_s")
 
 
-def test_a_body_sent_in_pieces_within_the_timeouts_is_served(server: ServerProcess) -> None:
-    with connect(server) as sock:
-        sock.sendall(post_head(server, len(BODY)))
+def test_a_body_sent_in_pieces_within_the_timeouts_is_served(raw: RawHttp) -> None:
+    with raw.connect() as sock:
+        sock.sendall(raw.post_head("/generate", len(BODY)))
         for i in range(0, len(BODY), 20):  # pauses of a quarter of the idle timeout
             time.sleep(0.5)
             sock.sendall(BODY[i:i + 20])
-        answer = b""
-        while b'"meta_info"' not in answer:
-            chunk = sock.recv(65536)
-            assert chunk, answer
-            answer += chunk
+        answer = until_seen(sock, b'"meta_info"')
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
 
 
-def test_transfer_encoding_with_content_length_is_refused_and_closed(server: ServerProcess) -> None:
+def test_transfer_encoding_with_content_length_is_refused_and_closed(server: ServerProcess, raw: RawHttp) -> None:
     before = closed_count(server, "ambiguous_framing")
-    request = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
-    with connect(server) as sock:
+    request = raw.post_head("/generate", 5, chunked=True)  # Content-Length: 5 and Transfer-Encoding
+    with raw.connect() as sock:
         t0 = time.monotonic()
         sock.sendall(request + b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\n\r\n")
-        answer = until_closed(sock, t0)
+        answer = raw.until_closed(sock, t0)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), answer[:300]
     assert b"Transfer-Encoding and Content-Length" in body, body
     assert closed_count(server, "ambiguous_framing") - before == 1
 
 
-def test_past_limit_concurrency_requests_are_503_until_connections_close(server: ServerProcess) -> None:
-    idle = [connect(server) for _ in range(LIMIT)]
+def test_past_limit_concurrency_requests_are_503_until_connections_close(server: ServerProcess, raw: RawHttp,
+                                                                          ) -> None:
+    idle = [raw.connect() for _ in range(LIMIT)]
     try:
         assert generate(server) == 503
     finally:
