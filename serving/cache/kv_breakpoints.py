@@ -13,13 +13,16 @@ pin leases (serving/cache/kv_control.py), per tenant.
 - Best-effort, as Anthropic's prompt caching is: nothing is refused for its breakpoints.
   :meth:`Breakpoints.apply` runs after the request finished (the prompt's KV is in the tree
   then). A new breakpoint that would take its tenant past its pin quota (its L2 quota, else
-  half of L2, in distinct pages) or a lease cap (``max_pin_leases``,
+  half of L2, in distinct pages), the server past its server-wide pin budget (all tenants'
+  pinned pages together: ``max_pinned_l2_fraction`` of L2) or a lease cap (``max_pin_leases``,
   ``max_pin_leases_per_tenant``) first makes room by releasing the same tenant's least
   recently used breakpoints (never the ones this request uses, never an explicit /cache/pin
   lease nor an idle session's, never another tenant's); if that cannot make room, or its KV
   is gone by then (evicted by other requests between the request's end and the pin), or there
   is no L2, the breakpoint is not pinned and the answer says so (``not_pinned``, with the
-  reason; ``released_breakpoints`` counts the ones that gave way).
+  reason, naming the bound that refused it; ``released_breakpoints`` counts the ones that gave
+  way). The counting and the bounds are KVControl's (:meth:`KVControl.room_for`); nothing is
+  counted here.
 - Accounting (Anthropic's usage): ``created`` = tokens of newly pinned prefixes that were not
   served from the cache (only what was pinned: a lease that covers part of its prefix counts
   that part), by TTL in ``created_by_ttl``; counted per tenant in the ledger's request counters
@@ -147,11 +150,12 @@ class Breakpoints:
         pages = ctl.lease_pages(tokens)  # 404 when its KV is gone
         victims = sorted((p for p in self._live(tenant).values() if p.lease_id not in in_use),
                          key=lambda p: p.last_used)
-        give_way = ctl.room_for(tenant, pages, [ctl.leases[p.lease_id] for p in victims])
-        if give_way is None:  # even all of them would not do: keep them, pin nothing
-            why = ctl.refusal(tenant, pages)
-            raise ControlError(409, f"{why}; its older breakpoints could not make room (/cache/pin leases, idle "
-                                    "sessions' leases and other tenants' pins never give way to a breakpoint)")
+        try:
+            give_way = ctl.room_for(tenant, pages, [ctl.leases[p.lease_id] for p in victims])
+        except ControlError as why:  # even all of them would not do: keep them, pin nothing
+            msg = (f"{why}; its older breakpoints could not make room (/cache/pin leases, idle sessions' leases "
+                   "and other tenants' pins never give way to a breakpoint)")
+            raise ControlError(409, msg) from None
         for lease in give_way:
             ctl.release(lease.lease_id)
         return ctl.hold(tenant, pages, ttl, None, origin)["lease_id"], len(give_way)

@@ -7,11 +7,15 @@ sessions (the HTTP routes are serving/server/cache_api.py).
 - **pin**: a lease that keeps a prefix's KV in L2 (and so in L3, where write-back puts it)
   until it ends: the path's L1-only nodes are backed up to L2 now and its L2 pages pinned
   (``tree.pin_host``: L2 eviction skips them, L1 eviction demotes instead of dropping). A
-  tenant's pinned pages are bounded by its L2 quota, or else by half of L2; a page counts once
-  however many of the tenant's leases hold it (re-pinning a pinned prefix costs nothing), and
-  the leases themselves are capped (``max_pin_leases`` and ``max_pin_leases_per_tenant``: 429),
-  their TTL too (``max_pin_ttl_s``: 400). cache_control breakpoints are leases that make room
-  instead of being refused (serving/cache/kv_breakpoints.py: :meth:`KVControl.room_for`).
+  tenant's pinned pages are bounded by its L2 quota, or else by half of L2 (its pin quota), and
+  all tenants' together by the server-wide pin budget (``max_pinned_l2_fraction`` of L2), which
+  keeps the rest of L2 free to stage pages through to L3 and back: 409 past either, each naming
+  its bound. A page counts once however many leases hold it, of one tenant or several
+  (re-pinning a pinned prefix costs nothing); the leases themselves are capped
+  (``max_pin_leases`` and ``max_pin_leases_per_tenant``: 429), their TTL too (``max_pin_ttl_s``:
+  400). cache_control breakpoints are leases that make room instead of being refused
+  (serving/cache/kv_breakpoints.py: :meth:`KVControl.room_for`); an idle session's lease is
+  simply not made past a bound.
 - **flush**: a cache flush keeps every lease (breakpoints and idle sessions' included): the
   nodes holding a leased page stay, on L2 only, and everything else goes
   (``EngineCore.flush_cache(keep=held_pages())``); :meth:`KVControl.flushed` says what it kept.
@@ -19,14 +23,14 @@ sessions (the HTTP routes are serving/server/cache_api.py).
   long idle; ``demote_on_idle`` backs the session's KV up to L2 and pins it there while the
   session is idle (until its next request, or ``ttl_s``), instead of leaving it to be dropped.
 - Sessions belong to the tenant that opened them; another tenant gets "unknown session". Who
-  owns which, and the caps on open sessions, are serving/cache/kv_sessions.py's.
+  owns which, and the caps on open sessions, are serving/cache/kv_sessions.py's; the session
+  methods (retention included) are serving/cache/kv_retention.py's (KVControl's base class).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-import uuid
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,9 +38,18 @@ from typing import Any
 
 from hicache import salt
 from serving.cache.kv_breakpoints import Breakpoints
-from serving.cache.kv_control_limits import MAX_TTL_S, ControlError, ControlLimits
+from serving.cache.kv_control_integrity import check_control
+from serving.cache.kv_control_limits import (
+    MAX_TTL_S,
+    ControlError,
+    ControlLimits,
+    budget_refusal,
+    lease_cap_refusal,
+    quota_refusal,
+)
 from serving.cache.kv_drain import drain_report
 from serving.cache.kv_lookup import PrefixLookup
+from serving.cache.kv_retention import SessionRetention
 from serving.cache.kv_sessions import SessionRegistry
 
 __all__ = ["MAX_TTL_S", "ControlError", "ControlLimits", "KVControl", "Lease"]
@@ -55,8 +68,12 @@ class Lease:
     request_salt: str | None = None  # the request's own cache_salt (a drain re-pins it with this + the tenant)
 
 
-class KVControl:
+class KVControl(SessionRetention):
     """The KV control operations of one engine (see the module docstring for what each does).
+
+    It is the one owner of the pin counting: which L2 pages each tenant's leases hold, which all
+    leases hold (the server-wide budget), how many leases each tenant has; every lease is made
+    (:meth:`hold`) and ended (:meth:`_release`) here, past :meth:`refusal` or :meth:`room_for`.
 
     Concurrency contract: engine loop thread only (it owns the tree, the leases and the pins),
     except the L3 existence check of a lookup, which runs on PrefixLookup's worker thread
@@ -71,6 +88,7 @@ class KVControl:
         self.leases: dict[str, Lease] = {}
         # tenant -> L2 page -> how many of its leases hold it (its pin quota counts the pages once)
         self._pinned: dict[str | None, Counter[int]] = {}
+        self._all_pinned: Counter[int] = Counter()  # L2 page -> how many leases hold it (any tenant's)
         self._lease_count: Counter[str | None] = Counter()  # tenant -> its leases
         self.sessions = SessionRegistry(self.limits)
         self.idle_lease: dict[str, str] = {}  # session -> lease held while it is idle
@@ -143,49 +161,61 @@ class KVControl:
 
     def refusal(self, tenant: str | None, pages: list[int] | None = None) -> ControlError | None:
         """Why ``tenant`` may not take one more lease (a lease cap: 429), or one of ``pages`` (its
-        pin quota in distinct pages: 409); None when it may."""
-        cap = self.limits.max_pin_leases
-        if len(self.leases) >= cap:
-            return ControlError(429, f"{len(self.leases)} pin leases are held, the most this server allows "
-                                     f"(max_pin_leases {cap}): release some (DELETE /cache/pin/{{lease_id}})")
+        pin quota, or the server-wide pin budget, in distinct pages: 409); None when it may."""
+        if len(self.leases) >= self.limits.max_pin_leases:
+            return lease_cap_refusal(len(self.leases), self.limits.max_pin_leases)
         cap = self.limits.max_pin_leases_per_tenant
         if tenant is not None and self._lease_count[tenant] >= cap:
-            return ControlError(429, f"tenant {tenant!r} holds {self._lease_count[tenant]} pin leases, the most a "
-                                     f"tenant may (max_pin_leases_per_tenant {cap}): release some "
-                                     "(DELETE /cache/pin/{lease_id}) or let them expire")
+            return lease_cap_refusal(self._lease_count[tenant], cap, tenant)
         if pages is None:
             return None
-        limit = self.pin_limit(tenant)
         held = self._pinned.get(tenant, Counter())
         new = len(set(pages).difference(held))  # pages this tenant's leases already hold count once
-        if len(held) + new > limit:
-            return ControlError(409, f"pinning {new} more pages would exceed the {limit}-page pin quota "
-                                     f"({len(held)} pinned): release a lease or pin a shorter prefix")
+        if len(held) + new > self.pin_quota(tenant):
+            return self._over_quota(tenant, new)
+        new = len(set(pages).difference(self._all_pinned))  # pages any lease holds count once
+        if len(self._all_pinned) + new > self.pin_budget():
+            return self._over_budget(new)
         return None
 
-    def room_for(self, tenant: str | None, pages: list[int], candidates: list[Lease]) -> list[Lease] | None:
+    def _over_quota(self, tenant: str | None, new: int) -> ControlError:
+        return quota_refusal(new, self.pinned_pages_of(tenant), self.pin_quota(tenant))
+
+    def _over_budget(self, new: int) -> ControlError:
+        return budget_refusal(new, len(self._all_pinned), self.pin_budget(), self.limits.max_pinned_l2_fraction,
+                              self.tree.host.num_pages)
+
+    def room_for(self, tenant: str | None, pages: list[int], candidates: list[Lease]) -> list[Lease]:
         """The fewest leading ``candidates`` (leases of ``tenant``, in the order they give way)
-        whose release lets a new lease of ``pages`` pass :meth:`refusal`: [] when it passes now,
-        None when releasing all of them would not do."""
+        whose release lets a new lease of ``pages`` pass :meth:`refusal`: [] when it passes now.
+        Raises the ControlError that would still refuse it when releasing all of them would not
+        do (a lease cap, the tenant's pin quota or the server-wide pin budget)."""
         lim = self.limits
         over_leases = len(self.leases) + 1 - lim.max_pin_leases
         if tenant is not None:
             over_leases = max(over_leases, self._lease_count[tenant] + 1 - lim.max_pin_leases_per_tenant)
-        held = self._pinned.get(tenant, Counter())
+        held, every = self._pinned.get(tenant, Counter()), self._all_pinned
         want = set(pages)
-        over_pages = len(held) + len(want.difference(held)) - self.pin_limit(tenant)
+        new_quota, new_budget = len(want.difference(held)), len(want.difference(every))
+        over_quota = len(held) + new_quota - self.pin_quota(tenant)
+        over_budget = len(every) + new_budget - self.pin_budget()
         out: list[Lease] = []
         gone: Counter[int] = Counter()
         for lease in candidates:
-            if over_leases <= 0 and over_pages <= 0:
+            if max(over_leases, over_quota, over_budget) <= 0:
                 break
             out.append(lease)
             over_leases -= 1
             for p in lease.pages:
                 gone[p] += 1
-                if gone[p] == held[p] and p not in want:  # no lease of the tenant holds it any more
-                    over_pages -= 1
-        return out if over_leases <= 0 and over_pages <= 0 else None
+                if p not in want:
+                    over_quota -= gone[p] == held[p]  # no lease of the tenant holds it any more
+                    over_budget -= gone[p] == every[p]  # no lease at all holds it any more
+        if max(over_leases, over_quota, over_budget) <= 0:
+            return out
+        if over_leases > 0:
+            raise self.refusal(tenant) or AssertionError("over a lease cap, yet refusal() passes")
+        raise self._over_quota(tenant, new_quota) if over_quota > 0 else self._over_budget(new_budget)
 
     def lease_pages(self, tokens: list[int]) -> list[int]:
         """The L2 pages of ``tokens``' cached prefix (salted; whole pages), its L1-only part backed
@@ -213,6 +243,7 @@ class KVControl:
         """A new lease of ``pages`` (from :meth:`lease_pages`, past :meth:`refusal`) for ``ttl_s``."""
         self.tree.pin_host(pages)
         self._pinned.setdefault(tenant, Counter()).update(pages)
+        self._all_pinned.update(pages)
         self._lease_count[tenant] += 1
         lease = Lease(f"lease-{next(self._ids)}-{time.monotonic_ns() % 10**9}", tenant, pages,
                       len(pages) * self.page_size, self.now() + ttl_s, session_id, *origin)
@@ -233,13 +264,6 @@ class KVControl:
     def pinned_pages_of(self, tenant: str | None) -> int:
         return len(self._pinned.get(tenant, ()))
 
-    def lease_count(self, tenant: str | None) -> int:
-        return len(self.leases) if tenant is None else self._lease_count[tenant]
-
-    def lease_cap(self, tenant: str | None) -> int:
-        lim = self.limits
-        return lim.max_pin_leases if tenant is None else min(lim.max_pin_leases, lim.max_pin_leases_per_tenant)
-
     def tenant_snapshot(self) -> dict[str, Any]:
         """The ledger's per-tenant snapshot, each row with its ``pinned_pages`` (gauge)."""
         snap = self.core.ledger.snapshot()
@@ -249,10 +273,20 @@ class KVControl:
                 row["pinned_pages"] = row.get("pinned_pages", 0) + len(pages)
         return snap
 
-    def pin_limit(self, tenant: str | None) -> int:
+    def pin_quota(self, tenant: str | None) -> int:
         """``tenant``'s pin quota in distinct L2 pages: its L2 quota, else half of L2."""
         quota = self.core.ledger.quotas.get(tenant, {}) if tenant is not None else {}
         return int(quota.get("host", self.tree.host.num_pages // 2))
+
+    def pin_budget(self) -> int:
+        """The server-wide pin budget: distinct L2 pages all leases together may pin."""
+        return int(self.tree.host.num_pages * self.limits.max_pinned_l2_fraction)
+
+    def pin_limit(self, tenant: str | None) -> int:
+        """The most distinct L2 pages ``tenant`` may pin now: its pin quota, or what the server-wide
+        budget leaves it (the budget less the pages only other tenants' leases hold), the smaller."""
+        others = len(self._all_pinned) - self.pinned_pages_of(tenant)
+        return min(self.pin_quota(tenant), self.pin_budget() - others)
 
     def unpin(self, lease_id: str, tenant: str | None) -> dict[str, Any]:
         lease = self.leases.get(lease_id)
@@ -266,9 +300,12 @@ class KVControl:
         self.tree.unpin_host(lease.pages)
         held = self._pinned[lease.tenant]
         held.subtract(lease.pages)
+        self._all_pinned.subtract(lease.pages)
         for p in lease.pages:
             if held[p] <= 0:
                 del held[p]
+            if self._all_pinned[p] <= 0:
+                del self._all_pinned[p]
         if not held:
             del self._pinned[lease.tenant]
         self._lease_count[lease.tenant] -= 1
@@ -302,80 +339,20 @@ class KVControl:
                 "kept_pinned_pages": len(self.held_pages())}
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every lease's pages are pinned in the tree (at least once
-        per lease holding them), each tenant's pinned pages (counted once) and leases match its
-        leases and stay within its quota and the caps, every idle-session lease exists, and the
-        open sessions agree with the engine's (serving/cache/kv_sessions.py)."""
-        held: Counter[int] = Counter()
-        per_tenant: dict[str | None, Counter[int]] = {}
-        for lease in self.leases.values():
-            held.update(lease.pages)
-            per_tenant.setdefault(lease.tenant, Counter()).update(lease.pages)
-        pins = self.tree.pins
-        bad = [p for p, k in held.items() if pins.count(p) < k]
-        assert not bad, f"KV control: leased L2 pages not pinned in the tree: {bad[:8]}"
-        assert per_tenant == self._pinned, "KV control: per-tenant pinned pages disagree with the leases"
-        over = [t for t, pages in per_tenant.items() if len(pages) > self.pin_limit(t)]
-        assert not over, f"KV control: tenants over their pin quota: {over[:8]}"
-        counts = Counter(x.tenant for x in self.leases.values())
-        assert counts == self._lease_count, "KV control: per-tenant lease counts disagree with the leases"
-        assert len(self.leases) <= self.limits.max_pin_leases, f"KV control: {len(self.leases)} leases held"
-        over = [t for t, k in counts.items() if t is not None and k > self.limits.max_pin_leases_per_tenant]
-        assert not over, f"KV control: tenants over max_pin_leases_per_tenant: {over[:8]}"
-        stray = [s for s, lid in self.idle_lease.items() if lid not in self.leases]
-        assert not stray, f"KV control: idle sessions whose lease is gone: {stray[:8]}"
-        self.sessions.check_integrity(self.core.sessions)
-        self.breakpoints.check_integrity()
+        """Raise AssertionError unless the pin counting matches the leases and every bound holds
+        (the tenants' pin quotas, the server-wide pin budget, the lease caps), and sessions and
+        breakpoints agree with it (serving/cache/kv_control_integrity.py)."""
+        check_control(self, self._pinned, self._all_pinned, self._lease_count)
 
     @property
     def pinned_pages(self) -> int:
         """Pages pinned, each counted once per tenant holding it."""
         return sum(len(x) for x in self._pinned.values())
 
-    # -- sessions -----------------------------------------------------------------------
-    def open_session(self, sid: str | None, tenant: str | None, retention: dict[str, Any] | None) -> str:
-        """Register a session (a fresh id when ``sid`` is None) for ``tenant``; ControlError 409
-        when the id is open, 429 at a cap (serving/cache/kv_sessions.py). The caller then opens it in
-        the engine core."""
-        sid = sid or uuid.uuid4().hex
-        self.sessions.open(sid, tenant, retention)
-        return sid
-
-    def check_session(self, sid: str, tenant: str | None) -> None:
-        self.sessions.check(sid, tenant)
-
-    def idle_sessions(self, busy: set[str], default_ttl_s: float) -> list[tuple[str, float]]:
-        """(session, seconds idle) of the open sessions to close (serving/cache/kv_sessions.py)."""
-        return self.sessions.idle(busy, default_ttl_s)
-
-    def session_active(self, sid: str) -> None:
-        """A request of ``sid`` was added: it is in use, and its idle lease (if any) ends."""
-        self.sessions.touch(sid)
-        lease_id = self.idle_lease.pop(sid, None)
-        if lease_id in self.leases:
-            self._release(self.leases[lease_id])
-
-    def session_idle(self, sid: str) -> None:
-        """The session's last request finished: its idle time starts now; with ``demote_on_idle``,
-        keep its KV on L2."""
-        self.sessions.touch(sid)
-        hints = self.sessions.retention.get(sid)
-        if not hints or not hints.get("demote_on_idle") or sid in self.idle_lease or self.tree.host is None:
-            return
-        node = self.tree.sessions.node_of(sid) if sid in self.tree.sessions else None
-        if node is None or node.removed:
-            return
-        tokens = self.tree.path_tokens(node)
-        ttl = min(float(hints.get("ttl_s", MAX_TTL_S)), self.limits.max_pin_ttl_s)
-        try:
-            lease = self._pin_tokens(tokens, self.sessions.owner.get(sid), ttl, session_id=sid)
-        except ControlError:
-            return  # nothing on L2, over the pin quota or a lease cap: the KV is left to the usual eviction
-        self.idle_lease[sid] = lease["lease_id"]
-
-    def close_session(self, sid: str) -> None:
-        self.session_active(sid)
-        self.sessions.close(sid)
+    @property
+    def server_pinned_pages(self) -> int:
+        """Distinct L2 pages pinned by all leases together (what the server-wide budget bounds)."""
+        return len(self._all_pinned)
 
     def shutdown(self) -> None:
         self.lookups.shutdown()

@@ -25,6 +25,7 @@ class EngineProcessConfig:
     max_pin_leases: int
     max_pin_leases_per_tenant: int
     max_pin_ttl_s: float
+    max_pinned_l2_fraction: float
     api_keys_file: str | None
     enable_cache_events: bool
     disaggregation_mode: str

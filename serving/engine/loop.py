@@ -85,7 +85,8 @@ class EngineLoop:
         if settings.enable_cache_events:
             self.events = CacheEventLog(core.tree, core.kv_namespace, core.config.cache.page_size)
         limits = ControlLimits(settings.max_sessions, settings.max_sessions_per_tenant, settings.max_pin_leases,
-                               settings.max_pin_leases_per_tenant, settings.max_pin_ttl_s)
+                               settings.max_pin_leases_per_tenant, settings.max_pin_ttl_s,
+                               settings.max_pinned_l2_fraction)
         self.control = KVControl(core, limits)  # the KV control API: lookups, pin leases, session retention
         if settings.api_keys_file:  # the HTTP process validated it at start-up
             core.set_quotas(load_tenants(settings.api_keys_file).quotas())

@@ -59,6 +59,11 @@ class ServerConfig:
     # the longest /cache/pin lease (ttl_s past it: 400); idle sessions' leases and cache_control
     # breakpoints are cut to it. Anthropic's longest cache TTL is 1 h
     max_pin_ttl_s: float = 3600.0
+    # the server-wide pin budget: the share of L2 that all tenants' pin leases (/cache/pin, cache_control
+    # breakpoints, idle sessions') may hold together, a page held by several leases counted once; the rest
+    # of L2 stays free to stage pages through to L3 and back. Past it /cache/pin gets 409 and a breakpoint
+    # is not pinned (its usage says why); each tenant pins at most min(its L2 quota or half of L2, what is left)
+    max_pinned_l2_fraction: float = 0.5
     log_level: str = choice("info", LOG_LEVELS)  # of the server's and the engine's logs
     # one line per HTTP request (method, route, status, duration) on the hicache.access logger at INFO
     # (/health and /metrics at DEBUG); 5xx warnings and hicache_http_requests_total stay either way
@@ -117,6 +122,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1")
         if not 0 < self.max_pin_ttl_s <= 86400:
             raise ValueError(f"max_pin_ttl_s must be in (0, 86400], got {self.max_pin_ttl_s:g}")
+        if not 0 < self.max_pinned_l2_fraction <= 1:
+            raise ValueError(f"max_pinned_l2_fraction must be in (0, 1], got {self.max_pinned_l2_fraction:g}")
         if self.allowed_hosts is not None:
             from serving.server.trusted_hosts import parse_allowed_hosts
 

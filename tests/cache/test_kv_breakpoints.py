@@ -82,8 +82,9 @@ def test_refresh_and_expiry(engine):
 
 def test_older_breakpoints_of_the_tenant_give_way(engine):
     """The default tenant's pin quota is half of L2 (32 pages here): 3 breakpoints of 10 pages fit, the
-    4th releases the least recently used one; explicit pins and another tenant's breakpoints stay."""
-    ctl = KVControl(engine.core)
+    4th releases the least recently used one; explicit pins and another tenant's breakpoints stay. (The
+    server-wide pin budget is all of L2 here, so only the tenant's quota binds.)"""
+    ctl = KVControl(engine.core, ControlLimits(max_pinned_l2_fraction=1.0))
     assert ctl.pin_limit(None) == 32
     a, b, c, d, e = (prompt(s) for s in range(1, 6))
     for ids in (a, b, c):
