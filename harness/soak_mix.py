@@ -13,6 +13,7 @@ import json
 import random
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,8 @@ from harness.server_utils import ServerProcess, proc_status
 CANARY_EVERY_S = 0.5
 CANARY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 STALL = "the engine has made no progress"  # the watchdog's 503 message
+NO_WORKER = "no worker is available"  # a router's 503 while its only worker is stalled (its /health 503)
+ROUTER_HEALTH_S = 1.0  # the soak router's health_check_interval_s and circuit_cooldown_s
 MB = 2**20
 RECURSIVE_SCHEMA = json.dumps({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                                                "required": ["c"]}}, "$ref": "#/$defs/n"})
@@ -53,7 +56,10 @@ class Mix:
 
     def allowed_503(self, status: int, sent: float, answered: float, message: str) -> bool:
         w = self.window
-        return status == 503 and STALL in message and w is not None and sent < w[1] and answered >= w[0]
+        if status != 503 or w is None or answered < w[0]:
+            return False
+        # a router takes the worker back at a health check after its circuit's cooldown (both ROUTER_HEALTH_S)
+        return (STALL in message and sent < w[1]) or (NO_WORKER in message and sent < w[1] + 3 * ROUTER_HEALTH_S)
 
     def codes(self, kind: str) -> set[int]:
         """The statuses of ``kind``'s answers, the allowed 503s left out."""
@@ -133,27 +139,45 @@ async def abuse(client: httpx.AsyncClient, rng: random.Random, mix: Mix) -> None
 
 # -- memory ---------------------------------------------------------------------------------------
 async def sample_memory(pids: dict[str, int], mix: Mix) -> None:
+    """Each process's peak VmRSS (MB) in ``Mix.notes["sampled_rss_mb"]``; for ``pids["router"]``, also
+    its children's (the key processes, which it may replace), the largest as ``"key_process"``."""
     peaks = mix.notes.setdefault("sampled_rss_mb", dict.fromkeys(pids, 0))
     while not mix.abuse_done:
         for name, pid in pids.items():
             peaks[name] = max(peaks[name], proc_status(pid)["VmRSS"] // MB)
+        for kid in children(pids["router"]) if "router" in pids else []:
+            try:
+                peaks["key_process"] = max(peaks.get("key_process", 0), proc_status(kid)["VmRSS"] // MB)
+            except FileNotFoundError:  # gone meanwhile
+                pass
         await asyncio.sleep(0.25)
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (a router's key processes)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(c) for c in (task / "children").read_text().split()]
+    return kids
 
 
 # -- the run --------------------------------------------------------------------------------------
 async def run_mix(s: ServerProcess, soak_s: float, abusive: bool, pids: dict[str, int] | None = None,
-                  events: Callable[[ServerProcess, httpx.AsyncClient, Mix], Awaitable[None]] | None = None) -> Mix:
+                  events: Callable[[ServerProcess, httpx.AsyncClient, Mix], Awaitable[None]] | None = None,
+                  attacks: tuple[Callable[[Mix], Awaitable[None]], ...] = ()) -> Mix:
     """For ``soak_s`` seconds (and, with ``abusive``, until ``events`` are through): bursts of 100
-    streams, the canary, and with ``abusive`` three abusers and the scripted ``events``; with
-    ``pids``, their processes' VmRSS sampled meanwhile."""
+    streams, the canary, and with ``abusive`` three abusers, the ``attacks`` (each runs while the
+    mix is active: harness/soak_attacks.py) and the scripted ``events``; with ``pids``, their
+    processes' VmRSS sampled meanwhile. The mix's requests carry ``s``'s key (``s.headers``)."""
     mix = Mix(soak_s, scripted=abusive and events is not None)
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
-    async with httpx.AsyncClient(base_url=s.url, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=s.url, limits=limits, headers=s.headers) as client:
         rng = random.Random(7)
         watched = [asyncio.create_task(canary(client, mix))]
         if pids:
             watched.append(asyncio.create_task(sample_memory(pids, mix)))
         busy = [asyncio.create_task(abuse(client, random.Random(i), mix)) for i in range(3)] if abusive else []
+        busy += [asyncio.create_task(attack(mix)) for attack in attacks] if abusive else []
         if abusive and events is not None:
             busy.append(asyncio.create_task(events(s, client, mix)))
         try:

@@ -50,6 +50,7 @@ the scripted events and the verdict are here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -65,8 +66,10 @@ import httpx
 import pytest
 import yaml
 
-from harness.server_utils import ServerProcess, proc_status, running_server
-from harness.soak_mix import CANARY, CANARY_EVERY_S, MB, Mix, run_mix
+from harness import soak_attacks
+from harness.server_utils import RouterProcess, ServerProcess, proc_status, running_server
+from harness.soak_attacks import ADMIN, KEYS, Target
+from harness.soak_mix import CANARY, CANARY_EVERY_S, MB, ROUTER_HEALTH_S, Mix, run_mix
 
 pytestmark = pytest.mark.slow
 SOAK_S = float(os.environ.get("HICACHE_SOAK_S", "30"))
@@ -81,16 +84,25 @@ HTTP_PEAK_MB, HTTP_AFTER_MB = 512, 256
 ENGINE_PEAK_MB, ENGINE_AFTER_MB = 512, 256
 
 
+CONTEXT = 8192  # room for soak_attacks' ~7.8k-token prompt
+SLOW_S = 3.0  # the worker's and the router's read timeouts (header, body idle) for the slowloris attack
+# the router and each of its key processes (VmRSS, MB) while 20 MB bodies and routed requests go through
+ROUTER_PEAK_MB, KEY_PROCESS_PEAK_MB = 400, 300
+
+
 def config(tmp_path: Path, model: Path) -> Path:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump(KEYS))
     cfg = {
-        "model": {"model_path": str(model), "served_model_name": "m"},
+        "model": {"model_path": str(model), "served_model_name": "m", "context_length": CONTEXT},
         "cache": {"page_size": 16, "hicache_ratio": 2.0, "hicache_mem_layout": "page_first",
                   "hicache_storage_backend": "lmdb",
                   "hicache_storage_backend_extra_config": {"path": str(tmp_path / "l3"), "capacity_gb": 0.5},
                   "hicache_storage_prefetch_policy": "timeout"},
         "scheduler": {"max_running_requests": 256},  # the canary shares the batch, never waits for a slot
         # sessions are closed by the test (an idle timeout during the flood would change its count)
-        "server": {"session_idle_timeout_s": 600, "watchdog_timeout": WATCHDOG_S},
+        "server": {"session_idle_timeout_s": 600, "watchdog_timeout": WATCHDOG_S, "api_keys_file": str(keys),
+                   "header_timeout_s": SLOW_S, "body_idle_timeout_s": SLOW_S},
     }
     out = tmp_path / "soak.yaml"
     out.write_text(yaml.safe_dump(cfg))
@@ -109,7 +121,7 @@ async def huge_prompts(client: httpx.AsyncClient, mix: Mix) -> None:
         "Content-Type": "application/json"}) for path, raw in raws))
     for r in answers:
         await mix.add_response("huge8", r, t0)
-        assert r.status_code == 400 and "context length is 512" in r.text, r.text[:300]
+        assert r.status_code == 400 and f"context length is {CONTEXT}" in r.text, r.text[:300]
 
 
 async def stop_the_engine(s: ServerProcess, client: httpx.AsyncClient, mix: Mix) -> None:
@@ -236,7 +248,8 @@ async def events(s: ServerProcess, client: httpx.AsyncClient, mix: Mix) -> None:
         await asyncio.sleep(2.0)  # the mix is under way
         await huge_prompts(client, mix)
         await stop_the_engine(s, client, mix)
-        async with aiohttp.ClientSession(s.url, connector=aiohttp.TCPConnector(limit=BULK_CONNECTIONS)) as c:
+        async with aiohttp.ClientSession(s.url, connector=aiohttp.TCPConnector(limit=BULK_CONNECTIONS),
+                                         headers=s.headers) as c:
             await pins(c, mix)
             mix.pause_streams = True  # see the module docstring
             await mix.no_burst.wait()
@@ -248,11 +261,11 @@ async def events(s: ServerProcess, client: httpx.AsyncClient, mix: Mix) -> None:
         mix.events_done = True
 
 
-async def start_compile_workers(url: str) -> None:
+async def start_compile_workers(url: str, headers: dict[str, str]) -> None:
     """The first grammar starts the compile workers (seconds of CPU). Plain requests run
     meanwhile: a request waiting for its compile makes no progress, and alone it would trip
     the short watchdog (a 503: the watchdog counts "no progress with work pending")."""
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as client:
         first = asyncio.create_task(client.post("/generate", json={"text": "Hi", "sampling_params": {
             "max_new_tokens": 2, "regex": "[ab]+"}}))
         while not first.done():
@@ -261,21 +274,41 @@ async def start_compile_workers(url: str) -> None:
         assert r.status_code == 200, r.text
 
 
-def test_canary_survives_the_abusive_mix(tmp_path, tiny_chat_model):
-    with running_server(["--config", str(config(tmp_path, tiny_chat_model))]) as s:
-        asyncio.run(start_compile_workers(s.url))
+def start_router(tmp_path: Path, worker: ServerProcess) -> RouterProcess:
+    """The router in front of the worker, with the same keys and the same read timeouts."""
+    router = RouterProcess(["--worker-urls", worker.url, "--api-keys-file", str(tmp_path / "keys.yaml"),
+                            "--health-check-interval-s", str(ROUTER_HEALTH_S), "--circuit-cooldown-s",
+                            str(ROUTER_HEALTH_S), "--header-timeout-s", str(SLOW_S),
+                            "--body-idle-timeout-s", str(SLOW_S)], api_key=ADMIN)
+    router.start()
+    return router
+
+
+def test_canary_survives_the_abusive_mix(tmp_path):
+    from harness.model_utils import tiny_model
+
+    model = tiny_model(tmp_path / "model", with_tokenizer=True, max_position_embeddings=CONTEXT)
+    with running_server(["--config", str(config(tmp_path, model))], api_key=ADMIN) as s:
+        router = start_router(tmp_path, s)
+        asyncio.run(start_compile_workers(s.url, s.headers))
         base = asyncio.run(run_mix(s, BASELINE_S, abusive=False))  # the canary under the 100 streams alone
         base_lat = [t1 - t0 for t0, t1 in base.canary]
-        assert s.proc is not None
-        pids = {"http": s.proc.pid, "engine": int(httpx.get(s.url + "/get_server_info").json()["engine"]["pid"])}
+        assert s.proc is not None and router.proc is not None
+        pids = {"http": s.proc.pid, "router": router.proc.pid,
+                "engine": int(httpx.get(s.url + "/get_server_info", headers=s.headers).json()["engine"]["pid"])}
         start = {name: proc_status(pid)["VmRSS"] for name, pid in pids.items()}
-        for pid in pids.values():
+        for pid in (s.proc.pid, pids["engine"]):
             with open(f"/proc/{pid}/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS: the peak from here on
         t_mix = time.monotonic()
-        mix = asyncio.run(run_mix(s, SOAK_S, abusive=True, pids=pids, events=events))
+        target = Target(s.url, router.url)
+        attacks = tuple(functools.partial(attack, target) for attack in soak_attacks.ATTACKS)
+        try:
+            mix = asyncio.run(run_mix(s, SOAK_S, abusive=True, pids=pids, events=events, attacks=attacks))
+        finally:
+            assert router.stop() == 0, router.log()[-3000:]
         mix_s = time.monotonic() - t_mix
-        end = {name: proc_status(pid) for name, pid in pids.items()}
+        end = {name: proc_status(pids[name]) for name in ("http", "engine")}
         assert mix.window is not None
         lat = [t1 - t0 for t0, t1 in mix.canary if not (t0 < mix.window[1] and t1 >= mix.window[0])]
         p99 = sorted(lat)[min(len(lat) - 1, int(0.99 * len(lat)))]
@@ -283,7 +316,9 @@ def test_canary_survives_the_abusive_mix(tmp_path, tiny_chat_model):
         summary = {k: sorted(mix.codes(k)) for k in mix.answers}
         allowed = {k: sum(mix.allowed_503(*a) for a in v) for k, v in mix.answers.items()}
         memory = {name: {"start": start[name] // MB, "peak": end[name]["VmHWM"] // MB,
-                         "after": end[name]["VmRSS"] // MB} for name in pids}
+                         "after": end[name]["VmRSS"] // MB} for name in ("http", "engine")}
+        memory |= {name: {"start": start[name] // MB if name in start else None, "peak": peak} for name, peak in
+                   mix.notes["sampled_rss_mb"].items() if name not in memory}  # the router's, sampled
         print("canary latencies (s):", [round(x, 2) for x in lat])
         print(f"mix {mix_s:.0f} s; canary: {len(lat)} answers outside the stall window "
               f"({len(mix.canary) - len(lat)} in it), median under the streams alone "
@@ -305,6 +340,20 @@ def test_canary_survives_the_abusive_mix(tmp_path, tiny_chat_model):
         for name, peak, after in (("http", HTTP_PEAK_MB, HTTP_AFTER_MB), ("engine", ENGINE_PEAK_MB, ENGINE_AFTER_MB)):
             assert memory[name]["peak"] - memory[name]["start"] <= peak, (name, memory)
             assert memory[name]["after"] - memory[name]["start"] <= after, (name, memory)
+        # issue 42's attacks: tenants never act as admins, 20 MB bodies are refused at the router while
+        # routed requests flow, breakpoint floods are served and say what they pinned, slowloris
+        # connections are closed, short requests beside a ~7.8k-token prompt keep the canary's bound
+        assert mix.codes("tenant_admin") == {403}, summary
+        assert mix.codes("router_huge") == {413} and mix.codes("routed") == {200}, summary
+        assert mix.codes("breakpoint") == {200}, summary  # 299: a silent 0 (soak_attacks.breakpoints)
+        assert mix.codes("slowloris") == {408}, summary
+        assert max(mix.notes["slowloris_closed_s"]) <= SLOW_S + 10, mix.notes["slowloris_closed_s"]
+        assert mix.codes("long") == {200} and mix.codes("beside_long") == {200}, summary
+        beside = [t1 - t0 for c, t0, t1, _ in mix.answers["beside_long"]
+                  if not (t0 < mix.window[1] and t1 >= mix.window[0])]
+        assert max(beside) <= bound, (max(beside), bound)
+        assert memory["router"]["peak"] <= ROUTER_PEAK_MB, memory
+        assert memory["key_process"]["peak"] <= KEY_PROCESS_PEAK_MB, memory
         body = s.check_integrity(settle_s=60)
         assert body["ok"], body
         assert body["running"] == 0 and body["waiting"] == 0 and body["sessions"] == 0, body
