@@ -68,7 +68,7 @@ class Lease:
     request_salt: str | None = None  # the request's own cache_salt (a drain re-pins it with this + the tenant)
 
 
-class KVControl(SessionRetention):
+class KVControl:
     """The KV control operations of one engine (see the module docstring for what each does).
 
     It is the one owner of the pin counting: which L2 pages each tenant's leases hold, which all
@@ -96,6 +96,7 @@ class KVControl(SessionRetention):
         self.lookups = PrefixLookup(core)  # /cache/lookup (its L3 check on a worker thread)
         self.clock_skew = 0.0  # seconds added to the lease clock (/debug/advance_kv_clock: tests)
         self.breakpoints = Breakpoints(self)  # cache_control breakpoints (serving/cache/kv_breakpoints.py)
+        self.retention = SessionRetention(self)  # sessions and their idle leases (serving/cache/kv_retention.py)
 
     def now(self) -> float:
         """The lease clock: time.monotonic(), moved on by ``clock_skew``."""
@@ -154,7 +155,7 @@ class KVControl(SessionRetention):
             raise ControlError(400, f"ttl_s must be in (0, {cap:g}], got {ttl_s:g}: this server pins for at most "
                                     f"{cap:g} s (max_pin_ttl_s); pin again before the lease ends to keep it")
         tokens = salt.apply(input_ids, salt.salt_tags(cache_salt))
-        out = self._pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt, request_salt))
+        out = self.pin_tokens(tokens, tenant, ttl_s, session_id, (input_ids, cache_salt, request_salt))
         if breakpoint:
             self.breakpoints.adopt(tokens, tenant, out["lease_id"])
         return out
@@ -250,7 +251,7 @@ class KVControl(SessionRetention):
         self.leases[lease.lease_id] = lease
         return {"lease_id": lease.lease_id, "pinned_tokens": lease.tokens, "ttl_s": ttl_s}
 
-    def _pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float, session_id: str | None = None,
+    def pin_tokens(self, tokens: list[int], tenant: str | None, ttl_s: float, session_id: str | None = None,
                     origin: tuple[list[int] | None, str | None, str | None] = (None, None, None)) -> dict[str, Any]:
         err = self.refusal(tenant)  # a lease cap first: refused before any backup
         if err is not None:

@@ -10,26 +10,26 @@ quota, the server-wide pin budget and the lease caps; past any of them it is sim
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.cache.kv_control_limits import MAX_TTL_S, ControlError
 
+if TYPE_CHECKING:
+    from serving.cache.kv_control import KVControl
+
 
 class SessionRetention:
-    """The session methods of KVControl (its base class: they use its ``sessions``, ``idle_lease``,
-    ``leases``, ``tree``, ``limits``, ``_pin_tokens`` and ``_release``; the pin counting stays
-    KVControl's).
+    """The session part of one engine's KV control (``KVControl.retention``): it registers
+    sessions in ``control.sessions`` and makes and ends idle leases through ``control``'s public
+    pin API (:meth:`KVControl.pin_tokens`, :meth:`KVControl.release`, ``control.idle_lease``); the
+    pin counting stays KVControl's.
 
     Concurrency contract: engine loop thread only, as KVControl.
     """
 
-    sessions: Any
-    idle_lease: dict[str, str]  # session -> the lease held while it is idle
-    leases: dict[str, Any]
-    tree: Any
-    limits: Any
-    _pin_tokens: Any
-    _release: Any
+    def __init__(self, control: KVControl) -> None:
+        self.control = control
+        self.sessions = control.sessions
 
     def open_session(self, sid: str | None, tenant: str | None, retention: dict[str, Any] | None) -> str:
         """Register a session (a fresh id when ``sid`` is None) for ``tenant``; ControlError 409
@@ -49,27 +49,28 @@ class SessionRetention:
     def session_active(self, sid: str) -> None:
         """A request of ``sid`` was added: it is in use, and its idle lease (if any) ends."""
         self.sessions.touch(sid)
-        lease_id = self.idle_lease.pop(sid, None)
-        if lease_id in self.leases:
-            self._release(self.leases[lease_id])
+        lease_id = self.control.idle_lease.pop(sid, None)
+        if lease_id in self.control.leases:
+            self.control.release(lease_id)
 
     def session_idle(self, sid: str) -> None:
         """The session's last request finished: its idle time starts now; with ``demote_on_idle``,
         keep its KV on L2."""
         self.sessions.touch(sid)
         hints = self.sessions.retention.get(sid)
-        if not hints or not hints.get("demote_on_idle") or sid in self.idle_lease or self.tree.host is None:
+        ctl = self.control
+        if not hints or not hints.get("demote_on_idle") or sid in ctl.idle_lease or ctl.tree.host is None:
             return
-        node = self.tree.sessions.node_of(sid) if sid in self.tree.sessions else None
+        node = ctl.tree.sessions.node_of(sid) if sid in ctl.tree.sessions else None
         if node is None or node.removed:
             return
-        tokens = self.tree.path_tokens(node)
-        ttl = min(float(hints.get("ttl_s", MAX_TTL_S)), self.limits.max_pin_ttl_s)
+        tokens = ctl.tree.path_tokens(node)
+        ttl = min(float(hints.get("ttl_s", MAX_TTL_S)), ctl.limits.max_pin_ttl_s)
         try:
-            lease = self._pin_tokens(tokens, self.sessions.owner.get(sid), ttl, session_id=sid)
+            lease = ctl.pin_tokens(tokens, self.sessions.owner.get(sid), ttl, session_id=sid)
         except ControlError:
             return  # nothing on L2, past the pin quota, the server-wide pin budget or a lease cap
-        self.idle_lease[sid] = lease["lease_id"]
+        ctl.idle_lease[sid] = lease["lease_id"]
 
     def close_session(self, sid: str) -> None:
         self.session_active(sid)

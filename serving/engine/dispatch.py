@@ -78,11 +78,11 @@ class Dispatch:
     def _call_value(self, msg: m.Message) -> Any:
         core = self.core
         if isinstance(msg, m.OpenSession):  # 409 for an open id, 429 at a cap (serving/cache/kv_sessions.py)
-            return core.open_session(self.control.open_session(msg.session_id, msg.tenant, msg.retention))
+            return core.open_session(self.control.retention.open_session(msg.session_id, msg.tenant, msg.retention))
         if isinstance(msg, m.CloseSession):
-            self.control.check_session(msg.session_id, msg.tenant)
+            self.control.retention.check_session(msg.session_id, msg.tenant)
             core.close_session(msg.session_id)
-            self.control.close_session(msg.session_id)
+            self.control.retention.close_session(msg.session_id)
             return True
         if isinstance(msg, m.FlushCache):  # pin leases and breakpoints keep their pages (kv_control.py)
             self.control.expire()

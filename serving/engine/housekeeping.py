@@ -48,11 +48,11 @@ class Housekeeping:
             return
         self._next_sweep = now + SESSION_SWEEP_S
         busy = self.requests.busy_sessions()
-        for sid, idle_s in self.control.idle_sessions(busy, self.idle_timeout):  # serving/cache/kv_sessions.py
+        for sid, idle_s in self.control.retention.idle_sessions(busy, self.idle_timeout): # kv_sessions.py
             if sid in self.core.sessions:
                 log.info("session %s idle for %.0f s: closed", sid, idle_s)
                 self.core.close_session(sid)
-            self.control.close_session(sid)
+            self.control.retention.close_session(sid)
 
     def control_turn(self) -> None:
         """Leases that ended are released; deferred control answers (L3 lookups) are sent."""

@@ -90,7 +90,7 @@ class RequestTable:
             return
         try:
             if msg.session_id is not None:
-                self.control.check_session(msg.session_id, msg.tenant)
+                self.control.retention.check_session(msg.session_id, msg.tenant)
             req = self.core.make_request(
                 input_ids=msg.input_ids,
                 sampling_params=msg.sampling_params,
@@ -118,7 +118,7 @@ class RequestTable:
             return
         self.live[msg.rid] = _Live(req)
         if req.session_id is not None:
-            self.control.session_active(req.session_id)
+            self.control.retention.session_active(req.session_id)
 
     def abort(self, rid: str) -> None:
         """The HTTP side stopped listening: abort the request; nothing is sent."""
@@ -173,7 +173,7 @@ class RequestTable:
         if live is not None and live.req.session_id is not None:
             sid = live.req.session_id
             if sid in self.core.sessions and not any(lv.req.session_id == sid for lv in self.live.values()):
-                self.control.session_idle(sid)
+                self.control.retention.session_idle(sid)
 
     def fail_step(self, error: str) -> tuple[int, list[str]]:
         """After a failed step: abort the requests that took part in it (their pages go back) and

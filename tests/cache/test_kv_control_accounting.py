@@ -61,7 +61,7 @@ def test_check_integrity_notices_broken_accounting(engine):
         ctl.check_integrity()
     ctl._lease_count["t"] -= 1
     ctl.check_integrity()
-    sid = engine.core.open_session(ctl.open_session(None, "t", None))
+    sid = engine.core.open_session(ctl.retention.open_session(None, "t", None))
     ctl.check_integrity()
     ctl.sessions.close(sid)  # the engine still has it open
     with pytest.raises(AssertionError, match="sessions open in the engine but not registered"):
@@ -74,22 +74,22 @@ def test_check_integrity_notices_broken_accounting(engine):
 def test_sessions_are_unique_and_capped(engine):
     ctl = control(engine, max_sessions=3, max_sessions_per_tenant=2)
     for sid, tenant in (("a", "t"), ("b", "t"), ("c", None)):
-        engine.core.open_session(ctl.open_session(sid, tenant, None))
+        engine.core.open_session(ctl.retention.open_session(sid, tenant, None))
     for sid, tenant, status, text in (("a", "t", 409, "already open"),
                                       ("d", "t", 429, "max_sessions 3"), ("d", None, 429, "max_sessions 3")):
         with pytest.raises(ControlError, match=text) as err:
-            ctl.open_session(sid, tenant, None)
+            ctl.retention.open_session(sid, tenant, None)
         assert err.value.status == status
-    ctl.close_session("c")
+    ctl.retention.close_session("c")
     engine.core.close_session("c")
     with pytest.raises(ControlError, match="max_sessions_per_tenant 2"):
-        ctl.open_session("d", "t", None)
-    engine.core.open_session(ctl.open_session("d", "u", None))
+        ctl.retention.open_session("d", "t", None)
+    engine.core.open_session(ctl.retention.open_session("d", "u", None))
     with pytest.raises(ValueError, match="already open"):  # the offline engine refuses an open id too
         engine.core.open_session("d")
     ctl.check_integrity()
     for sid in ("a", "b", "d"):
-        ctl.close_session(sid)
+        ctl.retention.close_session(sid)
         engine.core.close_session(sid)
     ctl.check_integrity()
 
@@ -100,19 +100,19 @@ def test_session_liveness_has_one_owner_each(engine):
     kept its own times beside them)."""
     ctl = control(engine)
     assert engine.core.sessions is engine.core.tree.sessions
-    short = engine.core.open_session(ctl.open_session(None, None, {"ttl_s": 1e-3}))
-    long = engine.core.open_session(ctl.open_session(None, None, None))
+    short = engine.core.open_session(ctl.retention.open_session(None, None, {"ttl_s": 1e-3}))
+    long = engine.core.open_session(ctl.retention.open_session(None, None, None))
     assert short in engine.core.tree.sessions and set(ctl.sessions.used) == {short, long}
     ctl.check_integrity()
     used = ctl.sessions.used[short]
     while time.monotonic() <= used + 1e-3:  # past its ttl_s (a bound, not a timed assertion)
         pass
-    assert ctl.idle_sessions({short}, 600.0) == []  # a session with a live request is not idle
-    assert [sid for sid, _ in ctl.idle_sessions(set(), 600.0)] == [short]  # its ttl_s, else the default
-    ctl.session_idle(short)  # its last request finished: its idle time starts again
+    assert ctl.retention.idle_sessions({short}, 600.0) == []  # a session with a live request is not idle
+    assert [sid for sid, _ in ctl.retention.idle_sessions(set(), 600.0)] == [short]  # its ttl_s, else the default
+    ctl.retention.session_idle(short)  # its last request finished: its idle time starts again
     assert ctl.sessions.used[short] > used
     for sid in (short, long):
         engine.core.close_session(sid)
-        ctl.close_session(sid)
+        ctl.retention.close_session(sid)
     assert short not in engine.core.tree.sessions and not ctl.sessions.used
     ctl.check_integrity()

@@ -122,21 +122,21 @@ def test_a_breakpoint_makes_room_among_its_own_tenants_only(engine, ctl):
 
 
 def test_idle_session_leases_are_not_made_past_the_budget(engine, ctl):
-    sid = engine.core.open_session(ctl.open_session("s1", "bob", {"demote_on_idle": True}))
+    sid = engine.core.open_session(ctl.retention.open_session("s1", "bob", {"demote_on_idle": True}))
     try:
         for seed in (30, 31):
             pin(engine, ctl, prompt(seed), "alice")  # alice holds the whole budget
         engine.generate(input_ids=prompt(32, 32), sampling_params=GREEDY, session_id=sid)
-        ctl.session_idle(sid)
+        ctl.retention.session_idle(sid)
         assert sid not in ctl.idle_lease and len(ctl.leases) == 2  # not made; nothing refused, nothing raised
         sound(engine, ctl)
         for lease in [x.lease_id for x in ctl.leases.values()]:
             ctl.call("unpin", {"lease_id": lease}, "alice")
-        ctl.session_idle(sid)  # room now: its KV is kept on L2 while it is idle
+        ctl.retention.session_idle(sid)  # room now: its KV is kept on L2 while it is idle
         assert sid in ctl.idle_lease and ctl.leases[ctl.idle_lease[sid]].tenant == "bob"
         sound(engine, ctl)
     finally:
-        ctl.close_session(sid)
+        ctl.retention.close_session(sid)
         engine.core.close_session(sid)
 
 
