@@ -43,8 +43,19 @@ After the mix ``check_integrity()`` holds with nothing running and no page or lo
 and a SIGTERM shuts the server down cleanly with its L3 persisted (the engine's report says how
 many pages, and that none were left unwritten).
 
-The traffic (the canary, the streams, the abusers, the memory sampler) is harness/soak_mix.py;
-the scripted events and the verdict are here.
+Issue 42's attacks run beside the mix (harness/soak_attacks.py): the server has an admin key and two
+tenants (alice, bob), a router in front of it has the same keys and read timeouts. Bob's key on every
+admin route of both is a 403; 20 MB bodies to the router are 413s while requests routed after them
+are 200s; alice's and bob's 1 h cache_control floods are 200s whose usage says what each pinned (the
+server-wide pin budget keeps half of L2 free, so the shutdown still persists every page); waves of
+slowloris connections to both are closed with a 408 at the 3 s timeout; short requests sent while a
+~7.8k-token prompt is prefilled stay within the canary's bound. The router's VmRSS stays under
+``ROUTER_PEAK_MB`` and each of its key processes' under ``KEY_PROCESS_PEAK_MB`` (measured here: 120 and
+95 MB). The router's 503 "no worker is available" counts as allowed only around the stall (its health
+check and circuit cooldown take the worker back a moment after the worker's /health is 200).
+
+The traffic (the canary, the streams, the abusers, the memory sampler) is harness/soak_mix.py, the
+attacks harness/soak_attacks.py; the scripted events and the verdict are here.
 """
 
 from __future__ import annotations
