@@ -37,6 +37,7 @@ MEM_AVAILABLE_ENV = "HICACHE_TEST_MEM_AVAILABLE_GB"
 DISK_FREE_ENV = "HICACHE_TEST_DISK_FREE_GB"
 _UNLIMITED = 1 << 60
 _DISK_TIERS = {"lmdb": ("path", "capacity_gb", 64.0)}  # backend -> (dir key, size key, default GiB)
+L3_DISK_HEADROOM = 0.1  # of a disk's free space that a derived (not explicit) L3 capacity leaves alone
 
 
 class TierSizeError(ValueError):
@@ -240,9 +241,13 @@ def plan_l3(backend: str | None, extra: Mapping[str, Any],
     capacity = float(out.get(size_key, default_gb))
     directory = Path(out[dir_key])
     held = _allocated(directory) if directory.is_dir() else 0
-    budget = disk_free(directory, environ) + held
-    text = f"{directory} has {gib(budget)} free on its disk" + (f" ({gib(held)} of it its store's files)"
-                                                                  if held else "")
+    free = disk_free(directory, environ)
+    # a derived size leaves L3_DISK_HEADROOM of the free space to everything else on the disk (an
+    # LMDB store grows to its capacity; with writemap it reserves all of it at open)
+    budget = free + held if explicit else int(free * (1 - L3_DISK_HEADROOM)) + held
+    text = f"{directory} has {gib(free + held)} free on its disk" + (
+        f" ({gib(held)} of it its store's files)" if held else "") + (
+        "" if explicit else f", {L3_DISK_HEADROOM:.0%} of the free space left to the rest of the disk")
     req = SizeRequest(int(capacity * GiB), explicit,
                       f"{size_key} {capacity:g} GiB" + ("" if explicit else " (the default)"),
                       f"{size_key} in --hicache-storage-backend-extra-config")
