@@ -105,8 +105,8 @@ def ours_logits(mode: str, ids: list[int]) -> torch.Tensor:
     from hicache.tiers.device import DeviceKVPool
     from serving.kernels.attention import get_attention_backend
     from serving.kernels.cpu_ext import extension
-    from serving.model.forward_batch import ForwardBatch
     from serving.models.loader import load_model
+    from serving.structs.forward_batch import ForwardBatch
 
     model, cfg = load_model(MODEL, quantization=mode)
     page = 16

@@ -29,7 +29,7 @@ def _engine(model_dir: str, quantization: str):
 
 
 def _last_logits(eng, prompts: list[list[int]]) -> torch.Tensor:
-    from serving.model.forward_batch import ForwardBatch
+    from serving.structs.forward_batch import ForwardBatch
 
     runner = eng.core.runner
     eng.flush_cache()

@@ -90,7 +90,7 @@ def hf_decode(hf, prompts: list[list[int]], new: int) -> float:
 
 def model_section(res: dict, checks: dict, args, model_dir: str) -> None:
     from serving.engine import Engine
-    from serving.model.forward_batch import ForwardBatch
+    from serving.structs.forward_batch import ForwardBatch
 
     vocab = LLAMA_8B["vocab_size"]
     log("building the 8B-shape engine (dummy bf16 weights, CUDA graphs)")

@@ -81,7 +81,7 @@ def timed(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 def verify_cost(eng, prefix: int) -> list[dict]:
-    from serving.model.forward_batch import ForwardBatch
+    from serving.structs.forward_batch import ForwardBatch
 
     runner = eng.core.runner
     ps = runner.pool.page_size

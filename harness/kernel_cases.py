@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

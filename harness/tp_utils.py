@@ -18,9 +18,9 @@ def greedy(path: str, prompts: list[list[int]], steps: int, rank: int = 0, size:
 
     from hicache.tiers.device import DeviceKVPool, KVLayout
     from serving.kernels.attention import get_attention_backend
-    from serving.model.forward_batch import ForwardBatch
     from serving.models.loader import load_model
     from serving.parallel.group import destroy_tp_group, init_tp_group
+    from serving.structs.forward_batch import ForwardBatch
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, size, init, torch.device("cpu"), timeout_s=60) if size > 1 else None

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.sampling_params import InvalidRequest
 
 PIECE_CHARS = 1 << 15  # a longer text is counted in pieces of about this many characters
 PIECE_SLACK = 8  # tokens a cut between two pieces may add to their sum (a word split in two)

@@ -8,7 +8,7 @@ request that reads those pages is skipped by the scheduler until the load is don
 CUDA a load is *layered*: queued on the side stream one layer at a time with an event per
 layer (``_GpuLoad.layer_events``), so the scheduler runs a reader at once and its forward
 pass waits, on the GPU, for layer ``i``'s event before layer ``i`` (the copy overlaps the
-compute; see ``serving.model.forward_batch.LayerWaits``).
+compute; see ``serving.structs.forward_batch.LayerWaits``).
 """
 
 from __future__ import annotations

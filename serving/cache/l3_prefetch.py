@@ -28,7 +28,7 @@ from hicache.tiers.storage import StorageTier
 from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.cache.l3_fetch import Fetches, FetchOp
 from serving.cache.transfers import TransferRunner
-from serving.scheduler.request import Req
+from serving.structs.request import Req
 
 
 @dataclass

@@ -12,8 +12,8 @@ from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
 from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner
-from serving.model.forward_batch import LayerWaits
-from serving.scheduler.request import Req
+from serving.structs.forward_batch import LayerWaits
+from serving.structs.request import Req
 
 
 class ReqCache:

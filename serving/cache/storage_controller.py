@@ -24,7 +24,7 @@ from serving.cache.cost_model import LoadPolicy
 from serving.cache.l3_prefetch import Prefetcher
 from serving.cache.l3_writeback import WriteBack
 from serving.cache.transfers import TransferRunner, TransferSink
-from serving.scheduler.request import Req
+from serving.structs.request import Req
 
 
 class StorageController:

@@ -32,8 +32,8 @@ from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
 from serving.disagg.role_base import PDRole
-from serving.scheduler.request import Req
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.request import Req
+from serving.structs.sampling_params import InvalidRequest
 
 log = logging.getLogger("hicache.pd")
 REGISTER_TIMEOUT_S = 10.0

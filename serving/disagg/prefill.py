@@ -29,7 +29,7 @@ from serving.disagg import logprob_handoff
 from serving.disagg.control import MAX_BODY, ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
 from serving.disagg.role_base import PDRole
-from serving.scheduler.request import Req
+from serving.structs.request import Req
 
 log = logging.getLogger("hicache.pd")
 NOTIFY_TIMEOUT_S = 10.0

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serving.scheduler.request import Req
     from serving.scheduler.scheduler import Scheduler
+    from serving.structs.request import Req
 
 
 class PDRole:

@@ -36,10 +36,10 @@ from serving.grammar.runner import make_grammar_runner
 from serving.model.model_runner import ModelRunner
 from serving.parallel.leader import TPLeader
 from serving.scheduler.prompt_check import check_prompt
-from serving.scheduler.request import Req
-from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.scheduler.scheduler import Scheduler
 from serving.scheduler.stop import StopChecker
+from serving.structs.request import Req
+from serving.structs.sampling_params import InvalidRequest, SamplingParams
 from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 
 log = logging.getLogger(__name__)

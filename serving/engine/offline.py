@@ -11,8 +11,8 @@ from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine.core import EngineCore
 from serving.model.logprob_meta import LogprobOptions, sglang_meta
 from serving.model.logprobs import LogprobState
-from serving.scheduler.request import Req
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.request import Req
+from serving.structs.sampling_params import InvalidRequest
 
 IDLE_WAIT_S = 0.0005  # a step that ran nothing sleeps this long (a spinning loop starves the I/O threads)
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}

@@ -20,9 +20,9 @@ from serving.cache.kv_control import KVControl
 from serving.disagg.protocol import Bootstrap
 from serving.engine.inbox import EngineInbox
 from serving.model.logprobs import LogprobState
-from serving.scheduler.request import Req
-from serving.scheduler.sampling_params import InvalidRequest
 from serving.scoped_ids import unscoped
+from serving.structs.request import Req
+from serving.structs.sampling_params import InvalidRequest
 
 log = logging.getLogger("hicache.engine")
 

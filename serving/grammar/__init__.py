@@ -1,6 +1,7 @@
 """Structured output: constrain decoding to a JSON schema, a regular expression or an EBNF grammar.
 
-- ``spec``: what a request asks for (``json_schema`` / ``regex`` / ``ebnf`` in sampling params,
+- ``serving.structs.grammar_spec`` (beside the request records): what a request asks for
+  (``json_schema`` / ``regex`` / ``ebnf`` in sampling params,
   OpenAI ``response_format``), as a ``(kind, text)`` pair.
 - ``base`` / ``registry``: the grammar-backend contract and the registry behind
   ``--grammar-backend`` (``xgrammar``, or ``none`` to turn structured output off).
@@ -14,5 +15,5 @@
   time and a memory budget (a trial in a worker process first), and the future of one.
 """
 
-# Nothing is imported here: serving.scheduler.sampling_params imports serving.grammar.spec, and the
+# Nothing is imported here: the HTTP process imports serving.structs.grammar_spec, and the
 # HTTP process should not load xgrammar. Import the submodules.

@@ -60,8 +60,8 @@ from serving.grammar.compile_pool import CompilePool
 from serving.grammar.deferred import DeferredBackend
 from serving.grammar.lru import CompiledGrammarCache
 from serving.grammar.registry import grammar_backend_factory
-from serving.grammar.spec import grammar_spec
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.grammar_spec import grammar_spec
+from serving.structs.sampling_params import InvalidRequest
 
 # A forced run that does not end the grammar is appended only from this length on: its tokens
 # are prefilled as a chunk in the next step, which turns that step from a decode batch (CUDA

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

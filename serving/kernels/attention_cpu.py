@@ -18,7 +18,7 @@ import torch
 
 from serving.kernels.attention_torch import TorchAttentionBackend
 from serving.kernels.cpu_ext import extension
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.kernels.attention_base import AttentionBackend
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 

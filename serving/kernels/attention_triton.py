@@ -14,7 +14,7 @@ from serving.kernels.attention_base import AttentionBackend
 from serving.kernels.triton_decode import decode_attention, decode_partial_kernel
 from serving.kernels.triton_extend import extend_attention
 from serving.kernels.triton_store import store_kv
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 INTERPRETED = isinstance(decode_partial_kernel, InterpretedFunction)
 

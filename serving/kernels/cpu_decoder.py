@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from serving.kernels.cpu_ext import extension
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 KINDS = {"f32": 0, "int4": 1, "int8": 2, "q8_0": 3}

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from serving.kernels.triton_common import attend_block, next_pow2
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
 MIN_CHUNK = 256  # keys per split at least

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from serving.kernels.triton_common import attend_block, next_pow2
 from serving.kernels.triton_extend_split import extend_blocks, split_extend_attention
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 SPLIT_MAX_TOKENS = 512  # eager batches up to this many new tokens take the split-KV kernel
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from serving.kernels.triton_common import attend_block, next_pow2
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
 BUSY_PROGRAMS = 264  # ~2 waves on an H200 (132 SMs), as for decode

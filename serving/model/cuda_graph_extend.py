@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.model.forward_batch import ForwardBatch, GraphLayerWaits
+from serving.structs.forward_batch import ForwardBatch, GraphLayerWaits
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from serving.model.logprob_meta import MAX_TOP_LOGPROBS
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.sampling_params import InvalidRequest
 
 MAX_TOKEN_IDS = 256
 NEG_INF = -9999.0

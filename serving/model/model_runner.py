@@ -14,10 +14,10 @@ from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
 from serving.model.cuda_graph import CudaGraphRunner, capture_sizes
 from serving.model.cuda_graph_extend import ExtendGraphRunner, extend_buckets
-from serving.model.forward_batch import ForwardBatch
 from serving.models.loader import load_model
 from serving.parallel.group import TPGroup
 from serving.startup_log import timed
+from serving.structs.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from serving.scheduler.sampling_params import SamplingParams
+from serving.structs.sampling_params import SamplingParams
 
 
 class Sampler:

@@ -20,13 +20,13 @@ from torch import nn
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels import cpu_decoder, cpu_fused
 from serving.kernels.attention_base import AttentionBackend
-from serving.model.forward_batch import ForwardBatch
 from serving.models.config import ModelArchConfig
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope
 from serving.parallel.group import TPGroup
 from serving.parallel.layers import RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from serving.parallel.shard import ShardPlan, narrow
+from serving.structs.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

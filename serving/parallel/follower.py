@@ -69,10 +69,10 @@ def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: C
 def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection, rpc: Connection) -> None:
     from hicache.tiers.host import make_host_pool
     from serving.cache.cache_controller import CacheController
-    from serving.model.forward_batch import ForwardBatch
     from serving.model.model_runner import ModelRunner
     from serving.parallel.group import destroy_tp_group, init_tp_group
     from serving.parallel.rank import cpu_threads_per_rank, make_rank_tier
+    from serving.structs.forward_batch import ForwardBatch
 
     device = torch.device(config.model.device)
     if device.type == "cuda":

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.model.forward_batch import ForwardBatch
-from serving.scheduler.request import Req
+from serving.structs.forward_batch import ForwardBatch
+from serving.structs.request import Req
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from serving.scheduler.request import Req
+from serving.structs.request import Req
 
 if TYPE_CHECKING:
     from serving.scheduler.scheduler import Scheduler

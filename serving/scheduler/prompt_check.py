@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.sampling_params import InvalidRequest
 
 
 class PromptError(InvalidRequest):

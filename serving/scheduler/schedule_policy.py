@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from serving.scheduler.request import Req
+from serving.structs.request import Req
 
 
 class SchedulePolicy(ABC):

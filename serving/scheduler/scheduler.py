@@ -19,14 +19,14 @@ import torch
 from serving.cache.prefill_timer import PrefillTimer
 from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
-from serving.model.forward_batch import ForwardBatch
 from serving.model.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.model.sampler import Sampler
 from serving.scheduler.prefill import PrefillPlanner
 from serving.scheduler.prompt_check import check_fits
-from serving.scheduler.request import Req
 from serving.scheduler.schedule_policy import make_schedule_policy
 from serving.scheduler.stop import StopChecker
+from serving.structs.forward_batch import ForwardBatch
+from serving.structs.request import Req
 
 
 @dataclass

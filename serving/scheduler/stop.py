@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serving.scheduler.request import Req
+from serving.structs.request import Req
 
 
 class StopChecker:

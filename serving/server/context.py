@@ -14,7 +14,6 @@ from hicache import salt
 from serving import ipc as m
 from serving.config import EngineConfig
 from serving.scheduler.prompt_check import PromptError, check_budget, check_prompt
-from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
 from serving.scoped_ids import scoped, session_key
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
@@ -22,6 +21,7 @@ from serving.server.errors import APIError, quoted
 from serving.server.metrics import ServerMetrics
 from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT, TenantTable, effective_salt
+from serving.structs.sampling_params import InvalidRequest, SamplingParams
 from serving.tokenizer import Tokenizer, TooManyTokens
 
 GREEDY_EPS = 1e-6

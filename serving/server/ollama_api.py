@@ -29,13 +29,13 @@ from starlette.concurrency import run_in_threadpool
 
 from hicache.prompt_form import ollama_chat, ollama_generate
 from serving import compat_fields
-from serving.grammar.spec import response_format_params
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import StrictModel
 from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
 from serving.server.text import TextStream, final_text
+from serving.structs.grammar_spec import response_format_params
 
 router = APIRouter()
 OLLAMA_VERSION = "0.6.3"  # the API version these routes follow (the ollama client's)

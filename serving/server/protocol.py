@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hicache.prompt_form import openai_chat, openai_message
 from serving import compat_fields
-from serving.grammar.spec import response_format_params
 from serving.model.logprob_meta import MAX_TOP_LOGPROBS
 from serving.server.openai_tools import FunctionTool, ToolCall, check_tool_fields
+from serving.structs.grammar_spec import response_format_params
 
 Strict = ConfigDict(extra="forbid", strict=True)
 Stop = str | list[str] | None

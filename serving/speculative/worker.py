@@ -40,12 +40,12 @@ import torch
 from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
 from serving.model.sampler import Sampler
-from serving.scheduler.request import Req
 from serving.speculative.cost import StepCost
 from serving.speculative.drafter import NgramDrafter
 from serving.speculative.ngram_index import TreeNgramIndex
 from serving.speculative.policy import DraftPolicy, SpecState
 from serving.speculative.verify import accept_greedy, accept_sampled
+from serving.structs.request import Req
 
 # A draft's relative cost until measured (serving.speculative.cost), from bench/speculative.py (CPU:
 # SmolLM2-135M fp32 / int4 at batch 1 on the 2-core machine; CUDA: the verify-step table)

@@ -7,7 +7,7 @@ import pytest
 from harness.engine_cases import GREEDY, ids_of, prompts
 from harness.model_utils import hf_greedy, smollm2_path, tiny_model
 from serving.engine import Engine
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.sampling_params import InvalidRequest
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama_rope_scaled"])

@@ -56,7 +56,7 @@ def test_layered_load_waits_per_layer_on_the_gpu(layout):
     from hicache.tiers.device import DeviceKVPool, KVLayout
     from hicache.tiers.host import make_host_pool
     from serving.kernels.page_copy import PageMover
-    from serving.model.forward_batch import LayerWaits
+    from serving.structs.forward_batch import LayerWaits
 
     lay = KVLayout(6, 8, 128, torch.bfloat16)
     pool = DeviceKVPool(lay, 64, 16, "cuda")
@@ -175,8 +175,8 @@ def test_greedy_matches_hf_fp32(tiny, graph, overlap):
 def test_cuda_graph_logits_equal_eager(tmp_path):
     """The 8B-like layer shapes (2 layers), bf16: a graph replay gives the eager logits."""
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.model.forward_batch import ForwardBatch
     from serving.model.model_runner import ModelRunner
+    from serving.structs.forward_batch import ForwardBatch
 
     cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
@@ -233,8 +233,8 @@ def test_fused_model_logits_match_unfused(tiny):
     from hicache.tiers.device import DeviceKVPool
     from serving.kernels import triton_fused as tf
     from serving.kernels.attention_triton import TritonAttentionBackend
-    from serving.model.forward_batch import ForwardBatch
     from serving.models.loader import load_model
+    from serving.structs.forward_batch import ForwardBatch
 
     path, ps, _ = tiny
     model, arch = load_model(path, device="cuda")

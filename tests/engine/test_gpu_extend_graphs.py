@@ -76,7 +76,7 @@ def test_graph_layer_waits_wait_per_layer_inside_a_replay():
     """Layer 0's data lands at once, layer 1's behind a GPU sleep; a replay armed with those events
     finishes layer 0 (an external record node) while layer 1's data is still on its way, and then
     reads both correctly."""
-    from serving.model.forward_batch import GraphLayerWaits, LayerWaits
+    from serving.structs.forward_batch import GraphLayerWaits, LayerWaits
 
     waits = GraphLayerWaits.create(2, torch.device("cuda"))
     assert waits is not None, "this PyTorch has no external events (torch.cuda.Event(external=True))"
@@ -129,7 +129,7 @@ def test_extend_graph_logits_equal_eager_8b_shape(tmp_path):
     """8B layer shapes (2 layers), bf16: extend batches over prefixes in L1 (one request with 16 new
     tokens over a 4k prefix, the TTFT case; four ragged ones) replay extend graphs and give the eager
     logits; the padding stores no KV."""
-    from serving.model.forward_batch import ForwardBatch
+    from serving.structs.forward_batch import ForwardBatch
 
     runner = _runner_8b_shape(tmp_path)
     ext = runner.extend_graphs
@@ -226,8 +226,8 @@ def test_extend_graph_waits_per_layer_for_a_layered_l2_load(tiny):
     from hicache.tiers.host import make_host_pool
     from serving.config import ModelConfig, SchedulerConfig
     from serving.kernels.page_copy import PageMover
-    from serving.model.forward_batch import ForwardBatch, LayerWaits
     from serving.model.model_runner import ModelRunner
+    from serving.structs.forward_batch import ForwardBatch, LayerWaits
 
     path, ps, _ = tiny
     runner = ModelRunner(ModelConfig(model_path=str(path), dtype="float32", cuda_graph_max_bs=8),

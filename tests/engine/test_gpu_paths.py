@@ -55,8 +55,8 @@ def test_a_placeholder_of_no_previous_row_is_refused_on_the_host():
     (on a GPU the gather's device-side bounds check would end the whole CUDA context)."""
     import torch
 
-    from serving.model.forward_batch import ForwardBatch
     from serving.scheduler.overlap import _Launched
+    from serving.structs.forward_batch import ForwardBatch
 
     ov = OverlapScheduler(None)
     fb = ForwardBatch.build([([5, 6, -1 - 2], 0, [0])], 4, "cpu")  # the token of row 2 of the previous step
@@ -184,7 +184,7 @@ EXTEND_GRAPH_CODE = """
 import sys, torch
 from serving.model.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 from harness.model_utils import hf_greedy, tiny_model
 from harness.engine_cases import prompts
 path = tiny_model(sys.argv[1])

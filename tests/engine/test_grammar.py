@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from serving.grammar.lru import CompiledGrammarCache
-from serving.grammar.spec import grammar_spec, normalize_grammar_params, response_format_params
-from serving.scheduler.sampling_params import InvalidRequest, SamplingParams
+from serving.structs.grammar_spec import grammar_spec, normalize_grammar_params, response_format_params
+from serving.structs.sampling_params import InvalidRequest, SamplingParams
 
 GREEDY = {"temperature": 0.0}
 ANSWER_EBNF = 'root ::= "Answer: " ("yes" | "no") "."'

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serving.scheduler.sampling_params import InvalidRequest
+from serving.structs.sampling_params import InvalidRequest
 
 GREEDY = {"temperature": 0.0}
 

@@ -9,8 +9,8 @@ import pytest
 from harness.model_utils import tiny_model
 from serving.engine import Engine
 from serving.scheduler.prompt_check import PromptError, check_budget, check_fits, check_prompt
-from serving.scheduler.sampling_params import InvalidRequest
 from serving.scheduler.scheduler import Scheduler
+from serving.structs.sampling_params import InvalidRequest
 
 CONTEXT = 64
 GREEDY = {"temperature": 0, "max_new_tokens": 2}

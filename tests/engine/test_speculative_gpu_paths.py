@@ -14,7 +14,7 @@ ROW_GRAPH_CODE = """
 import sys, torch
 from serving.model.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 from serving.speculative.cost import StepCost
 from harness.model_utils import hf_greedy, tiny_model
 path = tiny_model(sys.argv[1])

@@ -14,7 +14,7 @@ from harness.kernel_cases import EXTEND_CASES, dense_reference, make_case, run_b
 from serving.kernels import attention_cpu, cpu_ext, cpu_fused
 from serving.kernels.attention import get_attention_backend
 from serving.kernels.cpu_ext import extension
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="needs g++ (the C++ CPU ops)")
 

@@ -24,7 +24,7 @@ import torch
 
 from harness.kernel_cases import DEVICE, EXTEND_CASES, INTERPRET, dense_reference, make_case, run_backend
 from serving.kernels.attention import get_attention_backend
-from serving.model.forward_batch import ForwardBatch
+from serving.structs.forward_batch import ForwardBatch
 
 ATOL = 1e-4
 TRITON_HERE = INTERPRET or torch.cuda.is_available()

@@ -10,8 +10,8 @@ import torch
 from hicache.tiers.device import DeviceKVPool
 from serving import convert
 from serving.kernels.attention import get_attention_backend
-from serving.model.forward_batch import ForwardBatch
 from serving.models.loader import load_model
+from serving.structs.forward_batch import ForwardBatch
 
 REPO_MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct"
 PAGE_SIZE = 16

@@ -74,7 +74,7 @@ def test_the_loaded_model_uses_the_blocks(smol):
     ids = torch.tensor([1, 4093, 28, 339, 1234, 17, 604])
     from hicache.tiers.device import DeviceKVPool
     from serving.kernels.attention import get_attention_backend
-    from serving.model.forward_batch import ForwardBatch
+    from serving.structs.forward_batch import ForwardBatch
 
     def logits(model, cfg):
         pool = DeviceKVPool(cfg.kv_layout(torch.float32), 2, 16, "cpu")

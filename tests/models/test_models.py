@@ -10,10 +10,10 @@ import torch
 
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels.attention import get_attention_backend
-from serving.model.forward_batch import ForwardBatch
 from serving.models.config import ModelArchConfig
 from serving.models.loader import load_model
 from serving.models.registry import get_model_class, supported_architectures
+from serving.structs.forward_batch import ForwardBatch
 
 ATOL = 1e-4
 PAGE_SIZE = 4

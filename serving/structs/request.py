@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache import salt
-from serving.scheduler.sampling_params import SamplingParams
+from serving.structs.sampling_params import SamplingParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from serving import compat_fields
-from serving.grammar.spec import normalize_grammar_params
+from serving.structs.grammar_spec import normalize_grammar_params
 
 
 class InvalidRequest(ValueError):
