@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ class ModelArchConfig:
     eos_token_id: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    # the whole config.json (read-only): a family's own fields (layer types, windows, state sizes)
+    # are read by its model class, not parsed here
+    raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False, repr=False)
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> ModelArchConfig:
@@ -80,6 +84,7 @@ class ModelArchConfig:
             eos_token_id=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=str(dtype).removeprefix("torch.") if dtype else None,
+            raw=MappingProxyType(dict(raw)),
         )
 
     @staticmethod
