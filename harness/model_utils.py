@@ -19,23 +19,41 @@ def smollm2_path() -> Path:
     return SMOLLM2
 
 
+# arch -> (transformers config class, model class, the family's own config fields)
+TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        hybrid_override_pattern="M*-M", head_dim=16, ssm_state_size=16, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=8)),
+}
+
+
 def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **overrides) -> Path:
-    """Save a tiny random Llama / Qwen2 checkpoint (HF format) into ``path``.
+    """Save a tiny random checkpoint (HF format) into ``path``: ``arch`` one of ``TINY_FAMILIES``
+    (llama, qwen2; the hybrids qwen3_5, a Gated DeltaNet + gated-attention stack, and nemotron_h,
+    Mamba2 + attention + MLP blocks).
 
     Weights are drawn with a large ``initializer_range`` so greedy decoding has clear
     winners (random models with tiny weights produce near-ties that make token
     comparisons flaky under harmless float reordering).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    cfg_name, model_name, family = TINY_FAMILIES[arch]
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     vocab = 49152 if with_tokenizer else 512
     kw = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         initializer_range=0.5, tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=0,
     )
+    kw.update(family)
     kw.update(overrides)
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**kw)).float()
