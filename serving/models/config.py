@@ -69,7 +69,7 @@ class ModelArchConfig:
             model_type=str(raw.get("model_type", "")),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_hidden_layers=_num_layers(raw),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -112,6 +112,17 @@ class ModelArchConfig:
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
         """The KV-cache layout of this model for a cache of ``dtype``."""
         return KVLayout(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype)
+
+
+def _num_layers(raw: Mapping[str, Any]) -> int:
+    """``num_hidden_layers``, or the length of the layer list when config.json has none (transformers
+    5 saves Nemotron-H's ``layers_block_type`` without it)."""
+    if "num_hidden_layers" in raw:
+        return int(raw["num_hidden_layers"])
+    layers = raw.get("layers_block_type") or raw.get("layer_types") or raw.get("hybrid_override_pattern")
+    if not layers:
+        raise ValueError("config.json has neither num_hidden_layers nor a list of layer types")
+    return len(layers)
 
 
 def _parse_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
