@@ -114,3 +114,27 @@ def tp_shard_key(key: str, kv_head_start: int, num_kv_heads: int) -> str:
     h = hashlib.blake2b(_parse_key(key), digest_size=16, person=b"hicache-tp")
     h.update(f"kv{kv_head_start}+{num_kv_heads}".encode())
     return h.hexdigest()
+
+
+COMPONENTS = ("state",)  # what besides a page's KV is stored under a key derived from it
+
+
+def component_key(key: str, component: str) -> str:
+    """The L3 key of ``component`` stored at the page whose key is ``key``: ``H(key, component)``.
+
+    ``"state"``: the recurrent-state snapshot after the page's last token (a model with state
+    layers), under its node's last page key. Distinct from every page key and tensor-parallel
+    shard key (a differently personalised hash), and like them a function of the prefix, the
+    namespace (model, layout, rank, salt) and the component alone; raises ``ValueError`` on a
+    malformed key or an unknown component.
+    """
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown cache component {component!r}; choose from {COMPONENTS}")
+    h = hashlib.blake2b(_parse_key(key), digest_size=16, person=b"hicache-comp")
+    h.update(component.encode())
+    return h.hexdigest()
+
+
+def state_key(key: str) -> str:
+    """The L3 key of the state snapshot at the page whose key is ``key`` (:func:`component_key`)."""
+    return component_key(key, "state")

@@ -1,5 +1,5 @@
-"""Value objects the tree hands out: the result of a prefix match, a page transfer order and
-the handle of a load in flight."""
+"""Value objects the tree hands out: the result of a prefix match (with the state snapshot it ends
+at), a page or state-slot transfer order and the handle of a load in flight."""
 
 from __future__ import annotations
 
@@ -51,6 +51,26 @@ class PendingLoad:
 
 
 @dataclass(frozen=True)
+class StateHit:
+    """The state snapshot a match of a state model ends at: ``node``'s (the match's last node),
+    where it was when the match was made: ``device_slot`` (L1, ready to copy into the request's
+    working slot once ``node.snap.load``, if any, is done), ``host_slot`` (L2 only:
+    ``HiRadixTree.load_back`` brings it to L1) or ``stored`` only (on L3: fetch it first)."""
+
+    node: TreeNode
+    device_slot: int | None
+    host_slot: int | None
+    stored: bool
+
+    @property
+    def tier(self) -> Literal["device", "host", "storage"]:
+        """The nearest tier holding it."""
+        if self.device_slot is not None:
+            return "device"
+        return "host" if self.host_slot is not None else "storage"
+
+
+@dataclass(frozen=True)
 class MatchResult:
     """The longest cached prefix of a token sequence.
 
@@ -61,8 +81,13 @@ class MatchResult:
     - ``last_device_node``: deepest matched node on L1 (the root when there is no hit);
       lock this one for a request that reads ``device_pages``.
     - ``last_host_node``: deepest matched node on L1 or L2.
-    - ``pending_loads``: loads still filling some of ``device_pages``; a reader waits until
-      each is ``done()`` before it computes on them (see :class:`PendingLoad`).
+    - ``pending_loads``: loads still filling some of ``device_pages`` (or the L1 slot of
+      ``state``); a reader waits until each is ``done()`` before it computes on them (see
+      :class:`PendingLoad`).
+    - ``state``: a tree of a state model (``needs_state``) cuts the match at the deepest node
+      on the path that has a state snapshot on some tier; this says where that one is. ``None``
+      without a cut, and when the path has no snapshot (the match is then empty: a request
+      starts from the zero state).
     """
 
     device_pages: list[int]
@@ -71,11 +96,23 @@ class MatchResult:
     last_device_node: TreeNode
     last_host_node: TreeNode
     pending_loads: tuple[PendingLoad, ...] = ()
+    state: StateHit | None = None
 
     @property
     def cached_tokens(self) -> int:
         """Tokens cached on L1 or L2."""
         return self.device_hit_tokens + self.host_hit_tokens
+
+    @property
+    def resumable(self) -> bool:
+        """A request can compute from ``device_hit_tokens`` now (once ``pending_loads`` are done):
+        nothing left on L2 and, for a state model, the snapshot there on L1. Without state, any
+        match is resumable at its L1 part; a state match that is not (its L2 run or snapshot not
+        loaded) is usable only from the start."""
+        return self.state is None or (self.host_hit_tokens == 0 and self.state.device_slot is not None)
+
+
+TRANSFER_KINDS = ("backup", "load", "state_backup", "state_load")
 
 
 @dataclass(frozen=True)
@@ -84,10 +121,14 @@ class Transfer:
 
     ``kind == "backup"``: L1 ``src_pages`` → L2 ``dst_pages``;
     ``kind == "load"``: L2 ``src_pages`` → L1 ``dst_pages``. Same length, in order.
+    ``kind == "state_backup"`` / ``"state_load"``: the same for state snapshots, whose
+    "pages" are slot ids of the L1 state pool (``hicache/tiers/state_pool.py``) and the L2
+    one (:class:`~hicache.tiers.host_state.HostStatePool`); a state load carries its
+    ``pending``, a state backup its node. Only a tree with state pools emits them.
     Transfers must be executed in the order the tree emitted them.
     """
 
-    kind: Literal["backup", "load"]
+    kind: Literal["backup", "load", "state_backup", "state_load"]
     src_pages: list[int]
     dst_pages: list[int]
     # backups: the nodes whose pages these are, in order (so a controller can write
@@ -97,7 +138,7 @@ class Transfer:
     pending: PendingLoad | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("backup", "load"):
+        if self.kind not in TRANSFER_KINDS:
             raise ValueError(f"unknown transfer kind {self.kind!r}")
         if len(self.src_pages) != len(self.dst_pages):
             raise ValueError("src_pages and dst_pages differ in length")

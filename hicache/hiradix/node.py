@@ -18,9 +18,37 @@ Contract:
   A loading node is always locked; its L1 pages hold no KV until the load is done.
 - ``removed`` is set when the node leaves the tree; a removed node keeps its
   ``parent`` pointer so that sessions still attached to it can release their refs.
+- ``snap``: the :class:`Snapshot` of the recurrent state after the node's last token (a tree
+  of a model with state layers; ``None`` when it has none). Its tiers follow the node's KV:
+  an L1 slot only while the node is on L1, an L2 slot only while it is on L2
+  (:class:`~hicache.hiradix.state_snapshots.StateSnapshots` owns every change). A split keeps
+  it on the lower part (the one that still ends where the node ended).
 """
 
 from __future__ import annotations
+
+
+class Snapshot:
+    """Where one node's recurrent-state snapshot lives: an L1 slot, an L2 slot, stored on L3 (a
+    hint, like ``storage_pages``), and the :class:`~hicache.hiradix.match.PendingLoad` of an
+    L2 -> L1 load of it still in flight. Plain mutable record; only StateSnapshots mutates it."""
+
+    __slots__ = ("device_slot", "host_slot", "stored", "load")
+
+    def __init__(self, device_slot: int | None = None, host_slot: int | None = None, stored: bool = False) -> None:
+        self.device_slot = device_slot
+        self.host_slot = host_slot
+        self.stored = stored
+        self.load = None  # PendingLoad | None
+
+    @property
+    def empty(self) -> bool:
+        """On no tier at all (the record then goes)."""
+        return self.device_slot is None and self.host_slot is None and not self.stored
+
+    def __repr__(self) -> str:
+        return (f"Snapshot(L1={self.device_slot}, L2={self.host_slot}, L3={self.stored}"
+                f"{', loading' if self.load is not None else ''})")
 
 
 class TreeNode:
@@ -40,6 +68,7 @@ class TreeNode:
         "last_access",
         "load",
         "removed",
+        "snap",
     )
 
     def __init__(
@@ -63,6 +92,7 @@ class TreeNode:
         self.last_access = 0
         self.load = None  # PendingLoad | None
         self.removed = False
+        self.snap: Snapshot | None = None
 
     @property
     def num_pages(self) -> int:
@@ -103,8 +133,9 @@ class TreeNode:
             + ("L2" if self.host_pages is not None else "")
             + (f"L3:{self.storage_pages}" if self.storage_pages else "")
         )
+        snap = "" if self.snap is None else f", {self.snap!r}"
         return (
             f"TreeNode(id={self.id}, tokens={len(self.key)}, tiers={tiers or '-'}, lock={self.lock_ref}, "
             f"sess={self.session_ref}, hits={self.hit_count}, t={self.last_access}"
-            f"{', loading' if self.loading else ''}{', removed' if self.removed else ''})"
+            f"{', loading' if self.loading else ''}{', removed' if self.removed else ''}{snap})"
         )

@@ -6,13 +6,16 @@ of eviction candidates (L1 leaves: nodes on L1 without a child on L1; L2 leaves:
 without children), pruned when read (:meth:`Residency.device_leaves`,
 :meth:`Residency.host_leaves`). It frees the pages a node loses into the pools (pinned L2 pages
 through :class:`~hicache.hiradix.pins.HostPins`), emits the cache events, and takes a node that
-loses its last copy out of the tree (:meth:`Residency.remove`). It never allocates: the
-callers (the tree, :class:`~hicache.hiradix.tiering.Tiering`) do.
+loses its last copy out of the tree (:meth:`Residency.remove`). It never allocates pages: the
+callers (the tree, :class:`~hicache.hiradix.tiering.Tiering`) do. With state snapshots (a model
+with state layers), each change cascades to the node's snapshot through the ``on_*`` hooks of
+:class:`~hicache.hiradix.state_snapshots.StateSnapshots` (which may allocate state slots).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.node import TreeNode
@@ -20,6 +23,9 @@ from hicache.hiradix.pins import HostPins
 from hicache.hiradix.shape import TreeShape
 from hicache.hiradix.unbounded import UnboundedAllocator
 from hicache.tiers.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from hicache.hiradix.state_snapshots import StateSnapshots
 
 
 def has_device_child(node: TreeNode) -> bool:
@@ -33,8 +39,10 @@ class Residency:
     """
 
     def __init__(self, shape: TreeShape, device: PageAllocator | UnboundedAllocator,
-                 host: PageAllocator | None, pins: HostPins, events: TreeEvents) -> None:
+                 host: PageAllocator | None, pins: HostPins, events: TreeEvents,
+                 state: StateSnapshots | None = None) -> None:
         self.shape = shape
+        self.state = state
         self.device = device
         self.host = host
         self.pins = pins
@@ -83,6 +91,8 @@ class Residency:
         pages, node.device_pages = node.device_pages, None
         self._device_cached -= len(pages)
         self.device.free(pages)
+        if self.state is not None:
+            self.state.on_drop_device(node)  # demoted when the node keeps its L2 copy
         self.events.emit("device_evict", node)
         self._dev_leaves.discard(node)
         if node.parent is not self.shape.root:
@@ -97,6 +107,8 @@ class Residency:
         self._host_cached += len(pages)
         if node.device_pages is None and not node.children:
             self._host_leaves.add(node)
+        if self.state is not None:
+            self.state.on_set_host(node)  # its L1 snapshot is backed up too
         self.events.emit("host_add", node)
 
     def drop_host(self, node: TreeNode) -> int:
@@ -105,6 +117,8 @@ class Residency:
         pages, node.host_pages = node.host_pages, None
         self._host_cached -= len(pages)
         self.host.free(pages)
+        if self.state is not None:
+            self.state.on_drop_host(node)
         return len(pages)
 
     # ------------------------------------------------------------------ leaving the tree
@@ -123,6 +137,8 @@ class Residency:
                 self._host_cached -= len(nd.host_pages)
                 self.pins.release(nd.host_pages)
                 nd.host_pages = None
+            if self.state is not None:
+                self.state.on_remove(nd)
             shape.retire(nd)
             self._dev_leaves.discard(nd)
             self._host_leaves.discard(nd)
@@ -180,6 +196,8 @@ class Residency:
                 self._device_cached -= len(nd.device_pages)
                 self.device.free(nd.device_pages)
                 nd.device_pages = None
+                if self.state is not None:
+                    self.state.on_remove(nd)  # a flush: every slot goes, nothing is demoted
 
     # ------------------------------------------------------------------ candidates, counts
     def device_leaves(self) -> list[TreeNode]:

@@ -57,6 +57,10 @@ class Tiering:
         out, self._outbox = self._outbox, []
         return out
 
+    def emit(self, transfer: Transfer) -> None:
+        """Queue ``transfer`` in the outbox (the state snapshots' moves come in here too)."""
+        self._outbox.append(transfer)
+
     def discard_transfers(self) -> None:
         self._outbox.clear()
 
@@ -64,6 +68,10 @@ class Tiering:
     def loading(self) -> bool:
         """Whether a load is in flight."""
         return bool(self._loads)
+
+    def has_load(self, node: TreeNode) -> bool:
+        """Whether a load in flight ends at ``node``."""
+        return node in self._loads
 
     def _evict_key(self, tier: str) -> Callable[[TreeNode], tuple]:
         return self.events.evict_key(tier, self.eviction_policy.key)
@@ -149,11 +157,11 @@ class Tiering:
         return freed
 
     # ------------------------------------------------------------------ load-back
-    def load_back(self, match: MatchResult) -> MatchResult:
+    def load_back(self, match: MatchResult, threshold: int | None = None) -> MatchResult:
         """Bring the L2-only part of ``match`` back to L1, all or nothing.
 
         Returns ``match`` unchanged when there is nothing to load, the chain is shorter
-        than ``load_back_threshold`` pages, or L1 cannot make room (evicting neither
+        than ``threshold`` pages (default ``load_back_threshold``), or L1 cannot make room (evicting neither
         the chain, its prefix, nor anything locked). Otherwise allocates L1 pages for
         the whole chain, emits one ``load`` Transfer carrying a new :class:`PendingLoad`,
         puts that on every node of the chain (``node.load``) and locks the chain, and
@@ -165,7 +173,7 @@ class Tiering:
         if match.host_hit_tokens <= 0 or self.host is None:
             return match
         npages = match.host_hit_tokens // self.shape.page_size
-        if npages < self.load_back_threshold:
+        if npages < (self.load_back_threshold if threshold is None else threshold):
             return match
         top, end = match.last_device_node, match.last_host_node
         chain, nd = [], end
@@ -204,7 +212,7 @@ class Tiering:
         self._loads[end] = top
         prefix = [p for n in reversed(top.path_to_root()) for p in n.device_pages]
         return MatchResult(prefix + pages, (len(prefix) + npages) * self.shape.page_size, 0, end, end,
-                           (*match.pending_loads, pending))
+                           (*match.pending_loads, pending), match.state)
 
     def finish_load(self, node: TreeNode) -> None:
         """The load ending at ``node`` is done: clear ``node.load`` on the chain and release the

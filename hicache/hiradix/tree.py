@@ -22,7 +22,10 @@ Parts (each owns its state; the tree composes them and is the one face callers u
 :class:`~hicache.hiradix.pins.HostPins` (``tree.pins``: L2 pages read outside the tree),
 :class:`~hicache.hiradix.events.TreeEvents` (listeners, tenant ledger),
 :class:`~hicache.hiradix.tiering.Tiering` (eviction, backup, load-back, the transfer outbox),
-:class:`~hicache.hiradix.l3_marks.L3Marks` (pages from and to L3).
+:class:`~hicache.hiradix.l3_marks.L3Marks` (pages from and to L3),
+:class:`~hicache.hiradix.matcher.Matcher` (matches, lookups, load-backs),
+:class:`~hicache.hiradix.state_snapshots.StateSnapshots` (``tree.state``: recurrent-state
+snapshots, for a model with state layers; None otherwise).
 
 Transfer ordering contract: the caller drains :meth:`take_transfers` right after each
 tree operation and executes the transfers in the order given, and it must execute
@@ -46,6 +49,13 @@ Typical request (scheduler)::
     tree.unlock(m.last_device_node)
     tree.finish_load(node) once the controller reports the load done (if one was started)
     transfers = tree.take_transfers()     # after every call above that may emit
+
+A model with state layers (a tree built with ``state_device``): the match stops at the deepest
+snapshot (``m.state``); after ``load_back`` a request with ``m.resumable`` copies the snapshot
+(``m.state.device_slot``; none: the zero state) into its working slot once ``m.pending_loads`` are
+done, else it starts from scratch; at the end it inserts, then ``tree.attach_state(
+tree.node_at(tokens), snap_slot)`` gives the tree the state at its last full page (a refused slot
+is the caller's to free).
 """
 
 from __future__ import annotations
@@ -57,13 +67,15 @@ from hicache.config import CacheConfig
 from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.integrity import check_tree
 from hicache.hiradix.l3_marks import L3Marks
-from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
+from hicache.hiradix.match import MatchResult, Transfer
+from hicache.hiradix.matcher import Matcher
 from hicache.hiradix.node import TreeNode
 from hicache.hiradix.pins import HostPins
 from hicache.hiradix.policies import EvictionPolicy, WritePolicy, make_eviction_policy, make_write_policy
 from hicache.hiradix.residency import Residency
 from hicache.hiradix.sessions import SessionTable
 from hicache.hiradix.shape import TreeShape
+from hicache.hiradix.state_snapshots import SlotAllocator, StateSnapshots
 from hicache.hiradix.tiering import Tiering
 from hicache.hiradix.unbounded import UnboundedAllocator
 from hicache.tiers.allocator import PageAllocator
@@ -91,11 +103,17 @@ class HiRadixTree:
         write_through_threshold: int = 2,
         load_back_threshold: int = 1,
         eviction_policy: str = "lru",
+        state_device: SlotAllocator | None = None,
+        state_host: SlotAllocator | None = None,
     ) -> None:
+        """``state_device`` / ``state_host``: the free lists of the L1 / L2 state pools of a model
+        with state layers (its snapshots then live in the tree, and matches stop at them)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if device is None and host is not None:
             raise ValueError("a host (L2) pool needs a device (L1) pool")
+        if state_host is not None and (state_device is None or host is None):
+            raise ValueError("an L2 state pool needs an L1 state pool and an L2 (host) pool")
         self.page_size = page_size
         self.pool_less = device is None
         self.device: PageAllocator | UnboundedAllocator = UnboundedAllocator() if device is None else device
@@ -104,15 +122,20 @@ class HiRadixTree:
         self.shape = TreeShape(page_size)
         self.events = TreeEvents()
         self.pins = HostPins(host)  # L2 pages readers outside the tree hold (pin_host)
-        self.residency = Residency(self.shape, self.device, host, self.pins, self.events)
+        evict = make_eviction_policy(eviction_policy)
+        self.state = None if state_device is None else StateSnapshots(
+            self.shape, state_device, state_host, lambda t: self.tiering.emit(t), evict.key)
+        self.residency = Residency(self.shape, self.device, host, self.pins, self.events, self.state)
         self.tiering = Tiering(self.shape, self.residency, self.pins, self.events, self.device, host,
-                               make_write_policy(write_policy, write_through_threshold),
-                               make_eviction_policy(eviction_policy), load_back_threshold)
+                               make_write_policy(write_policy, write_through_threshold), evict,
+                               load_back_threshold)
         self.l3 = L3Marks(self.shape, self.residency, host)
+        self.matcher = Matcher(self.shape, self.residency, self.tiering, self.state, host)
 
     @classmethod
     def from_config(
-        cls, config: CacheConfig, device: PageAllocator | None, host: PageAllocator | None = None
+        cls, config: CacheConfig, device: PageAllocator | None, host: PageAllocator | None = None,
+        state_device: SlotAllocator | None = None, state_host: SlotAllocator | None = None,
     ) -> HiRadixTree:
         return cls(
             config.page_size,
@@ -122,11 +145,18 @@ class HiRadixTree:
             write_through_threshold=config.write_through_threshold,
             load_back_threshold=config.load_back_threshold,
             eviction_policy=config.eviction_policy,
+            state_device=state_device,
+            state_host=state_host,
         )
 
     @property
     def root(self) -> TreeNode:
         return self.shape.root
+
+    @property
+    def needs_state(self) -> bool:
+        """The model has state layers: a match stops at the deepest state snapshot."""
+        return self.state is not None
 
     @property
     def write_policy(self) -> WritePolicy:
@@ -147,46 +177,29 @@ class HiRadixTree:
         return self.tiering.backups_skipped_pages
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of the full pages of ``tokens``.
+    def match_prefix(self, tokens: Sequence[int], needs_state: bool | None = None) -> MatchResult:
+        """Longest cached prefix of the full pages of ``tokens`` (see :meth:`Matcher.match_prefix`:
+        a split where it ends mid-node, hit counts, backups on hit; ``needs_state``, default the
+        tree's, cuts it at the deepest state snapshot)."""
+        return self.matcher.match_prefix(tokens, self.needs_state if needs_state is None else needs_state)
 
-        Splits the node where the match ends mid-node; bumps ``hit_count`` and
-        ``last_access`` on the matched path; backs hit nodes up to L2 when the write
-        policy says so (skipped silently when L2 has no room).
-        """
-        tokens = tokens if isinstance(tokens, list) else list(tokens)
-        path, pos = self.shape.match_path(tokens)
-        tick = self.shape.next_tick()
-        dev_pages: list[int] = []
-        dev_node = host_node = self.shape.root
-        to_backup = []
-        loads: dict[int, PendingLoad] = {}
-        should_backup = self.tiering.write_policy.should_backup_on_hit
-        for nd in path:
-            nd.hit_count += 1
-            nd.last_access = tick
-            if nd.device_pages is not None:
-                dev_pages += nd.device_pages
-                dev_node = nd
-                if nd.load is not None:
-                    loads.setdefault(id(nd.load), nd.load)
-                if nd.host_pages is None and self.host is not None and should_backup(nd):
-                    to_backup.append(nd)
-            host_node = nd
-        if to_backup:
-            self.tiering.backup(to_backup, protect=host_node)
-        dev_tokens = len(dev_pages) * self.page_size
-        return MatchResult(dev_pages, dev_tokens, pos - dev_tokens, dev_node, host_node, tuple(loads.values()))
+    def lookup(self, tokens: Sequence[int], needs_state: bool | None = None) -> tuple[TreeNode, int]:
+        """Read-only match (no split, no hit counts, no backups): the deepest node reached and the
+        tokens matched on L1 or L2 (see :meth:`Matcher.lookup`)."""
+        return self.matcher.lookup(tokens, self.needs_state if needs_state is None else needs_state)
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
-        """Read-only match (no split, no hit counts, no backups): the deepest node the full
-        pages of ``tokens`` reach (one they end inside included; the root if none) and the
-        number of matched tokens (on L1 or L2)."""
-        tokens = tokens if isinstance(tokens, list) else list(tokens)
-        last, end = self.shape.root, 0
-        for child, pos, m in self.shape.walk(tokens, len(tokens) - len(tokens) % self.page_size):
-            last, end = child, pos + m
-        return last, end
+    def node_at(self, tokens: Sequence[int]) -> TreeNode | None:
+        """The node ending exactly at the last full page of ``tokens`` (splitting the one they end
+        inside), or None when the tree does not hold them all (see :meth:`Matcher.node_at`)."""
+        return self.matcher.node_at(tokens)
+
+    def attach_state(self, node: TreeNode, slot: int) -> int | None:
+        """``node`` takes the state snapshot in L1 state ``slot`` (the state after its last token);
+        returns None, or ``slot`` for the caller to free when refused (a duplicate, or a node not
+        on L1: see :meth:`StateSnapshots.attach`)."""
+        if self.state is None:
+            raise ValueError("attach_state on a tree without state pools")
+        return self.state.attach(node, slot)
 
     def walk(self, tokens: list[int], n: int) -> Iterator[tuple[TreeNode, int, int]]:
         """Read-only walk over ``tokens[:n]`` (page-aligned ``n``): each node it reaches with
@@ -277,12 +290,13 @@ class HiRadixTree:
         return self.tiering.evict_host(num_pages, drop_backups)
 
     def load_back(self, match: MatchResult) -> MatchResult:
-        """Bring the L2-only part of ``match`` back to L1 (see :meth:`Tiering.load_back`)."""
-        return self.tiering.load_back(match)
+        """Bring the L2-only part of ``match`` back to L1, and its state snapshot (see
+        :meth:`Matcher.load_back`)."""
+        return self.matcher.load_back(match)
 
     def finish_load(self, node: TreeNode) -> None:
-        """The load ending at ``node`` is done (see :meth:`Tiering.finish_load`)."""
-        self.tiering.finish_load(node)
+        """The loads ending at ``node`` are done (see :meth:`Matcher.finish_load`)."""
+        self.matcher.finish_load(node)
 
     def backup_all(self) -> int:
         """Give every L1 node an L2 copy as far as L2 has room (see :meth:`Tiering.backup_all`)."""
@@ -330,7 +344,8 @@ class HiRadixTree:
         per node, sessions attached as before: :meth:`Residency.clear_except`).
         """
         root = self.shape.root
-        if any(c.lock_ref for c in root.children.values()) or self.tiering.loading:
+        if any(c.lock_ref for c in root.children.values()) or self.tiering.loading or (
+                self.state is not None and self.state.loads_in_flight):
             raise RuntimeError("cannot reset the tree while requests hold locks")
         self.tiering.discard_transfers()
         if keep:
@@ -360,11 +375,18 @@ class HiRadixTree:
         """The tokens of the path root→node."""
         return self.shape.path_tokens(node)
 
-    def check_integrity(self, device_in_use: int = 0, host_in_use: int = 0) -> None:
+    def check_integrity(self, device_in_use: int = 0, host_in_use: int = 0,
+                        state_device_in_use: int = 0, state_host_in_use: int = 0) -> None:
         """Raise AssertionError unless the tree and its pools are consistent.
 
-        ``*_in_use``: pages the caller allocated from the pool and holds outside the
-        tree (e.g. pages of running requests not inserted yet, duplicates returned by
-        insert and not freed yet). Pages of matched prefixes belong to the tree.
+        ``*_in_use``: pages (state slots) the caller allocated from the pool and holds outside
+        the tree (e.g. pages of running requests not inserted yet, duplicates returned by
+        insert and not freed yet; working state slots). Pages of matched prefixes belong to
+        the tree.
         """
         check_tree(self, device_in_use, host_in_use)
+        if self.state is not None:
+            self.state.check_integrity(state_device_in_use, state_host_in_use)
+        else:
+            assert state_device_in_use == state_host_in_use == 0, "state slots in use but no state pools"
+            assert all(nd.snap is None for nd in self.nodes()), "a snapshot in a tree without state pools"

@@ -1,0 +1,133 @@
+"""L2 for recurrent state: snapshots in host memory, per state layer its tensors ``[num_slots, *shape]``
+(pinned when CUDA is present), and the slot copies between a pool on the device and this one.
+
+The tree (hicache/hiradix/state_snapshots.py) hands the slots to snapshots demoted from L1 (the
+device pool, hicache/tiers/state_pool.py) and takes them back; ``state_backup`` / ``state_load``
+transfers move their bytes with :func:`copy_slots`. A slot holds the same tensors in the same order
+(:class:`~hicache.tiers.state_layout.StateLayout`) as an L1 slot, so L1 <-> L2 is a per-tensor copy;
+:meth:`HostStatePool.slot_bytes` is the slot's L3 payload (every tensor's bytes in layout order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hicache.tiers.allocator import PageAllocator
+from hicache.tiers.state_layout import StateLayout
+
+
+class HostStatePool:
+    """``buffers[j][t]``: state layer ``j``'s tensor ``t`` (StateLayout order), ``[num_slots, *shape]``
+    on the host, zeros at start; pinned (page-locked, for asynchronous copies) when CUDA is present.
+
+    Contract (as the device pool's, hicache/tiers/state_pool.py):
+    - Slot ids ``0 .. num_slots-1`` come from :meth:`alloc` (a free list; a double free raises);
+      the tree's L2 bookkeeping owns them. The tensors are never resized.
+    - Writers: the cache controller (``state_backup`` copies into a slot the tree just handed out,
+      an L3 fetch writing a snapshot in with :meth:`write_slot` / :meth:`load_slot_bytes`). The
+      tree never hands out a slot that a copy still reads (pinned slots wait: ``tree.state.pins``).
+    - Not thread-safe for overlapping slot ids; the alloc / free calls come from the scheduler
+      thread only.
+    """
+
+    def __init__(self, layout: StateLayout, num_slots: int, pin_memory: bool | None = None) -> None:
+        if layout.num_layers == 0:
+            raise ValueError("a state pool needs at least one state layer")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.buffers: list[list[torch.Tensor]] = [
+            [torch.zeros((num_slots, *t.shape), dtype=t.dtype, pin_memory=self.pin) for t in layer]
+            for layer in layout.layers
+        ]
+        self._slots = PageAllocator(num_slots)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer, layer by layer in StateLayout order (what :func:`copy_slots` takes)."""
+        return [buf for layer in self.buffers for buf in layer]
+
+    # -- slots ---------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self._slots.num_used
+
+    def alloc(self, n: int = 1) -> list[int]:
+        """``n`` distinct free slots (raises OutOfPages when fewer are free)."""
+        return self._slots.alloc(n)
+
+    def free(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            if not 0 <= s < self.num_slots or not self._slots.is_allocated(s):
+                raise ValueError(f"L2 state slot {s} freed but not allocated")
+        self._slots.free(slots)
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._slots.is_allocated(slot)
+
+    def check_integrity(self) -> None:
+        """The free list's invariants, and every buffer has the layout's shape and dtype."""
+        self._slots.check_integrity()
+        for layer, bufs in zip(self.layout.layers, self.buffers, strict=True):
+            for t, buf in zip(layer, bufs, strict=True):
+                assert buf.shape == (self.num_slots, *t.shape) and buf.dtype == t.dtype, (
+                    f"L2 state buffer {t.name} is {tuple(buf.shape)} {buf.dtype}, not {(self.num_slots, *t.shape)}"
+                )
+
+    # -- contents ------------------------------------------------------------------------------
+    def read_slot(self, slot: int) -> list[torch.Tensor]:
+        """Copies of the slot's tensors, layer by layer in StateLayout order."""
+        return [buf[slot].clone() for buf in self.tensors()]
+
+    def write_slot(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
+        """The slot := ``tensors`` (``read_slot``'s list: the same shapes and order)."""
+        flat = self.tensors()
+        if len(tensors) != len(flat):
+            raise ValueError(f"{len(tensors)} tensors for a slot of {len(flat)}")
+        for buf, t in zip(flat, tensors, strict=True):
+            if tuple(t.shape) != tuple(buf.shape[1:]):
+                raise ValueError(f"state tensor of shape {tuple(t.shape)}, the slot holds {tuple(buf.shape[1:])}")
+            buf[slot].copy_(t)
+
+    def slot_bytes(self, slot: int) -> bytes:
+        """The slot as one value (every tensor's bytes in layout order): its L3 payload."""
+        return b"".join(buf[slot].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for buf in self.tensors())
+
+    def load_slot_bytes(self, slot: int, data: bytes) -> None:
+        """The slot := ``data`` (:meth:`slot_bytes`' form); raises ValueError on a wrong length."""
+        if len(data) != self.bytes_per_slot:
+            raise ValueError(f"{len(data)} bytes for a state slot of {self.bytes_per_slot}")
+        at = 0
+        for buf in self.tensors():
+            n = buf[slot].numel() * buf.element_size()
+            raw = torch.frombuffer(bytearray(data[at : at + n]), dtype=torch.uint8)
+            buf[slot].view(-1).view(torch.uint8).copy_(raw)
+            at += n
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.layout.bytes_per_slot()
+
+    def nbytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+
+def copy_slots(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], src_slots: Sequence[int],
+               dst_slots: Sequence[int], non_blocking: bool = False) -> None:
+    """``dst[t][dst_slots[i]] := src[t][src_slots[i]]`` for every tensor ``t`` (two pools' ``tensors()``
+    lists, one on the device and one on the host, or two on the same device): a ``state_backup``
+    (device -> host) or a ``state_load`` (host -> device). ``non_blocking`` from / to pinned memory
+    on a CUDA stream (the caller orders it)."""
+    if len(src) != len(dst) or len(src_slots) != len(dst_slots):
+        raise ValueError(f"{len(src)} -> {len(dst)} tensors, {len(src_slots)} -> {len(dst_slots)} slots")
+    if not src_slots:
+        return
+    for s, d in zip(src, dst, strict=True):
+        si = torch.tensor(list(src_slots), device=s.device)
+        di = torch.tensor(list(dst_slots), device=d.device)
+        d.index_copy_(0, di, s.index_select(0, si).to(d.device, non_blocking=non_blocking))
