@@ -3,7 +3,8 @@ serving/kernels/attention.py).
 
 A backend stores the new tokens' K/V into pages (``store_kv``) and then computes causal
 attention of the new tokens' queries over all the sequence's KV, prefix and new alike, read
-back from the pages (``forward``).
+back from the pages (``forward``), or over the last ``window`` positions only (a sliding-window
+layer: the model passes each layer's window).
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]`` (dtype of ``q``).
 
-        New token ``j`` of sequence ``i`` attends to positions ``0 .. prefix_lens[i] + j``.
+        New token ``j`` of sequence ``i`` (position ``p = prefix_lens[i] + j``) attends to positions
+        ``0 .. p``; with a sliding ``window`` (HF's ``sliding_window``) to ``max(0, p - window + 1) .. p``.
         ``q_heads`` is a multiple of ``kv_heads`` (GQA: q head ``h`` reads kv head
         ``h // (q_heads // kv_heads)``).
         """

@@ -7,6 +7,9 @@ head) pair is computed alone from its own query and the keys it may see, in key 
 token's output has the same bits in a decode batch, in a prefill chunk and alone (the same KV
 for the same token whichever path computed it; tests/kernels/test_attention_cpu.py).
 
+A sliding-window layer runs in the same C++ call (``klo``: each token's first visible key, so its
+keys are the window's only, summed in the same lanes whatever its batch).
+
 Storing K/V is one C++ copy (the torch backend's store with a lossy-tier round trip). KV in another dtype
 than float32, a head_dim that is not a multiple of 16, or a machine without the C++ ops: the
 torch backend's forward.
@@ -32,6 +35,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
             nkeys += range(prefix + 1, prefix + n + 1)
         self._tok_seq = torch.tensor(seq, dtype=torch.int64)
         self._tok_nkeys = torch.tensor(nkeys, dtype=torch.int64)
+        self._tok_klo: dict[int, torch.Tensor] = {}  # window -> each token's first visible key
+
+    def _klo(self, window: int | None) -> torch.Tensor | None:
+        if window is None:
+            return None
+        klo = self._tok_klo.get(window)
+        if klo is None:
+            klo = self._tok_klo[window] = (self._tok_nkeys - window).clamp_(min=0)
+        return klo
 
     def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:
@@ -43,12 +55,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return None
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         ext = extension()
         d = q.shape[-1]
         if (ext is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or d % 16 or q.is_cuda):
-            return super().forward(q, k_cache, v_cache, batch, scale)
+            return super().forward(q, k_cache, v_cache, batch, scale, window)
         meta = self._meta_for(batch)
         kh = k_cache.shape[-2]
         return ext.paged_attention(q, k_cache.view(-1, kh, d), v_cache.view(-1, kh, d), meta.slots,
-                                   self._tok_seq, self._tok_nkeys, scale)
+                                   self._tok_seq, self._tok_nkeys, scale, self._klo(window))

@@ -1,8 +1,9 @@
-"""Plain PyTorch paged attention: the reference implementation and the CPU default."""
+"""Plain PyTorch paged attention: the reference implementation and the CPU default (a sliding
+window: the keys before it are neither gathered nor seen)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,20 @@ class _TorchMeta:
     starts: list[int]  # host offsets of each sequence's new tokens in T
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, decode batches only
     max_len: int
+    seq_lens: torch.Tensor | None = None  # [B] int64 on the slots' device, decode batches only
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # decode: window -> its mask
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor:
+        """The decode mask, narrowed to the last ``window`` keys of each sequence."""
+        assert self.decode_mask is not None and self.seq_lens is not None
+        if window is None:
+            return self.decode_mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.max_len, device=self.seq_lens.device)
+            inside = key_pos[None, :] >= (self.seq_lens - window)[:, None]
+            mask = self.window_masks[window] = self.decode_mask & inside[:, None, None, :]
+        return mask
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -45,12 +60,14 @@ class TorchAttentionBackend(AttentionBackend):
             starts.append(acc)
             acc += n
         max_len = batch.max_seq_len
-        decode_mask = None
+        decode_mask = seq_lens = None
         if batch.is_decode:
             key_pos = torch.arange(max_len, device=table.device)
-            decode_mask = (key_pos[None, :] < batch.seq_lens.to(table.device)[:, None])[:, None, None, :]
+            seq_lens = batch.seq_lens.to(device=table.device, dtype=torch.int64)
+            decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
         self._batch = batch
-        self._meta = _TorchMeta(slots=slots, starts=starts, decode_mask=decode_mask, max_len=max_len)
+        self._meta = _TorchMeta(slots=slots, starts=starts, decode_mask=decode_mask, max_len=max_len,
+                                seq_lens=seq_lens)
 
     def _meta_for(self, batch: ForwardBatch) -> _TorchMeta:
         if self._batch is not batch or self._meta is None:
@@ -82,36 +99,43 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         meta = self._meta_for(batch)
         kh, d = k_cache.shape[-2:]
         k_flat = k_cache.view(-1, kh, d)  # [S, KH, D]
         v_flat = v_cache.view(-1, kh, d)
         if meta.decode_mask is not None:
-            return self._decode(q, k_flat, v_flat, meta, scale)
+            return self._decode(q, k_flat, v_flat, meta, scale, window)
         out = torch.empty_like(q)
         for i, (prefix, n) in enumerate(zip(batch.prefix_lens_list, batch.extend_lens_list, strict=True)):
             if n == 0:
                 continue
             total = prefix + n
-            slots = meta.slots[i, :total]
+            lo = 0 if window is None else max(0, prefix - window + 1)  # no new token sees a key before lo
+            slots = meta.slots[i, lo:total]
             k = k_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KH, L, D]
             v = v_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
             s = meta.starts[i]
             qi = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             q_pos = torch.arange(prefix, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+            key_pos = torch.arange(lo, total, device=q.device)[None, :]
+            mask = key_pos <= q_pos[:, None]  # [n, L]
+            if window is not None:
+                mask &= key_pos > q_pos[:, None] - window
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s : s + n] = o[0].transpose(0, 1)  # [n, H, D]
         return out
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: _TorchMeta, scale: float
+        q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: _TorchMeta, scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         slots = meta.slots[:, : meta.max_len]  # [B, L]; padding slots are masked out
         k = k_flat[slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, KH, L, D]
         v = v_flat[slots].permute(0, 2, 1, 3).to(q.dtype)
         qb = q.unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        mask = meta.decode_mask_for(window)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)  # [B, H, D]

@@ -52,8 +52,9 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         _check_device(q)
         if batch.is_decode:
-            return decode_attention(q, k_cache, v_cache, batch, scale, splits=batch.decode_splits)
-        return extend_attention(q, k_cache, v_cache, batch, scale)
+            return decode_attention(q, k_cache, v_cache, batch, scale, splits=batch.decode_splits, window=window)
+        return extend_attention(q, k_cache, v_cache, batch, scale, window=window)

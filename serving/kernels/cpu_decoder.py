@@ -9,7 +9,9 @@ model's layers would call), RoPE with K/V stored into the pages, attention over 
 Used (``FusedDecoder.build`` returns it) where every piece has its C++ op: float32 on CPU, the C++
 ops built (serving.kernels.cpu_ext, any variant: all give the same bits), ``--attention-backend
 cpu`` with float32 KV and no lossy L1 round trip, one tensor-parallel rank, and every projection
-fp32, int4 or int8. Elsewhere the model runs its modules as before. A token's result does not
+fp32, int4 or int8, and a Llama-family block in every layer (full attention or a sliding window:
+Mistral; a model class says so with ``fused_cpu_layers``: any other layer kind, norm or activation
+would not be computed exactly). Elsewhere the model runs its modules as before. A token's result does not
 depend on its batch (csrc/decoder.cpp), so prefill, decode and cache hits give the same KV; the
 fused norm and SiLU sum in a fixed order of their own, so its bits differ from the module path's
 (within float rounding), never from one call to the next or from one CPU variant to another.
@@ -69,6 +71,11 @@ class FusedDecoder:
             return None, "no C++ CPU ops"
         if model.lm_head_weight.device.type != "cpu" or model.lm_head_weight.dtype != torch.float32:
             return None, "not float32 on CPU"
+        if not getattr(model, "fused_cpu_layers", False):
+            return None, f"{type(model).__name__} layers are not Llama blocks"
+        specs = model.layer_stack.specs
+        if any(spec.kind.value not in ("full_attention", "sliding_attention") or spec.sinks for spec in specs):
+            return None, "layers other than full or sliding-window attention"
         cfg, layers = model.config, model.model.layers
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         try:
@@ -85,6 +92,9 @@ class FusedDecoder:
                 parts.extend(lin)
             norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
             stack.add_layer(*norms, *parts)
+        for i, spec in enumerate(specs):
+            if spec.window is not None:
+                stack.set_window(i, spec.window)
         return FusedDecoder(stack, float(model.model.norm.eps)), ""
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -1,4 +1,5 @@
-"""Shared Triton pieces: one online-softmax step over a block of paged KV."""
+"""Shared Triton pieces: one online-softmax step over a block of paged KV, and a sliding window's
+first visible key."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def attend_block(
     kstart,
     kv_end,  # keys at positions >= kv_end are masked out
     q_pos,  # [R] absolute position of each query row (for the causal mask)
+    k_lo,  # [R] each row's first visible key (a sliding window's lower bound; 0: none)
     scale,
     stride_slot,
     stride_head,
@@ -44,7 +46,7 @@ def attend_block(
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)  # [N, BLOCK_D]
     s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee") * scale  # [R, N] float32
-    mask = k_ok[None, :]
+    mask = k_ok[None, :] & (kpos[None, :] >= k_lo[:, None])
     if CAUSAL:
         mask = mask & (kpos[None, :] <= q_pos[:, None])
     s = tl.where(mask, s, float("-inf"))
@@ -56,3 +58,9 @@ def attend_block(
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")  # fp8 KV: upcast
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i
+
+
+@triton.jit
+def window_lo(pos, WINDOW):
+    """The first key a query at ``pos`` sees with a sliding window of ``WINDOW`` keys (0: none)."""
+    return tl.where(WINDOW > 0, tl.maximum(pos - WINDOW + 1, 0), 0)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.kernels.triton_common import attend_block, next_pow2
+from serving.kernels.triton_common import attend_block, next_pow2, window_lo
 from serving.structs.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
@@ -32,6 +32,7 @@ def decode_partial_kernel(
     seq_lens,
     extend_start,
     scale,
+    window,  # a sliding window's keys (0: none)
     stride_qt,
     stride_qh,
     stride_pt,
@@ -50,8 +51,9 @@ def decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    wlo = window_lo(seq_len - 1, window)  # the window's first key (0: none); the splits share the rest
+    chunk = tl.cdiv(tl.cdiv(seq_len - wlo, SPLITS), BLOCK_N) * BLOCK_N
+    lo = wlo + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     hh = tl.arange(0, BLOCK_H)
     row_ok = hh < GROUP
@@ -69,9 +71,10 @@ def decode_partial_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32)  # unused: no causal mask in decode
+    k_lo = tl.zeros([BLOCK_H], dtype=tl.int32)  # the loop starts inside the window
     for kstart in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = attend_block(
-            q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, hi, q_pos, scale,
+            q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, hi, q_pos, k_lo, scale,
             stride_slot, stride_head, False, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
         )  # fmt: skip
     empty = l_i == 0.0  # this split had no keys
@@ -127,8 +130,10 @@ def decode_attention(
     scale: float,
     block_n: int = 64,
     splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """``q [T=B, H, D]`` (one new token per sequence) -> ``o [B, H, D]``."""
+    """``q [T=B, H, D]`` (one new token per sequence) -> ``o [B, H, D]``; with ``window``, each over its
+    sequence's last ``window`` keys (the splits share those)."""
     b, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[-2]
     group = num_heads // kv_heads
@@ -142,7 +147,7 @@ def decode_attention(
     part_lse = torch.empty((nb, num_heads, splits), dtype=torch.float32, device=q.device)
     decode_partial_kernel[(nb, kv_heads, splits)](
         q, part_o, part_lse, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.extend_start, scale,
-        q.stride(0), q.stride(1), batch.page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
+        window or 0, q.stride(0), q.stride(1), batch.page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, SPLITS=splits, GROUP=group, PAGE_SIZE=batch.page_size, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_H=next_pow2(group, 16), BLOCK_N=block_n,
     )  # fmt: skip

@@ -9,7 +9,8 @@ bits); larger batches the one-pass kernel here, whose tiles alone fill the GPU.
 One-pass kernel, grid ``(batch, kv_heads, query blocks)``. A program holds ``BLOCK_M`` new
 tokens x the ``GROUP`` query heads sharing one kv head, flattened into ``R = BLOCK_M * BLOCK_H``
 rows, so every K/V block loaded from the pages serves the whole group. Keys of the cached
-prefix are visible to every query (no mask); keys among the new tokens take the causal mask.
+prefix are visible to every query (no mask); keys among the new tokens take the causal mask. A
+sliding window adds a lower bound per row (``window_lo``), and the loops start at the tile's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.kernels.triton_common import attend_block, next_pow2
+from serving.kernels.triton_common import attend_block, next_pow2, window_lo
 from serving.kernels.triton_extend_split import extend_blocks, split_extend_attention
 from serving.structs.forward_batch import ForwardBatch
 
@@ -36,6 +37,7 @@ def _extend_kernel(
     extend_lens,
     extend_start,
     scale,
+    window,  # a sliding window's keys (0: none)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -68,22 +70,24 @@ def _extend_kernel(
         q_off = (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, BLOCK_D]
         q_pos = prefix + tok
+        k_lo = window_lo(q_pos, window)  # [R] each row's first visible key
+        tile_lo = window_lo(prefix + mblock * BLOCK_M, window)  # the tile's first row's: no row sees before
         page_row = page_table + seq.to(tl.int64) * stride_pt
 
         acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
-        # cached prefix: visible to every query
-        for kstart in range(0, prefix, BLOCK_N):
+        # cached prefix: visible to every query (inside its window)
+        for kstart in range(tile_lo, prefix, BLOCK_N):
             acc, m_i, l_i = attend_block(
-                q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, prefix, q_pos, scale,
+                q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, prefix, q_pos, k_lo, scale,
                 stride_slot, stride_head, False, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
             )  # fmt: skip
         # new tokens (already stored in the pages): causal
         kv_end = prefix + tl.minimum(n_new, (mblock + 1) * BLOCK_M)
-        for kstart in range(prefix, kv_end, BLOCK_N):
+        for kstart in range(tl.maximum(prefix, tile_lo), kv_end, BLOCK_N):
             acc, m_i, l_i = attend_block(
-                q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, kv_end, q_pos, scale,
+                q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, kv_end, q_pos, k_lo, scale,
                 stride_slot, stride_head, True, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
             )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -97,11 +101,13 @@ def extend_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (any extend lengths >= 0)."""
+    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (any extend lengths >= 0); with
+    ``window``, each query over the last ``window`` positions up to its own."""
     if batch.extend_bucket is not None or q.shape[0] <= SPLIT_MAX_TOKENS:
-        return split_extend_attention(q, k_cache, v_cache, batch, scale)
-    return one_pass_extend_attention(q, k_cache, v_cache, batch, scale)
+        return split_extend_attention(q, k_cache, v_cache, batch, scale, window=window)
+    return one_pass_extend_attention(q, k_cache, v_cache, batch, scale, window=window)
 
 
 def one_pass_extend_attention(
@@ -112,6 +118,7 @@ def one_pass_extend_attention(
     scale: float,
     block_n: int = 64,
     rows: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The one-pass kernel: a program per (sequence, kv head, block of new tokens)."""
     t, num_heads, head_dim = q.shape
@@ -125,7 +132,7 @@ def one_pass_extend_attention(
     grid = (batch.batch_size, kv_heads, triton.cdiv(max_new, block_m))
     _extend_kernel[grid](
         q, o, k_cache, v_cache, batch.page_table, batch.prefix_lens, batch.extend_lens, batch.extend_start,
-        scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1), batch.page_table.stride(0),
+        scale, window or 0, q.stride(0), q.stride(1), o.stride(0), o.stride(1), batch.page_table.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         GROUP=group, PAGE_SIZE=batch.page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim, 16),
         BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,

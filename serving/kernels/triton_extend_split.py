@@ -22,6 +22,10 @@ which rounds up like every count above the bucket below it), and a chunk's bound
 on the sequence's prefix and the split count. So a batch gives bit-identical attention
 whether it runs eagerly or padded in a graph: the same partials, merged in the same order
 (padding adds no tile).
+
+Sliding window: the splits share the prefix keys from the tile's first visible key
+(``window_lo`` of its first token) on, and each row masks the keys before its own; a function of
+the prefix, the tile and the split count, so the exactness above holds per window.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.kernels.triton_common import attend_block, next_pow2
+from serving.kernels.triton_common import attend_block, next_pow2, window_lo
 from serving.structs.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
@@ -61,7 +65,7 @@ def max_tiles(num_tokens: int, num_seqs: int, block_m: int) -> int:
     return max(1, min(num_tokens, (num_tokens + num_seqs * (block_m - 1)) // block_m))
 
 
-@triton.jit(do_not_specialize=["nseq", "splits"])
+@triton.jit(do_not_specialize=["nseq", "splits", "window"])
 def _extend_partial_kernel(
     q_ptr,
     part_o,  # [T, H, splits + 1, BLOCK_D] float32
@@ -75,6 +79,7 @@ def _extend_partial_kernel(
     nseq,
     splits,
     scale,
+    window,  # a sliding window's keys (0: none)
     stride_qt,
     stride_qh,
     stride_pt,
@@ -102,8 +107,10 @@ def _extend_partial_kernel(
     seq = before >> 16
     mblock = tl.program_id(0) - (before & 65535)
     prefix = tl.load(prefix_lens + seq, mask=seq < nseq, other=0)
-    chunk = ((prefix + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # prefix keys per split
-    lo = split * chunk
+    tile_lo = window_lo(prefix + mblock * BLOCK_M, window)  # no row of the tile sees a key before it
+    wlo = tl.minimum(tile_lo, prefix)  # the splits share the prefix keys wlo .. prefix - 1
+    chunk = ((prefix - wlo + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # prefix keys per split
+    lo = wlo + split * chunk
     if (seq < nseq) & ((split == splits) | (lo < prefix)):  # an empty split writes nothing
         n_new = tl.load(extend_lens + seq)
         start = tl.load(extend_start + seq).to(tl.int64)
@@ -117,6 +124,7 @@ def _extend_partial_kernel(
         q_off = (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, BLOCK_D]
         q_pos = prefix + tok
+        k_lo = window_lo(q_pos, window)  # [R] each row's first visible key
         page_row = page_table + seq.to(tl.int64) * stride_pt
         acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -125,17 +133,18 @@ def _extend_partial_kernel(
             hi = tl.minimum(lo + chunk, prefix)
             for kstart in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = attend_block(
-                    q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, hi, q_pos, scale,
+                    q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, hi, q_pos, k_lo, scale,
                     stride_slot, stride_head, False, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
                 )  # fmt: skip
         else:  # the new tokens (already stored in the pages): causal
             kv_end = prefix + tl.minimum(n_new, (mblock + 1) * BLOCK_M)
-            for kstart in range(prefix, kv_end, BLOCK_N):
+            for kstart in range(tl.maximum(prefix, tile_lo), kv_end, BLOCK_N):
                 acc, m_i, l_i = attend_block(
-                    q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, kv_end, q_pos, scale,
+                    q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, kv_end, q_pos, k_lo, scale,
                     stride_slot, stride_head, True, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
                 )  # fmt: skip
-        # every key of a written split is visible to every real row (the causal part: its own token)
+        # without a window every key of a written split is visible to every real row (the causal part:
+        # its own token); a row that sees none of a split's keys (before its window) writes lse -inf
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
         base = ((start + tok) * NUM_HEADS + head) * (splits + 1) + split  # [R]
@@ -143,7 +152,7 @@ def _extend_partial_kernel(
         tl.store(part_lse + base, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["nseq", "splits"])
+@triton.jit(do_not_specialize=["nseq", "splits", "window"])
 def _extend_merge_kernel(
     part_o,
     part_lse,
@@ -153,6 +162,7 @@ def _extend_merge_kernel(
     extend_start,
     nseq,
     splits,
+    window,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -172,9 +182,10 @@ def _extend_merge_kernel(
     mblock = tl.program_id(0) - (before & 65535)
     if seq < nseq:
         prefix = tl.load(prefix_lens + seq)
-        chunk = ((prefix + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        step = tl.maximum(chunk, 1)  # chunk is 0 without a prefix
-        written = (prefix + step - 1) // step  # prefix splits with keys; then the causal one
+        wlo = tl.minimum(window_lo(prefix + mblock * BLOCK_M, window), prefix)  # as in the partial kernel
+        chunk = ((prefix - wlo + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        step = tl.maximum(chunk, 1)  # chunk is 0 without a prefix (or without one inside the window)
+        written = (prefix - wlo + step - 1) // step  # prefix splits with keys; then the causal one
         n_new = tl.load(extend_lens + seq)
         start = tl.load(extend_start + seq).to(tl.int64)
         rows = tl.arange(0, BLOCK_M * BLOCK_H)
@@ -210,10 +221,11 @@ def split_extend_attention(
     scale: float,
     block_n: int = 64,
     rows: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch. With ``batch.extend_bucket``
-    (a captured graph's ``(tokens, sequences)``) the launch is sized for the bucket and rows of
-    no sequence (padding tokens) are left unwritten; otherwise for this batch."""
+    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (``window``: a sliding window).
+    With ``batch.extend_bucket`` (a captured graph's ``(tokens, sequences)``) the launch is sized for
+    the bucket and rows of no sequence (padding tokens) are left unwritten; otherwise for this batch."""
     t, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
     group = num_heads // kv_heads
@@ -235,13 +247,14 @@ def split_extend_attention(
     part_lse = torch.empty((t, num_heads, splits + 1), dtype=torch.float32, device=q.device)
     _extend_partial_kernel[(tiles, kv_heads, splits + 1)](
         q, part_o, part_lse, k_cache, v_cache, batch.page_table, batch.prefix_lens, batch.extend_lens,
-        batch.extend_start, nseq, splits, scale, q.stride(0), q.stride(1), batch.page_table.stride(0),
+        batch.extend_start, nseq, splits, scale, window or 0, q.stride(0), q.stride(1), batch.page_table.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, PAGE_SIZE=batch.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b,
     )  # fmt: skip
     _extend_merge_kernel[(tiles, kv_heads)](
-        part_o, part_lse, o, batch.prefix_lens, batch.extend_lens, batch.extend_start, nseq, splits, o.stride(0),
+        part_o, part_lse, o, batch.prefix_lens, batch.extend_lens, batch.extend_start, nseq, splits, window or 0,
+        o.stride(0),
         o.stride(1), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b,
     )  # fmt: skip

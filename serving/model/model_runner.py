@@ -75,7 +75,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(model.kv_cache_dtype, self.dtype, backend)
         self.context_len = model.context_length or self.arch.max_position_embeddings
         self.kv_heads = self.model.plan.num_kv_heads  # this rank's (all of them without TP)
-        layout = KVLayout(self.arch.num_hidden_layers, self.kv_heads, self.arch.head_dim, self.kv_dtype)
+        self.layer_stack = self.model.layer_stack  # L1 holds KV for its KV layers (full and sliding) only
+        layout = KVLayout(len(self.layer_stack.kv_layers), self.kv_heads, self.arch.head_dim, self.kv_dtype)
         enc = round_trip_encoding(self.kv_dtype, kv_round_trip, "raw")
         self.attn.kv_round_trip = enc.round_trip if enc.lossy else None
         num_pages = self._num_pages(layout, sched, page_size)
@@ -113,7 +114,7 @@ class ModelRunner:
         """Static extend buffers (and, with ``capture``, CUDA graphs) for (tokens, sequences) ``buckets``
         (``row_buckets``: also for batches asking the logits of every position, see ExtendGraphRunner)."""
         runner = ExtendGraphRunner(
-            self._forward_eager, buckets, self.context_len, self.pool.page_size, self.arch.num_hidden_layers,
+            self._forward_eager, buckets, self.context_len, self.pool.page_size, len(self.layer_stack.kv_layers),
             self.device, capture=capture, row_buckets=row_buckets)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them

@@ -21,6 +21,7 @@ from hicache.tiers.device import DeviceKVPool
 from serving.kernels import cpu_decoder, cpu_fused
 from serving.kernels.attention_base import AttentionBackend
 from serving.models.config import ModelArchConfig
+from serving.models.layer_spec import LayerKind, LayerStack
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope
 from serving.parallel.group import TPGroup
@@ -102,6 +103,7 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionBackend,
+        window: int | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -115,7 +117,7 @@ class Attention(nn.Module):
             k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KH, D]
             v = v.view(t, self.num_kv_heads, self.head_dim)
         attn.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale, window=window)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -173,6 +175,8 @@ _STACKED = {
 class LlamaForCausalLM(nn.Module):
     """Causal LM returning float32 logits of each sequence's last new token."""
 
+    fused_cpu_layers = True  # its layers are what serving.kernels.cpu_decoder computes
+
     def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -182,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.plan.vocab_per_rank, bias=False)
         )
+        self.layer_stack = self.build_layer_stack(cfg)
+        self._kv_of = {i: j for j, i in enumerate(self.layer_stack.kv_layers)}  # model layer -> KV pool layer
         self.rotary = RotaryEmbedding(cfg)
         self.logits_matmul = None  # a quantized LM head's matmul (serving.models.quant); None: float
         self._fused: cpu_decoder.FusedDecoder | None | bool = False  # False: not decided yet
@@ -198,6 +204,24 @@ class LlamaForCausalLM(nn.Module):
                 log.info("CPU decoder: %s", "fused C++ layers" if fused else f"torch modules ({why})")
             self._fused = fused
         return self._fused
+
+    @classmethod
+    def build_layer_stack(cls, cfg: ModelArchConfig) -> LayerStack:
+        """Every layer full attention, or sliding-window layers as HF runs them: Mistral with a
+        non-null ``sliding_window`` (every layer); Qwen2 with ``use_sliding_window`` (the layers
+        ``layer_types`` names, else those from ``max_window_layers`` on)."""
+        raw, n = cfg.raw, cfg.num_hidden_layers
+        window = raw.get("sliding_window")
+        if window is None or (cfg.model_type != "mistral" and not raw.get("use_sliding_window")):
+            return LayerStack.all_full(n)
+        if cfg.model_type == "mistral":
+            return LayerStack.from_kinds([LayerKind.SLIDING.value] * n, int(window))
+        first = int(raw.get("max_window_layers", n))
+        kinds = raw.get("layer_types") or [
+            (LayerKind.SLIDING if i >= first else LayerKind.FULL).value for i in range(n)]
+        if len(kinds) != n or not set(kinds) <= {LayerKind.FULL.value, LayerKind.SLIDING.value}:
+            raise ValueError(f"layer_types {list(kinds)}: expected {n} of full_attention / sliding_attention")
+        return LayerStack.from_kinds(list(kinds), int(window))
 
     @classmethod
     def attention_biases(cls, cfg: ModelArchConfig) -> tuple[bool, bool]:
@@ -223,14 +247,16 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids)  # [T, hidden], the residual stream
         waits = batch.layer_waits
         delta = None  # the last block half's output, not yet added to h (added with the next norm)
+        stack = self.layer_stack
         for i, layer in enumerate(self.model.layers):
+            j = self._kv_of[i]  # its layer in the KV pool
             if waits is not None:
-                waits.before_layer(i)  # this layer's KV loaded back from L2 has landed (GPU-side wait)
+                waits.before_layer(j)  # this layer's KV loaded back from L2 has landed (GPU-side wait)
             if delta is None:
                 x = layer.input_layernorm(h)
             else:
                 x, h = layer.input_layernorm.add_forward(delta, h)
-            delta = layer.self_attn(x, cos, sin, batch, kv.k_buffers[i], kv.v_buffers[i], attn)
+            delta = layer.self_attn(x, cos, sin, batch, kv.k_buffers[j], kv.v_buffers[j], attn, stack.specs[i].window)
             x, h = layer.post_attention_layernorm.add_forward(delta, h)
             delta = layer.mlp(x)
         h = h + delta

@@ -23,13 +23,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "W8A8 linear: Q8_0 weight blocks x per-group int8 activations");
   m.def("rope_qk", &rope_qk, "rotary embedding of q and k from the fused qkv (float32, exact)");
   m.def("store_kv", &store_kv, "copy k/v rows into the caches' flat slots");
-  m.def("paged_attention", &paged_attention, "causal GQA attention over paged float32 KV, one query at a time");
+  m.def("paged_attention", &paged_attention, "causal GQA attention over paged float32 KV, one query at a time",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("seq"),
+        pybind11::arg("nkeys"), pybind11::arg("scale"), pybind11::arg("klo") = pybind11::none());
   namespace py = pybind11;
   // module_local: every variant's module binds the same C++ type; each keeps its own Python class
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
+      .def("set_window", &DecoderStack::set_window)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows in the fused decoder's order");
 }

@@ -1,7 +1,8 @@
 // A Llama-family decoder's layers in one C++ call per forward (serving/kernels/cpu_decoder.py):
 // per layer, residual add + RMSNorm, the qkv projection (+ bias), RoPE on q and k with k and v
 // stored straight into the paged caches, attention over the pages (paged_attention.cpp), o_proj,
-// residual add + RMSNorm, gate_up, SiLU(gate) * up, down -- no Python between the ops.
+// residual add + RMSNorm, gate_up, SiLU(gate) * up, down -- no Python between the ops. A layer may
+// have a sliding window (set_window: Mistral), the attention then reads the window's keys only.
 //
 // Every step is the same bits on every variant of vec.h: the projections are the ops of
 // int8_linear.cpp / group_linear.cpp (or ATen's fp32 linear), RoPE is rope_store.cpp's formula,
@@ -13,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +53,7 @@ struct Linear {
 struct Layer {
   at::Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
+  int64_t window = 0;  // a sliding window (token t sees its last `window` keys); 0: full attention
 };
 
 // y = w * (x * r), r = 1 / sqrt(sum(x^2) / K + eps), the sum in 16 lanes then the fixed tree.
@@ -102,6 +105,11 @@ struct DecoderStack::Impl {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  void set_window(int64_t layer, int64_t window) {
+    TORCH_CHECK(0 <= layer && layer < num_layers() && window >= 0, "set_window: layer or window out of range");
+    layers_[layer].window = window;
+  }
+
   at::Tensor forward(at::Tensor h, c10::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,
                         const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
                         at::Tensor positions, at::Tensor loc, at::Tensor page_table, int64_t page_size,
@@ -127,6 +135,8 @@ struct DecoderStack::Impl {
     auto q = at::empty({T, H, D}, h.options());
     auto attn = at::empty({T, qw}, h.options());
     at::Tensor d = delta.has_value() ? delta->contiguous() : at::Tensor();
+    std::vector<int64_t> lo;  // a sliding window's first key per token, for window lo_window
+    int64_t lo_window = 0;
     for (int64_t i = first; i < last; ++i) {
       const Layer& L = layers_[i];
       const at::Tensor& kc = k_caches[i];
@@ -140,8 +150,18 @@ struct DecoderStack::Impl {
       TORCH_CHECK(qkv.size(1) == qw + 2 * kw, "qkv width");
       rope_store(qkv.data_ptr<float>(), pos, lp, cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.data_ptr<float>(),
                  kc.data_ptr<float>(), vc.data_ptr<float>());
+      const int64_t* klo = nullptr;
+      if (L.window > 0) {  // the first key each token sees: max(0, nkeys - window)
+        if (lo_window != L.window) {
+          lo.resize(meta.nkeys.size());
+          for (size_t t = 0; t < lo.size(); ++t) lo[t] = std::max<int64_t>(0, meta.nkeys[t] - L.window);
+          lo_window = L.window;
+        }
+        klo = lo.data();
+      }
       attention_rows(q.data_ptr<float>(), T, H, D, kc.data_ptr<float>(), vc.data_ptr<float>(), KH, meta.slots.data(),
-                     meta.width, meta.seq.data(), meta.nkeys.data(), static_cast<float>(scale), attn.data_ptr<float>());
+                     meta.width, meta.seq.data(), meta.nkeys.data(), klo, static_cast<float>(scale),
+                     attn.data_ptr<float>());
       d = L.o(attn).contiguous();
       add_rows(hp, d.data_ptr<float>(), T * hidden_);
       rmsnorm_rows(hp, L.norm2.data_ptr<float>(), eps_, T, hidden_, x.data_ptr<float>());
@@ -241,6 +261,8 @@ void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, int64_t qkv_kin
 }
 
 int64_t DecoderStack::num_layers() const { return impl_->num_layers(); }
+
+void DecoderStack::set_window(int64_t layer, int64_t window) { impl_->set_window(layer, window); }
 
 at::Tensor DecoderStack::forward(at::Tensor h, std::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,
                                  const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,

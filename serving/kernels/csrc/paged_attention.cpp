@@ -1,5 +1,5 @@
 // Causal GQA attention over paged float32 KV for every variant of vec.h
-// (serving/kernels/attention_cpu.py).
+// (serving/kernels/attention_cpu.py); with klo, a sliding window: token t sees keys klo[t] .. nkeys[t] - 1.
 //
 // Each (token, query head) is computed from its query and the keys it may see: scores
 // s_j = dot(q, k_j) * scale, p_j = exp(s_j - max s), out = sum_j p_j v_j / sum_j p_j, every sum in
@@ -103,23 +103,26 @@ inline void value_sums(const float* s, int64_t ps, float* acc, int64_t D, int64_
     for (int c = 0; c < chunks; ++c) store16(acc + q * D + c * 16, a[q][c]);
 }
 
+// The first key token t may see: klo[t] (a sliding window), or 0 without klo (full attention).
+inline int64_t lo_of(const int64_t* klo, int64_t t) { return klo == nullptr ? 0 : klo[t]; }
+
 // Tokens [t0, t1) of one sequence (its slots sl) and one kv head: G query heads each at q (token t's
 // at q + t * H * D), keys / values at k / v rows sl[j] * stride, outputs at out like q.
 template <int kChunks>
 void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, const float* k, const float* v,
-            const int64_t* sl, const int64_t* nkeys, int64_t stride, float scale, float* out, std::vector<float>& sc,
-            std::vector<float>& accs) {
+            const int64_t* sl, const int64_t* nkeys, const int64_t* klo, int64_t stride, float scale, float* out,
+            std::vector<float>& sc, std::vector<float>& accs) {
   const int chunks = kChunks > 0 ? kChunks : D / 16;
-  int64_t nmax = 0;
-  for (int64_t t = t0; t < t1; ++t) nmax = std::max(nmax, nkeys[t]);
+  int64_t nmax = 0, kmin = nkeys[t0];
+  for (int64_t t = t0; t < t1; ++t) nmax = std::max(nmax, nkeys[t]), kmin = std::min(kmin, lo_of(klo, t));
   const int64_t padded = (nmax + kBlock - 1) / kBlock * kBlock, nq = (t1 - t0) * G;
   sc.resize(static_cast<size_t>(nq * padded));
-  for (int64_t j0 = 0; j0 < nmax; j0 += kBlock) {  // scores, a block of keys for every query
+  for (int64_t j0 = kmin / kBlock * kBlock; j0 < nmax; j0 += kBlock) {  // scores, a block of keys for every query
     const float* kr[kBlock];
     for (int i = 0; i < kBlock; ++i) kr[i] = k + sl[j0 + i < nmax ? j0 + i : 0] * stride;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = nkeys[t];
-      if (j0 >= n) continue;
+      const int64_t n = nkeys[t], lo = lo_of(klo, t);
+      if (j0 >= n || j0 + kBlock <= lo) continue;
       for (int g = 0; g < G; ++g) {
         const float* qg = q + (t * H + g) * D;
         F16 qv[kMaxChunks], acc[kBlock];
@@ -130,19 +133,20 @@ void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, con
         }
         float* s = sc.data() + ((t - t0) * G + g) * padded + j0;
         reduce_block(acc, scale, s);
-        for (int64_t j = n - j0; j < kBlock; ++j) s[j] = -INFINITY;  // keys it may not see
+        for (int64_t j = n - j0; j < kBlock; ++j) s[j] = -INFINITY;  // keys it may not see: after it,
+        for (int64_t j = 0; j < lo - j0; ++j) s[j] = -INFINITY;      // before its window
       }
     }
   }
   float inv[kRows * kMaxGroup];
   for (int64_t i = 0; i < nq; ++i) {  // p_j = exp(s_j - max) in place, 1 / sum p
     float* s = sc.data() + i * padded;
-    const int64_t pt = (nkeys[t0 + i / G] + 15) / 16 * 16;
+    const int64_t pt = (nkeys[t0 + i / G] + 15) / 16 * 16, pa = lo_of(klo, t0 + i / G) / 16 * 16;
     V vmx = splat(-INFINITY);
-    for (int64_t j = 0; j < pt; j += W) vmx = vmax(vmx, load(s + j));
+    for (int64_t j = pa; j < pt; j += W) vmx = vmax(vmx, load(s + j));
     const V m = splat(reduce_max(vmx));  // exact in any order
     F16 vsum = splat16(0.0f);
-    for (int64_t j = 0; j < pt; j += 16) {
+    for (int64_t j = pa; j < pt; j += 16) {  // the blocks before pa would add exp(-inf) = 0 to each lane
       for (int c = 0; c < 16 / W; ++c) {
         const V e = exp_nonpositive(sub(load(s + j + c * W), m));  // -inf -> 0
         store(s + j + c * W, e);
@@ -153,20 +157,20 @@ void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, con
   }
   accs.assign(static_cast<size_t>(nq * D), 0.0f);
   constexpr int kQ = kChunks == 0 ? 1 : std::max(1, std::min(4, 16 / kChunks));  // 16 accumulators (zmm)
-  for (int64_t j0 = 0; j0 < nmax; j0 += kVChunk) {  // sum p_j v_j in key order, a chunk of values for every query
+  for (int64_t j0 = kmin; j0 < nmax; j0 += kVChunk) {  // sum p_j v_j in key order, a chunk of values for every query
     const int64_t j1 = std::min(nmax, j0 + kVChunk);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t je = std::min(j1, nkeys[t]);
-      if (j0 >= je) continue;
+      const int64_t je = std::min(j1, nkeys[t]), js = std::max(j0, lo_of(klo, t));  // p_j = 0 before the window
+      if (js >= je) continue;
       for (int g = 0; g < G; g += kQ) {  // up to kQ heads of the token at once (independent sums)
         const int64_t i = (t - t0) * G + g;
         const float* s = sc.data() + i * padded;
         float* ai = accs.data() + i * D;
         switch (std::min(kQ, G - g)) {
-          case 4: value_sums<kChunks, 4>(s, padded, ai, D, j0, je, sl, v, stride, chunks); break;
-          case 3: value_sums<kChunks, 3>(s, padded, ai, D, j0, je, sl, v, stride, chunks); break;
-          case 2: value_sums<kChunks, 2>(s, padded, ai, D, j0, je, sl, v, stride, chunks); break;
-          default: value_sums<kChunks, 1>(s, padded, ai, D, j0, je, sl, v, stride, chunks);
+          case 4: value_sums<kChunks, 4>(s, padded, ai, D, js, je, sl, v, stride, chunks); break;
+          case 3: value_sums<kChunks, 3>(s, padded, ai, D, js, je, sl, v, stride, chunks); break;
+          case 2: value_sums<kChunks, 2>(s, padded, ai, D, js, je, sl, v, stride, chunks); break;
+          default: value_sums<kChunks, 1>(s, padded, ai, D, js, je, sl, v, stride, chunks);
         }
       }
     }
@@ -181,12 +185,14 @@ void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, con
 }  // namespace
 
 void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float* k, const float* v, int64_t KH,
-                    const int64_t* slots, int64_t L, const int64_t* seq, const int64_t* nkeys, float scale, float* out) {
+                    const int64_t* slots, int64_t L, const int64_t* seq, const int64_t* nkeys, const int64_t* klo,
+                    float scale, float* out) {
   const int G = static_cast<int>(H / KH);
   std::vector<int64_t> starts;  // runs of up to kRows consecutive tokens of one sequence
   int64_t keys = 0;
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(nkeys[t] >= 1 && nkeys[t] <= L, "a token must see 1 to L keys");
+    TORCH_CHECK(lo_of(klo, t) >= 0 && lo_of(klo, t) < nkeys[t], "a token's window must start at 0 .. its position");
     if (t == 0 || seq[t] != seq[t - 1] || t - starts.back() == kRows) starts.push_back(t);
     keys += nkeys[t];
   }
@@ -201,9 +207,9 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float
       const int64_t* sl = slots + seq[t0] * L;
       float* oh = out + h * G * D;
       switch (D) {
-        case 64: attend<4>(qh, t0, t1, G, H, 64, k + h * D, v + h * D, sl, nkeys, KH * D, scale, oh, sc, accs); break;
-        case 128: attend<8>(qh, t0, t1, G, H, 128, k + h * D, v + h * D, sl, nkeys, KH * D, scale, oh, sc, accs); break;
-        default: attend<0>(qh, t0, t1, G, H, static_cast<int>(D), k + h * D, v + h * D, sl, nkeys, KH * D, scale, oh, sc, accs);
+        case 64: attend<4>(qh, t0, t1, G, H, 64, k + h * D, v + h * D, sl, nkeys, klo, KH * D, scale, oh, sc, accs); break;
+        case 128: attend<8>(qh, t0, t1, G, H, 128, k + h * D, v + h * D, sl, nkeys, klo, KH * D, scale, oh, sc, accs); break;
+        default: attend<0>(qh, t0, t1, G, H, static_cast<int>(D), k + h * D, v + h * D, sl, nkeys, klo, KH * D, scale, oh, sc, accs);
       }
     }
   });
@@ -214,7 +220,7 @@ void check_attention_shape(int64_t H, int64_t KH, int64_t D) {
   TORCH_CHECK(H % KH == 0 && H / KH <= kMaxGroup, "q heads must be a multiple of kv heads (at most 16 per kv head)");
 }
 at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots,
-                              at::Tensor seq, at::Tensor nkeys, double scale) {
+                              at::Tensor seq, at::Tensor nkeys, double scale, std::optional<at::Tensor> klo) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [T, H, D] float32");
   TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.is_contiguous(), "k must be [S, KH, D]");
   TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == at::kFloat && v.is_contiguous(), "v like k");
@@ -222,11 +228,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
   slots = slots.to(at::kLong).contiguous();
   seq = seq.to(at::kLong).contiguous();
   nkeys = nkeys.to(at::kLong).contiguous();
+  at::Tensor lo = klo.has_value() ? klo->to(at::kLong).contiguous() : at::Tensor();
+  TORCH_CHECK(!lo.defined() || lo.numel() == nkeys.numel(), "klo: one per token");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), L = slots.size(1);
   TORCH_CHECK(k.size(2) == D, "q and k disagree on head_dim");
   check_attention_shape(H, KH, D);
   auto out = at::empty({T, H, D}, q.options());
   attention_rows(q.data_ptr<float>(), T, H, D, k.data_ptr<float>(), v.data_ptr<float>(), KH, slots.data_ptr<int64_t>(), L,
-                 seq.data_ptr<int64_t>(), nkeys.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
+                 seq.data_ptr<int64_t>(), nkeys.data_ptr<int64_t>(), lo.defined() ? lo.data_ptr<int64_t>() : nullptr,
+                 static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
