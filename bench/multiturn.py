@@ -76,7 +76,7 @@ def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: 
             if t > 0:
                 ttft.append(r.first_token_time - r.created)
                 prompt_tokens += len(r.input_ids)
-                for k, v in r.cached_by_tier.items():
+                for k, v in r.kv.cached_by_tier.items():
                     hits[k] += v
     elapsed = time.perf_counter() - t_start
     if core.storage is not None:

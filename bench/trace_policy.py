@@ -21,7 +21,7 @@ After every tree call the transfers are drained as the engine does; every L1 -> 
 written on to L3 at once (what a write-back that keeps up does). L3 is modelled as an LRU of
 page keys (a key chains the page's tokens onto its parent's, as hicache.keys does) with
 ``l3_tokens`` of room, stamped on write and read like the LMDB store. Tier capacities are in
-tokens. Hits per tier are counted as the engine counts them (``Req.cached_by_tier``).
+tokens. Hits per tier are counted as the engine counts them (``Req.kv.cached_by_tier``).
 """
 
 from __future__ import annotations

@@ -165,10 +165,10 @@ class Prefetcher:
     def advance(self, req: Req) -> None:
         """Called for every waiting request each step: start its lookup once, start (or
         follow) the fetch once the lookup is in, commit what has landed. Never waits."""
-        op: PrefetchOp | None = req.prefetch
+        op: PrefetchOp | None = req.kv.prefetch
         if op is None:
-            if not req.prefetch_checked:
-                req.prefetch_checked = True
+            if not req.kv.prefetch_checked:
+                req.kv.prefetch_checked = True
                 self._start_lookup(req)
             return
         if op.watching:
@@ -184,9 +184,9 @@ class Prefetcher:
         if op.need < len(op.keys) and f.loaded >= op.offset + op.need:
             # it followed a fetch that has all it had in common, and the store holds more of its
             # prompt: those pages come with a lookup from the new end of its cached prefix
-            req.storage_hit_tokens += self._drop(op) * self.page_size
+            req.kv.storage_hit_tokens += self._drop(op) * self.page_size
             self._unpin(op)
-            req.prefetch = None
+            req.kv.prefetch = None
             self._start_lookup(req)
 
     def _commit_pages(self, f: FetchOp) -> int:
@@ -204,7 +204,7 @@ class Prefetcher:
         lookup = (full - cached) * ps >= self.threshold_tokens
         if lookup:
             d = self.load_policy.decide(full - cached)
-            req.l3_decision = self._decision(full - cached, d, looked_up=False)
+            req.kv.l3_decision = self._decision(full - cached, d, looked_up=False)
             lookup = d.load  # else even if the store held every page, recomputing would be faster: no lookup
         if not lookup and cached * ps < self.threshold_tokens:
             return
@@ -212,7 +212,7 @@ class Prefetcher:
         op.pinned = self._pin(prompt[: cached * ps])
         if lookup:
             op.lookup = self._lookups.submit(self._lookup, op)
-        req.prefetch = op
+        req.kv.prefetch = op
 
     def _pin(self, tokens: list[int]) -> list[int]:
         """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget),
@@ -244,11 +244,11 @@ class Prefetcher:
         if n * ps < self.threshold_tokens or matched < op.start_page * ps:
             self._watch(req, op)  # nothing worth fetching, or the prefix it hangs below is gone
             return
-        first = req.l3_decision  # made before the lookup, for every page the prompt could have
+        first = req.kv.l3_decision  # made before the lookup, for every page the prompt could have
         d = self.load_policy.decide(n, explore=False)
         if not d.load and first is not None and first["reason"] == EXPLORE:
             d = Decision(True, d.load_s, d.recompute_s, EXPLORE)  # an exploration stays one
-        req.l3_decision = self._decision(n, d, looked_up=True)
+        req.kv.l3_decision = self._decision(n, d, looked_up=True)
         if not d.load:
             self._watch(req, op)  # recomputing them is faster than loading them
             return
@@ -308,7 +308,7 @@ class Prefetcher:
                 "reason": d.reason, "est_load_s": d.load_s, "est_recompute_s": d.recompute_s}
 
     def ready(self, req: Req) -> bool:
-        op = req.prefetch
+        op = req.kv.prefetch
         if op is not None and op.watching:  # (the requests admitted before it may have evicted pages)
             op = self._recheck(req, op)
         return op is None or op.watching or self.policy.ready(op, time.monotonic())
@@ -318,18 +318,18 @@ class Prefetcher:
         them up in L3; returns its prefetch now."""
         if self.tree.peek_prefix_len(op.tokens) < op.start_page * self.page_size:
             self._unpin(op)
-            req.prefetch = None
+            req.kv.prefetch = None
             self._start_lookup(req)
-        return req.prefetch
+        return req.kv.prefetch
 
     def finish(self, req: Req) -> int:
         """Stop the request's prefetch and commit what has landed into L2; returns the pages
         of its prefix that came from L3 with it. Never waits: host pages of a read still in
         flight are freed later."""
-        op: PrefetchOp | None = req.prefetch
+        op: PrefetchOp | None = req.kv.prefetch
         if op is None:
             return 0
-        req.prefetch = None
+        req.kv.prefetch = None
         op.cancel.set()
         self._unpin(op)  # the request matches right after: its prefix is locked from then on
         if op.fetch is None:  # watching, looking up or waiting for L2 room: nothing allocated
@@ -363,9 +363,9 @@ class Prefetcher:
         """Raise AssertionError unless ``reqs`` (every waiting and running request) hold exactly the
         fetches counted as held, each fetch's users match, its node is locked and ``committed <=
         loaded``, and the host pages held by fetches and drains are allocated, none held twice."""
-        started = [r.prefetch for r in reqs if r.prefetch is not None and r.prefetch.fetch is not None]
+        started = [r.kv.prefetch for r in reqs if r.kv.prefetch is not None and r.kv.prefetch.fetch is not None]
         assert self._fetching == len(started), f"prefetch: {self._fetching} fetches counted, {len(started)} held"
-        pinned = [p for r in reqs if r.prefetch is not None for p in r.prefetch.pinned]
+        pinned = [p for r in reqs if r.kv.prefetch is not None for p in r.kv.prefetch.pinned]
         assert self._pinned == len(pinned), f"prefetch: {self._pinned} L2 pins counted, {len(pinned)} held"
         assert all(self.tree.host.is_allocated(p) for p in pinned), "prefetch: a pinned L2 page is free"
         holds: dict[int, int] = {}

@@ -22,7 +22,7 @@ class ReqCache:
     Concurrency contract: single-threaded (the scheduler's). A request may compute on its
     matched pages only once :meth:`poll_load` says so: that covers the L2 -> L1 load the
     request started itself *and* every load still filling pages it found as L1 hits
-    (``Req.wait_loads``, the match's pending loads). Nothing here blocks on a copy except a
+    (``ReqKV.wait_loads``, the match's pending loads). Nothing here blocks on a copy except a
     release, which commits its own load (an in-memory copy, never storage I/O).
 
     Waiting for L1 room: a new request whose L2 hit (one the tree would load back) cannot be
@@ -101,25 +101,25 @@ class ReqCache:
             m = self.tree.load_back(match)
             self.flush_transfers()  # the controller binds the load's PendingLoad
             if m is not match:
-                req.load_node = m.last_device_node
-            elif not req.admitted and self._wait_for_l1(req, match):
+                req.kv.load_node = m.last_device_node
+            elif not req.kv.admitted and self._wait_for_l1(req, match):
                 self._refuse.add(req.rid)
         self._holders.add(req.rid)
-        req.wait_loads = m.pending_loads
+        req.kv.wait_loads = m.pending_loads
         self.tree.lock(m.last_device_node)
-        req.lock_node = m.last_device_node
+        req.kv.lock_node = m.last_device_node
         if self.storage is not None:
             self.storage.on_hit(m.last_device_node)
-        req.pages = list(m.device_pages)
-        req.tree_pages = len(req.pages)
-        req.kv_len = req.tree_pages * self.page_size
-        if not req.admitted:
-            req.admitted = True
-            req.cached_tokens = req.kv_len
+        req.kv.pages = list(m.device_pages)
+        req.kv.tree_pages = len(req.kv.pages)
+        req.kv.kv_len = req.kv.tree_pages * self.page_size
+        if not req.kv.admitted:
+            req.kv.admitted = True
+            req.kv.cached_tokens = req.kv.kv_len
             # pages from L3 end the prefix; the prefetch may already have loaded them on to L1
-            storage = min(req.storage_hit_tokens, req.kv_len)
-            device = min(match.device_hit_tokens, req.kv_len - storage)
-            req.cached_by_tier = {"device": device, "host": req.kv_len - device - storage, "storage": storage}
+            storage = min(req.kv.storage_hit_tokens, req.kv.kv_len)
+            device = min(match.device_hit_tokens, req.kv.kv_len - storage)
+            req.kv.cached_by_tier = {"device": device, "host": req.kv.kv_len - device - storage, "storage": storage}
 
     def _wait_for_l1(self, req: Req, match: MatchResult) -> bool:
         """Whether ``req`` should wait for L1 room rather than recompute its L2 hit now."""
@@ -135,26 +135,26 @@ class ReqCache:
     def poll_load(self, req: Req, wait: bool = False) -> bool:
         """True when the request may run a forward pass over its pages: every load filling
         them has landed, or is a layered GPU load whose per-layer events the pass will wait
-        for (:meth:`layer_waits`; those loads stay in ``req.wait_loads`` until they land).
+        for (:meth:`layer_waits`; those loads stay in ``req.kv.wait_loads`` until they land).
         The request's own load is committed to the tree only once it has landed. ``wait``
         blocks until every load has landed."""
-        if req.wait_loads:
+        if req.kv.wait_loads:
             if wait:
-                for p in req.wait_loads:
+                for p in req.kv.wait_loads:
                     p.wait()
-            if not all(p.done() for p in req.wait_loads):
-                return all(p.layer_events() is not None for p in req.wait_loads)
-            req.wait_loads = ()
-        if req.load_node is not None:
-            self.tree.finish_load(req.load_node)
-            req.load_node = None
+            if not all(p.done() for p in req.kv.wait_loads):
+                return all(p.layer_events() is not None for p in req.kv.wait_loads)
+            req.kv.wait_loads = ()
+        if req.kv.load_node is not None:
+            self.tree.finish_load(req.kv.load_node)
+            req.kv.load_node = None
         return True
 
     @staticmethod
     def layer_waits(reqs: list[Req]) -> LayerWaits | None:
         """The per-layer events of loads still landing in pages these requests read (every
         request here passed :meth:`poll_load`, so each such load has them)."""
-        loads = [p.layer_events() for r in reqs for p in r.wait_loads if not p.done()]
+        loads = [p.layer_events() for r in reqs for p in r.kv.wait_loads if not p.done()]
         return LayerWaits(loads) if loads else None
 
     # -- L3 prefetch (no-ops without a storage tier) -------------------------------------
@@ -166,34 +166,59 @@ class ReqCache:
         return self.storage is None or self.storage.prefetch_ready(req)
 
     def finish_prefetch(self, req: Req) -> None:
-        if self.storage is not None and req.prefetch is not None:
-            req.storage_hit_tokens += self.storage.finish_prefetch(req) * self.page_size
+        if self.storage is not None and req.kv.prefetch is not None:
+            req.kv.storage_hit_tokens += self.storage.finish_prefetch(req) * self.page_size
 
     def poll(self) -> None:
         if self.storage is not None:
             self.storage.poll()
 
     def reserve(self, req: Req, upto_len: int) -> bool:
-        """Make ``req.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
+        """Make ``req.kv.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
         if req.rid in self._refuse:
             return False  # it waits for L1 room (admit): the scheduler releases it and stops admitting
-        need = -(-upto_len // self.page_size) - len(req.pages)
+        need = -(-upto_len // self.page_size) - len(req.kv.pages)
         if need <= 0:
             return True
         pages = self.alloc(need)
         if pages is None:
             return False
-        req.pages.extend(pages)
+        req.kv.pages.extend(pages)
         return True
 
     def trim(self, req: Req, keep_len: int) -> None:
         """Give back the request's own pages past those positions ``< keep_len`` need (speculative
         decoding: the pages of rejected drafts)."""
-        keep = max(req.tree_pages, -(-keep_len // self.page_size))
-        if len(req.pages) > keep:
-            extra = req.pages[keep:]
-            del req.pages[keep:]
+        keep = max(req.kv.tree_pages, -(-keep_len // self.page_size))
+        if len(req.kv.pages) > keep:
+            extra = req.kv.pages[keep:]
+            del req.kv.pages[keep:]
             self.allocator.free(extra)
+
+    def advance(self, req: Req, n: int) -> None:
+        """A forward pass computed the KV of ``req``'s next ``n`` positions (into its reserved pages)."""
+        req.kv.kv_len += n
+
+    def take_prompt(self, req: Req, reuse_prefix: bool) -> bool:
+        """Pages for ``req``'s whole prompt, for KV computed elsewhere (a PD decode server): with
+        ``reuse_prefix`` its cached prefix first (matched and locked as any admission, so only the rest
+        is sent), then fresh pages for the rest. False: no room now (nothing held; retry later)."""
+        if reuse_prefix:
+            self.admit(req, self.match(req))
+        if self.reserve(req, len(req.input_ids)):
+            req.kv.admitted = True
+            return True
+        self.release(req)  # no room yet: give the prefix back
+        req.kv.admitted = False
+        return False
+
+    def prompt_arrived(self, req: Req, cached_tokens: int, cached_by_tier: dict[str, int]) -> None:
+        """The KV of ``req``'s whole prompt has arrived in its pages (:meth:`take_prompt`), with the
+        cache hit of the server that computed it (what the user saved)."""
+        kv = req.kv
+        kv.kv_len = len(req.input_ids)
+        kv.cached_tokens = cached_tokens
+        kv.cached_by_tier = dict(cached_by_tier)
 
     def release(self, req: Req) -> None:
         """Give the request's pages back: full computed pages go into the tree (cached,
@@ -203,24 +228,24 @@ class ReqCache:
         self._holders.discard(req.rid)
         if req.rid in self._refuse:  # put back to wait for L1 room: its prefix is pinned again
             self._refuse.discard(req.rid)
-            req.prefetch_checked = False
+            req.kv.prefetch_checked = False
         else:
             self._l1_waits.pop(req.rid, None)
-        if req.lock_node is None and not req.pages:
+        if req.kv.lock_node is None and not req.kv.pages:
             return
-        full = req.kv_len // self.page_size
+        full = req.kv.kv_len // self.page_size
         tokens = req.fill_ids[: full * self.page_size]
-        dup = self.tree.insert(tokens, req.pages[:full]) if full else []
-        to_free = list(dup) + req.pages[full:]
-        if req.lock_node is not None:
-            self.tree.unlock(req.lock_node)
+        dup = self.tree.insert(tokens, req.kv.pages[:full]) if full else []
+        to_free = list(dup) + req.kv.pages[full:]
+        if req.kv.lock_node is not None:
+            self.tree.unlock(req.kv.lock_node)
         if req.session_id is not None and full and req.session_id in self.tree.sessions:
             node, _ = self.tree.lookup(tokens)  # read-only: no hit counts, no backups
             self.tree.attach_session(req.session_id, node)
         self.flush_transfers()
         if to_free:
             self.allocator.free(to_free)
-        req.lock_node = None
-        req.pages = []
-        req.tree_pages = 0
-        req.kv_len = 0
+        req.kv.lock_node = None
+        req.kv.pages = []
+        req.kv.tree_pages = 0
+        req.kv.kv_len = 0

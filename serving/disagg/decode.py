@@ -78,7 +78,7 @@ class DecodeRole(PDRole):
         if req.pd is None or self.sched.cache.storage is None:
             return False
         cache = self.sched.cache
-        tokens = req.fill_ids[: req.kv_len - req.kv_len % self.page_size]
+        tokens = req.fill_ids[: req.kv.kv_len - req.kv.kv_len % self.page_size]
         cache.release(req)
         if tokens:
             cache.tree.backup_prefix(tokens)
@@ -154,20 +154,12 @@ class DecodeRole(PDRole):
     # -- internals ------------------------------------------------------------------------
     def _take_pages(self, req: Req) -> bool:
         """Pages for the whole prompt: the cached prefix (radix cache on) plus fresh ones."""
-        cache = self.sched.cache
-        if self.use_radix:
-            cache.admit(req, cache.match(req))
-        if cache.reserve(req, len(req.input_ids)):
-            req.admitted = True
-            return True
-        cache.release(req)  # no room yet: give the prefix back, try again next step
-        req.admitted = False
-        return False
+        return self.sched.cache.take_prompt(req, self.use_radix)  # no room yet: tried again next step
 
     def _target(self, req: Req) -> DecodeTarget:
         return DecodeTarget(room=req.pd.room, prompt_len=len(req.input_ids), prompt_digest=prompt_digest(req.input_ids),
                             endpoint=self.transport.endpoint(), geometry=self.geometry,
-                            pages=list(req.pages[req.tree_pages:]), skip_pages=req.tree_pages,
+                            pages=list(req.kv.pages[req.kv.tree_pages:]), skip_pages=req.kv.tree_pages,
                             notify_url=f"{self.control.url}/pd/done")
 
     def _register(self, url: str, target: DecodeTarget) -> None:
@@ -200,10 +192,8 @@ class DecodeRole(PDRole):
             self._fail(done.room, 502, why)
             return
         del self.registered[done.room]
-        reused = req.tree_pages
-        req.kv_len = len(req.input_ids)
-        req.cached_tokens = done.cached_tokens  # the prefill side's cache hit: what the user saved
-        req.cached_by_tier = dict(done.cached_by_tier)
+        reused = req.kv.tree_pages
+        self.sched.cache.prompt_arrived(req, done.cached_tokens, done.cached_by_tier)  # the prefill side's hit
         self.counters["received"] += 1
         self.counters["pages_received"] += done.pages
         self.counters["pages_reused"] += reused

@@ -176,7 +176,7 @@ class PrefillRole(PDRole):
         if why is not None:
             raise ValueError(f"KV layouts differ: {why}")
         need = -(-n // self.page_size)
-        src_pages = req.pages[target.skip_pages:need]
+        src_pages = req.kv.pages[target.skip_pages:need]
         if len(src_pages) != len(target.pages) or target.skip_pages > need:
             raise ValueError(f"the decode server offered {len(target.pages)} pages after {target.skip_pages}; "
                              f"the prompt needs {need - target.skip_pages}")
@@ -185,8 +185,8 @@ class PrefillRole(PDRole):
         if len(src):  # the transport coalesces neighbouring chunks
             self.transport.write(target.endpoint, src, dst, [self.geometry.chunk] * len(src))
         dt = time.perf_counter() - t0
-        return KVDone(target.room, True, first_token=req.output_ids[0], cached_tokens=req.cached_tokens,
-                      cached_by_tier=dict(req.cached_by_tier), pages=len(src_pages),
+        return KVDone(target.room, True, first_token=req.output_ids[0], cached_tokens=req.kv.cached_tokens,
+                      cached_by_tier=dict(req.kv.cached_by_tier), pages=len(src_pages),
                       nbytes=len(src) * self.geometry.chunk, transfer_s=dt, logprobs=lp)
 
     def _notify(self, target: DecodeTarget, done: KVDone) -> bool:

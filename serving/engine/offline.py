@@ -72,10 +72,10 @@ def output_dict(core: EngineCore, r: Req) -> dict[str, Any]:
             "id": r.rid,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.output_ids),
-            "cached_tokens": r.cached_tokens,
-            "cached_tokens_details": dict(r.cached_by_tier),
+            "cached_tokens": r.kv.cached_tokens,
+            "cached_tokens_details": dict(r.kv.cached_by_tier),
             "finish_reason": r.finish_reason,
-            **({"l3_decision": r.l3_decision} if r.l3_decision else {}),
+            **({"l3_decision": r.kv.l3_decision} if r.kv.l3_decision else {}),
             **(r.spec.meta() if r.spec is not None else {}),  # speculative decoding (SGLang's spec_* fields)
         },
     }

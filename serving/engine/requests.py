@@ -152,9 +152,9 @@ class RequestTable:
                     offset=start,
                     new_ids=list(r.output_ids[start:n]),
                     prompt_tokens=len(r.input_ids),
-                    cached_tokens=r.cached_tokens,
-                    cached_by_tier=dict(r.cached_by_tier),
-                    l3_decision=r.l3_decision,
+                    cached_tokens=r.kv.cached_tokens,
+                    cached_by_tier=dict(r.kv.cached_by_tier),
+                    l3_decision=r.kv.l3_decision,
                     finish_reason=r.finish_reason,
                     logprobs=r.logprob.take_new(r.output_ids) if r.logprob is not None else None,
                     spec=r.spec.meta() if r.spec is not None else None,
@@ -168,8 +168,8 @@ class RequestTable:
         live = self.live.pop(rid, None)
         if live is not None:
             self.finished += 1
-            if live.req.admitted:
-                self.core.ledger.record(live.req.tenant, len(live.req.input_ids), live.req.cached_by_tier)
+            if live.req.kv.admitted:
+                self.core.ledger.record(live.req.tenant, len(live.req.input_ids), live.req.kv.cached_by_tier)
         if live is not None and live.req.session_id is not None:
             sid = live.req.session_id
             if sid in self.core.sessions and not any(lv.req.session_id == sid for lv in self.live.values()):
@@ -182,7 +182,7 @@ class RequestTable:
         sched = self.core.scheduler
         queued = {id(r) for r in sched.waiting} | {id(r) for r in sched.running}
         affected = list(sched.running) + [
-            r for r in sched.waiting if r.pages or r.lock_node is not None or r.prefetch is not None
+            r for r in sched.waiting if r.kv.pages or r.kv.lock_node is not None or r.kv.prefetch is not None
         ]
         # taken out of the queues mid-step and never finished: nobody would ever answer them
         affected += [lv.req for lv in self.live.values() if id(lv.req) not in queued and not lv.req.finished]

@@ -178,9 +178,9 @@ def plan_prompt_rows(batch: list[tuple[Any, int]]) -> list[tuple[LogprobState, l
     for r, n in batch:
         st = r.logprob
         if st is not None and not st.prompt_done:
-            pos = st.positions(r.kv_len, n)
+            pos = st.positions(r.kv.kv_len, n)
             if len(pos):
-                plan.append((st, [offset + p - r.kv_len for p in pos], [r.input_ids[p + 1] for p in pos]))
+                plan.append((st, [offset + p - r.kv.kv_len for p in pos], [r.input_ids[p + 1] for p in pos]))
         offset += n
     return plan
 

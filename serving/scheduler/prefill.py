@@ -58,8 +58,8 @@ class PrefillPlanner:
         room = budget - held
         chunks: list[tuple[Req, int]] = []
         for r in going:
-            n = min(r.seq_len - r.kv_len, room)
-            if n <= 0 or not s.cache.reserve(r, r.kv_len + n):
+            n = min(r.seq_len - r.kv.kv_len, room)
+            if n <= 0 or not s.cache.reserve(r, r.kv.kv_len + n):
                 continue
             chunks.append((r, n))
             room -= n
@@ -102,19 +102,19 @@ class PrefillPlanner:
                 continue  # its L3 prefetch is still worth waiting for (prefetch policy)
             s.cache.finish_prefetch(r)
             match = s.cache.match(r)
-            first = not r.admitted
+            first = not r.kv.admitted
             s.cache.admit(r, match)
-            n = min(r.seq_len - r.kv_len, budget)
-            if not s.cache.reserve(r, r.kv_len + n):
+            n = min(r.seq_len - r.kv.kv_len, budget)
+            if not s.cache.reserve(r, r.kv.kv_len + n):
                 s.cache.release(r)
                 if first:
-                    r.admitted = False
+                    r.kv.admitted = False
                 break
             s.waiting.remove(r)
             s.running.append(r)
             if first:
-                s.stats.cached_tokens += r.cached_tokens
-                for tier, v in r.cached_by_tier.items():
+                s.stats.cached_tokens += r.kv.cached_tokens
+                for tier, v in r.kv.cached_by_tier.items():
                     s.stats.cached_by_tier[tier] += v
             if not s.cache.poll_load(r):
                 continue  # runs once its L2 -> L1 copy is in (CPU); the budget stays free meanwhile

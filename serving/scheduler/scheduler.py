@@ -140,10 +140,10 @@ class Scheduler:
 
     def start_decoding(self, r: Req, first_token: int) -> None:
         """A request whose prompt KV was computed elsewhere (a PD decode server): its pages
-        hold the prompt's KV (``r.kv_len == len(r.input_ids)``); it decodes from ``first_token``."""
+        hold the prompt's KV (``r.kv.kv_len == len(r.input_ids)``); it decodes from ``first_token``."""
         self.running.append(r)
-        self.stats.cached_tokens += r.cached_tokens
-        for tier, v in r.cached_by_tier.items():
+        self.stats.cached_tokens += r.kv.cached_tokens
+        for tier, v in r.kv.cached_by_tier.items():
             self.stats.cached_by_tier[tier] = self.stats.cached_by_tier.get(tier, 0) + v
         self._finished_outside_step.append(r)  # reported as updated by this step
         self._append_token(r, first_token)
@@ -194,8 +194,8 @@ class Scheduler:
         updated = early + updated
         if not batch_reqs:
             return updated + (self._overlap.resolve() if overlap else [])
-        seqs = [(r.model_ids(r.kv_len, r.kv_len + n) if n == 1 or spec is None or not spec.drafts(r)
-                 else r.model_ids(r.kv_len, r.kv_len + 1) + spec.drafts(r), r.kv_len, r.pages)
+        seqs = [(r.model_ids(r.kv.kv_len, r.kv.kv_len + n) if n == 1 or spec is None or not spec.drafts(r)
+                 else r.model_ids(r.kv.kv_len, r.kv.kv_len + 1) + spec.drafts(r), r.kv.kv_len, r.kv.pages)
                 for r, n in batch_reqs]
         fb = ForwardBatch.build(seqs, self.page_size, self.device)
         fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])
@@ -209,7 +209,7 @@ class Scheduler:
             fb = self._overlap.prepare(fb)
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
         if self.grammar is not None:
-            masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv_len + n == r.seq_len])
+            masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv.kv_len + n == r.seq_len])
         # a batch whose layers wait for loads (L2/L3 -> L1) would time the loads, not the prefill
         timed = self._step_prefill and self.prefill_timer is not None and fb.layer_waits is None
         if timed:
@@ -227,8 +227,8 @@ class Scheduler:
                 drafted.append((r, i, verify_at))
                 verify_at += n - 1
                 continue
-            r.kv_len += n
-            if r.kv_len == r.seq_len:
+            self.cache.advance(r, n)
+            if r.kv.kv_len == r.seq_len:
                 done_rows.append(i)
         if overlap:  # sample on the GPU; this step's tokens are read in the next step
             return updated + self._overlap.finish(logits, done_rows, [batch_reqs[i][0] for i in done_rows])
@@ -308,13 +308,13 @@ class Scheduler:
         # a request whose pending token is its last by length gets no decode: the overlapped step
         # would compute a token that is dropped (for one-token requests, a second forward pass each)
         decode = [r for r in self.running
-                  if not r.prefilling and r.kv_len == r.seq_len - 1 and self.cache.poll_load(r)
+                  if not r.prefilling and r.kv.kv_len == r.seq_len - 1 and self.cache.poll_load(r)
                   and not StopChecker.ends_by_length(r, self.context_len)]
         ready: list[Req] = []
         for r in decode:
             if r not in self.running:  # retracted below to make room for an earlier one
                 continue
-            while not self.cache.reserve(r, r.kv_len + 1):
+            while not self.cache.reserve(r, r.kv.kv_len + 1):
                 if len(self.running) == 1:  # alone and still no room: the pool is too small
                     self.running.remove(r)
                     self._finish(r, {"type": "length", "length": len(r.output_ids)})

@@ -127,7 +127,7 @@ class SpeculativeWorker:
             if r.grammar is not None:
                 drafts = self._grammar_filter(r, drafts)
             drafts = drafts[: self._room(r)]
-            if drafts and self.cache.reserve(r, r.kv_len + 1 + len(drafts)):
+            if drafts and self.cache.reserve(r, r.kv.kv_len + 1 + len(drafts)):
                 st.drafts = drafts
                 drafted.append(r)
         if self.grammar is not None and any(r.grammar is not None for r in drafted):
@@ -142,8 +142,8 @@ class SpeculativeWorker:
 
     def _room(self, r: Req) -> int:
         """Drafts that fit the request's pages and the free ones (no eviction, no preemption)."""
-        free = len(r.pages) + self.cache.allocator.num_free
-        return max(0, free * self.page_size - r.kv_len - 1)
+        free = len(r.kv.pages) + self.cache.allocator.num_free
+        return max(0, free * self.page_size - r.kv.kv_len - 1)
 
     @staticmethod
     def _grammar_filter(r: Req, drafts: list[int]) -> list[int]:
@@ -232,10 +232,9 @@ class SpeculativeWorker:
     def _append(self, r: Req, tokens: list[int], rows: torch.Tensor, append: Callable[[Req, int], None]) -> None:
         st = r.spec
         k, accepted = len(st.drafts), len(tokens) - 1
-        start = r.seq_len  # positions start - 1 .. start - 1 + accepted now hold the KV of real tokens
-        n = 0
+        n = 0  # a decode row (kv_len == seq_len - 1): positions seq_len - 1 .. + accepted now hold real tokens' KV
         for i, tok in enumerate(tokens):
-            r.kv_len = start + i
+            self.cache.advance(r, 1)  # position kv_len: the KV of the token before ``tok``
             if r.logprob is not None:
                 r.logprob.record_output(rows[i], tok, r.output_ids)
             append(r, tok)
@@ -254,7 +253,7 @@ class SpeculativeWorker:
         if r.finished:
             st.history = None  # its memory goes now; the counters stay for meta_info
             return
-        self.cache.trim(r, r.kv_len + 1)  # rejected drafts' pages back to the free list
+        self.cache.trim(r, r.kv.kv_len + 1)  # rejected drafts' pages back to the free list
         if r.grammar is not None and self.grammar is not None:
             self.grammar.jump_forward(r, append)  # as after a plainly sampled token
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache import salt
+from serving.structs.req_kv import ReqKV
 from serving.structs.sampling_params import SamplingParams
 
 
@@ -21,22 +22,8 @@ class Req:
     salt_tags: tuple[int, ...] = ()
     tenant: str | None = None
     output_ids: list[int] = field(default_factory=list)
-    # KV state. pages[i] holds positions i*page_size .. (i+1)*page_size-1 of fill_ids.
-    pages: list[int] = field(default_factory=list)
-    tree_pages: int = 0  # leading pages owned by the tree (the locked matched prefix)
-    kv_len: int = 0  # tokens of fill_ids whose KV is in pages
-    lock_node: Any = None  # tree node locked for this request (None: nothing locked)
-    load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
-    wait_loads: tuple = ()  # PendingLoads still filling pages this request reads (see ReqCache.poll_load)
-    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.cache.l3_prefetch.PrefetchOp)
-    prefetch_checked: bool = False
-    storage_hit_tokens: int = 0  # prompt tokens that came from L3 (through L2)
-    l3_decision: dict[str, Any] | None = None  # the load-vs-recompute choice for its L3 pages, if any
+    kv: ReqKV = field(default_factory=ReqKV)  # what the cache holds for it: written by serving/cache only
     pd: Any = None  # serving.disagg.protocol.Bootstrap of a PD request (its prefill server and room)
-    # reporting
-    cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
-    cached_by_tier: dict[str, int] = field(default_factory=dict)
-    admitted: bool = False
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -73,7 +60,7 @@ class Req:
     @property
     def own_pages(self) -> int:
         """Pages held by this request and not (yet) by the tree."""
-        return len(self.pages) - self.tree_pages
+        return self.kv.own_pages
 
     @property
     def finished(self) -> bool:
@@ -81,4 +68,4 @@ class Req:
 
     @property
     def prefilling(self) -> bool:
-        return self.kv_len < self.seq_len - 1
+        return self.kv.kv_len < self.seq_len - 1

@@ -83,7 +83,7 @@ def finish(core, reqs, ref, names) -> None:
 
 
 def fetching(r) -> bool:
-    return r.prefetch is not None and getattr(r.prefetch, "future", None) is not None
+    return r.kv.prefetch is not None and getattr(r.kv.prefetch, "future", None) is not None
 
 
 def test_requests_with_one_prefix_read_it_once(world, tmp_path, slow_lmdb):  # noqa: F811
@@ -106,7 +106,7 @@ def test_requests_with_one_prefix_read_it_once(world, tmp_path, slow_lmdb):  # n
     assert len(store.keys_read) == 12
     st = core.storage_stats()
     assert st["fetches_followed"] == 2 and st["pages_deduplicated"] == 24, st
-    assert all(r.cached_by_tier["storage"] == 48 for r in reqs), [r.cached_by_tier for r in reqs]
+    assert all(r.kv.cached_by_tier["storage"] == 48 for r in reqs), [r.kv.cached_by_tier for r in reqs]
     eng.shutdown()
 
 
@@ -125,11 +125,11 @@ def test_a_follower_fetches_the_rest_of_its_prefix_itself(world, tmp_path, slow_
     long = core.make_request(input_ids=prompts["long"], sampling_params=GREEDY)
     core.add(long)
     step_until(core, lambda: fetching(long), "long follows a's fetch")
-    assert long.prefetch.fetch is a.prefetch.fetch and long.prefetch.need == 12
+    assert long.kv.prefetch.fetch is a.kv.prefetch.fetch and long.kv.prefetch.need == 12
     store.release()
     finish(core, [a, long], ref, ["a", "long"])
     assert len(store.keys_read) == 22 and max(store.keys_read.values()) == 1, store.keys_read
-    assert long.cached_by_tier["storage"] == 88 and a.cached_by_tier["storage"] == 48
+    assert long.kv.cached_by_tier["storage"] == 88 and a.kv.cached_by_tier["storage"] == 48
     eng.shutdown()
 
 
@@ -149,13 +149,13 @@ def test_fetches_of_different_prompts_are_read_at_once(world, tmp_path, slow_lmd
 
     def both_read() -> bool:
         held = {k for keys in list(store.held) for k in keys}
-        return all(r.prefetch is not None and held & set(r.prefetch.keys) for r in reqs)
+        return all(r.kv.prefetch is not None and held & set(r.kv.prefetch.keys) for r in reqs)
 
     step_until(core, both_read, "reads of both fetches in flight at once")
     store.release()
     finish(core, reqs, ref, names)
     assert max(store.keys_read.values()) == 1
-    assert all(r.cached_by_tier["storage"] > 0 for r in reqs), [r.cached_by_tier for r in reqs]
+    assert all(r.kv.cached_by_tier["storage"] > 0 for r in reqs), [r.kv.cached_by_tier for r in reqs]
     eng.shutdown()
 
 
@@ -203,8 +203,8 @@ def test_a_turn_of_returning_conversations_loads_instead_of_recomputing(tmp_path
     turn1 = [core.make_request(input_ids=b, sampling_params={**GREEDY, "max_new_tokens": 3}) for b in back]
     run_all(core, turn1)
     assert [r.output_ids for r in turn1] == ref
-    found = [r.cached_tokens >= 40 for r in turn1]
-    assert sum(found) >= 12, [r.cached_by_tier for r in turn1]
+    found = [r.kv.cached_tokens >= 40 for r in turn1]
+    assert sum(found) >= 12, [r.kv.cached_by_tier for r in turn1]
     core.storage.poll(wait=True)
     core.check_integrity()
     assert all(n.lock_ref == 0 for n in core.tree.nodes())

@@ -88,7 +88,7 @@ def test_decode_advances_while_the_store_sleeps(model, tmp_path, slow_lmdb):  # 
         if waiter in core.scheduler.waiting and not runner.finished:
             tokens_while_waiting += len(runner.output_ids) - n
     assert waiter.finished and waiter.output_ids == ref
-    assert waiter.cached_by_tier["storage"] > 0, waiter.cached_by_tier
+    assert waiter.kv.cached_by_tier["storage"] > 0, waiter.kv.cached_by_tier
     assert store.calls["exists"] >= 1 and store.calls["get"] >= 1  # 4 s of store calls in all
     assert longest < 1.0, f"a step took {longest:.2f} s: it waited on the store"
     assert tokens_while_waiting >= 10, tokens_while_waiting

@@ -150,10 +150,10 @@ def run_waves(world, tmp_path, backend, write, layout, prefetch, device):
                 if was_aborted:
                     continue
                 answered += 1
-                for tier, n in r.cached_by_tier.items():
+                for tier, n in r.kv.cached_by_tier.items():
                     by_tier[tier] += n
                 if r.output_ids != ref[tuple(r.input_ids)]:
-                    wrong.append((wave, r.cached_by_tier, r.output_ids, ref[tuple(r.input_ids)]))
+                    wrong.append((wave, r.kv.cached_by_tier, r.output_ids, ref[tuple(r.input_ids)]))
             core.check_integrity()
         l3 = core.storage_stats()
         print(f"{device} {write}/{layout}/{prefetch}: {answered} answers, cached tokens by tier {by_tier}, "

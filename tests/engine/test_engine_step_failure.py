@@ -126,7 +126,7 @@ def test_failed_forward_fails_only_its_requests(tiny):
     sched = core.scheduler
     assert {r.rid for r in sched.running} == {"A", "B"}
     assert {r.rid for r in sched.waiting} == {"C", "D"}
-    assert all(not r.pages and r.lock_node is None for r in sched.waiting)
+    assert all(not r.kv.pages and r.kv.lock_node is None for r in sched.waiting)
     sched.forward = raise_once(sched.forward, RuntimeError("injected forward failure"))
     d.tick()  # the failing step
     assert set(d.errors) == {"A", "B"}

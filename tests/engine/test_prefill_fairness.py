@@ -7,7 +7,7 @@ remaining chunks (it finishes before the long prompt's prefill does). The long p
 half of every step's prefill budget, so a short request arriving at every step cannot starve it. A
 second long prompt waits for the first one's prefill (one prompt in chunks at a time). The same with
 overlap scheduling (its tokens one pass late). Every greedy output is token-identical to the same
-request run alone. Counted in forward passes (each ``step()`` runs one; ``Req.kv_len`` says what
+request run alone. Counted in forward passes (each ``step()`` runs one; ``Req.kv.kv_len`` says what
 each pass computed), never timed.
 """
 
@@ -60,21 +60,21 @@ def test_a_short_request_runs_beside_a_long_prefill(tiny, policy):
     core = engine(tiny, policy).core
     long_r = submit(core, long_p, 8)
     core.step()
-    assert long_r.kv_len == CHUNK  # its first chunk ran
+    assert long_r.kv.kv_len == CHUNK  # its first chunk ran
     short_r = submit(core, short_p, 12)
     steps, first_at, done_at = 0, None, None
     while not long_r.finished:
-        before = long_r.kv_len
+        before = long_r.kv.kv_len
         core.step()
         steps += 1
         core.check_integrity()
-        if not long_r.finished and long_r.kv_len < len(long_p):  # prefilling: at least half of each pass
-            assert long_r.kv_len - before >= CHUNK // 2
+        if not long_r.finished and long_r.kv.kv_len < len(long_p):  # prefilling: at least half of each pass
+            assert long_r.kv.kv_len - before >= CHUNK // 2
         if first_at is None and short_r.output_ids:
             first_at = steps
-            assert short_r.kv_len == len(short_p)  # its whole prompt in that one pass
+            assert short_r.kv.kv_len == len(short_p)  # its whole prompt in that one pass
         if done_at is None and short_r.finished:
-            done_at, long_then = steps, long_r.kv_len
+            done_at, long_then = steps, long_r.kv.kv_len
     assert first_at == 1, f"the short request's first token came {first_at} passes after it arrived"
     assert long_then < len(long_p), "its decode steps ran beside the long prompt's remaining chunks"
     assert done_at == 12  # one pass per token: prefill, then 11 decodes, none skipped
@@ -93,7 +93,7 @@ def test_beside_a_long_prefill_with_overlap_scheduling(tiny):
     core.step()
     short_r = submit(core, short_p, 10)
     core.step()
-    assert short_r.kv_len == len(short_p) and long_r.kv_len < len(long_p)
+    assert short_r.kv.kv_len == len(short_p) and long_r.kv.kv_len < len(long_p)
     core.step()
     assert short_r.output_ids
     while core.scheduler.has_work:
@@ -110,14 +110,14 @@ def test_short_requests_every_step_cannot_starve_the_long_one(tiny):
     core.step()
     shorts: list[tuple[object, list[int], int]] = []  # (request, prompt, the pass it arrived before)
     steps = 0
-    while long_r.kv_len < len(long_p):
+    while long_r.kv.kv_len < len(long_p):
         p = ids(3 + steps % 5, 100 + steps)
         shorts.append((submit(core, p, 3), p, steps + 1))
-        before = long_r.kv_len
+        before = long_r.kv.kv_len
         core.step()
         steps += 1
         core.check_integrity()
-        assert long_r.kv_len - before >= CHUNK // 2 or long_r.kv_len == len(long_p)
+        assert long_r.kv.kv_len - before >= CHUNK // 2 or long_r.kv.kv_len == len(long_p)
         for r, _, arrived in shorts:
             if steps - arrived >= 1:
                 assert r.output_ids, f"a short request still waits {steps - arrived + 1} passes after it arrived"
@@ -140,8 +140,8 @@ def test_a_second_long_prompt_waits_its_turn(tiny):
     s = submit(core, s_p, 3)
     core.step()
     assert s.output_ids, "the short request waits behind the long one queued before it"
-    while a.kv_len < len(a_p):
-        assert b.kv_len == 0 and b in core.scheduler.waiting  # one prompt in chunks at a time
+    while a.kv.kv_len < len(a_p):
+        assert b.kv.kv_len == 0 and b in core.scheduler.waiting  # one prompt in chunks at a time
         core.step()
     while core.scheduler.has_work:
         core.step()

@@ -58,8 +58,8 @@ def drive(eng: Engine, ps: list[list[int]], sps: list[dict], session_id: str | N
         core.step()
         core.check_integrity()
         for r in core.scheduler.running:
-            if r.kv_len == r.seq_len - 1:  # decoding: nothing past the next position (no rejected draft's page)
-                assert len(r.pages) <= max(r.tree_pages, -(-(r.kv_len + 1) // ps_)), r
+            if r.kv.kv_len == r.seq_len - 1:  # decoding: nothing past the next position (no rejected draft's page)
+                assert len(r.kv.pages) <= max(r.kv.tree_pages, -(-(r.kv.kv_len + 1) // ps_)), r
     return reqs
 
 
