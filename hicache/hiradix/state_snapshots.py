@@ -70,7 +70,7 @@ class StateSnapshots:
         self._key = key
         self._on_device: set[TreeNode] = set()  # nodes whose snapshot has an L1 slot
         self._on_host: set[TreeNode] = set()  # ... an L2 slot
-        self._loads: dict[TreeNode, PendingLoad] = {}
+        self._loads: dict[TreeNode, tuple[PendingLoad, int]] = {}  # node -> its load, the L2 slot read
         self.demotions_dropped = 0  # L1 snapshots lost for want of an L2 slot
 
     # ------------------------------------------------------------------ the face
@@ -177,7 +177,6 @@ class StateSnapshots:
         if snap.host_slot is not None:
             self.pins.release([snap.host_slot])
             self._on_host.discard(node)
-        self._loads.pop(node, None)
         node.snap = None
 
     # ------------------------------------------------------------------ load-back
@@ -189,13 +188,15 @@ class StateSnapshots:
 
     def start_load(self, node: TreeNode, slot: int) -> PendingLoad:
         """Load ``node``'s L2 snapshot into L1 ``slot``: emits the ``state_load``; the caller holds
-        a lock on ``node`` until :meth:`finish_load`."""
+        a lock on ``node`` until :meth:`finish_load`. The L2 slot it reads is pinned until then (the
+        lock does not keep a node's L2 copy: a prefetch may drop backups of locked nodes on L3)."""
         snap = node.snap
         assert snap is not None and snap.host_slot is not None and snap.device_slot is None, f"no L2 snapshot: {node!r}"
         pending = PendingLoad()
         snap.device_slot, snap.load = slot, pending
         self._on_device.add(node)
-        self._loads[node] = pending
+        self._loads[node] = (pending, snap.host_slot)
+        self.pins.pin([snap.host_slot])
         self._emit(Transfer("state_load", [snap.host_slot], [slot], pending=pending))
         return pending
 
@@ -204,7 +205,8 @@ class StateSnapshots:
 
     def finish_load(self, node: TreeNode) -> None:
         """The state load of ``node`` is done (the caller then releases the load's lock)."""
-        del self._loads[node]
+        _, src = self._loads.pop(node)
+        self.pins.unpin([src])
         node.snap.load = None
 
     @property
@@ -272,15 +274,14 @@ class StateSnapshots:
                 assert slot not in owners, f"{tier} state slot {slot} held by {owners[slot]!r} and {nd!r}"
                 owners[slot] = nd
             if snap.load is not None:
-                assert self._loads.get(nd) is snap.load, f"a snapshot load the tree does not track: {nd!r}"
-                assert nd.lock_ref > 0 and snap.device_slot is not None and snap.host_slot is not None, (
-                    f"loading snapshot not locked or not on both tiers: {nd!r}"
-                )
+                assert self._loads.get(nd, (None,))[0] is snap.load, f"a snapshot load the tree does not track: {nd!r}"
+                assert nd.lock_ref > 0 and snap.device_slot is not None, f"loading snapshot unlocked or off L1: {nd!r}"
         assert len(dev) == len(self._on_device) and len(host) == len(self._on_host), (
             "a node outside the tree holds a snapshot slot"
         )
-        for nd, pending in self._loads.items():
+        for nd, (pending, src) in self._loads.items():
             assert not nd.removed and nd.snap is not None and nd.snap.load is pending, f"stale state load: {nd!r}"
+            assert self.pins.count(src), f"the L2 slot {src} a state load reads is not pinned: {nd!r}"
         self._check_pool("L1 state", self.device, set(dev), device_in_use)
         if self.host is None:
             assert not host and host_in_use == 0, "L2 state slots without an L2 state pool"

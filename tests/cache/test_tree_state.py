@@ -298,3 +298,27 @@ def test_state_key_is_a_component_of_the_page_key():
         component_key(keys[-1], "window")
     with pytest.raises(ValueError):
         state_key("not a key")
+
+
+def test_a_loading_snapshots_l2_slot_is_not_reused_before_the_load_ends():
+    """A prefetch dropping L2 backups may take those of a locked node L3 holds; a state load in
+    flight reads that node's L2 slot: the slot stays allocated (pinned) until finish_load."""
+    r = StateRig(policy="write_through", host_slots=1)
+    t = r.tree
+    node = r.request(A, 7.0)
+    t.match_prefix(A)  # backed up with its snapshot
+    r.drain()
+    t.state.evict_device(1)  # the snapshot leaves L1 alone: the KV stays there
+    r.drain()
+    assert node.device_pages is not None and node.host_pages is not None
+    t.mark_stored(A, 0, 2)  # its pages are on L3
+    got = t.load_back(t.match_prefix(A))
+    (load,) = t.take_transfers()  # the state_load, not executed yet
+    src = load.src_pages[0]
+    assert t.evict_host(1, drop_backups=True) == 2  # the node's L2 copy goes, with its snapshot's
+    assert node.snap.host_slot is None and r.l2.is_allocated(src) and r.l2.num_free == 0
+    copy_slots(r.l2.tensors(), [b for layer in r.l1.buffers for b in layer], [src], load.dst_pages)
+    assert same(r.l1_value(got.state.device_slot), state_value(7.0))
+    t.finish_load(node)
+    assert not r.l2.is_allocated(src)
+    r.check()
