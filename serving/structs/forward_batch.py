@@ -113,6 +113,18 @@ class ForwardBatch:
     # the host buffers ``build`` made (int64 part, int32 part, T, B, width): what tensor parallelism
     # sends the other ranks (serving.parallel), without reading anything back from the device
     host: tuple | None = None
+    # Models with state layers (hicache/tiers/state_pool.py; see ``set_state``). ``state_slots`` [B]
+    # int64: the slot holding sequence i's state before these tokens, updated in place to the state
+    # after them. ``snap_slots`` / ``snap_offsets`` [B] int64 (-1: none): after new token
+    # ``snap_offsets[i]`` (0-based, so the state of ``prefix_lens[i] + snap_offsets[i] + 1`` tokens)
+    # each state layer also copies its state into slot ``snap_slots[i]``. The ``*_list`` fields are
+    # the same values on the host (the torch paths loop over them without a device sync).
+    state_slots: torch.Tensor | None = None
+    snap_slots: torch.Tensor | None = None
+    snap_offsets: torch.Tensor | None = None
+    state_slots_list: list[int] | None = None
+    snap_slots_list: list[int] | None = None
+    snap_offsets_list: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -130,15 +142,43 @@ class ForwardBatch:
     def max_seq_len(self) -> int:
         return max(p + e for p, e in zip(self.prefix_lens_list, self.extend_lens_list, strict=True))
 
+    def set_state(self, state_slots: list[int], snap_slots: list[int] | None = None,
+                  snap_offsets: list[int] | None = None) -> None:
+        """The state slots of a model with state layers (the fields above); ``snap_*`` None: no capture."""
+        b = self.batch_size
+        snap_slots = [-1] * b if snap_slots is None else list(snap_slots)
+        snap_offsets = [-1] * b if snap_offsets is None else list(snap_offsets)
+        if not len(state_slots) == len(snap_slots) == len(snap_offsets) == b:
+            raise ValueError(f"state slots for {len(state_slots)} / {len(snap_slots)} / {len(snap_offsets)} "
+                             f"sequences in a batch of {b}")
+        for i, (slot, snap, off, n) in enumerate(
+                zip(state_slots, snap_slots, snap_offsets, self.extend_lens_list, strict=True)):
+            if slot < 0 or (snap < 0) != (off < 0) or off >= n or snap == slot:
+                raise ValueError(f"sequence {i}: state slot {slot}, snapshot slot {snap} after new token {off} "
+                                 f"of {n}")
+        host = torch.tensor(list(state_slots) + snap_slots + snap_offsets, dtype=torch.int64)
+        dev = self.input_ids.device
+        if dev.type == "cuda":
+            host = host.pin_memory().to(dev, non_blocking=True)
+        elif dev.type != "cpu":
+            host = host.to(dev)
+        self.state_slots, self.snap_slots, self.snap_offsets = host[:b], host[b: 2 * b], host[2 * b:]
+        self.state_slots_list, self.snap_slots_list, self.snap_offsets_list = \
+            list(state_slots), snap_slots, snap_offsets
+
     @staticmethod
     def build(
         seqs: list[tuple[list[int], int, list[int]]],
         page_size: int,
         device: torch.device | str = "cpu",
+        state_slots: list[int] | None = None,
+        snap_slots: list[int] | None = None,
+        snap_offsets: list[int] | None = None,
     ) -> ForwardBatch:
         """Build from ``(new_token_ids, prefix_len, page_ids)`` per sequence.
 
         ``page_ids`` must cover positions ``0 .. prefix_len + len(new_token_ids) - 1``.
+        ``state_slots`` (and optional ``snap_slots`` / ``snap_offsets``): see ``set_state``.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -168,7 +208,12 @@ class ForwardBatch:
         # pageable copy would wait for the forward pass already running on the GPU.
         i64 = torch.tensor(input_ids + positions + locs, dtype=torch.int64)
         i32 = torch.tensor(prefix_lens + extend_lens + seq_lens + starts + table, dtype=torch.int32)
-        return ForwardBatch.from_host(i64, i32, t, b, width, page_size, prefix_lens, extend_lens, dev)
+        batch = ForwardBatch.from_host(i64, i32, t, b, width, page_size, prefix_lens, extend_lens, dev)
+        if state_slots is not None:
+            batch.set_state(state_slots, snap_slots, snap_offsets)
+        elif snap_slots is not None or snap_offsets is not None:
+            raise ValueError("snapshot slots without state slots")
+        return batch
 
     @staticmethod
     def from_host(i64: torch.Tensor, i32: torch.Tensor, t: int, b: int, width: int, page_size: int,
