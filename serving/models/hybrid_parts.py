@@ -1,0 +1,150 @@
+"""Pieces the hybrid families share (serving/models/qwen3_5.py, nemotron_h.py): their norms and
+activations, HF-named weight loading, and the base class with the layer stack, the state layout and
+the last-token logits.
+
+The hybrid families keep HF's parameter names as they are (no fused projections), run on one rank
+(tensor parallelism for state layers is a later step: refused with a message) and take the state
+pool as the forward pass's fourth argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.tiers.state_layout import StateLayout
+from serving.models.config import ModelArchConfig
+from serving.models.layer_spec import LayerStack
+from serving.parallel.group import TPGroup
+from serving.parallel.shard import ShardPlan, narrow
+from serving.structs.forward_batch import ForwardBatch
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu2": lambda x: torch.square(F.relu(x)),
+    "gelu": F.gelu,
+}
+
+
+def activation(name: str, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    fn = ACTIVATIONS.get(name)
+    if fn is None:
+        raise ValueError(f"unsupported {what} activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return fn
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: weights stored around zero, scale ``1 + w``, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a SiLU gate, normalized over groups of ``group_size`` (None: the whole row).
+
+    ``norm_before_gate`` (Gated DeltaNet): ``w * norm(x) * silu(z)``; otherwise (Mamba2):
+    ``w * norm(x * silu(z))``."""
+
+    def __init__(self, size: int, eps: float, group_size: int | None = None, norm_before_gate: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.group_size = group_size or size
+        self.norm_before_gate = norm_before_gate
+
+    def _norm(self, xf: torch.Tensor) -> torch.Tensor:
+        shape = xf.shape
+        g = xf.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return g.view(shape)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.norm_before_gate:
+            h = self.weight * self._norm(x.float()).to(dtype)
+            return (h * F.silu(gate.float())).to(dtype)
+        h = self._norm(x.float() * F.silu(gate.float()))
+        return self.weight * h.to(dtype)
+
+
+def check_single_rank(tp: TPGroup | None, family: str) -> TPGroup:
+    tp = tp or TPGroup()
+    if tp.is_parallel:
+        raise ValueError(f"{family}: tensor parallelism is not supported for models with state layers yet "
+                         f"(run it with --tp-size 1)")
+    return tp
+
+
+class HybridCausalLM(nn.Module):
+    """What a hybrid family has in common: ``layer_stack``, ``state_layout``, HF-named loading and the
+    last-token logits. Subclasses build ``self.layer_stack`` and ``self.mixers`` (per model layer, its
+    token mixer module or None) and implement ``forward(batch, kv, attn, state)``."""
+
+    layer_stack: LayerStack
+    # checkpoint name prefixes read as another (Nemotron-H's checkpoints say ``backbone.`` for ``model.``)
+    prefix_aliases: dict[str, str] = {}
+
+    def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None, family: str) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = check_single_rank(tp, family)
+        self.plan = ShardPlan.for_model(cfg)  # one rank: the runner reads its kv heads
+        self.logits_matmul = None  # no quantized LM head for these families yet
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def mixer(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def embed(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        """Per state layer (in ``layer_stack.state_layers`` order) its conv and recurrent tensors;
+        ``dtype`` is the conv state's (the recurrent state is float32)."""
+        return StateLayout(tuple(self.mixer(i).state_tensors(dtype) for i in self.layer_stack.state_layers))
+
+    def last_logits(self, h: torch.Tensor, batch: ForwardBatch, norm: nn.Module) -> torch.Tensor:
+        """``[B, vocab]`` float32 logits of each sequence's last new token (then ``batch.logit_rows``)."""
+        last = batch.extend_start.to(torch.int64) + batch.extend_lens.to(torch.int64) - 1
+        if batch.logit_rows is not None:
+            last = torch.cat([last, batch.logit_rows])
+        return (norm(h[last]) @ self.lm_head_weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy HF-named tensors (or lazy safetensors slices) into the parameters of the same name;
+        names this model has no parameter for (a tied ``lm_head``, MTP heads, a vision tower) are skipped."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            for alias, prefix in self.prefix_aliases.items():
+                if name.startswith(alias):
+                    name = prefix + name.removeprefix(alias)
+            param = params.get(name)
+            if param is None:
+                continue
+            src = narrow(tensor, None)
+            if tuple(src.shape) != tuple(param.shape):
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, the model "
+                                 f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(src)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,82 @@
+"""Mamba2 mixer (Nemotron-H's ``M`` blocks; Falcon-H1 and Granite-4 use the same SSD layer): a token
+mixer with a recurrent state.
+
+``in_proj`` gives the gate z, ``xBC`` and ``dt``; ``xBC`` goes through a causal short conv (with bias)
+and SiLU, then splits into x ``[heads, head_dim]`` and B, C ``[n_groups, state_size]`` (head ``h``
+reads group ``h // (heads / n_groups)``). Per token and head, with ``dt = max(softplus(dt +
+dt_bias), time_step_min)`` and ``A = -exp(A_log)``:
+
+    S = exp(dt * A) * S + dt * x B^T;   y = S C + D * x
+
+and the output is ``out_proj(w * rmsnorm_groups(y * silu(z)))``. A sequence's state is its slot in
+the state pool: the conv's last ``conv_kernel - 1`` inputs ``[conv_dim, K - 1]`` and ``S``
+``[heads, head_dim, state_size]`` (float32). Parameter names are HF's (``NemotronHMamba2Mixer``).
+
+HF clamps dt at ``time_step_min`` in its chunked prefill but not in its one-token decode step; we
+clamp every token (the same state whatever the chunking; the two differ only when softplus gives
+less than ``time_step_min``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.tiers.state_layout import StateTensor
+from serving.models.hybrid_parts import GatedRMSNorm, activation
+from serving.models.state_scan import StatePlan, causal_conv, scan
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
+                 conv_kernel: int, eps: float, conv_bias: bool = True, proj_bias: bool = False,
+                 time_step_min: float = 0.0, act: str = "silu") -> None:
+        super().__init__()
+        if num_heads % n_groups:
+            raise ValueError(f"mamba_num_heads {num_heads} is not a multiple of n_groups {n_groups}")
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
+        self.intermediate = num_heads * head_dim
+        self.conv_dim = self.intermediate + 2 * n_groups * state_size
+        self.conv_kernel = conv_kernel
+        self.time_step_min = time_step_min
+        self.act = activation(act, "Mamba2 conv")
+        self.in_proj = nn.Linear(hidden_size, self.intermediate + self.conv_dim + num_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=conv_bias,
+                                padding=conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GatedRMSNorm(self.intermediate, eps, group_size=self.intermediate // n_groups,
+                                 norm_before_gate=False)
+        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=proj_bias)
+
+    def state_tensors(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        return (StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),
+                StateTensor("recurrent", (self.num_heads, self.head_dim, self.state_size), torch.float32))
+
+    def forward(self, x: torch.Tensor, plan: StatePlan, conv_state: torch.Tensor,
+                recurrent: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` (the batch's new tokens) -> ``[T, hidden]``; the pool's state tensors of
+        this layer are read at ``plan.slots`` and updated there (and at the snapshot slots)."""
+        t = x.shape[0]
+        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        xbc = self.act(causal_conv(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))
+        gs = self.n_groups * self.state_size
+        xs, b, c = xbc.float().split([self.intermediate, gs, gs], dim=-1)
+        rep = self.num_heads // self.n_groups
+        xs = xs.view(t, self.num_heads, self.head_dim)
+        b = b.view(t, self.n_groups, self.state_size).repeat_interleave(rep, dim=1)  # [T, H, N]
+        c = c.view(t, self.n_groups, self.state_size).repeat_interleave(rep, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.time_step_min)  # [T, H]
+        decay = torch.exp(dt * -self.A_log.float().exp())
+        dtx = dt[..., None] * xs  # [T, H, P]
+
+        def step(s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            s = s * decay[rows][..., None, None] + dtx[rows][..., :, None] * b[rows][..., None, :]
+            return s, torch.einsum("ahpn,ahn->ahp", s, c[rows])
+
+        y = torch.empty(t, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        scan(recurrent, plan, y, step)
+        y = y + self.D.float()[:, None] * xs
+        return self.out_proj(self.norm(y.reshape(t, self.intermediate), gate).to(x.dtype))  # HF: norm in float32
