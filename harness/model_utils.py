@@ -28,6 +28,10 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         hybrid_override_pattern="M*-M", head_dim=16, ssm_state_size=16, mamba_num_heads=8,
         mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=8)),
@@ -46,8 +50,9 @@ def gemma3_270m_path() -> Path:
 
 def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **overrides) -> Path:
     """Save a tiny random checkpoint (HF format) into ``path``: ``arch`` one of ``TINY_FAMILIES``
-    (llama, qwen2; the hybrids qwen3_5, a Gated DeltaNet + gated-attention stack, and nemotron_h,
-    Mamba2 + attention + MLP blocks).
+    (llama, qwen2; the sliding-window families mistral, every layer an 8-token window, and gemma3,
+    2 sliding layers (window 8) to 1 full; the hybrids qwen3_5, a Gated DeltaNet + gated-attention
+    stack, and nemotron_h, Mamba2 + attention + MLP blocks).
 
     Weights are drawn with a large ``initializer_range`` so greedy decoding has clear
     winners (random models with tiny weights produce near-ties that make token
