@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -25,6 +25,14 @@ class RopeScaling:
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
     original_max_position_embeddings: int | None = None  # llama3
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """One layer type's rotary embedding: its base and its scaling (None: plain RoPE)."""
+
+    theta: float
+    scaling: RopeScaling | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class ModelArchConfig:
     eos_token_id: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    # transformers 5's rope_parameters with a dict per layer type (Gemma-3: sliding_attention and
+    # full_attention each their own base and scaling); rope_theta / rope_scaling are then full_attention's
+    rope_by_layer_type: tuple[tuple[str, RopeParams], ...] = ()
     # the whole config.json (read-only): a family's own fields (layer types, windows, state sizes)
     # are read by its model class, not parsed here
     raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False, repr=False)
@@ -59,7 +70,8 @@ class ModelArchConfig:
         """Parse an HF config dict (transformers 4 or 5 style)."""
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        theta, scaling = _parse_rope(raw)
+        by_type = _parse_rope_by_layer_type(raw)
+        theta, scaling = _parse_rope(raw) if not by_type else _full_rope(by_type)
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         bos = raw.get("bos_token_id")
@@ -84,6 +96,7 @@ class ModelArchConfig:
             eos_token_id=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=str(dtype).removeprefix("torch.") if dtype else None,
+            rope_by_layer_type=tuple(by_type.items()),
             raw=MappingProxyType(dict(raw)),
         )
 
@@ -109,6 +122,17 @@ class ModelArchConfig:
         """The dtype the checkpoint was saved in, when config.json says so."""
         return _DTYPES.get(self.torch_dtype or "")
 
+    def for_layer_type(self, layer_type: str) -> ModelArchConfig:
+        """This config with ``rope_theta`` / ``rope_scaling`` those of ``layer_type``'s layers
+        (itself when the rope parameters are not per layer type)."""
+        by_type = dict(self.rope_by_layer_type)
+        params = by_type.get(layer_type)
+        if params is None:
+            if by_type:
+                raise ValueError(f"rope_parameters has no {layer_type!r} entry: {sorted(by_type)}")
+            return self
+        return replace(self, rope_theta=params.theta, rope_scaling=params.scaling)
+
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
         """The KV-cache layout of this model for a cache of ``dtype``."""
         return KVLayout(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype)
@@ -125,12 +149,30 @@ def _num_layers(raw: Mapping[str, Any]) -> int:
     return len(layers)
 
 
+def _parse_rope_by_layer_type(raw: Mapping[str, Any]) -> dict[str, RopeParams]:
+    """``rope_parameters`` as a dict per layer type (transformers 5, e.g. Gemma-3), each parsed as a
+    whole model's would be; {} when they are one model-wide dict (or absent)."""
+    params = raw.get("rope_parameters") or {}
+    if not params or not all(isinstance(v, Mapping) for v in params.values()):
+        return {}
+    out = {}
+    for layer_type, p in params.items():
+        theta, scaling = _parse_rope({"max_position_embeddings": raw.get("max_position_embeddings"),
+                                      "rope_parameters": dict(p)})
+        out[str(layer_type)] = RopeParams(theta, scaling)
+    return out
+
+
+def _full_rope(by_type: Mapping[str, RopeParams]) -> tuple[float, RopeScaling | None]:
+    """The model-wide fields of a per-layer-type config: the full-attention layers' (else the first type's)."""
+    p = by_type.get("full_attention") or next(iter(by_type.values()))
+    return p.theta, p.scaling
+
+
 def _parse_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling from either ``rope_parameters`` (transformers 5) or the older
     ``rope_theta`` + ``rope_scaling`` keys."""
     params = raw.get("rope_parameters") or {}
-    if params and all(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported")
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))

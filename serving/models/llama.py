@@ -277,41 +277,45 @@ class LlamaForCausalLM(nn.Module):
         return parallel_logits(h, self.lm_head_weight, self.plan, self.tp, self.logits_matmul)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Copy HF-named tensors (or lazy safetensors slices) into the (fused) parameters,
-        this rank's shard only; return the parameter names set.
+        """Copy HF-named tensors into the (fused) parameters, this rank's shard only (load_hf_weights)."""
+        return load_hf_weights(self, self.plan, weights)
 
-        Unknown names (rotary ``inv_freq``, a tied ``lm_head.weight``) are skipped.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = name, None
-            for piece, (fused, idx) in _STACKED.items():
-                if f".{piece}." in name:
-                    target, shard = name.replace(f".{piece}.", f".{fused}."), idx
-                    break
-            param = params.get(target)
-            if param is None:
-                continue
-            parts = name.split(".")
-            hf_piece = parts[-2] if len(parts) >= 2 else ""
-            src = narrow(tensor, self.plan.source_range(hf_piece, parts[-1]))
-            with torch.no_grad():
-                if shard is not None:
-                    param.narrow(0, *self._shard_range(target, shard)).copy_(src)
-                elif src.shape[0] < param.shape[0] and hf_piece in ("embed_tokens", "lm_head"):
-                    param[src.shape[0]:].zero_()  # vocab padding of the last rank
-                    param[: src.shape[0]].copy_(src)
-                else:
-                    param.copy_(src)
-            loaded.add(target)
-        return loaded
 
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        """(start, length) of a shard's output rows in a fused weight or bias (this rank's sizes)."""
-        plan = self.plan
-        if ".qkv_proj." in fused_name:
-            sizes = [plan.q_size, plan.kv_size, plan.kv_size]
-        else:
-            sizes = [plan.intermediate, plan.intermediate]
-        return sum(sizes[:shard]), sizes[shard]
+def load_hf_weights(model: nn.Module, plan: ShardPlan, weights: Iterable[tuple[str, Any]]) -> set[str]:
+    """Copy HF-named tensors (or lazy safetensors slices) into ``model``'s parameters, q/k/v into
+    ``qkv_proj`` and gate/up into ``gate_up_proj`` (fused), this rank's shard only (``plan``);
+    return the parameter names set. Unknown names (rotary ``inv_freq``, a tied ``lm_head.weight``)
+    are skipped."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = name, None
+        for piece, (fused, idx) in _STACKED.items():
+            if f".{piece}." in name:
+                target, shard = name.replace(f".{piece}.", f".{fused}."), idx
+                break
+        param = params.get(target)
+        if param is None:
+            continue
+        parts = name.split(".")
+        hf_piece = parts[-2] if len(parts) >= 2 else ""
+        src = narrow(tensor, plan.source_range(hf_piece, parts[-1]))
+        with torch.no_grad():
+            if shard is not None:
+                param.narrow(0, *_shard_range(plan, target, shard)).copy_(src)
+            elif src.shape[0] < param.shape[0] and hf_piece in ("embed_tokens", "lm_head"):
+                param[src.shape[0]:].zero_()  # vocab padding of the last rank
+                param[: src.shape[0]].copy_(src)
+            else:
+                param.copy_(src)
+        loaded.add(target)
+    return loaded
+
+
+def _shard_range(plan: ShardPlan, fused_name: str, shard: int) -> tuple[int, int]:
+    """(start, length) of a shard's output rows in a fused weight or bias (this rank's sizes)."""
+    if ".qkv_proj." in fused_name:
+        sizes = [plan.q_size, plan.kv_size, plan.kv_size]
+    else:
+        sizes = [plan.intermediate, plan.intermediate]
+    return sum(sizes[:shard]), sizes[shard]

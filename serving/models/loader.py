@@ -48,13 +48,14 @@ def _load_real(model: nn.Module, model_path: Path) -> None:
 
 
 def _load_dummy(model: nn.Module, model_path: Path) -> None:
-    """Seeded random weights (norms at 1) so outputs are finite; reads no files."""
+    """Seeded random weights (norms scaling by 1) so outputs are finite; reads no files."""
     params = list(model.named_parameters())
     gen = torch.Generator(device=params[0][1].device).manual_seed(DUMMY_SEED)
+    norm_weight = getattr(model, "dummy_norm_weight", 1.0)  # Gemma's norms scale by 1 + w: 0 there
     with torch.no_grad():
         for name, p in params:
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(norm_weight)
             else:
                 p.normal_(0.0, DUMMY_STD, generator=gen)
 
