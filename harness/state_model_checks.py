@@ -104,3 +104,28 @@ def check_state_is_read(path: Path, hf: torch.nn.Module) -> None:
     run.state.zero_slot(run.slots[0])
     logits = run.step({0: prompt[12:]})[0]
     assert not torch.allclose(logits, hf_last_logits(hf, prompt), atol=1e-3)
+
+
+def check_model_runner(path: Path, hf: torch.nn.Module, backend: str) -> None:
+    """The engine's ModelRunner builds the state pool (2 slots a running request, + 8) and passes it."""
+    from hicache.tiers.device import DeviceKVPool
+    from serving.config import ModelConfig, SchedulerConfig
+    from serving.model.model_runner import ModelRunner
+    from serving.structs.forward_batch import ForwardBatch
+
+    runner = ModelRunner(ModelConfig(model_path=str(path), device="cpu", dtype="float32", attention_backend=backend),
+                         SchedulerConfig(max_total_tokens=256, max_running_requests=4), PAGE_SIZE)
+    stack = runner.model.layer_stack
+    assert runner.state_pool is not None and runner.state_pool.num_slots == 16
+    assert runner.state_pool.layout == runner.model.state_layout(torch.float32)
+    assert isinstance(runner.pool, DeviceKVPool) and runner.pool.layout.num_layers == len(stack.kv_layers)
+    vocab = runner.arch.vocab_size
+    prompts = [_prompt(60, 21, vocab), _prompt(61, 6, vocab)]
+    slots = runner.state_pool.alloc(2)
+    for s in slots:
+        runner.state_pool.zero_slot(s)
+    batch = ForwardBatch.build([(prompts[0], 0, [1, 2, 3, 4, 5, 6]), (prompts[1], 0, [7, 8])], PAGE_SIZE,
+                               state_slots=slots)
+    out = runner.forward(batch)
+    for logits, ids in zip(out, prompts, strict=True):
+        _close(logits, hf_last_logits(hf, ids))

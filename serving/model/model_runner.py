@@ -9,6 +9,7 @@ import torch
 from hicache import sizing
 from hicache.tiers.device import DeviceKVPool, KVLayout
 from hicache.tiers.kv_codec import round_trip_encoding
+from hicache.tiers.state_pool import DeviceStatePool
 from serving.config import ModelConfig, SchedulerConfig
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
@@ -25,6 +26,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn}  # --kv-cache-dtype (auto: the model's dtype)
 CPU_DEFAULT_KV_TOKENS = 16384
+
+
+def state_slots_for(max_running_requests: int) -> int:
+    """L1 state slots of a model with state layers: a working slot for every running request and as
+    many again for snapshots (the tree's, the requests' captures), and a few spare."""
+    return 2 * max_running_requests + 8
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,6 +86,14 @@ class ModelRunner:
         layout = KVLayout(len(self.layer_stack.kv_layers), self.kv_heads, self.arch.head_dim, self.kv_dtype)
         enc = round_trip_encoding(self.kv_dtype, kv_round_trip, "raw")
         self.attn.kv_round_trip = enc.round_trip if enc.lossy else None
+        # L1 for the state layers' recurrent state (before the KV pages: a GPU budget counts it as used)
+        self.state_pool: DeviceStatePool | None = None
+        if self.layer_stack.state_layers:
+            slots = state_slots_for(sched.max_running_requests)
+            self.state_pool = DeviceStatePool(self.model.state_layout(self.dtype), slots, self.device)
+            log.info("L1 state pool: %d slots x %d state layers (%.2f MiB a slot, %.2f GiB)", slots,
+                     len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
+                     self.state_pool.nbytes() / 2**30)
         num_pages = self._num_pages(layout, sched, page_size)
         if self.tp.is_parallel:
             n = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
@@ -88,7 +103,9 @@ class ModelRunner:
         log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
         self.graphs: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
-        if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
+        if self.state_pool is not None and self.device.type == "cuda" and not model.disable_cuda_graph:
+            log.info("CUDA graphs: off for a model with state layers (their torch path runs eagerly)")
+        elif self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
             with timed("capturing CUDA graphs"):
                 self.graphs = self.make_graph_runner(
                     capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
@@ -151,6 +168,8 @@ class ModelRunner:
         self.model = None  # type: ignore[assignment]
         self.pool.kv_buffer = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self.pool.k_buffers, self.pool.v_buffers = [], []
+        if self.state_pool is not None:
+            self.state_pool.buffers = []
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -165,4 +184,6 @@ class ModelRunner:
         return self._forward_eager(batch)
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.state_pool is not None:  # state layers: the batch's state_slots index this pool
+            return self.model.forward(batch, self.pool, self.attn, self.state_pool)
         return self.model.forward(batch, self.pool, self.attn)

@@ -79,6 +79,11 @@ def test_state_is_really_read(checkpoint) -> None:
     checks.check_state_is_read(*checkpoint)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_model_runner_builds_the_state_pool(checkpoint, backend) -> None:
+    checks.check_model_runner(*checkpoint, backend)
+
+
 def test_patterns_and_refusals(checkpoint) -> None:
     path, _ = checkpoint
     raw = {k: v for k, v in ModelArchConfig.from_pretrained(path).raw.items() if k != "layers_block_type"}
