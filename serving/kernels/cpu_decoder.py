@@ -66,13 +66,13 @@ class FusedDecoder:
     @staticmethod
     def build(model: nn.Module) -> tuple[FusedDecoder | None, str]:
         """(the fused decoder of ``model``, "") or (None, why not)."""
+        if not getattr(model, "fused_cpu_layers", False):
+            return None, f"{type(model).__name__} layers are not Llama blocks"
         ext = extension()
         if ext is None:
             return None, "no C++ CPU ops"
         if model.lm_head_weight.device.type != "cpu" or model.lm_head_weight.dtype != torch.float32:
             return None, "not float32 on CPU"
-        if not getattr(model, "fused_cpu_layers", False):
-            return None, f"{type(model).__name__} layers are not Llama blocks"
         specs = model.layer_stack.specs
         if any(spec.kind.value not in ("full_attention", "sliding_attention") or spec.sinks for spec in specs):
             return None, "layers other than full or sliding-window attention"

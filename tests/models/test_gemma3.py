@@ -179,6 +179,10 @@ def test_config_and_layer_stack(tmp_path) -> None:
     base = torch.arange(0, 16, 2).float() / 16
     torch.testing.assert_close(model.rotary[LayerKind.SLIDING].inv_freq, 1.0 / 50.0**base)
     torch.testing.assert_close(model.rotary[LayerKind.FULL].inv_freq, 1.0 / 1e6**base / 8.0)
+    from serving.kernels.cpu_decoder import FusedDecoder
+
+    fused, why = FusedDecoder.build(model)  # the fused C++ decoder computes Llama blocks only
+    assert fused is None and "not Llama blocks" in why
     # the dummy load: Gemma's norms at w = 0 (a scale of 1)
     (tmp_path / "config.json").write_text(json.dumps({**COMMON, "architectures": ["Gemma3ForCausalLM"]}))
     model, _ = load_model(tmp_path, load_format="dummy")

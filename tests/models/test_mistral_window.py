@@ -49,6 +49,8 @@ def test_mistral_window_greedy_matches_hf(mistral, backend: str) -> None:
     try:
         assert eng.core.runner.model.layer_stack.windows == (WINDOW, WINDOW)
         assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref
+        if backend == "cpu":  # the fused C++ decoder ran the windows
+            assert eng.core.runner.model.fused_decoder() is not None
         again = eng.generate(input_ids=ps, sampling_params=GREEDY)  # prefixes from L1
         assert ids_of(again) == ref
         assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
