@@ -156,6 +156,9 @@ class ForwardBatch:
             if slot < 0 or (snap < 0) != (off < 0) or off >= n or snap == slot:
                 raise ValueError(f"sequence {i}: state slot {slot}, snapshot slot {snap} after new token {off} "
                                  f"of {n}")
+        used = [s for s in list(state_slots) + snap_slots if s >= 0]
+        if len(set(used)) != len(used):
+            raise ValueError(f"state slots {list(state_slots)} and snapshot slots {snap_slots} repeat a slot")
         host = torch.tensor(list(state_slots) + snap_slots + snap_offsets, dtype=torch.int64)
         dev = self.input_ids.device
         if dev.type == "cuda":

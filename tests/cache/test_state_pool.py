@@ -76,3 +76,21 @@ def test_write_slot_checks_shapes() -> None:
 def test_needs_state_layers() -> None:
     with pytest.raises(ValueError, match="at least one state layer"):
         DeviceStatePool(StateLayout(()), 2, "cpu")
+
+
+def test_forward_batch_state_fields() -> None:
+    from serving.structs.forward_batch import ForwardBatch
+
+    seqs = [([1, 2, 3], 0, [1]), ([4], 5, [2, 3])]
+    b = ForwardBatch.build(seqs, 4, state_slots=[3, 5], snap_slots=[-1, 7], snap_offsets=[-1, 0])
+    assert b.state_slots.tolist() == [3, 5] and b.snap_slots.tolist() == [-1, 7] and b.snap_offsets.tolist() == [-1, 0]
+    assert b.state_slots.dtype == torch.int64 and b.snap_offsets_list == [-1, 0]
+    plain = ForwardBatch.build(seqs, 4)  # existing callers: no state fields
+    assert plain.state_slots is None and plain.snap_slots is None
+    for kw, match in ((dict(state_slots=[3]), "1 / 2 / 2 sequences"),
+                      (dict(state_slots=[3, 5], snap_slots=[-1, 7], snap_offsets=[-1, 1]), "after new token 1 of 1"),
+                      (dict(state_slots=[3, 5], snap_slots=[-1, 3], snap_offsets=[-1, 0]), "repeat a slot"),
+                      (dict(state_slots=[3, 3]), "repeat a slot"),
+                      (dict(snap_slots=[1, 2]), "without state slots")):
+        with pytest.raises(ValueError, match=match):
+            ForwardBatch.build(seqs, 4, **kw)
