@@ -92,11 +92,14 @@ class StateRig:
     def check(self) -> None:
         self.tree.check_integrity(state_device_in_use=len(self.held))
 
-    def capture(self, v: float) -> int:
-        """A request's state at its last full page, captured into a fresh L1 slot."""
+    def capture(self, v: float) -> int | None:
+        """A request's state at its last full page, captured into a fresh L1 slot (None when every
+        slot is held: by snapshots of locked paths, the request's own included)."""
         if self.l1.num_free < 1:
             self.tree.state.evict_device(1)
             self.drain()
+        if self.l1.num_free < 1:
+            return None
         (slot,) = self.l1.alloc(1)
         self.l1.write_slot(slot, state_value(v))
         return slot
@@ -108,11 +111,12 @@ class StateRig:
         first = tree.match_prefix(tokens)
         m = tree.load_back(first)
         self.drain()
+        started = m is not first  # load_back is all or nothing: what it started made m resumable
         if not m.resumable:
             m = tree.match_prefix([])  # recompute from the start
         assert all(p.done() for p in m.pending_loads)  # every load landed in drain
         tree.lock(m.last_device_node)
-        if m is not first and m.resumable:
+        if started:
             tree.finish_load(m.last_device_node)  # the loads this request started
         if m.state is not None:  # the request's working slot starts as a copy of the snapshot
             assert m.state.device_slot is not None and m.state.node.snap.device_slot == m.state.device_slot
@@ -123,8 +127,8 @@ class StateRig:
         dup = tree.insert(tokens, m.device_pages + tree.device.alloc(need))
         tree.device.free(dup)
         node = tree.node_at(tokens)
-        if v is not None:
-            slot = self.capture(v)
+        slot = None if v is None else self.capture(v)
+        if slot is not None:
             refused = tree.attach_state(node, slot)
             if refused is not None:
                 self.l1.free([refused])
