@@ -155,7 +155,7 @@ def convert_gguf(
             print(f"{out} already holds a conversion; skipping", file=sys.stderr)
         return out
     if not gguf.is_file():
-        raise FileNotFoundError(gguf)
+        raise FileNotFoundError(f"{gguf}: no such GGUF file")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if out.exists() and any(out.iterdir()):
@@ -204,7 +204,15 @@ def add_convert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def run_convert(args: argparse.Namespace) -> Path:
-    """Run a conversion from parsed ``add_convert_args`` arguments."""
+    """Run a conversion from parsed ``add_convert_args`` arguments; a file that cannot be converted
+    exits with its message (no traceback)."""
+    try:
+        return _run_convert(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        raise SystemExit(f"hicache convert: {e}") from e
+
+
+def _run_convert(args: argparse.Namespace) -> Path:
     packaged = "smollm2" if args.default else args.packaged
     if args.default and args.packaged not in (None, "smollm2"):
         raise SystemExit("give --default or --packaged, not both")

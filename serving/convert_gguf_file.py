@@ -64,10 +64,18 @@ class GgufFile:
 
 
 def read_gguf(path: str | Path) -> GgufFile:
-    """Parse ``path``'s header and tensor table; the tensor data stays memory-mapped."""
+    """Parse ``path``'s header and tensor table; the tensor data stays memory-mapped. ValueError
+    naming the file when it is not a GGUF this reads (another format or version, cut short)."""
+    path = Path(path)
+    try:
+        return _read(path)
+    except (struct.error, UnicodeDecodeError, KeyError, OSError) as e:
+        raise ValueError(f"{path}: cannot read it as a GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _read(path: Path) -> GgufFile:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    path = Path(path)
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
@@ -92,10 +100,15 @@ def read_gguf(path: str | Path) -> GgufFile:
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = {}
     for name, shape, ggml_type, offset in table:
-        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, unknown to gguf") from None
         row_bytes = shape[-1] // block * block_bytes
         rows = prod(shape[:-1])
         start = data_start + offset
+        if start + rows * row_bytes > blob.size:
+            raise ValueError(f"{path}: tensor {name} ends past the end of the file (cut short?)")
         raw = blob[start : start + rows * row_bytes].reshape(rows, row_bytes)
         tensors[name] = GgufTensor(name, shape, ggml_type, raw)
     return GgufFile(path, metadata, tensors)

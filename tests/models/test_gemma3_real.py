@@ -139,6 +139,24 @@ def test_weights_are_the_ggufs_dequantized(model_dir: Path, tmp_path: Path) -> N
     assert norm.min() < 0  # w, not 1 + w: HF's Gemma3RMSNorm scales by (1 + w)
 
 
+def test_convert_refuses_a_cut_file_and_leaves_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from serving.convert_gemma3 import packaged_gguf
+
+    gguf = packaged_gguf(tmp_path)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf.read_bytes()[:100_000_000])
+    for args, message in (([str(cut), str(tmp_path / "out")], "token_embd.weight ends past the end of the file"),
+                          ([str(tmp_path / "none.gguf"), str(tmp_path / "out")], "no such GGUF file"),
+                          (["--packaged", "gemma3-270m", str(cut), str(tmp_path / "out")], "give only OUT_DIR")):
+        out = subprocess.run([sys.executable, "-m", "serving.convert", "--quiet", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", gguf.name]
+
+
 def test_hf_perplexity_is_sane(hf_model, texts) -> None:  # noqa: ANN001
     ppl = hf_perplexity(hf_model, texts["text"])
     assert 5 < ppl < 25, ppl  # 15.49; a lost BOS gives 69.8
