@@ -81,16 +81,7 @@ class StorageController:
             self.writeback.write(node)  # never dropped: over the cap, it waits for a writer
         self.writeback.poll(wait=True)
 
-    # -- prefetch -------------------------------------------------------------------------
-    def advance_prefetch(self, req: Req) -> None:
-        self.prefetcher.advance(req)
-
-    def prefetch_ready(self, req: Req) -> bool:
-        return self.prefetcher.ready(req)
-
-    def finish_prefetch(self, req: Req) -> int:
-        return self.prefetcher.finish(req)
-
+    # -- prefetch (the request cache drives ``prefetcher`` for waiting requests) -----------------
     def in_flight_host_pages(self, reqs: list[Req]) -> int:
         return self.prefetcher.in_flight_host_pages(reqs)
 

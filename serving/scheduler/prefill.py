@@ -16,6 +16,9 @@ of running requests come on top of it. A step fills it in this order:
 3. **New requests** in the policy's order take what the continuing ones left (only when they left
    some: their prefill ended in this pass), the last of them possibly in chunks. So one prompt runs in
    chunks at a time, as in SGLang; a long request that waits is not started beside another's chunks.
+   Each is admitted by one call, ``ReqCache.try_admit`` (serving/cache/admission.py), which answers
+   READY (it computes in this pass), LOADING (admitted; it computes once its L2 -> L1 load is in),
+   WAIT (it stays queued for its L3 prefetch) or NO_ROOM (admission stops for this pass).
 
 Where SGLang (``PrefillAdder``) and vLLM continue a chunked prompt with the whole budget first, so the
 requests behind it wait for its whole prefill, here short ones take part of its next chunk (vLLM's
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from serving.cache.admission import Answer
 from serving.structs.request import Req
 
 if TYPE_CHECKING:
@@ -69,8 +73,7 @@ class PrefillPlanner:
 
     def _order(self) -> list[Req]:
         s = self.s
-        for r in s.waiting:
-            s.cache.advance_prefetch(r)
+        s.cache.advance_prefetches(s.waiting)
         ready = [r for r in s.waiting if r.grammar is None or r.grammar.ready]  # the rest still compile
         return s.policy.order(ready, lambda r: s.cache.peek_prefix_len(r)) if ready else []
 
@@ -91,33 +94,27 @@ class PrefillPlanner:
         return picked, held
 
     def _admit(self, order: list[Req], budget: int) -> list[tuple[Req, int]]:
-        """Admit waiting requests in ``order`` while the budget lasts: lock their cached prefix,
-        reserve their first chunk's pages; the first that finds no room stops admission."""
+        """Admit waiting requests in ``order`` while the budget lasts (``ReqCache.try_admit``: their
+        cached prefix locked, their first chunk's pages reserved); the first that finds no room stops
+        admission."""
         s = self.s
         chunks: list[tuple[Req, int]] = []
         for r in order:
             if budget <= 0 or len(s.running) >= s.config.max_running_requests:
                 break
-            if not s.cache.prefetch_ready(r):
-                continue  # its L3 prefetch is still worth waiting for (prefetch policy)
-            s.cache.finish_prefetch(r)
-            match = s.cache.match(r)
-            first = not r.kv.admitted
-            s.cache.admit(r, match)
-            n = min(r.seq_len - r.kv.kv_len, budget)
-            if not s.cache.reserve(r, r.kv.kv_len + n):
-                s.cache.release(r)
-                if first:
-                    r.kv.admitted = False
+            a = s.cache.try_admit(r, budget)
+            if a.answer is Answer.WAIT:
+                continue
+            if a.answer is Answer.NO_ROOM:
                 break
             s.waiting.remove(r)
             s.running.append(r)
-            if first:
+            if a.first:
                 s.stats.cached_tokens += r.kv.cached_tokens
                 for tier, v in r.kv.cached_by_tier.items():
                     s.stats.cached_by_tier[tier] += v
-            if not s.cache.poll_load(r):
+            if a.answer is Answer.LOADING:
                 continue  # runs once its L2 -> L1 copy is in (CPU); the budget stays free meanwhile
-            chunks.append((r, n))
-            budget -= n
+            chunks.append((r, a.tokens))
+            budget -= a.tokens
         return chunks

@@ -158,8 +158,8 @@ class Scheduler:
             self.prefill_timer.poll()
         if self.spec is not None:  # what a draft costs, from the decode steps' times
             self.spec.observe(time.perf_counter() - t0)
-        for r in self.waiting:  # lookups that finished during the forward pass start their fetch now,
-            self.cache.advance_prefetch(r)  # not a whole step later
+        # lookups that finished during the forward pass start their fetch now, not a whole step later
+        self.cache.advance_prefetches(self.waiting)
         return out
 
     def _step(self) -> list[Req]:
