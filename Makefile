@@ -21,7 +21,7 @@ setup: $(VENV)/.installed
 	@# The storage tier's one-call page copy + hash (hicache/tiers/native/copy_hash.c; cc)
 	$(PY) -m hicache.tiers.native_copy
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's transfer engine needs Debian's libibverbs (skipped when present or not root).
 	ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		apt-get install -y -qq libibverbs1 ibverbs-providers iproute2; } || true
