@@ -12,6 +12,7 @@ import time
 
 from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
+from hicache.tiers.state_pool import DeviceStatePool
 from serving.cache.admission import Admission, Answer
 from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner
@@ -42,8 +43,13 @@ class ReqCache:
     L1_WAIT_S = 1.0
 
     def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
-                 transfers: TransferRunner, storage: StorageController | None = None) -> None:
+                 transfers: TransferRunner, storage: StorageController | None = None,
+                 state_pool: DeviceStatePool | None = None) -> None:
         self.tree = tree
+        # L1 state slots of a model with state layers (None: none): each admitted request holds a working
+        # slot, zeroed at admission (its prefix is recomputed: the tree's state snapshots are not wired
+        # to requests yet, so a match of a state model is cut to nothing), given back at release
+        self.state_pool = state_pool
         self.allocator = allocator
         self.page_size = page_size
         self.transfers = transfers  # the storage controller's runner when there is L3 (its backups go on to L3)
@@ -78,6 +84,8 @@ class ReqCache:
     def _matchable(self, req: Req) -> list[int]:
         """Leave at least one token to compute: its logits give the next token; a request asking
         for prompt logprobs computes every position whose logits they need (serving.model.logprobs)."""
+        if self.state_pool is not None:
+            return []  # no prefix without its recurrent state (recomputed, never guessed)
         end = req.seq_len - 1
         limit = req.logprob.cache_limit(self.page_size) if req.logprob is not None else None
         return req.fill_ids[: end if limit is None else min(end, limit)]
@@ -127,12 +135,22 @@ class ReqCache:
         kv, first = req.kv, not req.kv.admitted
         self._lock_prefix(req, self._match(req))
         n = min(req.seq_len - kv.kv_len, budget)
-        if not self.reserve(req, kv.kv_len + n):
+        if not self._take_state_slot(req) or not self.reserve(req, kv.kv_len + n):
             self.release(req)
             if first:
                 kv.admitted = False
             return Admission(Answer.NO_ROOM)
         return Admission(Answer.READY if self.poll_load(req) else Answer.LOADING, n, first)
+
+    def _take_state_slot(self, req: Req) -> bool:
+        """A state model's request gets a zeroed working slot (it computes from position 0); False: none free."""
+        if self.state_pool is None or req.kv.state_slot >= 0:
+            return True
+        if not self.state_pool.can_alloc(1):
+            return False
+        req.kv.state_slot = self.state_pool.alloc(1)[0]
+        self.state_pool.zero_slot(req.kv.state_slot)
+        return True
 
     def _match(self, req: Req) -> MatchResult:
         m = self.tree.match_prefix(self._matchable(req))
@@ -266,6 +284,9 @@ class ReqCache:
             kv.prefetch_checked = False
         else:
             self._l1_waits.pop(req.rid, None)
+        if kv.state_slot >= 0:
+            self.state_pool.free([kv.state_slot])
+            kv.state_slot = -1
         if kv.lock_node is None and not kv.pages:
             return
         full = kv.kv_len // self.page_size

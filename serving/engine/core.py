@@ -125,7 +125,8 @@ class EngineCore:
             forward = self.tp.wrap_forward(forward)
         self.storage = self._make_storage(execute) if cache.storage_enabled else None
         transfers = self.storage.transfers if self.storage is not None else TransferRunner(self.tree, execute)
-        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage)
+        self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
+                                  self.runner.state_pool)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
@@ -136,6 +137,11 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
             self.runner.context_len, self.runner.device, self.grammar, prefill_timer)
+        if config.scheduler.speculative_algorithm is not None and self.runner.state_pool is not None:
+            raise ValueError(
+                f"--speculative-algorithm {config.scheduler.speculative_algorithm} is not supported for a model "
+                "with linear-attention / Mamba layers: a rejected draft would leave its tokens in the recurrent "
+                "state (state rollback is not built); start without speculative decoding")
         if config.scheduler.speculative_algorithm is not None:  # NGRAM: drafts from the tree (serving/speculative)
             from serving.speculative.worker import SpeculativeWorker
 
@@ -285,6 +291,12 @@ class EngineCore:
             self.storage.check_integrity(reqs)
         self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use)
         self.runner.pool.allocator.check_integrity()
+        state = self.runner.state_pool
+        if state is not None:  # every slot in use is a running request's working slot
+            state.check_integrity()
+            held = {r.kv.state_slot for r in self.scheduler.running + self.scheduler.waiting if r.kv.state_slot >= 0}
+            if state.num_used != len(held):
+                raise AssertionError(f"state slots: {state.num_used} in use, {len(held)} held by requests")
         if self.host_pool is not None:
             self.host_pool.check_integrity()  # its allocator, and its encoded pages' scales
         if self.tp is not None:  # the other ranks ran every command and hold the same pools
