@@ -31,6 +31,7 @@ from torch import nn
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels.attention_base import AttentionBackend
 from serving.models.config import ModelArchConfig
+from serving.models.hybrid_parts import OffsetRMSNorm  # HF's Gemma3RMSNorm: norm(x) * (1 + w) in float32
 from serving.models.layer_spec import LayerKind, LayerStack
 from serving.models.llama import load_hf_weights
 from serving.models.registry import register_model
@@ -45,20 +46,6 @@ DEFAULT_SLIDING_PATTERN = 6  # HF's: every 6th layer full when config.json lists
 LOCAL_ROPE_THETA = 10_000.0  # HF's default base of the sliding layers
 
 
-class GemmaRMSNorm(nn.Module):
-    """HF's Gemma3RMSNorm: ``norm(x) * (1 + w)`` computed in float32, cast back to x's dtype."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
-
-
 class Gemma3Attention(nn.Module):
     """GQA attention with fused qkv, q/k norms per head, a window on sliding layers."""
 
@@ -70,8 +57,8 @@ class Gemma3Attention(nn.Module):
         bias = cfg.attention_bias
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias, tp)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBackend,
@@ -111,10 +98,10 @@ class Gemma3DecoderLayer(nn.Module):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Gemma3Attention(cfg, plan, tp)
         self.mlp = Gemma3MLP(cfg, plan, tp)
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.input_layernorm = OffsetRMSNorm(hidden, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
 
 
 class Gemma3Backbone(nn.Module):
@@ -124,7 +111,7 @@ class Gemma3Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(plan, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, plan, tp) for _ in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 def gemma3_layer_stack(cfg: ModelArchConfig) -> LayerStack:
