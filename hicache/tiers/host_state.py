@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.state_layout import StateLayout
+from hicache.tiers.state_slots import StateSlots
 
 
 class HostStatePool:
@@ -33,66 +33,51 @@ class HostStatePool:
     """
 
     def __init__(self, layout: StateLayout, num_slots: int, pin_memory: bool | None = None) -> None:
-        if layout.num_layers == 0:
-            raise ValueError("a state pool needs at least one state layer")
+        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.slots = StateSlots(layout, num_slots, "L2 state slot", pin_memory=self.pin)
         self.layout = layout
         self.num_slots = num_slots
-        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.buffers: list[list[torch.Tensor]] = [
-            [torch.zeros((num_slots, *t.shape), dtype=t.dtype, pin_memory=self.pin) for t in layer]
-            for layer in layout.layers
-        ]
-        self._slots = PageAllocator(num_slots)
+
+    @property
+    def buffers(self) -> list[list[torch.Tensor]]:
+        return self.slots.buffers
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer, layer by layer in StateLayout order (what :func:`copy_slots` takes)."""
-        return [buf for layer in self.buffers for buf in layer]
+        return self.slots.tensors()
 
-    # -- slots ---------------------------------------------------------------------------------
+    # -- slots (the shared bookkeeping: hicache/tiers/state_slots.py) -----------------------------
     @property
     def num_free(self) -> int:
-        return self._slots.num_free
+        return self.slots.num_free
 
     @property
     def num_used(self) -> int:
-        return self._slots.num_used
+        return self.slots.num_used
 
     def alloc(self, n: int = 1) -> list[int]:
         """``n`` distinct free slots (raises OutOfPages when fewer are free)."""
-        return self._slots.alloc(n)
+        return self.slots.alloc(n)
 
     def free(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            if not 0 <= s < self.num_slots or not self._slots.is_allocated(s):
-                raise ValueError(f"L2 state slot {s} freed but not allocated")
-        self._slots.free(slots)
+        """Give slots back; a slot not allocated raises ValueError."""
+        self.slots.free(slots)
 
     def is_allocated(self, slot: int) -> bool:
-        return self._slots.is_allocated(slot)
+        return self.slots.is_allocated(slot)
 
     def check_integrity(self) -> None:
         """The free list's invariants, and every buffer has the layout's shape and dtype."""
-        self._slots.check_integrity()
-        for layer, bufs in zip(self.layout.layers, self.buffers, strict=True):
-            for t, buf in zip(layer, bufs, strict=True):
-                assert buf.shape == (self.num_slots, *t.shape) and buf.dtype == t.dtype, (
-                    f"L2 state buffer {t.name} is {tuple(buf.shape)} {buf.dtype}, not {(self.num_slots, *t.shape)}"
-                )
+        self.slots.check_integrity()
 
     # -- contents ------------------------------------------------------------------------------
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """Copies of the slot's tensors, layer by layer in StateLayout order."""
-        return [buf[slot].clone() for buf in self.tensors()]
+        return self.slots.read(slot)
 
     def write_slot(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
         """The slot := ``tensors`` (``read_slot``'s list: the same shapes and order)."""
-        flat = self.tensors()
-        if len(tensors) != len(flat):
-            raise ValueError(f"{len(tensors)} tensors for a slot of {len(flat)}")
-        for buf, t in zip(flat, tensors, strict=True):
-            if tuple(t.shape) != tuple(buf.shape[1:]):
-                raise ValueError(f"state tensor of shape {tuple(t.shape)}, the slot holds {tuple(buf.shape[1:])}")
-            buf[slot].copy_(t)
+        self.slots.write(slot, tensors)
 
     def slot_bytes(self, slot: int) -> bytes:
         """The slot as one value (every tensor's bytes in layout order): its L3 payload."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from hicache.tiers.allocator import OutOfPages, PageAllocator
+from hicache.tiers.allocator import OutOfPages
 from hicache.tiers.state_layout import StateLayout
+from hicache.tiers.state_slots import StateSlots
 
 
 class OutOfStateSlots(RuntimeError):
@@ -36,84 +37,72 @@ class DeviceStatePool:
     """
 
     def __init__(self, layout: StateLayout, num_slots: int, device: torch.device | str) -> None:
-        if layout.num_layers == 0:
-            raise ValueError("a state pool needs at least one state layer")
+        self.device = torch.device(device)
+        self.slots = StateSlots(layout, num_slots, "state slot", device=self.device)
         self.layout = layout
         self.num_slots = num_slots
-        self.device = torch.device(device)
-        self.buffers: list[list[torch.Tensor]] = [
-            [torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=self.device) for t in layer]
-            for layer in layout.layers
-        ]
-        self._slots = PageAllocator(num_slots)
+
+    @property
+    def buffers(self) -> list[list[torch.Tensor]]:
+        return self.slots.buffers
 
     def layer(self, j: int) -> list[torch.Tensor]:
         """State layer ``j``'s tensors (``[num_slots, *shape]`` each), in StateLayout order."""
-        return self.buffers[j]
+        return self.slots.buffers[j]
 
-    # -- slots ---------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Shutdown: drop the buffers (their memory goes back once nothing else holds them)."""
+        self.slots.release()
+
+    # -- slots (the shared bookkeeping: hicache/tiers/state_slots.py) -----------------------------
 
     @property
     def num_free(self) -> int:
-        return self._slots.num_free
+        return self.slots.num_free
 
     @property
     def num_used(self) -> int:
-        return self._slots.num_used
+        return self.slots.num_used
 
     def can_alloc(self, n: int = 1) -> bool:
-        return self._slots.can_alloc(n)
+        return self.slots.can_alloc(n)
 
     def alloc(self, n: int = 1) -> list[int]:
         """``n`` distinct free slots (their contents are stale: zero or overwrite them)."""
         try:
-            return self._slots.alloc(n)
+            return self.slots.alloc(n)
         except OutOfPages:
             raise OutOfStateSlots(
-                f"asked for {n} state slots, {self._slots.num_free} free of {self.num_slots}") from None
+                f"asked for {n} state slots, {self.slots.num_free} free of {self.num_slots}") from None
 
     def free(self, slots: list[int] | tuple[int, ...]) -> None:
         """Give slots back; a slot not allocated raises ValueError (a double free is a bug)."""
-        for s in slots:
-            if not 0 <= s < self.num_slots or not self._slots.is_allocated(s):
-                raise ValueError(f"state slot {s} freed but not allocated")
-        self._slots.free(slots)
+        self.slots.free(slots)
 
     def is_allocated(self, slot: int) -> bool:
-        return self._slots.is_allocated(slot)
+        return self.slots.is_allocated(slot)
 
     def check_integrity(self) -> None:
-        self._slots.check_integrity()
+        """The free list's invariants, and every buffer has the layout's shape and dtype."""
+        self.slots.check_integrity()
 
     # -- contents ------------------------------------------------------------------------------
 
     def zero_slot(self, slot: int) -> None:
         """The state before any token (every layer's tensors zero)."""
-        for layer in self.buffers:
-            for buf in layer:
-                buf[slot].zero_()
+        self.slots.zero(slot)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """``dst`` := ``src`` for every layer (on the device, in stream order)."""
-        if src == dst:
-            return
-        for layer in self.buffers:
-            for buf in layer:
-                buf[dst].copy_(buf[src])
+        self.slots.copy(src, dst)
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """Host copies of the slot's tensors, layer by layer in StateLayout order (what L2/L3 store)."""
-        return [buf[slot].to("cpu", copy=True) for layer in self.buffers for buf in layer]
+        return self.slots.read(slot)
 
     def write_slot(self, slot: int, tensors: list[torch.Tensor]) -> None:
         """The slot := ``tensors`` (``read_slot``'s list: the same shapes and order)."""
-        flat = [buf for layer in self.buffers for buf in layer]
-        if len(tensors) != len(flat):
-            raise ValueError(f"{len(tensors)} tensors for a slot of {len(flat)}")
-        for buf, t in zip(flat, tensors, strict=True):
-            if tuple(t.shape) != tuple(buf.shape[1:]):
-                raise ValueError(f"state tensor of shape {tuple(t.shape)}, the slot holds {tuple(buf.shape[1:])}")
-            buf[slot].copy_(t)
+        self.slots.write(slot, tensors)
 
     @property
     def bytes_per_slot(self) -> int:

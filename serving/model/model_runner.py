@@ -169,7 +169,7 @@ class ModelRunner:
         self.pool.kv_buffer = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self.pool.k_buffers, self.pool.v_buffers = [], []
         if self.state_pool is not None:
-            self.state_pool.buffers = []
+            self.state_pool.release()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
