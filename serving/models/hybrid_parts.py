@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.tiers.state_layout import StateLayout
+from hicache.tiers.state_pool import DeviceStatePool
+from serving.kernels.attention_base import AttentionBackend
 from serving.models.config import ModelArchConfig
 from serving.models.layer_spec import LayerStack
+from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
 from serving.parallel.shard import ShardPlan, narrow
 from serving.structs.forward_batch import ForwardBatch
@@ -91,14 +94,19 @@ def check_single_rank(tp: TPGroup | None, family: str) -> TPGroup:
 class HybridCausalLM(nn.Module):
     """What a hybrid family has in common: ``layer_stack``, ``state_layout``, HF-named loading and the
     last-token logits. Subclasses build ``self.layer_stack`` and ``self.mixers`` (per model layer, its
-    token mixer module or None) and implement ``forward(batch, kv, attn, state)``."""
+    token mixer module or None) and implement ``forward(batch, kv, attn, state)``: the new tokens of
+    ``batch`` through the layers, ``[B, vocab]`` float32 last-token logits (then ``batch.logit_rows``);
+    ``state`` is the L1 state pool (``batch.state_slots`` index it), set up by :meth:`begin_forward`."""
 
     layer_stack: LayerStack
+    conv_kernel: int  # the state layers' short convolution width (their conv state keeps conv_kernel - 1 inputs)
+    state_kind = "state"  # what the family's state layers are, for errors ("Mamba2", "Gated DeltaNet")
     # checkpoint name prefixes read as another (Nemotron-H's checkpoints say ``backbone.`` for ``model.``)
     prefix_aliases: dict[str, str] = {}
 
     def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None, family: str) -> None:
         super().__init__()
+        self.family = family
         self.config = cfg
         self.tp = check_single_rank(tp, family)
         self.plan = ShardPlan.for_model(cfg)  # one rank: the runner reads its kv heads
@@ -120,6 +128,18 @@ class HybridCausalLM(nn.Module):
         """Per state layer (in ``layer_stack.state_layers`` order) its conv and recurrent tensors;
         ``dtype`` is the conv state's (the recurrent state is float32)."""
         return StateLayout(tuple(self.mixer(i).state_tensors(dtype) for i in self.layer_stack.state_layers))
+
+    def begin_forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                      state: DeviceStatePool | None) -> StatePlan | None:
+        """A forward pass's start: the state layers' plan for ``batch`` (None without state layers;
+        with them ``state`` is required) and the attention backend's per-batch set-up."""
+        plan = None
+        if self.layer_stack.state_layers:
+            if state is None:
+                raise ValueError(f"{self.family} has {self.state_kind} layers: its forward pass needs the state pool")
+            plan = StatePlan.build(batch, self.conv_kernel)
+        attn.init_forward(batch)
+        return plan
 
     def last_logits(self, h: torch.Tensor, batch: ForwardBatch, norm: nn.Module) -> torch.Tensor:
         """``[B, vocab]`` float32 logits of each sequence's last new token (then ``batch.logit_rows``)."""

@@ -22,7 +22,6 @@ from serving.models.layer_spec import LayerKind, LayerSpec, LayerStack
 from serving.models.llama import RMSNorm
 from serving.models.mamba2 import Mamba2Mixer
 from serving.models.registry import register_model
-from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
 from serving.structs.forward_batch import ForwardBatch
 
@@ -118,6 +117,7 @@ class NemotronHForCausalLM(HybridCausalLM):
     """Causal LM returning float32 logits of each sequence's last new token."""
 
     prefix_aliases = {"backbone.": "model."}
+    state_kind = "Mamba2"
 
     def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg, tp, "Nemotron-H")
@@ -136,15 +136,9 @@ class NemotronHForCausalLM(HybridCausalLM):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
                 state: DeviceStatePool | None = None) -> torch.Tensor:
-        """Run the new tokens of ``batch``; ``[B, vocab]`` float32 last-token logits (then
-        ``batch.logit_rows``). ``state``: the state pool (``batch.state_slots`` index it)."""
+        """Each block: its norm, then its one mixer (Mamba2, attention or MLP) as a residual."""
         stack = self.layer_stack
-        plan = None
-        if stack.state_layers:
-            if state is None:
-                raise ValueError("Nemotron-H has Mamba2 layers: its forward pass needs the state pool")
-            plan = StatePlan.build(batch, self.conv_kernel)
-        attn.init_forward(batch)
+        plan = self.begin_forward(batch, attn, state)
         h = self.model.embeddings(batch.input_ids)
         waits = batch.layer_waits
         kv_i = state_i = 0

@@ -25,7 +25,6 @@ from serving.models.hybrid_parts import HybridCausalLM, OffsetRMSNorm, activatio
 from serving.models.layer_spec import LayerKind, LayerStack
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope
-from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
 from serving.structs.forward_batch import ForwardBatch
 
@@ -123,6 +122,8 @@ def qwen3_5_stack(cfg: ModelArchConfig) -> LayerStack:
 class Qwen3_5ForCausalLM(HybridCausalLM):
     """Causal LM returning float32 logits of each sequence's last new token."""
 
+    state_kind = "Gated DeltaNet"
+
     def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg, tp, "Qwen3.5")
         self.layer_stack = qwen3_5_stack(cfg)
@@ -142,13 +143,9 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
                 state: DeviceStatePool | None = None) -> torch.Tensor:
-        """Run the new tokens of ``batch``; ``[B, vocab]`` float32 last-token logits (then
-        ``batch.logit_rows``). ``state``: the state pool (``batch.state_slots`` index it)."""
+        """Each layer: Gated DeltaNet or gated full attention, then the MLP, both pre-norm residuals."""
         stack = self.layer_stack
-        if state is None:
-            raise ValueError("Qwen3.5 has Gated DeltaNet layers: its forward pass needs the state pool")
-        plan = StatePlan.build(batch, self.conv_kernel)
-        attn.init_forward(batch)
+        plan = self.begin_forward(batch, attn, state)
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_seq_len)
         h = self.model.embed_tokens(batch.input_ids)
         waits = batch.layer_waits
