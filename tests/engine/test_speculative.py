@@ -9,6 +9,7 @@ at once). The tiny random models draft from their own loops and, on a second run
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -222,15 +223,17 @@ def test_structured_output_drafts_follow_the_grammar(tiny_chat_model):
 
 
 def test_smollm2_code_edit_is_exact():
-    """SmolLM2 repeating a source file with one change: most drafts are accepted, outputs equal."""
+    """SmolLM2 repeating a source file with one change: most drafts are accepted, outputs equal. The files are
+    fixed copies (tests/engine/data/): the live sources change, and with them how much SmolLM2 repeats."""
     from transformers import AutoTokenizer
 
     path = smollm2_path()
     tok = AutoTokenizer.from_pretrained(path)
     ps = []
-    for name, old, new in (("serving/scheduler/stop.py", "StopChecker", "StopRules"),
-                           ("serving/scheduler/schedule_policy.py", "order", "rank")):
-        src = open(name).read()
+    data = Path(__file__).parent / "data"
+    for name, old, new in (("code_edit_stop.py.txt", "StopChecker", "StopRules"),
+                           ("code_edit_schedule_policy.py.txt", "order", "rank")):
+        src = (data / name).read_text()
         msg = [{"role": "user", "content": f"Here is a file:\n\n```python\n{src}```\n\nRename {old} to {new}. "
                                            "Reply with the complete updated file."}]
         text = tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False) + "```python\n"
