@@ -98,3 +98,21 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
             outs.append(y[0, len(ids):].tolist())
     return outs
 
+
+
+def hf_output_logprobs(path: Path, prompts: list[list[int]], outputs: list[list[int]]) -> list[list[float]]:
+    """Reference: HF transformers' log-probability of each output token after its prompt and the output
+    before it (one forward pass over prompt + output, fp32): what an engine's ``output_token_logprobs``
+    must match when its cache served part of the prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    refs = []
+    with torch.inference_mode():
+        for ids, out in zip(prompts, outputs, strict=True):
+            x = torch.tensor([ids + out])
+            lp = torch.log_softmax(model(x).logits[0].float(), dim=-1)
+            refs.append([lp[len(ids) - 1 + k, t].item() for k, t in enumerate(out)])
+    return refs

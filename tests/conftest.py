@@ -23,6 +23,14 @@ SERIAL_MODULES = frozenset({
 })
 
 
+@pytest.hookimpl(optionalhook=True)  # known only where xdist is loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    """``--dist loadfile`` that finishes the run when a worker crashes (harness/xdist_sched.py)."""
+    from harness.xdist_sched import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """With ``-m serial`` (`make test`'s second phase) only SERIAL_MODULES are imported: the other
     ~110 test modules cost that process ~12 s to import, to be deselected."""

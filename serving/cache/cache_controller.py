@@ -9,6 +9,12 @@ CUDA a load is *layered*: queued on the side stream one layer at a time with an 
 layer (``_GpuLoad.layer_events``), so the scheduler runs a reader at once and its forward
 pass waits, on the GPU, for layer ``i``'s event before layer ``i`` (the copy overlaps the
 compute; see ``serving.structs.forward_batch.LayerWaits``).
+
+A model with state layers also moves state snapshots (``state_backup`` / ``state_load``, slot ids of
+the L1 and L2 state pools) with :func:`hicache.tiers.host_state.copy_slots`, both on the scheduler's
+thread in the transfers' order: a snapshot is one slot per sequence end (not pages per token), so its
+load is queued on the current stream on CUDA (the forward passes after it read it in stream order) or
+copied at once on CPU, and its ``PendingLoad`` is bound to a finished future.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 from hicache.hiradix import Transfer
 from hicache.tiers.device import DeviceKVPool
 from hicache.tiers.host import HostKVPool
+from hicache.tiers.host_state import HostStatePool, copy_slots
+from hicache.tiers.state_pool import DeviceStatePool
 from serving.kernels.page_copy import PageMover
 
 
@@ -63,9 +71,11 @@ class CacheController:
     :meth:`shutdown` waits for the loads in flight.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
+                 state_pools: tuple[DeviceStatePool, HostStatePool] | None = None) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self.state_pools = state_pools  # (L1, L2) state pools of a model with state layers
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
         # high priority: a load's copy kernel gets SMs ahead of the forward pass that waits for it
         self._stream = torch.cuda.Stream(device_pool.device, priority=-1) if device_pool.device.type == "cuda" \
@@ -75,12 +85,16 @@ class CacheController:
         self._load_mover = PageMover(device_pool.kv_buffer, host_pool)
         self.pages_backed_up = 0
         self.pages_loaded = 0
+        self.state_slots_moved = 0  # snapshots backed up or loaded (scheduler thread only)
 
     def execute(self, transfers: list[Transfer]) -> Future | None:
         """Run ``transfers`` in order; bind each load's copy to its ``PendingLoad`` (readers
         poll that); return the future of the last load, if any."""
         last: Future | None = None
         for t in transfers:
+            if t.kind in ("state_backup", "state_load"):
+                self._move_state(t)
+                continue
             if t.kind == "backup":
                 if last is not None:  # keep order with an earlier load in this batch
                     last.result()
@@ -94,6 +108,22 @@ class CacheController:
             if t.pending is not None:
                 t.pending.bind(last)
         return last
+
+    def _move_state(self, t: Transfer) -> None:
+        """A snapshot's copy between the L1 and L2 state pools (see the module docstring)."""
+        if self.state_pools is None:
+            raise RuntimeError(f"a {t.kind} transfer without state pools")
+        device, host = self.state_pools
+        cuda = self.device_pool.device.type == "cuda"
+        if t.kind == "state_backup":
+            copy_slots(device.slots.tensors(), host.tensors(), t.src_pages, t.dst_pages)
+        else:
+            copy_slots(host.tensors(), device.slots.tensors(), t.src_pages, t.dst_pages, non_blocking=cuda)
+            if t.pending is not None:
+                done: Future = Future()
+                done.set_result(None)
+                t.pending.bind(done)
+        self.state_slots_moved += len(t.src_pages)
 
     def _load_on_stream(self, t: Transfer) -> Future:
         with torch.cuda.stream(self._stream):

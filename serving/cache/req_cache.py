@@ -14,6 +14,7 @@ from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.state_pool import DeviceStatePool
 from serving.cache.admission import Admission, Answer
+from serving.cache.request_states import RequestStates
 from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner
 from serving.structs.forward_batch import LayerWaits
@@ -38,6 +39,11 @@ class ReqCache:
     answers NO_ROOM, having given its prefix back, so its L2 prefix is pinned again) rather than
     recomputing its whole prefix, for at most ``L1_WAIT_S`` seconds; it is admitted with its
     load once they give L1 back. Without other holders it never waits (nothing would free L1).
+
+    A model with state layers (``state_pool``): the tree's matches stop at its deepest state snapshot,
+    which is loaded with the prefix and copied into the request's working slot; a match whose snapshot
+    cannot come to L1 now starts from nothing (:class:`~serving.cache.request_states.RequestStates`
+    holds the requests' slots and hands their captures to the tree at release).
     """
 
     L1_WAIT_S = 1.0
@@ -46,10 +52,8 @@ class ReqCache:
                  transfers: TransferRunner, storage: StorageController | None = None,
                  state_pool: DeviceStatePool | None = None) -> None:
         self.tree = tree
-        # L1 state slots of a model with state layers (None: none): each admitted request holds a working
-        # slot, zeroed at admission (its prefix is recomputed: the tree's state snapshots are not wired
-        # to requests yet, so a match of a state model is cut to nothing), given back at release
-        self.state_pool = state_pool
+        self.state_pool = state_pool  # L1 state slots of a model with state layers (None: none)
+        self.states = RequestStates(tree, state_pool, page_size) if state_pool is not None else None
         self.allocator = allocator
         self.page_size = page_size
         self.transfers = transfers  # the storage controller's runner when there is L3 (its backups go on to L3)
@@ -58,6 +62,7 @@ class ReqCache:
         self._holders: set[str] = set()  # admitted requests not released yet (they hold L1)
         self._l1_waits: dict[str, float] = {}  # rid -> when it first waited for L1 room
         self._refuse: set[str] = set()  # admitted this step only to be put back (see the class docstring)
+        self._state_start: dict[str, int] = {}  # rid -> the L1 snapshot its working slot starts from
 
     # -- moving data -----------------------------------------------------------------
     def flush_transfers(self) -> None:
@@ -84,8 +89,6 @@ class ReqCache:
     def _matchable(self, req: Req) -> list[int]:
         """Leave at least one token to compute: its logits give the next token; a request asking
         for prompt logprobs computes every position whose logits they need (serving.model.logprobs)."""
-        if self.state_pool is not None:
-            return []  # no prefix without its recurrent state (recomputed, never guessed)
         end = req.seq_len - 1
         limit = req.logprob.cache_limit(self.page_size) if req.logprob is not None else None
         return req.fill_ids[: end if limit is None else min(end, limit)]
@@ -135,22 +138,20 @@ class ReqCache:
         kv, first = req.kv, not req.kv.admitted
         self._lock_prefix(req, self._match(req))
         n = min(req.seq_len - kv.kv_len, budget)
-        if not self._take_state_slot(req) or not self.reserve(req, kv.kv_len + n):
+        if not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n):
             self.release(req)
             if first:
                 kv.admitted = False
             return Admission(Answer.NO_ROOM)
         return Admission(Answer.READY if self.poll_load(req) else Answer.LOADING, n, first)
 
-    def _take_state_slot(self, req: Req) -> bool:
-        """A state model's request gets a zeroed working slot (it computes from position 0); False: none free."""
-        if self.state_pool is None or req.kv.state_slot >= 0:
+    def _take_state_slots(self, req: Req) -> bool:
+        """A state model's request gets its working slot (its match's snapshot, or zeros) and capture
+        slot; False: no room now."""
+        if self.states is None:
             return True
-        if not self.state_pool.can_alloc(1):
-            return False
-        req.kv.state_slot = self.state_pool.alloc(1)[0]
-        self.state_pool.zero_slot(req.kv.state_slot)
-        return True
+        start = self._state_start.pop(req.rid, None)
+        return self.states.take(req, start)
 
     def _match(self, req: Req) -> MatchResult:
         m = self.tree.match_prefix(self._matchable(req))
@@ -162,13 +163,19 @@ class ReqCache:
         as the request's first pages. Loads run in the background: the request waits
         until :meth:`poll_load` sees every load that fills its pages done."""
         kv, m = req.kv, match
-        if match.host_hit_tokens > 0:
+        state = match.state
+        if match.host_hit_tokens > 0 or (state is not None and state.device_slot is None):
             m = self.tree.load_back(match)
             self.flush_transfers()  # the controller binds the load's PendingLoad
             if m is not match:
                 kv.load_node = m.last_device_node
             elif not kv.admitted and self._wait_for_l1(req, match):
                 self._refuse.add(req.rid)
+        if self.states is not None:
+            if not m.resumable:  # its snapshot (or the KV before it) is not on L1: start from nothing
+                m = self.tree.match_prefix([])
+            elif m.state is not None:
+                self._state_start[req.rid] = m.state.device_slot
         self._holders.add(req.rid)
         kv.wait_loads = m.pending_loads
         self.tree.lock(m.last_device_node)
@@ -284,14 +291,16 @@ class ReqCache:
             kv.prefetch_checked = False
         else:
             self._l1_waits.pop(req.rid, None)
-        if kv.state_slot >= 0:
-            self.state_pool.free([kv.state_slot])
-            kv.state_slot = -1
+        self._state_start.pop(req.rid, None)
         if kv.lock_node is None and not kv.pages:
+            if self.states is not None:
+                self.states.give_back(req, [])
             return
         full = kv.kv_len // self.page_size
         tokens = req.fill_ids[: full * self.page_size]
         dup = self.tree.insert(tokens, kv.pages[:full]) if full else []
+        if self.states is not None:
+            self.states.give_back(req, tokens)
         to_free = list(dup) + kv.pages[full:]
         if kv.lock_node is not None:
             self.tree.unlock(kv.lock_node)

@@ -23,6 +23,7 @@ from hicache.hiradix.quota import TenantLedger
 from hicache.hiradix.sessions import SessionTable
 from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, make_host_pool
+from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache.cache_controller import CacheController
@@ -83,7 +84,9 @@ class EngineCore:
             cache.kv_namespace_suffix
         return namespace if self.weights_tag == "none" else f"{namespace}|q:{self.weights_tag}"
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, exit_on_rank_death: bool = True) -> None:
+        """``exit_on_rank_death``: a dead tensor-parallel rank ends this process (the server's engine
+        process) or makes the engine's calls raise (False: the offline Engine, in its caller's process)."""
         self.config = config
         # The scheduler thread holds the GIL between kernel launches; a background thread (an L3
         # reader, a write-back, a PD transfer) that wakes up would otherwise wait up to 5 ms (Python's
@@ -91,7 +94,7 @@ class EngineCore:
         # its caller's interpreter, the server's engine process is its own.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         # tensor parallelism: this process is rank 0 (scheduler, tree); the other ranks follow it
-        self.tp = TPLeader(config) if config.model.tp_size > 1 else None
+        self.tp = TPLeader(config, exit_on_rank_death) if config.model.tp_size > 1 else None
         try:
             self._build(config)
         except BaseException:
@@ -108,14 +111,20 @@ class EngineCore:
         pool = self.runner.pool
         cache = config.cache
         self.host_pool: HostKVPool | None = None
+        self.host_state_pool: HostStatePool | None = None  # L2 state snapshots (a model with state layers)
         self.controller: CacheController | None = None
+        state = self.runner.state_pool
         if cache.host_enabled:
             self.host_pool = self._make_host_pool()
-            self.controller = CacheController(pool, self.host_pool)
+            if state is not None:
+                self.host_state_pool = self._make_host_state_pool(state.num_slots)
+            self.controller = CacheController(
+                pool, self.host_pool, (state, self.host_state_pool) if state is not None else None)
         if self.tp is not None:
             self.tp.setup(self.host_pool.num_pages if self.host_pool else 0)
         self.tree = HiRadixTree.from_config(
-            cache, pool.allocator, self.host_pool.allocator if self.host_pool else None)
+            cache, pool.allocator, self.host_pool.allocator if self.host_pool else None,
+            state_device=state, state_host=self.host_state_pool)
         self.ledger = TenantLedger(cache.page_size)  # per-tenant pages; quotas: set_quotas
         self.tree.set_ledger(self.ledger)
         execute = self.controller.execute if self.controller else None
@@ -172,6 +181,15 @@ class EngineCore:
         if host.growing:
             log.info("L2: %d of its %d pages pinned; the rest are pinned in the background and join L2 as they are",
                      host.allocator.available, n)
+        return host
+
+    def _make_host_state_pool(self, device_slots: int) -> HostStatePool:
+        """L2 state snapshots: as many slots, relative to L1's, as L2 has pages relative to L1's
+        (``--hicache-ratio``, at least L1's count: a demoted snapshot needs a slot)."""
+        ratio = self.host_pool.num_pages / max(1, self.runner.pool.num_pages)
+        n = max(device_slots, round(device_slots * ratio))
+        host = HostStatePool(self.runner.state_pool.layout, n, pin_memory=self.runner.device.type == "cuda")
+        log.info("L2 state pool: %d slots (%.2f GiB)", n, host.nbytes() / 2**30)
         return host
 
     def _make_storage(self, execute: TransferSink) -> StorageController:
@@ -289,14 +307,11 @@ class EngineCore:
             reqs = self.scheduler.waiting + self.scheduler.running
             host_in_use = self.storage.in_flight_host_pages(reqs)
             self.storage.check_integrity(reqs)
-        self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use)
+        states = self.req_cache.states  # L1 state slots: the tree's snapshots and the requests' slots
+        state_in_use = states.in_use(self.scheduler.running + self.scheduler.waiting) if states else 0
+        self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use,
+                                  state_device_in_use=state_in_use)
         self.runner.pool.allocator.check_integrity()
-        state = self.runner.state_pool
-        if state is not None:  # every slot in use is a running request's working slot
-            state.check_integrity()
-            held = {r.kv.state_slot for r in self.scheduler.running + self.scheduler.waiting if r.kv.state_slot >= 0}
-            if state.num_used != len(held):
-                raise AssertionError(f"state slots: {state.num_used} in use, {len(held)} held by requests")
         if self.host_pool is not None:
             self.host_pool.check_integrity()  # its allocator, and its encoded pages' scales
         if self.tp is not None:  # the other ranks ran every command and hold the same pools
@@ -319,9 +334,9 @@ class EngineCore:
             if self.controller is not None:
                 self.controller.shutdown()
             self.grammar.shutdown()
-            if self.tp is not None:
-                self.tp.shutdown()
         finally:
+            if self.tp is not None:  # the other ranks stop whatever failed above
+                self.tp.shutdown()
             if self.host_pool is not None:  # pinned pages go back to the host (nothing copies any more)
                 self.host_pool.release()
 

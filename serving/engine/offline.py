@@ -88,7 +88,7 @@ class Engine:
         if config is not None and kwargs:
             raise TypeError("give either config or keyword arguments, not both")
         self.config = config or config_from_kwargs(**kwargs)
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, exit_on_rank_death=False)  # the caller's process: raise
 
     def generate(
         self,

@@ -29,9 +29,10 @@ CPU_DEFAULT_KV_TOKENS = 16384
 
 
 def state_slots_for(max_running_requests: int) -> int:
-    """L1 state slots of a model with state layers: a working slot for every running request and as
-    many again for snapshots (the tree's, the requests' captures), and a few spare."""
-    return 2 * max_running_requests + 8
+    """L1 state slots of a model with state layers: three for every running request (its working slot
+    and two captures, serving/cache/request_states.py), as many again for the tree's snapshots, and a
+    few spare."""
+    return 4 * max_running_requests + 8
 
 
 def resolve_device(name: str) -> torch.device:

@@ -9,8 +9,10 @@ the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as
 or present only when every rank's part is.
 
 Faults: a monitor thread watches the followers; one that exits takes the engine down with a
-message naming it (``os._exit``: a scheduler blocked in a collective is never left hanging),
-and every collective has ``--dist-timeout``.
+message naming it, and every collective has ``--dist-timeout``. In the server's engine process
+"down" is ``os._exit`` (a scheduler blocked in a collective is never left hanging); in the offline
+``Engine`` the process is the caller's, so the other ranks are killed (a collective then fails at
+once) and the engine's next call raises :class:`RankDied` naming the rank.
 
 Concurrency contract: ``forward`` and ``execute`` are called on the scheduler thread only (their
 commands keep its order); ``TPStorageTier`` calls come from any thread and are serialised per
@@ -45,6 +47,10 @@ log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
 
 
+class RankDied(RuntimeError):
+    """A tensor-parallel rank died; the offline engine cannot run another forward pass."""
+
+
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """``config`` for ``rank``: on CUDA rank r uses the r-th GPU after the configured one."""
     from serving.model.model_runner import resolve_device
@@ -71,7 +77,7 @@ class TPLeader:
     used by the scheduler thread only, the rest is fixed at construction.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, exit_on_death: bool = True) -> None:
         from serving.model.model_runner import resolve_device
         from serving.parallel.follower import follower_main
 
@@ -105,6 +111,8 @@ class TPLeader:
             self._rpcs.append(RpcClient(mine, r))
             self.procs.append(p)
         self._stopping = False
+        self._exit_on_death = exit_on_death
+        self.dead: str | None = None  # why the engine stopped (a rank died), when it did not exit
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
         self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
         self.seq = 0  # commands sent
@@ -112,6 +120,8 @@ class TPLeader:
 
     # -- what the scheduler thread calls -----------------------------------------------------
     def _send(self, cmd: Any) -> None:
+        if self.dead is not None:
+            raise RankDied(self.dead)
         for c in self._cmds:
             c.send(cmd)
         self.seq += 1
@@ -187,7 +197,10 @@ class TPLeader:
             return
         r, p = sentinels[ready[0]]
         p.join(1)
-        self._die(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        try:
+            self._die(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        except RankDied:
+            pass  # the offline engine: its next call raises it
 
     def _die(self, why: str) -> None:
         log.error("%s: the engine stops (every rank is needed for every forward pass)", why)
@@ -195,9 +208,14 @@ class TPLeader:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
-        os._exit(EXIT_RANK_DIED)
+        if self._exit_on_death:
+            os._exit(EXIT_RANK_DIED)
+        self.dead = why
+        raise RankDied(why)
 
     def shutdown(self) -> None:
+        if self._stopping:
+            return  # shut down already
         self._stopping = True
         for c in self._cmds:
             try:

@@ -197,8 +197,9 @@ class Scheduler:
         seqs = [(r.model_ids(r.kv.kv_len, r.kv.kv_len + n) if n == 1 or spec is None or not spec.drafts(r)
                  else r.model_ids(r.kv.kv_len, r.kv.kv_len + 1) + spec.drafts(r), r.kv.kv_len, r.kv.pages)
                 for r, n in batch_reqs]
-        states = [r.kv.state_slot for r, _ in batch_reqs] if self.cache.state_pool is not None else None
-        fb = ForwardBatch.build(seqs, self.page_size, self.device, state_slots=states)
+        fb = ForwardBatch.build(seqs, self.page_size, self.device)
+        if self.cache.states is not None:  # state layers: working slots, captures at page boundaries
+            fb.set_state(*self.cache.states.plan(batch_reqs))
         fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])
         prompt_rows = plan_prompt_rows(batch_reqs)  # prompt logprobs: logits of more positions than the last
         extra = [row for _, rows, _ in prompt_rows for row in rows]

@@ -177,3 +177,33 @@ def test_tp2_overlap_schedule_token_identical(tiny):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+DEAD_RANK = """
+import sys
+from serving.engine import Engine
+from serving.parallel.leader import RankDied
+eng = Engine(model_path=sys.argv[1], page_size=4, max_total_tokens=160, tp_size=2)
+eng.generate(input_ids=[[1, 2, 3, 4, 5]], sampling_params={"max_new_tokens": 2})
+eng.core.tp.procs[0].kill()
+eng.core.tp.procs[0].join(30)
+try:
+    for _ in range(50):  # the monitor notices within moments; a collective with a dead peer fails
+        eng.generate(input_ids=[[1, 2, 3, 4, 5]], sampling_params={"max_new_tokens": 2})
+except Exception as e:
+    print("raised", type(e).__name__, e, flush=True)
+eng.shutdown()
+print("still running", flush=True)
+"""
+
+
+def test_a_dead_rank_raises_in_the_offline_engine_not_exits_the_callers_process(tiny):
+    """The offline Engine runs in its caller's process (a notebook, a test run): a dead rank makes its
+    calls raise; ``os._exit`` is the server's engine process's answer only (test_tp_server.py)."""
+    import subprocess
+    import sys
+
+    path = tiny[0]
+    out = subprocess.run([sys.executable, "-c", DEAD_RANK, str(path)], capture_output=True, text=True, timeout=300)
+    assert "still running" in out.stdout, (out.returncode, out.stdout, out.stderr[-3000:])
+    assert "raised" in out.stdout, out.stdout
