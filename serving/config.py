@@ -74,6 +74,12 @@ class SchedulerConfig:
     max_total_tokens: int | None = None
     kv_cache_gb: float | None = None  # L1 KV capacity in GiB (alternative to max_total_tokens)
     mem_fraction_static: float = 0.85  # CUDA: share of free GPU memory for weights + KV
+    # Models with recurrent-state layers (SGLang's name): L1 state slots, 3 per running request (its working
+    # slot, 2 captures) and the tree's snapshots; default 4 per running request + 8, on CUDA within the GPU's
+    # budget (mamba_full_memory_ratio) unless --max-total-tokens / --kv-cache-gb size L1
+    max_mamba_cache_size: int | None = None
+    # the default state slots' share of the GPU budget: their bytes at most this times the KV cache's (SGLang's name)
+    mamba_full_memory_ratio: float = 0.9
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
     grammar_backend: str = choice("xgrammar", GRAMMAR_BACKENDS)  # structured output (json_schema / regex / ebnf)
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
@@ -123,6 +129,11 @@ class SchedulerConfig:
             raise ValueError("max_total_tokens must be positive")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 4:
+            raise ValueError("max_mamba_cache_size must be at least 4 (a running request's 3 state slots and a "
+                             f"snapshot), got {self.max_mamba_cache_size}")
+        if not self.mamba_full_memory_ratio > 0:
+            raise ValueError(f"mamba_full_memory_ratio must be positive, got {self.mamba_full_memory_ratio}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if not self.grammar_compile_timeout_s > 0:

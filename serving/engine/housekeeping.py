@@ -83,9 +83,21 @@ class Housekeeping:
             "storage": core.storage_stats(),
             "tenants": self.control.tenant_snapshot(),  # + pinned pages (cache_control, pins)
             "bytes_per_page": self._bytes_per_page(),
+            **({"state_slots": self._state_slots()} if core.runner.state_pool is not None else {}),
             **({"pd": core.scheduler.pd.stats()} if core.scheduler.pd is not None else {}),
             **({"speculative": core.scheduler.spec.stats_dict()} if core.scheduler.spec is not None else {}),
         }
+
+    def _state_slots(self) -> dict[str, dict[str, int]]:
+        """The recurrent-state component (a model with state layers): slots per tier, those the tree's
+        snapshots hold, and a slot's bytes."""
+        core = self.core
+        out = {}
+        for tier, pool in (("device", core.runner.state_pool), ("host", core.host_state_pool)):
+            if pool is not None:
+                out[tier] = {"total": pool.num_slots, "used": pool.num_used,
+                             "snapshots": core.tree.state.cached_slots(tier), "bytes_per_slot": pool.bytes_per_slot}
+        return out
 
     def _bytes_per_page(self) -> dict[str, int]:
         pool = self.core.runner.pool

@@ -37,7 +37,16 @@ def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
         "pid": os.getpid(),
         "dtype": str(core.runner.dtype).removeprefix("torch."),
         "quantization": getattr(core.runner.model, "quantization", "none"),  # what --quantization auto resolved to
+        "layers": layer_mix(core.runner.layer_stack),
     }
+
+
+def layer_mix(stack: Any) -> dict[str, int]:
+    """The model's layers by kind (LayerKind values: full_attention, sliding_attention, ...): the cache's components."""
+    mix: dict[str, int] = {}
+    for spec in stack.specs:
+        mix[spec.kind.value] = mix.get(spec.kind.value, 0) + 1
+    return mix
 
 
 def engine_main(

@@ -90,8 +90,9 @@ class ModelRunner:
         # L1 for the state layers' recurrent state (before the KV pages: a GPU budget counts it as used)
         self.state_pool: DeviceStatePool | None = None
         if self.layer_stack.state_layers:
-            slots = state_slots_for(sched.max_running_requests)
-            self.state_pool = DeviceStatePool(self.model.state_layout(self.dtype), slots, self.device)
+            state_layout = self.model.state_layout(self.dtype)
+            slots = self._state_slots(state_layout.bytes_per_slot(), sched)
+            self.state_pool = DeviceStatePool(state_layout, slots, self.device)
             log.info("L1 state pool: %d slots x %d state layers (%.2f MiB a slot, %.2f GiB)", slots,
                      len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
                      self.state_pool.nbytes() / 2**30)
@@ -138,6 +139,26 @@ class ModelRunner:
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
             runner.keep_alive = rotary.built_tables()
         return runner
+
+    def _state_slots(self, slot_bytes: int, sched: SchedulerConfig) -> int:
+        """L1 state slots: --max-mamba-cache-size, else :func:`state_slots_for`; on CUDA with L1 sized by
+        the GPU's budget, at most the share ``r / (1 + r)`` of that budget (``r``: --mamba-full-memory-ratio,
+        the state's bytes against the KV cache's), so the KV pages keep the rest."""
+        if sched.max_mamba_cache_size is not None:
+            return sched.max_mamba_cache_size
+        slots = state_slots_for(sched.max_running_requests)
+        if self.device.type != "cuda" or sched.max_total_tokens is not None or sched.kv_cache_gb is not None:
+            return slots
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = max(0, int(free - total * (1 - sched.mem_fraction_static)))
+        ratio = sched.mamba_full_memory_ratio
+        fit = int(budget * ratio / (1 + ratio)) // max(1, slot_bytes)
+        if fit < 4:
+            raise sizing.TierSizeError(
+                f"L1 state pool: {fit} state slots of {slot_bytes / 2**20:.1f} MiB fit the GPU's budget "
+                f"({sizing.gpu_budget_text(free, total, sched.mem_fraction_static)}); a running request needs 3 "
+                "and a cached snapshot 1: raise --mem-fraction-static or --mamba-full-memory-ratio")
+        return min(slots, fit)
 
     def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int) -> int:
         """L1's pages (hicache.sizing decides): --max-total-tokens / --kv-cache-gb when given (a

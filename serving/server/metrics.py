@@ -31,7 +31,9 @@ engine's L3 stats (``EngineCore.storage_stats()``) map key by key (``STORAGE_MET
   ``hicache_cost_model_l3_refusals_total``, ``hicache_cost_model_recomputed_cached_tokens_total``.
 
 A key without an entry (a new backend's) is still exposed, untyped, as ``hicache_storage_stat{key}``.
-KV pools: ``hicache_pool_pages{pool,state}`` (state ``used`` or ``free``). Speculative decoding
+KV pools: ``hicache_pool_pages{pool,state}`` (state ``used`` or ``free``). A model with recurrent-state
+layers: ``hicache_state_slots{pool,state}`` (state ``snapshots``: the tree's, ``requests``: running
+requests' working slots and captures on L1, ``in_flight``: L2 slots an L3 write reads, ``free``). Speculative decoding
 (when on): counters ``hicache_spec_verify_steps_total``, ``hicache_spec_draft_tokens_total``,
 ``hicache_spec_accepted_tokens_total``, ``hicache_spec_auto_off_total``; gauge
 ``hicache_spec_index_positions`` (the tree's n-gram index).
@@ -250,6 +252,17 @@ class EngineCollector(Collector):
             pages.add_metric([pool, "used"], p["used"])
             pages.add_metric([pool, "free"], p["total"] - p["used"])
         yield pages
+        if s.get("state_slots"):
+            slots = GaugeMetricFamily(
+                f"{PREFIX}_state_slots", "Recurrent-state slots by pool and state (snapshots: the tree's cached "
+                "states; requests: running requests' working slots and captures; in_flight: L2 slots L3 writes "
+                "read; free)", labels=["pool", "state"])
+            for pool, p in sorted(s["state_slots"].items()):
+                slots.add_metric([pool, "snapshots"], p["snapshots"])
+                # L1: running requests' slots; L2: slots an L3 write reads or a free waits on
+                slots.add_metric([pool, "requests" if pool == "device" else "in_flight"], p["used"] - p["snapshots"])
+                slots.add_metric([pool, "free"], p["total"] - p["used"])
+            yield slots
         storage = s.get("storage") or {}
         if storage:
             yield from storage_families(storage)

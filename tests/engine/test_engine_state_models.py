@@ -56,3 +56,23 @@ def test_speculative_decoding_is_refused_with_the_reason(tiny) -> None:
     path, _, _ = tiny
     with pytest.raises(ValueError, match="recurrent state"):
         Engine(model_path=str(path), page_size=4, max_total_tokens=256, speculative_algorithm="NGRAM")
+
+
+def test_state_pool_size_is_sglangs_max_mamba_cache_size(tiny) -> None:
+    """--max-mamba-cache-size sets the L1 state slots; the default is 4 per running request + 8; fewer
+    than one request's 3 slots and a snapshot is refused with the reason."""
+    path, ps, ref = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, max_mamba_cache_size=7)
+    try:
+        assert eng.core.runner.state_pool.num_slots == 7
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref  # 2 at a time, then 1 snapshot
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=256, max_running_requests=3)
+    try:
+        assert eng.core.runner.state_pool.num_slots == 4 * 3 + 8
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="max_mamba_cache_size must be at least 4"):
+        Engine(model_path=str(path), page_size=4, max_total_tokens=256, max_mamba_cache_size=3)
