@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,10 +30,14 @@ def metric(s: ServerProcess, name: str, label: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def running(s: ServerProcess) -> float:
+def gauge(s: ServerProcess, name: str) -> float:
     text = httpx.get(s.url + "/metrics", timeout=30).text
-    m = re.search(r"^hicache_num_running_reqs(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
+    m = re.search(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def running(s: ServerProcess) -> float:
+    return gauge(s, "hicache_num_running_reqs")
 
 
 def gen(s: ServerProcess, ids: list[int], new_tokens: int = 4) -> tuple[int, list[int] | None, int]:
@@ -43,6 +48,17 @@ def gen(s: ServerProcess, ids: list[int], new_tokens: int = 4) -> tuple[int, lis
         return r.status_code, None, 0
     body = r.json()
     return 200, body["output_ids"], body["meta_info"]["cached_tokens_details"].get("storage", 0)
+
+
+def block_until(s: ServerProcess, ids: list[int], release: threading.Event) -> None:
+    """A long streamed request that keeps C's one running slot busy until ``release`` is set (then the
+    stream is closed: the server aborts it), or it ends on its own."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 380, "ignore_eos": True}}
+    with httpx.stream("POST", s.url + "/generate", json=body, timeout=120) as r:
+        for _ in r.iter_lines():
+            if release.is_set():
+                return
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -81,10 +97,16 @@ def main() -> None:
         res_b = [gen(b, x) for x in p]
         out["b_same_output"] = [r[1] for r in res_b] == ref
         out["b_storage_hit_tokens"] = sum(r[2] for r in res_b)
+        release = threading.Event()
         with ThreadPoolExecutor(len(p) + 1) as pool:  # a long request runs first: the others queue
-            blocker = pool.submit(gen, c, prompts(3, 1)[0], 200)  # and their best-effort prefetches land
-            wait_for(lambda: running(c) > 0 or blocker.done(), 20)
-            res_c = list(pool.map(lambda x: gen(c, x), p))
+            blocker = pool.submit(block_until, c, prompts(3, 1)[0], release)  # while their best-effort
+            wait_for(lambda: running(c) > 0 or blocker.done(), 20)  # prefetches land (then it stops)
+            queued = [pool.submit(gen, c, x) for x in p]
+            out["c_prefetched_while_queued"] = wait_for(
+                lambda: metric(c, "hicache_storage_events_total", "pages_prefetched") > 0
+                and gauge(c, "hicache_storage_fetches_in_flight") == 0, 60)
+            release.set()
+            res_c = [f.result() for f in queued]
             blocker.result()
         out["c_same_output"] = [r[1] for r in res_c] == ref
         out["c_storage_hit_tokens"] = sum(r[2] for r in res_c)
