@@ -7,7 +7,8 @@ beta = sigmoid(b) and the decay g = -exp(A_log) * softplus(a + dt_bias). q and k
 
     S = exp(g) * S;   S = S + k (beta * (v - S^T k))^T;   o = S^T q
 
-and the output is ``out_proj(gated_rmsnorm(o, z))``. Key heads are shared by
+and the output is ``out_proj(gated_rmsnorm(o, z))`` (the rule runs in serving/models/state_kernels.py:
+the torch scan, or fla-core on CUDA). Key heads are shared by
 ``num_v_heads // num_k_heads`` consecutive value heads. A sequence's state is its slot in the state
 pool: the conv's last ``conv_kernel - 1`` inputs ``[conv_dim, K - 1]`` and ``S`` per head
 ``[num_v_heads, head_k_dim, head_v_dim]`` (float32). Parameter names are HF's
@@ -22,7 +23,8 @@ from torch import nn
 
 from hicache.tiers.state_layout import StateTensor
 from serving.models.hybrid_parts import GatedRMSNorm, activation
-from serving.models.state_scan import StatePlan, causal_conv, scan
+from serving.models.state_kernels import backend_for, gated_delta_rule
+from serving.models.state_scan import StatePlan, causal_conv
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -65,25 +67,12 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed = self.act(causal_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight.squeeze(1), None, plan))
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.num_v_heads // self.num_k_heads
-        q = q.float().view(t, self.num_k_heads, self.head_k_dim).repeat_interleave(rep, dim=1)
-        k = k.float().view(t, self.num_k_heads, self.head_k_dim).repeat_interleave(rep, dim=1)
-        q = l2norm(q) * self.head_k_dim**-0.5
-        k = l2norm(k)
-        v = v.float().view(t, self.num_v_heads, self.head_v_dim)
+        q = l2norm(q.float().view(t, self.num_k_heads, self.head_k_dim))
+        k = l2norm(k.float().view(t, self.num_k_heads, self.head_k_dim))
+        v = v.view(t, self.num_v_heads, self.head_v_dim)
         beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
-        decay = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).exp()
-
-        def step(s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            s = s * decay[rows][..., None, None]  # [A, Hv, Dk, Dv]
-            kr = k[rows]
-            mem = torch.einsum("ahkv,ahk->ahv", s, kr)
-            delta = (v[rows] - mem) * beta[rows][..., None]
-            s = s + kr[..., :, None] * delta[..., None, :]
-            return s, torch.einsum("ahkv,ahk->ahv", s, q[rows])
-
-        o = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
-        scan(recurrent, plan, o, step)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # log decay
+        o = gated_delta_rule(q, k, v, g, beta, self.head_k_dim**-0.5, recurrent, plan, backend_for(x))
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.to(x.dtype), z).reshape(t, self.value_dim)
         return self.out_proj(o)

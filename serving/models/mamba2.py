@@ -25,7 +25,8 @@ from torch import nn
 
 from hicache.tiers.state_layout import StateTensor
 from serving.models.hybrid_parts import GatedRMSNorm, activation
-from serving.models.state_scan import StatePlan, causal_conv, scan
+from serving.models.state_kernels import backend_for, ssd
+from serving.models.state_scan import StatePlan, causal_conv
 
 
 class Mamba2Mixer(nn.Module):
@@ -64,19 +65,10 @@ class Mamba2Mixer(nn.Module):
         xbc = self.act(causal_conv(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))
         gs = self.n_groups * self.state_size
         xs, b, c = xbc.float().split([self.intermediate, gs, gs], dim=-1)
-        rep = self.num_heads // self.n_groups
         xs = xs.view(t, self.num_heads, self.head_dim)
-        b = b.view(t, self.n_groups, self.state_size).repeat_interleave(rep, dim=1)  # [T, H, N]
-        c = c.view(t, self.n_groups, self.state_size).repeat_interleave(rep, dim=1)
+        b = b.view(t, self.n_groups, self.state_size)
+        c = c.view(t, self.n_groups, self.state_size)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.time_step_min)  # [T, H]
-        decay = torch.exp(dt * -self.A_log.float().exp())
-        dtx = dt[..., None] * xs  # [T, H, P]
-
-        def step(s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            s = s * decay[rows][..., None, None] + dtx[rows][..., :, None] * b[rows][..., None, :]
-            return s, torch.einsum("ahpn,ahn->ahp", s, c[rows])
-
-        y = torch.empty(t, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        scan(recurrent, plan, y, step)
+        y = ssd(xs, dt, -self.A_log.float().exp(), b, c, recurrent, plan, backend_for(x), x.dtype)
         y = y + self.D.float()[:, None] * xs
         return self.out_proj(self.norm(y.reshape(t, self.intermediate), gate).to(x.dtype))  # HF: norm in float32
