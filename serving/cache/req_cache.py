@@ -207,10 +207,11 @@ class ReqCache:
     def take_prompt(self, req: Req, reuse_prefix: bool) -> bool:
         """Pages for ``req``'s whole prompt, for KV computed elsewhere (a PD decode server): with
         ``reuse_prefix`` its cached prefix first (matched and locked as any admission, so only the rest
-        is sent), then fresh pages for the rest. False: no room now (nothing held; retry later)."""
+        is sent), then fresh pages for the rest, and a state model's slots (the sender writes its state
+        after the prompt into the working one). False: no room now (nothing held; retry later)."""
         if reuse_prefix:
             self._lock_prefix(req, self._match(req))
-        if self.reserve(req, len(req.input_ids)):
+        if self._take_state_slots(req) and self.reserve(req, len(req.input_ids)):
             req.kv.admitted = True
             return True
         self.release(req)  # no room yet: give the prefix back

@@ -160,7 +160,8 @@ class DecodeRole(PDRole):
         return DecodeTarget(room=req.pd.room, prompt_len=len(req.input_ids), prompt_digest=prompt_digest(req.input_ids),
                             endpoint=self.transport.endpoint(), geometry=self.geometry,
                             pages=list(req.kv.pages[req.kv.tree_pages:]), skip_pages=req.kv.tree_pages,
-                            notify_url=f"{self.control.url}/pd/done")
+                            notify_url=f"{self.control.url}/pd/done", state=self.state_geometry,
+                            state_slot=req.kv.state_slot)
 
     def _register(self, url: str, target: DecodeTarget) -> None:
         """I/O thread: hand the target to the prefill server; a failure comes back as a KVDone."""

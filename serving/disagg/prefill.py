@@ -181,13 +181,29 @@ class PrefillRole(PDRole):
             raise ValueError(f"the decode server offered {len(target.pages)} pages after {target.skip_pages}; "
                              f"the prompt needs {need - target.skip_pages}")
         src, dst = self.geometry.addrs(src_pages), target.geometry.addrs(target.pages)
+        lengths = [self.geometry.chunk] * len(src)
+        if self.state_geometry is not None or target.state is not None:  # the state after the prompt
+            src, dst, lengths = self._with_state(req, target, list(src), list(dst), lengths)
         t0 = time.perf_counter()
         if len(src):  # the transport coalesces neighbouring chunks
-            self.transport.write(target.endpoint, src, dst, [self.geometry.chunk] * len(src))
+            self.transport.write(target.endpoint, src, dst, lengths)
         dt = time.perf_counter() - t0
         return KVDone(target.room, True, first_token=req.output_ids[0], cached_tokens=req.kv.cached_tokens,
                       cached_by_tier=dict(req.kv.cached_by_tier), pages=len(src_pages),
-                      nbytes=len(src) * self.geometry.chunk, transfer_s=dt, logprobs=lp)
+                      nbytes=sum(lengths), transfer_s=dt, logprobs=lp)
+
+    def _with_state(self, req: Req, target: DecodeTarget, src: list[int], dst: list[int],
+                    lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Add the rows of the request's working state slot (its state after the whole prompt) to the
+        write, into the decode request's slot."""
+        if self.state_geometry is None:
+            raise ValueError("the decode server's model has recurrent-state layers, this one's has none")
+        why = self.state_geometry.mismatch(target.state)
+        if why is not None:
+            raise ValueError(why)
+        s_src, s_len = self.state_geometry.addrs(req.kv.state_slot)
+        s_dst, _ = target.state.addrs(target.state_slot)
+        return src + s_src, dst + s_dst, lengths + s_len
 
     def _notify(self, target: DecodeTarget, done: KVDone) -> bool:
         try:

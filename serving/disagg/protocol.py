@@ -8,7 +8,9 @@ The handshake (SGLang's shape, one bootstrap room per request):
    cache holds) and PUTs a :class:`DecodeTarget` to the prefill server's bootstrap port:
    its transport endpoint, its pool geometry, the pages to fill and where to report;
 3. the prefill server computes the prompt (through its own HiCache), writes the KV of the
-   pages the decode server does not hold straight into them with the transport, then POSTs
+   pages the decode server does not hold straight into them with the transport (and, for a
+   model with recurrent-state layers, its state after the prompt into the decode request's
+   working state slot: :class:`StateGeometry`), then POSTs
    a :class:`KVDone` (the first token, and the logprobs only the prefill side could compute:
    serving/disagg/logprob_handoff.py) to the decode server, which decodes from there.
 
@@ -77,6 +79,39 @@ class KVGeometry:
         return (self.base + (planes + p[None, :]) * self.chunk).reshape(-1)
 
 
+@dataclass(frozen=True)
+class StateGeometry:
+    """Where state slot ``s`` lives in a DeviceStatePool (a model with recurrent-state layers): per
+    tensor of its StateLayout (layer by layer), ``bases[t] + s * row_bytes[t]``; ``layout`` names
+    every tensor's shape and dtype (both sides must agree)."""
+
+    bases: list[int]
+    row_bytes: list[int]
+    num_slots: int
+    layout: str
+
+    @classmethod
+    def of_pool(cls, pool: Any) -> StateGeometry:
+        tensors = pool.slots.tensors()
+        layout = ";".join(f"{t.name}{list(t.shape)}:{str(t.dtype).removeprefix('torch.')}"
+                          for layer in pool.layout.layers for t in layer)
+        return cls([int(t.data_ptr()) for t in tensors], [int(t[0].numel() * t.element_size()) for t in tensors],
+                   pool.num_slots, layout)
+
+    def mismatch(self, other: StateGeometry | None) -> str | None:
+        if other is None:
+            return "the peer's model has no recurrent-state layers"
+        if self.layout != other.layout:
+            return f"state layouts differ: {self.layout} here, {other.layout} on the peer"
+        return None
+
+    def addrs(self, slot: int) -> tuple[list[int], list[int]]:
+        """The chunk addresses and lengths of state slot ``slot``."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"state slot {slot} is outside the pool of {self.num_slots} slots")
+        return [b + slot * n for b, n in zip(self.bases, self.row_bytes, strict=True)], list(self.row_bytes)
+
+
 def _typed(cls: type, d: Any) -> Any:
     if not isinstance(d, dict):
         raise ValueError(f"{cls.__name__}: expected a JSON object")
@@ -97,6 +132,8 @@ class DecodeTarget:
     pages: list[int]  # decode pages for prompt pages skip_pages .. ceil(prompt_len / page_size) - 1
     skip_pages: int  # leading prompt pages the decode side holds already (its radix cache)
     notify_url: str  # where the prefill side POSTs the KVDone
+    state: StateGeometry | None = None  # a model with recurrent-state layers: the decode side's state pool
+    state_slot: int = -1  # ... and the request's working slot there (the prefill side writes its state in)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,8 +143,13 @@ class DecodeTarget:
         d = _typed(cls, d)
         try:
             geo = KVGeometry(**_typed(KVGeometry, d["geometry"]))
+            state = None if d.get("state") is None else StateGeometry(**_typed(StateGeometry, d["state"]))
+            if state is not None:
+                state = StateGeometry([int(b) for b in state.bases], [int(n) for n in state.row_bytes],
+                                      int(state.num_slots), str(state.layout))
             t = cls(int(d["room"]), int(d["prompt_len"]), str(d["prompt_digest"]), dict(d["endpoint"]), geo,
-                    [int(p) for p in d["pages"]], int(d["skip_pages"]), str(d["notify_url"]))
+                    [int(p) for p in d["pages"]], int(d["skip_pages"]), str(d["notify_url"]), state,
+                    int(d.get("state_slot", -1)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"DecodeTarget: {e}") from None
         if t.skip_pages < 0 or t.prompt_len <= 0:
@@ -155,4 +197,4 @@ class Bootstrap:
         return f"http://{host}:{self.port}"
 
 
-__all__ = ["Bootstrap", "DecodeTarget", "KVDone", "KVGeometry", "prompt_digest"]
+__all__ = ["Bootstrap", "DecodeTarget", "KVDone", "KVGeometry", "StateGeometry", "prompt_digest"]

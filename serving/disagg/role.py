@@ -22,9 +22,6 @@ def make_role(server: Any, core: Any) -> PDRole | None:
         return None
     if mode not in ROLES:
         raise ValueError(f"unknown disaggregation_mode {mode!r}; choose from null, {', '.join(ROLES)}")
-    if core.req_cache.state_pool is not None:
-        raise ValueError(f"--disaggregation-mode {mode} is not supported for a model with linear-attention / Mamba "
-                         "layers: their recurrent state does not travel with the KV yet")
     module, name = ROLES[mode].split(":")
     role = getattr(importlib.import_module(module), name)(server, core)
     core.scheduler.attach_role(role)

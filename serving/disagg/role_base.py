@@ -31,17 +31,26 @@ class PDRole:
 
     def _open_transport(self, server: Any, core: Any) -> None:
         """What both roles share: the pool's geometry and the transport with L1 registered."""
-        from serving.disagg.protocol import KVGeometry
+        from serving.disagg.protocol import KVGeometry, StateGeometry
         from serving.disagg.transport import make_transport
         from serving.disagg.transport_base import TransportConfig
 
         pool = core.runner.pool
+        state = core.runner.state_pool
+        if state is not None and server.disaggregation_transfer_backend == "cuda_ipc":
+            raise ValueError("--disaggregation-transfer-backend cuda_ipc moves one buffer (L1's KV); a model with "
+                             "linear-attention / Mamba layers also sends its state: use mooncake or nixl")
         self.timeout_s = server.disaggregation_bootstrap_timeout_s
         self.geometry = KVGeometry.of_pool(pool, core.kv_model_tag)
         self.page_size = pool.page_size
         self.transport = make_transport(server.disaggregation_transfer_backend,
                                         TransportConfig(host=server.disaggregation_transfer_host))
         self.transport.register_tensor(pool.kv_buffer)
+        # a model with recurrent-state layers: its L1 state pool travels too (a request's working slot)
+        self.state_geometry = StateGeometry.of_pool(state) if state is not None else None
+        if state is not None:
+            for t in state.slots.tensors():
+                self.transport.register_tensor(t)
 
     def attach(self, scheduler: Scheduler) -> None:
         self.sched = scheduler
