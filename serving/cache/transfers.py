@@ -50,6 +50,6 @@ class TransferRunner:
         self._execute(transfers)  # backups are done when this returns; loads are bound
         if self._write_back is not None:
             for t in transfers:
-                if t.kind == "backup":
+                if t.kind in ("backup", "state_backup"):  # a snapshot's L2 copy goes on to L3 too
                     for node in t.nodes:
                         self._write_back.write(node)
