@@ -12,7 +12,8 @@ Rules:
 - A snapshot's tiers follow the node's KV: an L1 slot only while the node has L1 pages, an L2
   slot only while it has L2 pages. So the KV's moves cascade (:class:`Residency` calls the
   ``on_*`` hooks): the node gets an L2 copy -> its L1 snapshot is copied to L2 too (write-through,
-  demotion); it loses its L1 pages -> its L1 snapshot goes (already on L2, or demoted: copied to
+  demotion; a snapshot attached to a node already on L2 is copied at once, so the write-back takes
+  it on to L3 with the node); it loses its L1 pages -> its L1 snapshot goes (already on L2, or demoted: copied to
   an L2 slot when the node keeps L2 pages, else dropped); it loses its L2 pages or leaves the tree
   -> its L2 snapshot goes (the ``stored`` mark says whether L3 has it: ``mark_stored``).
 - Under state-pool pressure a snapshot is evicted alone (:meth:`evict_device` /
@@ -87,6 +88,8 @@ class StateSnapshots:
             snap = node.snap = Snapshot()
         snap.device_slot = slot
         self._on_device.add(node)
+        if node.host_pages is not None and snap.host_slot is None:
+            self._copy_down(node)  # the node's KV is on L2 already: a write-through (and then L3) of the state
         return None
 
     def attach_host(self, node: TreeNode, slot: int) -> int | None:
@@ -102,6 +105,22 @@ class StateSnapshots:
         snap.host_slot, snap.stored = slot, True
         self._on_host.add(node)
         return None
+
+    def alloc_host(self) -> int | None:
+        """One L2 slot (for a snapshot arriving from L3), evicting a snapshot alone when none is free
+        (None: no L2 state pool, or every slot is held)."""
+        host = self.host
+        if host is None:
+            return None
+        if host.num_free < 1:
+            self.evict_host(1)
+        return host.alloc(1)[0] if host.num_free >= 1 else None
+
+    def copy_down_all(self) -> int:
+        """Give every L1 snapshot of a node with L2 pages an L2 copy (``state_backup``s; before a
+        persist to L3); how many were copied."""
+        todo = [nd for nd in self._on_device if nd.snap.host_slot is None and nd.host_pages is not None]
+        return sum(self._copy_down(nd) for nd in sorted(todo, key=lambda nd: nd.id))
 
     def mark_stored(self, node: TreeNode) -> bool:
         """``node``'s snapshot was written to L3 (under its state key); False if it has none."""

@@ -145,7 +145,7 @@ class Fetches:
         dups = set(dup)
         op.new += [p not in dups for p in given]
         fresh, op.committed = loaded - op.committed, loaded
-        node, matched = tree.lookup(op.tokens[:upto])
+        node, matched = tree.lookup(op.tokens[:upto], needs_state=False)  # (a state model's pages too)
         if matched == upto:
             tree.lock(node)
             tree.unlock(op.node)

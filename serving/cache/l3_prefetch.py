@@ -11,6 +11,9 @@ A prefetch runs in two background phases, so the scheduler never waits on the st
    (the same keys are never read twice at once); once it has what that fetch had of its
    prefix, it looks up the rest, if any, from there.
 
+A model with state layers (``states``): pages are fetched only up to the deepest page boundary whose
+state snapshot L3 holds and verifies; the snapshot joins the tree with them (serving/cache/l3_state.py).
+
 The concurrency contract is :class:`Prefetcher`'.
 """
 
@@ -24,9 +27,13 @@ from dataclasses import dataclass, field
 from hicache.hiradix import HiRadixTree
 from hicache.keys import page_keys
 from hicache.tiers.host import HostKVPool
+from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.storage import StorageTier
+from hicache.tiers.storage_state import StateStore
 from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.cache.l3_fetch import Fetches, FetchOp
+from serving.cache.l3_state import attach_fetched, resume_point
+from serving.cache.prefetch_policy import PREFETCH_POLICIES
 from serving.cache.transfers import TransferRunner
 from serving.structs.request import Req
 
@@ -48,6 +55,7 @@ class PrefetchOp:
     offset: int = 0  # index of keys[0] in the fetch's keys (0 unless it follows another request's)
     need: int = 0  # leading keys of this request the fetch reads
     room_wait_since: float = 0.0  # when it first found L2 full (0: never)
+    state: tuple[int, bytes] | None = None  # a state model's snapshot from L3: (its page from start_page, payload)
 
     @property
     def watching(self) -> bool:
@@ -70,34 +78,6 @@ class PrefetchOp:
         return self.fetch is not None and (self.fetch.done or self.loaded >= self.need)
 
 
-class PrefetchPolicy:
-    """When a waiting request stops waiting for its prefetch (SGLang's names)."""
-
-    def ready(self, op: PrefetchOp, now: float) -> bool:
-        raise NotImplementedError
-
-
-class BestEffort(PrefetchPolicy):
-    """Never wait: take whatever has arrived when the request is scheduled."""
-
-    def ready(self, op: PrefetchOp, now: float) -> bool:
-        return True
-
-
-class WaitComplete(PrefetchPolicy):
-    def ready(self, op: PrefetchOp, now: float) -> bool:
-        return op.fetched
-
-
-class Timeout(PrefetchPolicy):
-    """Wait until done or ``base + per_1k_tokens * tokens / 1000`` seconds have passed."""
-
-    def ready(self, op: PrefetchOp, now: float) -> bool:
-        return op.fetched or now >= op.deadline
-
-
-PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
-    "best_effort": BestEffort, "wait_complete": WaitComplete, "timeout": Timeout}
 # Share of L2 that waiting requests may pin for their cached prefixes: the rest takes L3 fetches
 # and demotions from L1. Without pins, a turn of many returning requests thrashes: each one run
 # demotes its pages into L2 and evicts (LRU) the prefixes of requests still waiting for L1.
@@ -132,7 +112,8 @@ class Prefetcher:
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
                  transfers: TransferRunner, policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
-                 load_policy: LoadPolicy | None = None) -> None:
+                 load_policy: LoadPolicy | None = None,
+                 states: tuple[HostStatePool, StateStore] | None = None) -> None:
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"unknown prefetch policy {policy!r}; choose from {sorted(PREFETCH_POLICIES)}")
         self.tree = tree
@@ -147,6 +128,8 @@ class Prefetcher:
         self.load_policy = load_policy or AlwaysLoad()
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-l3-lookup")
         self.fetches = Fetches(tree, host_pool, tier, transfers, self.load_policy.observe_read)
+        self.states = states  # (L2 state pool, its L3 store) of a model with state layers
+        self.snapshots_fetched = 0  # state snapshots from L3 the tree took
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
         self._fetching = 0  # requests holding a fetch (their own or one they follow)
@@ -181,6 +164,7 @@ class Prefetcher:
             return
         f = op.fetch
         self.fetches.advance(f, self._commit_pages(f))
+        self._attach_state(op)
         if op.need < len(op.keys) and f.loaded >= op.offset + op.need:
             # it followed a fetch that has all it had in common, and the store holds more of its
             # prompt: those pages come with a lookup from the new end of its cached prefix
@@ -200,7 +184,7 @@ class Prefetcher:
         ps = self.page_size
         prompt = req.fill_ids[: req.seq_len - 1]
         full = len(prompt) // ps
-        cached = self.tree.peek_prefix_len(prompt) // ps
+        cached = (self.tree.peek_prefix_len(prompt) if self.states is None else resume_point(self.tree, prompt)) // ps
         lookup = (full - cached) * ps >= self.threshold_tokens
         if lookup:
             d = self.load_policy.decide(full - cached)
@@ -213,6 +197,15 @@ class Prefetcher:
         if lookup:
             op.lookup = self._lookups.submit(self._lookup, op)
         req.kv.prefetch = op
+
+    def _attach_state(self, op: PrefetchOp) -> None:
+        """Once the request's pages up to its snapshot from L3 are committed, the tree takes it."""
+        got, f = op.state, op.fetch
+        if got is None or f is None or op.need < got[0] or f.committed < op.offset + got[0]:
+            return
+        op.state = None
+        tokens = op.tokens[: (op.start_page + got[0]) * self.page_size]
+        self.snapshots_fetched += attach_fetched(self.tree, self.states[0], tokens, got[1])
 
     def _pin(self, tokens: list[int]) -> list[int]:
         """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget),
@@ -267,7 +260,8 @@ class Prefetcher:
             tree.unlock(node)
             return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
         n = min(n, host.num_free)  # all of it, or as much as L2 can ever give it now
-        if n * ps < self.threshold_tokens:
+        if n * ps < self.threshold_tokens or (op.state is not None and n < op.state[0]):  # (a state model's
+            op.state = None  # pages without the snapshot after them are of no use)
             tree.unlock(node)
             self._watch(req, op)
             return
@@ -341,6 +335,7 @@ class Prefetcher:
         f = op.fetch
         self._fetching -= 1
         self.fetches.commit(f, f.loaded, to_l1=False)  # the request matches right after: it loads the rest
+        self._attach_state(op)
         got = f.new_pages(op.offset, op.offset + op.need)
         self.fetches.release(f)
         op.fetch = None
@@ -379,6 +374,7 @@ class Prefetcher:
     def stats(self) -> dict[str, int]:
         f = self.fetches
         return {"pages_loaded_early": f.pages_loaded_early, "fetches_in_flight": len(f.active),
+                "state_snapshots_fetched": self.snapshots_fetched,
                 "fetches_followed": f.fetches_followed, "pages_deduplicated": f.pages_deduplicated}
 
     def shutdown(self) -> None:
@@ -389,4 +385,8 @@ class Prefetcher:
     def _lookup(self, op: PrefetchOp) -> int:
         keys = page_keys(op.tokens, self.page_size, self.namespace)[op.start_page:]
         op.keys = keys
-        return 0 if op.cancel.is_set() else self.tier.batch_exists(keys)
+        n = 0 if op.cancel.is_set() else self.tier.batch_exists(keys)
+        if self.states is None or n == 0 or op.cancel.is_set():
+            return n
+        op.state = self.states[1].find_deepest(keys[:n])  # pages past the last snapshot are of no use
+        return 0 if op.state is None else op.state[0]

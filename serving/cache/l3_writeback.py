@@ -27,6 +27,10 @@ Concurrency contract (the class owns it):
   write-back does not take the memory bandwidth and cores that decode needs.
 - A write the store fails is not retried by itself (the pages are unpinned; the node is
   written again at its next backup or hit); its pages are counted in ``pages_dropped``.
+- A model with state layers: a node's L2 state snapshot not stored yet goes with the node's write
+  (its L2 slot pinned in ``tree.state.pins`` until the write is done; read on the writer thread), under
+  ``state_key`` of the node's last page key, once all of the node's pages are on L3; :meth:`poll`
+  then marks it stored (``tree.state.mark_stored`` of the node ending at the write's tokens).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from hicache.hiradix.node import TreeNode
 from hicache.keys import page_keys
 from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.host import HostKVPool
+from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.storage import StorageTier
+from hicache.tiers.storage_state import StateStore
 
 
 @dataclass(eq=False)
@@ -52,11 +58,13 @@ class _Write:
     host_pages: list[int]  # pinned until the write is done
     node_id: int
     tenant: str | None = None  # whose L3 quota the pages are reserved against (hicache.hiradix.quota)
+    state_slot: int | None = None  # the node's L2 state snapshot, pinned until the write is done
 
 
 @dataclass(eq=False)
 class _Job:
-    """Writes one writer stores together; ``future`` -> per write (leading pages now in L3, pages written)."""
+    """Writes one writer stores together; ``future`` -> per write (leading pages now in L3, pages
+    written, its state snapshot on L3)."""
 
     writes: list[_Write]
     pages: int
@@ -67,13 +75,15 @@ class WriteBack:
     """Writes L2 pages on to L3 in the background (see the module docstring)."""
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
-                 max_queued_pages: int = 16384, rate_mb_s: float = 0.0) -> None:
+                 max_queued_pages: int = 16384, rate_mb_s: float = 0.0,
+                 states: tuple[HostStatePool, StateStore] | None = None) -> None:
         if max_queued_pages < 1:
             raise ValueError(f"max_queued_pages must be >= 1, got {max_queued_pages}")
         self.tree = tree
         self.host_pool = host_pool
         self.tier = tier
         self.namespace = namespace
+        self.states = states  # (L2 state pool, its L3 store) of a model with state layers
         self.page_size = tree.page_size
         self.threads = max(1, int(getattr(tier, "write_threads", 1)))
         self.batch_pages = max(1, int(getattr(tier, "batch_pages", 64)))  # pages a writer takes at once
@@ -87,6 +97,7 @@ class WriteBack:
         self._queued_pages = 0  # pages handed to the writers, not finished
         self.pages_written = 0
         self.pages_dropped = 0  # pages of writes the store failed (not on L3; rewritten at the next hit)
+        self.snapshots_written = 0  # state snapshots now on L3
         self.pages_over_quota = 0  # not written: their tenant is at its L3 quota (hicache.hiradix.quota)
         self.max_waiting_pages = 0  # the backlog's high-water mark (how far behind the writers got)
         self._warn = RateLimitedLog(logging.getLogger("hicache.storage"))
@@ -112,24 +123,29 @@ class WriteBack:
         return self._queued_pages
 
     def write(self, node: TreeNode) -> None:
-        """Write ``node``'s L2 pages that are not on L3 yet (no-op if none, or one is waiting or in
-        flight). Never drops: a write over the cap waits in the backlog, its pages pinned."""
+        """Write ``node``'s L2 pages that are not on L3 yet, and its L2 state snapshot if not stored
+        (no-op if none, or one is waiting or in flight). Never drops: a write over the cap waits in
+        the backlog, its pages pinned."""
         npages = len(node.key) // self.page_size
         done = node.storage_pages
-        if node.removed or node.host_pages is None or done >= npages or node.id in self._pending:
+        snap = node.snap
+        slot = snap.host_slot if self.states is not None and snap is not None and not snap.stored else None
+        if node.removed or node.host_pages is None or (done >= npages and slot is None) or node.id in self._pending:
             return
         pages = list(node.host_pages[done:])
         tokens = self.tree.path_tokens(node)
         room = None if self.tree.ledger is None else self.tree.ledger.storage_room(tokens)
         if room is not None and room < len(pages):  # its tenant's L3 quota (writes in flight count)
             self.pages_over_quota += len(pages) - room
-            pages = pages[:room]
+            pages, slot = pages[:room], None  # (a snapshot after pages L3 lacks would never be found)
             if not pages:
                 return
         first = len(tokens) // self.page_size - npages + done
         self.tree.pin_host(pages)
+        if slot is not None:
+            self.tree.state.pins.pin([slot])
         tenant = None if self.tree.ledger is None else self.tree.ledger.reserve_storage(tokens, len(pages))
-        self._backlog.append(_Write(tokens, first, pages, node.id, tenant))
+        self._backlog.append(_Write(tokens, first, pages, node.id, tenant, slot))
         self._waiting_pages += len(pages)
         self._pending.add(node.id)
         self._pump()
@@ -164,15 +180,18 @@ class WriteBack:
                                "the cap is %d); they stay pinned in L2 until written", self._waiting_pages,
                                self._queued_pages, self.max_queued_pages)
 
-    def _store(self, writes: list[_Write]) -> list[tuple[int, int]]:
+    def _store(self, writes: list[_Write]) -> list[tuple[int, int, bool]]:
         """On a writer thread: the writes' pages that L3 lacks, stored with one ``batch_set``
         (split by the tier into one backend call per staging batch); it stops at the first
-        failure, so the writes after it get nothing."""
+        failure, so the writes after it get nothing. Then the state snapshots of the writes whose
+        pages are all on L3."""
         if self.before_write is not None:
             self.before_write()
-        runs = []
+        runs, last_keys = [], []
         for w in writes:
-            keys = page_keys(w.tokens, self.page_size, self.namespace)[w.first : w.first + len(w.host_pages)]
+            chain = page_keys(w.tokens, self.page_size, self.namespace)
+            keys = chain[w.first : w.first + len(w.host_pages)]
+            last_keys.append(chain[-1] if chain else None)
             runs.append((keys, self.tier.batch_exists(keys)))  # another server may have stored some
         keys = [k for ks, present in runs for k in ks[present:]]
         pages = [p for w, (_, present) in zip(writes, runs, strict=True) for p in w.host_pages[present:]]
@@ -182,10 +201,14 @@ class WriteBack:
             time.sleep(max(0.0, stored * self.tier.codec.value_nbytes / (self.rate_mb_s * 1e6)
                            - (time.monotonic() - t0)))
         out = []
-        for ks, present in runs:
+        for w, (ks, present), last in zip(writes, runs, last_keys, strict=True):
             wrote = max(0, min(len(ks) - present, stored))
             stored -= wrote
-            out.append((present + wrote, wrote))
+            state = False
+            if w.state_slot is not None and present + wrote == len(ks) and last is not None:
+                pool, store = self.states
+                state = store.put(last, pool.slot_bytes(w.state_slot))
+            out.append((present + wrote, wrote, state))
         return out
 
     def poll(self, wait: bool = False) -> None:
@@ -207,8 +230,8 @@ class WriteBack:
         try:
             results = job.future.result()
         except Exception:  # a backend bug: nothing is marked, the pages are unpinned
-            results = [(0, 0)] * len(job.writes)
-        for w, (stored, wrote) in zip(job.writes, results, strict=True):
+            results = [(0, 0, False)] * len(job.writes)
+        for w, (stored, wrote, state) in zip(job.writes, results, strict=True):
             self._pending.discard(w.node_id)
             self.pages_written += wrote
             self.pages_dropped += len(w.host_pages) - stored
@@ -217,6 +240,12 @@ class WriteBack:
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)
+            if w.state_slot is not None:
+                if state:  # the node ending there (split since, maybe) holds the snapshot
+                    node, end = self.tree.lookup(w.tokens, needs_state=True)
+                    if end == len(w.tokens) and self.tree.state.mark_stored(node):
+                        self.snapshots_written += 1
+                self.tree.state.pins.unpin([w.state_slot])
 
     def _all_writes(self) -> list[_Write]:
         return [*self._backlog, *(w for j in self._jobs for w in j.writes)]
@@ -234,6 +263,9 @@ class WriteBack:
         pins = self.tree.pins
         short = [p for p, k in held.items() if pins.count(p) < k]
         assert not short, f"write-back: L2 pages of waiting or in-flight writes not pinned: {short[:8]}"
+        slots = Counter(w.state_slot for w in writes if w.state_slot is not None)
+        assert all(self.tree.state.pins.count(s) >= k for s, k in slots.items()), (
+            "write-back: an L2 state slot of a waiting or in-flight write is not pinned")
         if self.tree.ledger is not None:
             want: dict[str | None, int] = {}
             for w in writes:

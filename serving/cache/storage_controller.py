@@ -9,6 +9,11 @@ The tree decides, this controller moves, on background threads; it composes two 
   copies batch by batch as they land, and loaded on to L1 right away when L1 has free room
   (the prefetch policy says how long the request may wait for it).
 
+A model with state layers (the tree's ``state``, with an L2 state pool): its snapshots go to L3 with
+their nodes (a :class:`~hicache.tiers.storage_state.StateStore` on the same backend), and a lookup
+fetches pages only up to the deepest page boundary with a stored snapshot, which comes into an L2
+state slot with them (nothing deeper is usable without a state).
+
 Concurrency contract: every method here is called on the scheduler thread and never waits
 on the store (except :meth:`persist_all` and :meth:`shutdown`, which are for a shutdown);
 each part's docstring says what its threads may touch.
@@ -19,7 +24,9 @@ from __future__ import annotations
 from hicache.hiradix import HiRadixTree
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
+from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.storage import StorageTier
+from hicache.tiers.storage_state import StateStore
 from serving.cache.cost_model import LoadPolicy
 from serving.cache.l3_prefetch import Prefetcher
 from serving.cache.l3_writeback import WriteBack
@@ -43,15 +50,19 @@ class StorageController:
                  execute: TransferSink, policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
                  load_policy: LoadPolicy | None = None, write_queue_pages: int = 16384,
-                 write_rate_mb_s: float = 0.0) -> None:
+                 write_rate_mb_s: float = 0.0, host_state_pool: HostStatePool | None = None) -> None:
         self.tree = tree
         self.tier = tier
-        self.writeback = WriteBack(tree, host_pool, tier, namespace, write_queue_pages, write_rate_mb_s)
+        if host_state_pool is None and tree.state is not None and isinstance(tree.state.host, HostStatePool):
+            host_state_pool = tree.state.host  # the L2 state pool the tree hands slots of
+        self.state_store = None if host_state_pool is None else StateStore(tier.backend, host_state_pool.layout)
+        states = None if host_state_pool is None else (host_state_pool, self.state_store)
+        self.writeback = WriteBack(tree, host_pool, tier, namespace, write_queue_pages, write_rate_mb_s, states)
         # the one runner of the tree's moves (the request cache flushes through it too): backups
         # it runs go on to the write-back; the prefetcher's early L2 -> L1 loads run through it
         self.transfers = TransferRunner(tree, execute, self.writeback)
         self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, self.transfers, policy, threshold_tokens,
-                                     timeout_base_s, timeout_per_1k_tokens_s, load_policy)
+                                     timeout_base_s, timeout_per_1k_tokens_s, load_policy, states)
         self.load_policy = self.prefetcher.load_policy
 
     # -- write-back -----------------------------------------------------------------------
@@ -76,7 +87,10 @@ class StorageController:
 
     def persist_all(self) -> None:
         """Write every L2 page that is not in L3 yet (L1-only nodes are backed up to L2 first
-        by the caller's flush); waits for the writes."""
+        by the caller's flush), and every state snapshot of a node on L2 (copied down first);
+        waits for the writes."""
+        if self.tree.state is not None and self.state_store is not None and self.tree.state.copy_down_all():
+            self.transfers.flush()  # the snapshots' state_backups (they queue their nodes' writes)
         for node in self.tree.nodes():
             self.writeback.write(node)  # never dropped: over the cap, it waits for a writer
         self.writeback.poll(wait=True)
@@ -109,6 +123,7 @@ class StorageController:
                   write_pages_in_flight=self.writeback.in_flight_pages,
                   write_pages_waiting_max=self.writeback.max_waiting_pages,
                   l2_backups_skipped_pages=self.tree.backups_skipped_pages,
+                  **(self.state_store.stats() if self.state_store is not None else {}),
                   **self.load_policy.stats())
         return st
 

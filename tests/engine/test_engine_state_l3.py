@@ -1,0 +1,136 @@
+"""State snapshots on L3 (issue 43): a tiny random Qwen3.5 (Gated DeltaNet) and Nemotron-H (Mamba2), float32
+on CPU, page size 4, LMDB.
+
+A finished request leaves state snapshots on its nodes (the end of its full pages, where the next turn
+resumes; before its prompt's last token); with L3 they are written on with the KV (under
+``keys.state_key`` of the page before them, hicache/tiers/storage_state.py), so a restarted engine
+serves a returning conversation's second turn from L3: the pages up to the deepest stored snapshot and
+the snapshot come back into L2, then L1. Every case compares with HF transformers' greedy tokens and
+their log-probabilities; a damaged snapshot value is a miss (the shallower one, or a recompute), never a
+wrong state."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness.engine_cases import ids_of, prompts
+from harness.lmdb_pages import open_store
+from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from hicache.keys import page_keys, state_key
+from serving.engine import Engine
+
+pytestmark = pytest.mark.slow
+NEW = 8
+PS = 4
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+LOGPROB_TOL = 2e-3
+FAMILIES = {"qwen3_5": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+            "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny(request, tmp_path_factory):
+    """The model; 3 first turns (30-50 tokens), their second turns (first turn + answer + 5-12 tokens),
+    and HF's greedy answers to both."""
+    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param, **FAMILIES[request.param])
+    first = prompts(3, 512, seed=15, lo=30, hi=50)
+    ref1 = hf_greedy(path, first, NEW)
+    rng = random.Random(16)
+    second = [p + a + [rng.randrange(1, 511) for _ in range(rng.randint(5, 12))]
+              for p, a in zip(first, ref1, strict=True)]
+    return path, first, ref1, second, hf_greedy(path, second, NEW)
+
+
+def hits(outs, tier: str) -> list[int]:
+    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
+
+
+def generate(eng: Engine, path, ps: list[list[int]], ref: list[list[int]]) -> list[dict]:
+    """One request at a time (each checked), HF's greedy tokens and log-probabilities within LOGPROB_TOL."""
+    outs = []
+    for p in ps:
+        (o,) = eng.generate(input_ids=[p], sampling_params=GREEDY, return_logprob=True)
+        eng.check_integrity()
+        outs.append(o)
+    assert ids_of(outs) == ref
+    got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    want = hf_output_logprobs(path, ps, ref)
+    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    assert worst < LOGPROB_TOL, worst
+    return outs
+
+
+def _l3(path, db, **kw) -> Engine:
+    return Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, hicache_ratio=2.0,
+                  hicache_storage_backend="lmdb",
+                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
+                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
+                  hicache_storage_prefetch_timeout_base=30.0, hicache_storage_load_policy="always_load", **kw)
+
+
+def _first_turns(path, db, first, ref1) -> str:
+    """Serve the first turns, shut down (persisting to L3); the namespace of their keys."""
+    eng = _l3(path, db)
+    try:
+        for p, r in zip(first, ref1, strict=True):
+            assert ids_of(eng.generate(input_ids=[p], sampling_params=GREEDY)) == [r]
+            eng.check_integrity()
+        ns = eng.core.kv_namespace
+    finally:
+        eng.shutdown()  # persists every page and snapshot to L3
+    return ns
+
+
+def _resume_at(p: list[int]) -> int:
+    """Where a second turn resumes: the end of its first turn's full pages (the answer's last token is not in KV)."""
+    return (len(p) + NEW - 1) // PS * PS
+
+
+def test_second_turns_come_from_l3_after_a_restart(tiny, tmp_path) -> None:
+    path, first, ref1, second, ref2 = tiny
+    db = tmp_path / "l3"
+    _first_turns(path, db, first, ref1)
+    eng = _l3(path, db)  # a restart: L1 and L2 empty, LMDB holds the pages and the snapshots
+    try:
+        outs = generate(eng, path, second, ref2)
+        assert hits(outs, "storage") == [_resume_at(p) for p in first], [o["meta_info"] for o in outs]
+        st = eng.core.storage.stats()
+        assert st["state_snapshots_fetched"] == len(first) and st["state_corrupt"] == 0, st
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["overwritten", "truncated"])
+def test_a_damaged_snapshot_on_l3_is_a_miss(tiny, tmp_path, damage) -> None:
+    """The snapshot at the end of each first turn is damaged in the store: the second turn resumes at the
+    one above it (before the first prompt's last token, intact) or recomputes, and its output is exact."""
+    path, first, ref1, second, ref2 = tiny
+    db = tmp_path / "l3"
+    ns = _first_turns(path, db, first, ref1)
+    store = open_store(db, capacity_gb=0.05, initial_map_mb=1)
+    try:
+        for p, a in zip(first, ref1, strict=True):
+            end = _resume_at(p)
+            key = state_key(page_keys((p + a)[:end], PS, ns)[-1])
+            value = store.get(key)
+            assert value is not None, "the snapshot was not persisted"
+            bad = bytearray(value)
+            if damage == "overwritten":
+                bad[len(bad) // 3] ^= 0x40  # one flipped bit in the payload
+            else:
+                bad = bad[: len(bad) // 2]
+            store.delete(key)
+            assert store.set(key, bytes(bad))
+    finally:
+        store.close()
+    eng = _l3(path, db)
+    try:
+        outs = generate(eng, path, second, ref2)
+        got = hits(outs, "storage")
+        want = [(len(p) - 1) // PS * PS for p in first]  # the intact prompt capture of each first turn
+        assert got == want, (got, want)
+        assert eng.core.storage.stats()["state_corrupt"] == len(first)
+    finally:
+        eng.shutdown()
