@@ -4,7 +4,8 @@ serving/kernels/attention.py).
 A backend stores the new tokens' K/V into pages (``store_kv``) and then computes causal
 attention of the new tokens' queries over all the sequence's KV, prefix and new alike, read
 back from the pages (``forward``), or over the last ``window`` positions only (a sliding-window
-layer: the model passes each layer's window).
+layer: the model passes each layer's window); with ``sinks``, a learned logit per query head joins
+each softmax's denominator (GPT-OSS's attention sinks; the model passes each layer's).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]`` (dtype of ``q``).
 
@@ -59,4 +61,9 @@ class AttentionBackend(ABC):
         ``0 .. p``; with a sliding ``window`` (HF's ``sliding_window``) to ``max(0, p - window + 1) .. p``.
         ``q_heads`` is a multiple of ``kv_heads`` (GQA: q head ``h`` reads kv head
         ``h // (q_heads // kv_heads)``).
+
+        ``sinks``: float32 ``[q_heads]`` on ``q``'s device (the layer's own, fixed: graph-safe, never
+        read on the host), GPT-OSS's attention sinks: head ``h``'s output is
+        ``sum_j e^(s_j - m) v_j / (e^(sinks[h] - m) + sum_j e^(s_j - m))`` over its visible keys' scaled
+        scores ``s_j``, ``m = max(sinks[h], max_j s_j)`` (the sink has a weight, no value). None: none.
         """

@@ -8,7 +8,9 @@ token's output has the same bits in a decode batch, in a prefill chunk and alone
 for the same token whichever path computed it; tests/kernels/test_attention_cpu.py).
 
 A sliding-window layer runs in the same C++ call (``klo``: each token's first visible key, so its
-keys are the window's only, summed in the same lanes whatever its batch).
+keys are the window's only, summed in the same lanes whatever its batch), and so do attention sinks
+(``sinks``: a float32 logit per q head in each softmax's max and denominator; other dtypes are
+refused by the C++ op, not cast per step).
 
 Storing K/V is one C++ copy (the torch backend's store with a lossy-tier round trip). KV in another dtype
 than float32, a head_dim that is not a multiple of 16, or a machine without the C++ ops: the
@@ -55,12 +57,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return None
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                scale: float, window: int | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         ext = extension()
         d = q.shape[-1]
         if (ext is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or d % 16 or q.is_cuda):
-            return super().forward(q, k_cache, v_cache, batch, scale, window)
+            return super().forward(q, k_cache, v_cache, batch, scale, window, sinks)
         meta = self._meta_for(batch)
         kh = k_cache.shape[-2]
         return ext.paged_attention(q, k_cache.view(-1, kh, d), v_cache.view(-1, kh, d), meta.slots,
-                                   self._tok_seq, self._tok_nkeys, scale, self._klo(window))
+                                   self._tok_seq, self._tok_nkeys, scale, self._klo(window), sinks)

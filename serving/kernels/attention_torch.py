@@ -1,5 +1,6 @@
 """Plain PyTorch paged attention: the reference implementation and the CPU default (a sliding
-window: the keys before it are neither gathered nor seen)."""
+window: the keys before it are neither gathered nor seen; attention sinks: the masked scores and a
+sink column in one softmax, SDPA having no sinks)."""
 
 from __future__ import annotations
 
@@ -100,13 +101,14 @@ class TorchAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = self._meta_for(batch)
         kh, d = k_cache.shape[-2:]
         k_flat = k_cache.view(-1, kh, d)  # [S, KH, D]
         v_flat = v_cache.view(-1, kh, d)
         if meta.decode_mask is not None:
-            return self._decode(q, k_flat, v_flat, meta, scale, window)
+            return self._decode(q, k_flat, v_flat, meta, scale, window, sinks)
         out = torch.empty_like(q)
         for i, (prefix, n) in enumerate(zip(batch.prefix_lens_list, batch.extend_lens_list, strict=True)):
             if n == 0:
@@ -123,19 +125,32 @@ class TorchAttentionBackend(AttentionBackend):
             mask = key_pos <= q_pos[:, None]  # [n, L]
             if window is not None:
                 mask &= key_pos > q_pos[:, None] - window
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = _attend(qi, k, v, mask, scale, sinks)
             out[s : s + n] = o[0].transpose(0, 1)  # [n, H, D]
         return out
 
     @staticmethod
     def _decode(
         q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: _TorchMeta, scale: float,
-        window: int | None,
+        window: int | None, sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         slots = meta.slots[:, : meta.max_len]  # [B, L]; padding slots are masked out
         k = k_flat[slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, KH, L, D]
         v = v_flat[slots].permute(0, 2, 1, 3).to(q.dtype)
         qb = q.unsqueeze(2)  # [B, H, 1, D]
         mask = meta.decode_mask_for(window)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)  # [B, H, D]
+        return _attend(qb, k, v, mask, scale, sinks).squeeze(2)  # [B, H, D]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of ``q [B, H, n, D]`` over ``k``, ``v [B, KH, L, D]`` with ``mask`` (``[.., n, L]`` bool);
+    with ``sinks [H]``, one softmax over the masked scores and a sink column (its weight dropped)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    scores = (q.float() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # [B, H, n, L]
+    sink = sinks.to(torch.float32)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v).to(q.dtype)

@@ -53,8 +53,10 @@ class TritonAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_device(q)
         if batch.is_decode:
-            return decode_attention(q, k_cache, v_cache, batch, scale, splits=batch.decode_splits, window=window)
-        return extend_attention(q, k_cache, v_cache, batch, scale, window=window)
+            return decode_attention(q, k_cache, v_cache, batch, scale, splits=batch.decode_splits, window=window,
+                                    sinks=sinks)
+        return extend_attention(q, k_cache, v_cache, batch, scale, window=window, sinks=sinks)

@@ -10,7 +10,8 @@ Used (``FusedDecoder.build`` returns it) where every piece has its C++ op: float
 ops built (serving.kernels.cpu_ext, any variant: all give the same bits), ``--attention-backend
 cpu`` with float32 KV and no lossy L1 round trip, one tensor-parallel rank, and every projection
 fp32, int4 or int8, and a Llama-family block in every layer (full attention or a sliding window:
-Mistral; a model class says so with ``fused_cpu_layers``: any other layer kind, norm or activation
+Mistral; attention sinks too, where a layer's spec says so and its attention module holds them as
+``sinks``; a model class says so with ``fused_cpu_layers``: any other layer kind, norm or activation
 would not be computed exactly). Elsewhere the model runs its modules as before. A token's result does not
 depend on its batch (csrc/decoder.cpp), so prefill, decode and cache hits give the same KV; the
 fused norm and SiLU sum in a fixed order of their own, so its bits differ from the module path's
@@ -74,7 +75,7 @@ class FusedDecoder:
         if model.lm_head_weight.device.type != "cpu" or model.lm_head_weight.dtype != torch.float32:
             return None, "not float32 on CPU"
         specs = model.layer_stack.specs
-        if any(spec.kind.value not in ("full_attention", "sliding_attention") or spec.sinks for spec in specs):
+        if any(spec.kind.value not in ("full_attention", "sliding_attention") for spec in specs):
             return None, "layers other than full or sliding-window attention"
         cfg, layers = model.config, model.model.layers
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
@@ -92,9 +93,17 @@ class FusedDecoder:
                 parts.extend(lin)
             norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
             stack.add_layer(*norms, *parts)
-        for i, spec in enumerate(specs):
+        for i, (spec, layer) in enumerate(zip(specs, layers, strict=True)):
             if spec.window is not None:
                 stack.set_window(i, spec.window)
+            if spec.sinks:  # the layer's parameter itself (float32 [heads]): read at each forward, never copied
+                sinks = getattr(layer.self_attn, "sinks", None)
+                if not isinstance(sinks, torch.Tensor):
+                    return None, f"layer {i} has attention sinks but its attention module holds no `sinks`"
+                try:
+                    stack.set_sinks(i, sinks.detach())
+                except RuntimeError as e:
+                    return None, str(e).splitlines()[0]
         return FusedDecoder(stack, float(model.model.norm.eps)), ""
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

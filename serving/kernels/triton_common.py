@@ -1,8 +1,9 @@
-"""Shared Triton pieces: one online-softmax step over a block of paged KV, and a sliding window's
-first visible key."""
+"""Shared Triton pieces: one online-softmax step over a block of paged KV, a sliding window's
+first visible key, attention sinks' check."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -58,6 +59,17 @@ def attend_block(
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")  # fp8 KV: upcast
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The sinks tensor a kernel reads (``q`` when None: a pointer it never loads, HAS_SINKS off);
+    checked on the host from its metadata only (no copy, no sync: graph-safe)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32 or sinks.device != q.device:
+        raise ValueError(f"sinks must be float32 [{q.shape[1]}] on {q.device}, got {sinks.dtype} "
+                         f"{list(sinks.shape)} on {sinks.device}")
+    return sinks
 
 
 @triton.jit

@@ -3,8 +3,9 @@
 Stage 1, grid ``(batch, kv_heads, splits)``: each program takes the ``GROUP`` query heads of one
 kv head (padded to ``BLOCK_H`` rows so ``tl.dot`` has >= 16 rows) and one contiguous chunk of
 the sequence's KV, read page by page, and writes a normalized partial output and its
-log-sum-exp. Stage 2, grid ``(batch, q_heads)``: merges the splits. Splitting keeps the GPU
-busy when the batch is small and the context long (flash-decoding).
+log-sum-exp. Stage 2, grid ``(batch, q_heads)``: merges the splits, and adds a head's attention
+sink (GPT-OSS) to the denominator once there. Splitting keeps the GPU busy when the batch is
+small and the context long (flash-decoding).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.kernels.triton_common import attend_block, next_pow2, window_lo
+from serving.kernels.triton_common import attend_block, check_sinks, next_pow2, window_lo
 from serving.structs.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
@@ -91,6 +92,7 @@ def _decode_merge_kernel(
     part_lse,
     o_ptr,
     extend_start,
+    sinks,  # [NUM_HEADS] float32, read when HAS_SINKS
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -98,6 +100,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -105,10 +108,17 @@ def _decode_merge_kernel(
     sp_ok = sp < SPLITS
     base = (seq.to(tl.int64) * NUM_HEADS + head) * SPLITS
     lse = tl.load(part_lse + base + sp, mask=sp_ok, other=float("-inf"))  # [S]
-    w = tl.exp(lse - tl.max(lse, 0))  # empty splits weigh 0; split 0 is never empty
+    m = tl.max(lse, 0)  # split 0 is never empty
+    if HAS_SINKS:
+        sink = tl.load(sinks + head).to(tl.float32)
+        m = tl.maximum(m, sink)
+    w = tl.exp(lse - m)  # empty splits weigh 0
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m)  # the sink's weight, no value
     d = tl.arange(0, BLOCK_D)
     parts = tl.load(part_o + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)  # [BLOCK_D]
+    out = tl.sum(parts * w[:, None], 0) / denom  # [BLOCK_D]
     tok = tl.load(extend_start + seq).to(tl.int64)
     tl.store(
         o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM
@@ -131,15 +141,17 @@ def decode_attention(
     block_n: int = 64,
     splits: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T=B, H, D]`` (one new token per sequence) -> ``o [B, H, D]``; with ``window``, each over its
-    sequence's last ``window`` keys (the splits share those)."""
+    sequence's last ``window`` keys (the splits share those); ``sinks [H]`` float32: attention sinks."""
     b, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[-2]
     group = num_heads // kv_heads
     splits = splits or num_splits(batch, kv_heads)
     block_d = next_pow2(head_dim, 16)
     o = torch.empty_like(q)
+    sinks_arg = check_sinks(sinks, q)
     if b == 0:
         return o
     nb = batch.batch_size
@@ -152,7 +164,8 @@ def decode_attention(
         BLOCK_D=block_d, BLOCK_H=next_pow2(group, 16), BLOCK_N=block_n,
     )  # fmt: skip
     _decode_merge_kernel[(nb, num_heads)](
-        part_o, part_lse, o, batch.extend_start, o.stride(0), o.stride(1),
+        part_o, part_lse, o, batch.extend_start, sinks_arg, o.stride(0), o.stride(1),
         NUM_HEADS=num_heads, SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(splits),
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return o

@@ -11,6 +11,7 @@ tokens x the ``GROUP`` query heads sharing one kv head, flattened into ``R = BLO
 rows, so every K/V block loaded from the pages serves the whole group. Keys of the cached
 prefix are visible to every query (no mask); keys among the new tokens take the causal mask. A
 sliding window adds a lower bound per row (``window_lo``), and the loops start at the tile's.
+Attention sinks (GPT-OSS): each row's sink joins its max and denominator after the last block.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.kernels.triton_common import attend_block, next_pow2, window_lo
+from serving.kernels.triton_common import attend_block, check_sinks, next_pow2, window_lo
 from serving.kernels.triton_extend_split import extend_blocks, split_extend_attention
 from serving.structs.forward_batch import ForwardBatch
 
@@ -38,6 +39,7 @@ def _extend_kernel(
     extend_start,
     scale,
     window,  # a sliding window's keys (0: none)
+    sinks,  # [heads] float32, read when HAS_SINKS
     stride_qt,
     stride_qh,
     stride_ot,
@@ -52,6 +54,7 @@ def _extend_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,6 +93,12 @@ def _extend_kernel(
                 q, acc, m_i, l_i, k_cache, v_cache, page_row, kv_head, kstart, kv_end, q_pos, k_lo, scale,
                 stride_slot, stride_head, True, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
             )  # fmt: skip
+        if HAS_SINKS:  # every real row saw its own key: m_i is finite there
+            sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_f)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - m_f)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -102,12 +111,13 @@ def extend_attention(
     batch: ForwardBatch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (any extend lengths >= 0); with
-    ``window``, each query over the last ``window`` positions up to its own."""
+    ``window``, each query over the last ``window`` positions up to its own; ``sinks [H]``: attention sinks."""
     if batch.extend_bucket is not None or q.shape[0] <= SPLIT_MAX_TOKENS:
-        return split_extend_attention(q, k_cache, v_cache, batch, scale, window=window)
-    return one_pass_extend_attention(q, k_cache, v_cache, batch, scale, window=window)
+        return split_extend_attention(q, k_cache, v_cache, batch, scale, window=window, sinks=sinks)
+    return one_pass_extend_attention(q, k_cache, v_cache, batch, scale, window=window, sinks=sinks)
 
 
 def one_pass_extend_attention(
@@ -119,6 +129,7 @@ def one_pass_extend_attention(
     block_n: int = 64,
     rows: int = 64,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one-pass kernel: a program per (sequence, kv head, block of new tokens)."""
     t, num_heads, head_dim = q.shape
@@ -126,15 +137,16 @@ def one_pass_extend_attention(
     group = num_heads // kv_heads
     block_h, block_m = extend_blocks(group, rows)
     o = torch.empty_like(q)
+    sinks_arg = check_sinks(sinks, q)
     if t == 0:
         return o
     max_new = max(batch.extend_lens_list)
     grid = (batch.batch_size, kv_heads, triton.cdiv(max_new, block_m))
     _extend_kernel[grid](
         q, o, k_cache, v_cache, batch.page_table, batch.prefix_lens, batch.extend_lens, batch.extend_start,
-        scale, window or 0, q.stride(0), q.stride(1), o.stride(0), o.stride(1), batch.page_table.stride(0),
-        k_cache.stride(1), k_cache.stride(2),
+        scale, window or 0, sinks_arg, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        batch.page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, PAGE_SIZE=batch.page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim, 16),
-        BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return o

@@ -11,7 +11,8 @@ one-pass kernel (``triton_extend``).
 Stage 1, grid ``(tiles, kv_heads, splits + 1)``: program ``(p, h, s < splits)`` folds chunk
 ``s`` of the cached prefix (no mask), ``(p, h, splits)`` the new tokens (causal); each writes
 a normalized partial output and its log-sum-exp per (token, head). Stage 2, grid
-``(tiles, kv_heads)``: merges them in a fixed order. A split with no keys (a prefix shorter
+``(tiles, kv_heads)``: merges them in a fixed order (and adds a head's attention sink, GPT-OSS's,
+to the denominator once there). A split with no keys (a prefix shorter
 than ``splits`` chunks, or none) writes nothing and the merge skips it. Splitting the
 prefix is what lets a small extend over a long prefix fill the GPU (flash-decoding): 16 new
 tokens over a 4k prefix on 8 kv heads are 8 programs in one pass, 136 here.
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.kernels.triton_common import attend_block, next_pow2, window_lo
+from serving.kernels.triton_common import attend_block, check_sinks, next_pow2, window_lo
 from serving.structs.forward_batch import ForwardBatch
 
 MAX_SPLITS = 16
@@ -163,6 +164,7 @@ def _extend_merge_kernel(
     nseq,
     splits,
     window,
+    sinks,  # [NUM_HEADS] float32, read when HAS_SINKS
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -173,6 +175,7 @@ def _extend_merge_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     j = tl.arange(0, BLOCK_B)  # this program's tile, as in the partial kernel
@@ -199,6 +202,9 @@ def _extend_merge_kernel(
         for i in range(0, written + 1):
             s = tl.where(i < written, i, splits)
             m = tl.maximum(m, tl.load(part_lse + base + s, mask=row_ok, other=float("-inf")))
+        if HAS_SINKS:  # a real row's m is finite (its causal split sees its own key)
+            sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32)
+            m = tl.maximum(m, sink)
         m = tl.where(row_ok, m, 0.0)
         acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_D], dtype=tl.float32)
         w_sum = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
@@ -208,6 +214,8 @@ def _extend_merge_kernel(
             part = tl.load(part_o + (base + s)[:, None] * BLOCK_D + d[None, :], mask=row_ok[:, None], other=0.0)
             acc += part * w[:, None]
             w_sum += w
+        if HAS_SINKS:
+            w_sum += tl.exp(sink - m)  # the sink's weight, no value
         out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
         o_off = (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
@@ -222,8 +230,10 @@ def split_extend_attention(
     block_n: int = 64,
     rows: int = 64,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (``window``: a sliding window).
+    """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (``window``: a sliding window;
+    ``sinks [H]`` float32: attention sinks).
     With ``batch.extend_bucket`` (a captured graph's ``(tokens, sequences)``) the launch is sized for
     the bucket and rows of no sequence (padding tokens) are left unwritten; otherwise for this batch."""
     t, num_heads, head_dim = q.shape
@@ -236,6 +246,7 @@ def split_extend_attention(
     else:
         tokens, tiles = t, sum(triton.cdiv(n, block_m) for n in batch.extend_lens_list)
     o = torch.empty_like(q)
+    sinks_arg = check_sinks(sinks, q)
     if t == 0 or tiles == 0:
         return o
     if tiles > MAX_TILE_SLOTS or nseq >= 32768:
@@ -254,8 +265,8 @@ def split_extend_attention(
     )  # fmt: skip
     _extend_merge_kernel[(tiles, kv_heads)](
         part_o, part_lse, o, batch.prefix_lens, batch.extend_lens, batch.extend_start, nseq, splits, window or 0,
-        o.stride(0),
-        o.stride(1), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b,
+        sinks_arg, o.stride(0), o.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b, HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return o

@@ -34,8 +34,9 @@ class LayerKind(StrEnum):
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer's token mixer. ``window``: a sliding layer's query at position ``p`` reads the
-    positions ``p - window + 1 .. p`` (HF's ``sliding_window``); ``sinks``: it also has learned
-    attention sinks (GPT-OSS)."""
+    positions ``p - window + 1 .. p`` (HF's ``sliding_window``); ``sinks``: an attention layer (full or
+    sliding) with learned attention sinks (GPT-OSS: a logit per query head in the softmax's denominator;
+    the layer passes its ``[q_heads]`` float32 parameter as ``AttentionBackend.forward``'s ``sinks``)."""
 
     kind: LayerKind
     window: int | None = None
@@ -46,6 +47,8 @@ class LayerSpec:
             raise ValueError(f"a {self.kind} layer {'needs' if self.kind is LayerKind.SLIDING else 'has no'} window")
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding window {self.window} < 1")
+        if self.sinks and not self.kind.has_kv:
+            raise ValueError(f"a {self.kind} layer has no attention sinks")
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,14 @@ class LayerStack:
         return LayerStack((LayerSpec(LayerKind.FULL),) * num_layers)
 
     @staticmethod
-    def from_kinds(kinds: list[str] | tuple[str, ...], window: int | None = None) -> LayerStack:
+    def from_kinds(kinds: list[str] | tuple[str, ...], window: int | None = None, sinks: bool = False) -> LayerStack:
         """From HF's ``layer_types`` names (``full_attention`` / ``sliding_attention`` /
-        ``linear_attention`` / ``mamba`` / ``mlp``); ``window`` for the sliding ones."""
+        ``linear_attention`` / ``mamba`` / ``mlp``); ``window`` for the sliding ones; ``sinks``: every
+        attention layer has sinks (GPT-OSS)."""
         specs = []
         for name in kinds:
             kind = LayerKind(name)
-            specs.append(LayerSpec(kind, window if kind is LayerKind.SLIDING else None))
+            specs.append(LayerSpec(kind, window if kind is LayerKind.SLIDING else None, sinks and kind.has_kv))
         return LayerStack(tuple(specs))
 
     @property
@@ -88,6 +92,11 @@ class LayerStack:
     def windows(self) -> tuple[int | None, ...]:
         """Per KV layer: its window (None: full attention)."""
         return tuple(self.specs[i].window for i in self.kv_layers)
+
+    @property
+    def sinks(self) -> tuple[bool, ...]:
+        """Per KV layer: whether it has attention sinks."""
+        return tuple(self.specs[i].sinks for i in self.kv_layers)
 
     @property
     def is_hybrid(self) -> bool:

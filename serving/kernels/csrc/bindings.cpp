@@ -25,7 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "copy k/v rows into the caches' flat slots");
   m.def("paged_attention", &paged_attention, "causal GQA attention over paged float32 KV, one query at a time",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("seq"),
-        pybind11::arg("nkeys"), pybind11::arg("scale"), pybind11::arg("klo") = pybind11::none());
+        pybind11::arg("nkeys"), pybind11::arg("scale"), pybind11::arg("klo") = pybind11::none(),
+        pybind11::arg("sinks") = pybind11::none());
   namespace py = pybind11;
   // module_local: every variant's module binds the same C++ type; each keeps its own Python class
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local())
@@ -33,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_window", &DecoderStack::set_window)
+      .def("set_sinks", &DecoderStack::set_sinks)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows in the fused decoder's order");
 }

@@ -2,7 +2,8 @@
 // per layer, residual add + RMSNorm, the qkv projection (+ bias), RoPE on q and k with k and v
 // stored straight into the paged caches, attention over the pages (paged_attention.cpp), o_proj,
 // residual add + RMSNorm, gate_up, SiLU(gate) * up, down -- no Python between the ops. A layer may
-// have a sliding window (set_window: Mistral), the attention then reads the window's keys only.
+// have a sliding window (set_window: Mistral), the attention then reads the window's keys only, and
+// attention sinks (set_sinks: a logit per q head in the softmax's denominator, GPT-OSS's).
 //
 // Every step is the same bits on every variant of vec.h: the projections are the ops of
 // int8_linear.cpp / group_linear.cpp (or ATen's fp32 linear), RoPE is rope_store.cpp's formula,
@@ -54,6 +55,7 @@ struct Layer {
   at::Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
   int64_t window = 0;  // a sliding window (token t sees its last `window` keys); 0: full attention
+  at::Tensor sinks;    // [heads] float32 attention sinks; undefined: none
 };
 
 // y = w * (x * r), r = 1 / sqrt(sum(x^2) / K + eps), the sum in 16 lanes then the fixed tree.
@@ -110,6 +112,13 @@ struct DecoderStack::Impl {
     layers_[layer].window = window;
   }
 
+  void set_sinks(int64_t layer, at::Tensor sinks) {
+    TORCH_CHECK(0 <= layer && layer < num_layers(), "set_sinks: layer out of range");
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == heads_ && sinks.device().is_cpu(),
+                "sinks must be float32 [heads] on the CPU");
+    layers_[layer].sinks = sinks.contiguous();
+  }
+
   at::Tensor forward(at::Tensor h, c10::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,
                         const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
                         at::Tensor positions, at::Tensor loc, at::Tensor page_table, int64_t page_size,
@@ -160,7 +169,8 @@ struct DecoderStack::Impl {
         klo = lo.data();
       }
       attention_rows(q.data_ptr<float>(), T, H, D, kc.data_ptr<float>(), vc.data_ptr<float>(), KH, meta.slots.data(),
-                     meta.width, meta.seq.data(), meta.nkeys.data(), klo, static_cast<float>(scale),
+                     meta.width, meta.seq.data(), meta.nkeys.data(), klo,
+                     L.sinks.defined() ? L.sinks.data_ptr<float>() : nullptr, static_cast<float>(scale),
                      attn.data_ptr<float>());
       d = L.o(attn).contiguous();
       add_rows(hp, d.data_ptr<float>(), T * hidden_);
@@ -263,6 +273,8 @@ void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, int64_t qkv_kin
 int64_t DecoderStack::num_layers() const { return impl_->num_layers(); }
 
 void DecoderStack::set_window(int64_t layer, int64_t window) { impl_->set_window(layer, window); }
+
+void DecoderStack::set_sinks(int64_t layer, at::Tensor sinks) { impl_->set_sinks(layer, std::move(sinks)); }
 
 at::Tensor DecoderStack::forward(at::Tensor h, std::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,
                                  const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,

@@ -17,14 +17,16 @@
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor wsum, at::Tensor ws);
 
 // paged_attention.cpp: q [T, H, D], k/v [S, KH, D] float32; token t reads the first nkeys[t] slots of
-// row seq[t] of slots [B, L] (from slot klo[t] on with a sliding window) -> [T, H, D]
+// row seq[t] of slots [B, L] (from slot klo[t] on with a sliding window; sinks [H] float32: attention
+// sinks, a logit per q head in the softmax's denominator) -> [T, H, D]
 at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots,
-                              at::Tensor seq, at::Tensor nkeys, double scale, std::optional<at::Tensor> klo);
+                              at::Tensor seq, at::Tensor nkeys, double scale, std::optional<at::Tensor> klo,
+                              std::optional<at::Tensor> sinks);
 // the same on raw rows (decoder.cpp): q [T, H, D], k/v [S, KH, D], slots [B, L], out [T, H, D]; klo
-// nullptr: every token from key 0
+// nullptr: every token from key 0; sinks nullptr: none
 void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float* k, const float* v, int64_t KH,
                     const int64_t* slots, int64_t L, const int64_t* seq, const int64_t* nkeys, const int64_t* klo,
-                    float scale, float* out);
+                    const float* sinks, float scale, float* out);
 void check_attention_shape(int64_t H, int64_t KH, int64_t D);
 
 // rope_store.cpp: rotated q and k [T, H + KH, D] of qkv [T, W] at positions (rows of the cos/sin
@@ -51,6 +53,8 @@ class DecoderStack {
   int64_t num_layers() const;
   // layer `layer` attends to the last `window` positions only (0: all of them)
   void set_window(int64_t layer, int64_t window);
+  // layer `layer` has attention sinks [heads] float32 (GPT-OSS; kept, not copied)
+  void set_sinks(int64_t layer, at::Tensor sinks);
   // Layers [first, last) on the residual stream h [T, hidden] (updated in place); delta: the
   // previous layer's output not yet added (None before layer 0). Returns this call's last delta.
   at::Tensor forward(at::Tensor h, std::optional<at::Tensor> delta, const std::vector<at::Tensor>& k_caches,

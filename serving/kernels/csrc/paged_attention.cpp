@@ -1,11 +1,13 @@
 // Causal GQA attention over paged float32 KV for every variant of vec.h
-// (serving/kernels/attention_cpu.py); with klo, a sliding window: token t sees keys klo[t] .. nkeys[t] - 1.
+// (serving/kernels/attention_cpu.py); with klo, a sliding window: token t sees keys klo[t] .. nkeys[t] - 1;
+// with sinks, GPT-OSS's attention sinks: q head h's sinks[h] joins each softmax's max and denominator.
 //
 // Each (token, query head) is computed from its query and the keys it may see: scores
 // s_j = dot(q, k_j) * scale, p_j = exp(s_j - max s), out = sum_j p_j v_j / sum_j p_j, every sum in
 // key order (a dot over head_dim: 16 lanes fused-multiply-added chunk by chunk, then one fixed
 // 16-lane tree). So a token's output has the same bits in a decode batch, in a prefill chunk and
-// alone -- prefill and decode compute identical KV for the same token -- and on every variant.
+// alone -- prefill and decode compute identical KV for the same token -- and on every variant. A
+// sink: m = max(sink, max s), sum p = e^(sink - m) + (the keys' sum), the exponential vec.h's lanes'.
 //
 // Speed without changing a bit: a work item is up to kRows consecutive tokens of one sequence and
 // one kv head, so every key and value row is loaded once for all of them (a verify pass of k + 1
@@ -106,12 +108,20 @@ inline void value_sums(const float* s, int64_t ps, float* acc, int64_t D, int64_
 // The first key token t may see: klo[t] (a sliding window), or 0 without klo (full attention).
 inline int64_t lo_of(const int64_t* klo, int64_t t) { return klo == nullptr ? 0 : klo[t]; }
 
+// e^x for x <= 0 with vec.h's lanes (the bits of every variant, as the keys' p_j)
+inline float exp1(float x) {
+  float r[W];
+  store(r, exp_nonpositive(splat(x)));
+  return r[0];
+}
+
 // Tokens [t0, t1) of one sequence (its slots sl) and one kv head: G query heads each at q (token t's
-// at q + t * H * D), keys / values at k / v rows sl[j] * stride, outputs at out like q.
+// at q + t * H * D), keys / values at k / v rows sl[j] * stride, outputs at out like q; sink: the G
+// heads' sinks (nullptr: none).
 template <int kChunks>
 void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, const float* k, const float* v,
-            const int64_t* sl, const int64_t* nkeys, const int64_t* klo, int64_t stride, float scale, float* out,
-            std::vector<float>& sc, std::vector<float>& accs) {
+            const int64_t* sl, const int64_t* nkeys, const int64_t* klo, const float* sink, int64_t stride,
+            float scale, float* out, std::vector<float>& sc, std::vector<float>& accs) {
   const int chunks = kChunks > 0 ? kChunks : D / 16;
   int64_t nmax = 0, kmin = nkeys[t0];
   for (int64_t t = t0; t < t1; ++t) nmax = std::max(nmax, nkeys[t]), kmin = std::min(kmin, lo_of(klo, t));
@@ -144,7 +154,8 @@ void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, con
     const int64_t pt = (nkeys[t0 + i / G] + 15) / 16 * 16, pa = lo_of(klo, t0 + i / G) / 16 * 16;
     V vmx = splat(-INFINITY);
     for (int64_t j = pa; j < pt; j += W) vmx = vmax(vmx, load(s + j));
-    const V m = splat(reduce_max(vmx));  // exact in any order
+    const float mx = sink == nullptr ? reduce_max(vmx) : std::max(reduce_max(vmx), sink[i % G]);  // exact in any order
+    const V m = splat(mx);
     F16 vsum = splat16(0.0f);
     for (int64_t j = pa; j < pt; j += 16) {  // the blocks before pa would add exp(-inf) = 0 to each lane
       for (int c = 0; c < 16 / W; ++c) {
@@ -153,7 +164,7 @@ void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, con
         vsum.p[c] = add(vsum.p[c], e);
       }
     }
-    inv[i] = 1.0f / reduce_add16(vsum);
+    inv[i] = 1.0f / (sink == nullptr ? reduce_add16(vsum) : reduce_add16(vsum) + exp1(sink[i % G] - mx));
   }
   accs.assign(static_cast<size_t>(nq * D), 0.0f);
   constexpr int kQ = kChunks == 0 ? 1 : std::max(1, std::min(4, 16 / kChunks));  // 16 accumulators (zmm)
@@ -186,7 +197,7 @@ void attend(const float* q, int64_t t0, int64_t t1, int G, int64_t H, int D, con
 
 void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float* k, const float* v, int64_t KH,
                     const int64_t* slots, int64_t L, const int64_t* seq, const int64_t* nkeys, const int64_t* klo,
-                    float scale, float* out) {
+                    const float* sinks, float scale, float* out) {
   const int G = static_cast<int>(H / KH);
   std::vector<int64_t> starts;  // runs of up to kRows consecutive tokens of one sequence
   int64_t keys = 0;
@@ -206,10 +217,11 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const float
       const float* qh = q + h * G * D;
       const int64_t* sl = slots + seq[t0] * L;
       float* oh = out + h * G * D;
+      const float* sk = sinks == nullptr ? nullptr : sinks + h * G;
       switch (D) {
-        case 64: attend<4>(qh, t0, t1, G, H, 64, k + h * D, v + h * D, sl, nkeys, klo, KH * D, scale, oh, sc, accs); break;
-        case 128: attend<8>(qh, t0, t1, G, H, 128, k + h * D, v + h * D, sl, nkeys, klo, KH * D, scale, oh, sc, accs); break;
-        default: attend<0>(qh, t0, t1, G, H, static_cast<int>(D), k + h * D, v + h * D, sl, nkeys, klo, KH * D, scale, oh, sc, accs);
+        case 64: attend<4>(qh, t0, t1, G, H, 64, k + h * D, v + h * D, sl, nkeys, klo, sk, KH * D, scale, oh, sc, accs); break;
+        case 128: attend<8>(qh, t0, t1, G, H, 128, k + h * D, v + h * D, sl, nkeys, klo, sk, KH * D, scale, oh, sc, accs); break;
+        default: attend<0>(qh, t0, t1, G, H, static_cast<int>(D), k + h * D, v + h * D, sl, nkeys, klo, sk, KH * D, scale, oh, sc, accs);
       }
     }
   });
@@ -220,7 +232,8 @@ void check_attention_shape(int64_t H, int64_t KH, int64_t D) {
   TORCH_CHECK(H % KH == 0 && H / KH <= kMaxGroup, "q heads must be a multiple of kv heads (at most 16 per kv head)");
 }
 at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots,
-                              at::Tensor seq, at::Tensor nkeys, double scale, std::optional<at::Tensor> klo) {
+                              at::Tensor seq, at::Tensor nkeys, double scale, std::optional<at::Tensor> klo,
+                              std::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [T, H, D] float32");
   TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.is_contiguous(), "k must be [S, KH, D]");
   TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == at::kFloat && v.is_contiguous(), "v like k");
@@ -233,9 +246,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), L = slots.size(1);
   TORCH_CHECK(k.size(2) == D, "q and k disagree on head_dim");
   check_attention_shape(H, KH, D);
+  at::Tensor sk = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  TORCH_CHECK(!sk.defined() || (sk.scalar_type() == at::kFloat && sk.numel() == H && sk.device().is_cpu()),
+              "sinks must be float32 [q heads] on the CPU");
   auto out = at::empty({T, H, D}, q.options());
   attention_rows(q.data_ptr<float>(), T, H, D, k.data_ptr<float>(), v.data_ptr<float>(), KH, slots.data_ptr<int64_t>(), L,
                  seq.data_ptr<int64_t>(), nkeys.data_ptr<int64_t>(), lo.defined() ? lo.data_ptr<int64_t>() : nullptr,
-                 static_cast<float>(scale), out.data_ptr<float>());
+                 sk.defined() ? sk.data_ptr<float>() : nullptr, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
