@@ -69,6 +69,7 @@ class GenerateReq:
     logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.model.logprobs); None: off
     cache_salt: str | None = None  # the effective salt (tenant + the request's cache_salt; hicache.salt)
     tenant: str | None = None  # the API key's tenant (None: the default tenant)
+    capture_at: list[int] | None = None  # its cache_control breakpoints' prompt lengths (Req.capture_at)
 
 
 @dataclass

@@ -137,13 +137,18 @@ class ReqCache:
         self._finish_prefetch(req)
         kv, first = req.kv, not req.kv.admitted
         self._lock_prefix(req, self._match(req))
-        n = min(req.seq_len - kv.kv_len, budget)
+        n = self.chunk(req, min(req.seq_len - kv.kv_len, budget))
         if not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n):
             self.release(req)
             if first:
                 kv.admitted = False
             return Admission(Answer.NO_ROOM)
         return Admission(Answer.READY if self.poll_load(req) else Answer.LOADING, n, first)
+
+    def chunk(self, req: Req, n: int) -> int:
+        """The prompt tokens of ``req`` a pass computes when ``n`` would fit: ``n``, or fewer for a
+        state model whose captures need the pass to end earlier (RequestStates.chunk)."""
+        return n if self.states is None or n <= 0 else self.states.chunk(req, n)
 
     def _take_state_slots(self, req: Req) -> bool:
         """A state model's request gets its working slot (its match's snapshot, or zeros) and capture

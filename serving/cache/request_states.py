@@ -1,23 +1,29 @@
 """The recurrent state of running requests of a model with state layers (linear attention, Mamba2).
 
-Each admitted request holds three slots of the L1 state pool (``hicache/tiers/state_pool.py``):
+Each admitted request holds slots of the L1 state pool (``hicache/tiers/state_pool.py``):
 - its **working slot** (``ReqKV.state_slot``): the state after its ``kv_len`` tokens, which every forward
   pass updates in place. At admission it is a copy of the tree's snapshot where its match ends
   (``MatchResult.state``: the match of a state model stops at the deepest snapshot), or zeros when
   nothing matched;
-- its **capture slot** (``ReqKV.snap_slot``): each pass whose new tokens cross a page boundary copies the
-  state at the last boundary crossed into it (``ForwardBatch.snap_slots`` / ``snap_offsets``;
-  ``ReqKV.snap_pos`` says where). At release the request's full pages go into the tree and, when the
-  capture is at their end, the capture goes to the node ending there (``HiRadixTree.attach_state``):
-  where the next turn of the conversation resumes. A capture the tree refuses (that node already has
-  one) goes back to the pool;
-- its **prompt capture slot** (``ReqKV.prompt_snap_slot``): the state at the last page boundary before
-  its prompt's last token, taken by the pass that crosses it instead of the other capture (one capture
-  per sequence and pass); at release it goes to the node ending there: where the same prompt, asked
-  again, resumes (a match always leaves the last prompt token to compute).
+- its **rolling capture** (``ReqKV.snap_slot``): each pass whose new tokens cross a page boundary copies
+  the state at the last boundary crossed into it (``ForwardBatch.snap_slots`` / ``snap_offsets``;
+  ``ReqKV.snap_pos`` says where). At release the request's full pages go into the tree and the capture,
+  the state at their end, goes to the node ending there (``HiRadixTree.attach_state``): where the next
+  turn of the conversation resumes;
+- **fixed captures** (``ReqKV.captures``, each a position and a slot taken when its pass is planned,
+  only while the pool has more than one admission's slots free: a capture is never worth a refused
+  request) at the page boundaries where a later request may diverge: the last one before the prompt's
+  last token (where the same prompt asked again resumes: a match always leaves that token to compute),
+  the ends of the prompt's ``cache_control`` breakpoints (``Req.capture_at``: a shared system prompt or
+  tool block), and the last one in each prefill chunk that does not end the prompt (a long document
+  asked about again with another question resumes at the chunk before it differs). At most
+  ``MAX_CAPTURES`` a request. A pass captures once per sequence, so a prefill chunk that would cross two
+  of the prompt's positions ends at the first (:meth:`chunk`: one more pass, once); a pass crossing
+  several anyway takes the deepest. At release each goes to the node ending at its position.
 
-Snapshots are taken at page boundaries because the tree keeps whole pages; tokens past the last full
-page are recomputed by the next request, as for any model.
+A capture the tree refuses (that node has one already) goes back to the pool. Snapshots are taken at
+page boundaries because the tree keeps whole pages; tokens past the last full page are recomputed by
+the next request, as for any model.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from collections.abc import Sequence
 from hicache.hiradix import HiRadixTree
 from hicache.tiers.state_pool import DeviceStatePool
 from serving.structs.request import Req
+
+MAX_CAPTURES = 8  # fixed captures a request keeps at most
 
 
 class RequestStates:
@@ -38,6 +46,8 @@ class RequestStates:
     scheduler's stream, so a forward pass after :meth:`take` reads the copied state.
     """
 
+    SLOTS_PER_REQUEST = 2  # taken at admission: the working slot and the rolling capture
+
     def __init__(self, tree: HiRadixTree, pool: DeviceStatePool, page_size: int) -> None:
         if tree.state is None:
             raise ValueError("a state pool needs a tree built with state_device (its snapshots)")
@@ -46,12 +56,10 @@ class RequestStates:
         self.page_size = page_size
         self.snapshots_attached = 0  # captures the tree took (reporting)
 
-    SLOTS_PER_REQUEST = 3
-
     def take(self, req: Req, snapshot_slot: int | None) -> bool:
-        """Give an admitted ``req`` its working and capture slots, the working one holding the tree's
-        snapshot in L1 ``snapshot_slot`` (its match's; loaded already) or zeros (None). Makes room by
-        evicting the tree's unlocked snapshots (demoted to L2 where they can be). False: no room now
+        """Give an admitted ``req`` its working slot and rolling capture, the working one holding the
+        tree's snapshot in L1 ``snapshot_slot`` (its match's; loaded already) or zeros (None). Makes room
+        by evicting the tree's unlocked snapshots (demoted to L2 where they can be). False: no room now
         (nothing taken)."""
         kv = req.kv
         if kv.state_slot >= 0:
@@ -61,8 +69,8 @@ class RequestStates:
             self.tree.state.evict_device(n - self.pool.num_free)
         if self.pool.num_free < n:
             return False
-        kv.state_slot, kv.snap_slot, kv.prompt_snap_slot = self.pool.alloc(n)
-        kv.snap_pos = kv.prompt_snap_pos = -1
+        kv.state_slot, kv.snap_slot = self.pool.alloc(n)
+        kv.snap_pos = -1
         if snapshot_slot is None:
             self.pool.zero_slot(kv.state_slot)
         else:
@@ -71,22 +79,22 @@ class RequestStates:
 
     def plan(self, batch: Sequence[tuple[Req, int]]) -> tuple[list[int], list[int], list[int]]:
         """The forward pass's ``state_slots``, ``snap_slots``, ``snap_offsets`` for ``batch`` (each
-        request with its number of new tokens from ``kv.kv_len`` on): a capture after the last page
-        boundary a request's new tokens cross (``kv.snap_pos`` moves there), or the prompt capture
-        when they cross its boundary (``kv.prompt_snap_pos``)."""
+        request with its number of new tokens from ``kv.kv_len`` on): a fixed capture where the new
+        tokens cross one of its positions, else the rolling one at the last page boundary crossed."""
         slots, snaps, offsets = [], [], []
-        page = self.page_size
         for req, n in batch:
             kv = req.kv
             start, end = kv.kv_len, kv.kv_len + n
-            prompt_at = (len(req.input_ids) - 1) // page * page
-            last = end // page * page
             slots.append(kv.state_slot)
-            if kv.prompt_snap_slot >= 0 and start < prompt_at <= end:
-                snaps.append(kv.prompt_snap_slot)
-                offsets.append(prompt_at - start - 1)
-                kv.prompt_snap_pos = prompt_at
-            elif kv.snap_slot >= 0 and last > start:
+            fixed = self._fixed_position(req, start, end)
+            if fixed is not None and self._room_for_capture(kv):
+                slot = self.pool.alloc(1)[0]
+                kv.captures.append((fixed, slot))
+                snaps.append(slot)
+                offsets.append(fixed - start - 1)
+                continue
+            last = end // self.page_size * self.page_size
+            if kv.snap_slot >= 0 and last > start:
                 snaps.append(kv.snap_slot)
                 offsets.append(last - start - 1)
                 kv.snap_pos = last
@@ -95,18 +103,50 @@ class RequestStates:
                 offsets.append(-1)
         return slots, snaps, offsets
 
+    def chunk(self, req: Req, n: int) -> int:
+        """How many of the ``n`` prompt tokens after ``kv.kv_len`` this pass computes: up to the first
+        of the prompt's fixed positions when it would cross two (each gets its capture)."""
+        start = req.kv.kv_len
+        hits = self._prompt_positions(req, start, start + n)
+        return hits[0] - start if len(hits) >= 2 and len(req.kv.captures) < MAX_CAPTURES else n
+
+    def _prompt_positions(self, req: Req, start: int, end: int) -> list[int]:
+        """The prompt's fixed capture positions in ``(start, end]``, sorted: the last page boundary
+        before its last token and its breakpoints' ends, floored to pages."""
+        page, prompt = self.page_size, len(req.input_ids)
+        if start >= prompt - 1:
+            return []
+        wanted = {(prompt - 1) // page * page, *(p // page * page for p in req.capture_at if p < prompt)}
+        return sorted(p for p in wanted if start < p <= end and p > 0)
+
+    def _fixed_position(self, req: Req, start: int, end: int) -> int | None:
+        """The deepest fixed capture position in ``(start, end]`` (see the module docstring)."""
+        prompt = len(req.input_ids)
+        if start >= prompt - 1:
+            return None  # decoding: only the rolling capture
+        hits = self._prompt_positions(req, start, end)
+        if end < prompt - 1 and end // self.page_size * self.page_size > start:  # a chunk short of the prompt's end
+            hits.append(end // self.page_size * self.page_size)
+        return max(hits) if hits else None
+
+    def _room_for_capture(self, kv) -> bool:  # noqa: ANN001 (ReqKV)
+        """A fixed capture takes a free slot only while another admission's would still be free."""
+        return len(kv.captures) < MAX_CAPTURES and self.pool.num_free > self.SLOTS_PER_REQUEST + 1
+
     def give_back(self, req: Req, inserted: Sequence[int]) -> None:
         """Release ``req``'s slots; ``inserted``: the tokens whose full pages it just put in the tree
-        (their end node takes its capture when the capture is the state there)."""
+        (the nodes ending at its captures' positions take them)."""
         kv = req.kv
-        if self._attach(kv.snap_slot, kv.snap_pos, inserted):
-            kv.snap_slot = -1  # the tree's now
-        if self._attach(kv.prompt_snap_slot, kv.prompt_snap_pos, inserted):
-            kv.prompt_snap_slot = -1
-        held = [s for s in (kv.state_slot, kv.snap_slot, kv.prompt_snap_slot) if s >= 0]
+        held = [s for s in (kv.state_slot, kv.snap_slot) if s >= 0]
+        if held and self._attach(kv.snap_slot, kv.snap_pos, inserted):
+            held.remove(kv.snap_slot)
+        for pos, slot in kv.captures:
+            if not self._attach(slot, pos, inserted):
+                held.append(slot)
         if held:
             self.pool.free(held)
-        kv.state_slot = kv.snap_slot = kv.prompt_snap_slot = kv.snap_pos = kv.prompt_snap_pos = -1
+        kv.state_slot = kv.snap_slot = kv.snap_pos = -1
+        kv.captures = []
 
     def _attach(self, slot: int, pos: int, inserted: Sequence[int]) -> bool:
         """Hand the capture in ``slot`` (the state after ``pos`` tokens) to the node ending at ``pos``
@@ -121,5 +161,5 @@ class RequestStates:
 
     @staticmethod
     def in_use(reqs: Sequence[Req]) -> int:
-        """Slots these requests hold (working and captures)."""
-        return sum((r.kv.state_slot >= 0) + (r.kv.snap_slot >= 0) + (r.kv.prompt_snap_slot >= 0) for r in reqs)
+        """Slots these requests hold (working, rolling and fixed captures)."""
+        return sum((r.kv.state_slot >= 0) + (r.kv.snap_slot >= 0) + len(r.kv.captures) for r in reqs)

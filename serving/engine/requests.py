@@ -102,6 +102,8 @@ class RequestTable:
             req.logprob = LogprobState.from_request(msg.logprobs, req.input_ids, self.core.runner.arch.vocab_size)
             if msg.bootstrap is not None:
                 req.pd = Bootstrap(**msg.bootstrap)
+            if msg.capture_at:
+                req.capture_at = tuple(int(p) for p in msg.capture_at)
             self.core.add(req)
         except InvalidRequest as e:
             self.out.put(m.Error(400, str(e), rid=msg.rid))

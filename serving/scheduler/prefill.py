@@ -62,7 +62,7 @@ class PrefillPlanner:
         room = budget - held
         chunks: list[tuple[Req, int]] = []
         for r in going:
-            n = min(r.seq_len - r.kv.kv_len, room)
+            n = s.cache.chunk(r, min(r.seq_len - r.kv.kv_len, room))
             if n <= 0 or not s.cache.reserve(r, r.kv.kv_len + n):
                 continue
             chunks.append((r, n))

@@ -163,6 +163,7 @@ async def messages(request: Request) -> Any:
     ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     req = ctx.make_request(ids, body.sampling_params(), body.session_id)
     bps = await cache_control.breakpoints_for(ctx, body, ids)
+    req.capture_at = [b.end for b in bps] or None  # a state model keeps its state there
     head = {"id": f"msg_{req.rid}", "type": "message", "role": "assistant", "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))

@@ -39,10 +39,9 @@ class ReqKV:
     admitted: bool = False  # it was admitted once (its hits are counted then)
     # Recurrent state of a model with state layers (serving.cache.state_slots.RequestStates):
     state_slot: int = -1  # the request's working state slot in the L1 state pool (-1: none)
-    snap_slot: int = -1  # its capture slot: the state at the last page boundary a pass crossed (-1: none)
+    snap_slot: int = -1  # its rolling capture: the state at the last page boundary a pass crossed (-1: none)
     snap_pos: int = -1  # the position (tokens of fill_ids) that capture is the state after (-1: none)
-    prompt_snap_slot: int = -1  # its prompt capture: the state at the last page boundary before the
-    prompt_snap_pos: int = -1  # prompt's last token (where the same prompt again resumes), and its position
+    captures: list[tuple[int, int]] = field(default_factory=list)  # fixed captures: (position, state slot)
 
     @property
     def own_pages(self) -> int:

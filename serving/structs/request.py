@@ -24,6 +24,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKV = field(default_factory=ReqKV)  # what the cache holds for it: written by serving/cache only
     pd: Any = None  # serving.disagg.protocol.Bootstrap of a PD request (its prefill server and room)
+    # prompt lengths of its cache_control breakpoints: a model with recurrent-state layers keeps its state
+    # there (serving/cache/request_states.py), where a later request with the same prefix resumes
+    capture_at: tuple[int, ...] = ()
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -150,3 +150,23 @@ def test_more_conversations_than_state_slots(tiny) -> None:
         assert eng.core.tree.state.cached_slots("device") == state.num_used <= state.num_slots
     finally:
         eng.shutdown()
+
+
+def test_a_document_asked_again_resumes_at_a_chunk_boundary(tiny) -> None:
+    """A long prompt prefilled in chunks leaves a snapshot at each chunk's last page boundary: a second
+    prompt with the same first 45 tokens and another question resumes at the chunk boundary before it
+    differs (fixed captures, serving/cache/request_states.py)."""
+    path = tiny[0]
+    rng = random.Random(12)
+    doc = [rng.randrange(1, 511) for _ in range(45)]
+    first, second = doc + [rng.randrange(1, 511) for _ in range(20)], doc + [rng.randrange(1, 511) for _ in range(9)]
+    ref = hf_greedy(path, [first, second], NEW)
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, chunked_prefill_size=14)
+    try:
+        generate(eng, path, [first], ref[:1])
+        outs = generate(eng, path, [second], ref[1:])
+        # chunks of 14 end at 14, 28, 42, 56: their last page boundaries 12, 28, 40, 56; 40 <= 45 < 56
+        assert hits(outs, "device") == [40], hits(outs, "device")
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

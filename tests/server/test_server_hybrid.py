@@ -3,7 +3,8 @@ gated attention layer) with SmolLM2's tokenizer and chat template, an L1 small e
 conversation goes to L2. A multi-turn chat through the real OpenAI client reports cached tokens from its
 state snapshots on L1 and, after other conversations pushed it out, on L2, with the answers of a server
 that caches nothing; /get_server_info names the layer mix and the state pools, /metrics counts the
-state slots per pool."""
+state slots per pool. Through the Anthropic client, a cache_control breakpoint on a shared system
+prompt keeps the state there for the next conversation."""
 
 from __future__ import annotations
 
@@ -77,3 +78,30 @@ def test_multi_turn_chat_hits_state_snapshots_on_l1_and_l2(model) -> None:
         text = httpx.get(s.url + "/metrics", timeout=30).text
         snap = re.search(r'^hicache_state_slots\{pool="device",state="snapshots"\} ([0-9.e+]+)$', text, re.M)
         assert snap and float(snap.group(1)) > 0, text[-2000:]
+
+
+def test_a_cache_control_breakpoint_keeps_the_state_of_a_shared_system_prompt(model) -> None:
+    """Anthropic's cache_control on the system block: the state model keeps its state at the block's end
+    (Req.capture_at), so a second conversation with the same system prompt and another question resumes
+    there instead of recomputing the system prompt."""
+    import anthropic
+
+    system = [{"type": "text", "text": SYSTEM + " Tools: search(query), open(url), calc(expr). " * 3,
+               "cache_control": {"type": "ephemeral"}}]
+    args = ["--model-path", str(model), "--served-model-name", "tiny", "--page-size", "4",
+            "--max-total-tokens", "2048", "--hicache-ratio", "2"]
+    with running_server(args) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+
+        def ask(question: str) -> int:
+            before = httpx.get(s.url + "/get_server_info", timeout=30).json()["internal_states"][0]["cached_tokens"]
+            client.messages.create(model="tiny", system=system, max_tokens=4,
+                                   messages=[{"role": "user", "content": question}], extra_body={"temperature": 0})
+            after = httpx.get(s.url + "/get_server_info", timeout=30).json()["internal_states"][0]["cached_tokens"]
+            return after - before
+
+        assert ask("What is two plus two?") == 0
+        system_tokens = client.messages.count_tokens(model="tiny", system=system, messages=[
+            {"role": "user", "content": "x"}]).input_tokens
+        hit = ask("Which city is the capital of Italy?")
+        assert 0 < hit < system_tokens, (hit, system_tokens)  # the system block's state, not the question's
