@@ -11,13 +11,16 @@ wrong state."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
 from harness.engine_cases import ids_of, prompts
 from harness.lmdb_pages import open_store
 from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from harness.netns import run_mooncake_script
 from hicache.keys import page_keys, state_key
 from serving.engine import Engine
 
@@ -134,3 +137,26 @@ def test_a_damaged_snapshot_on_l3_is_a_miss(tiny, tmp_path, damage) -> None:
         assert eng.core.storage.stats()["state_corrupt"] == len(first)
     finally:
         eng.shutdown()
+
+
+def test_a_second_server_resumes_through_mooncake(tiny, tmp_path) -> None:
+    """Server A serves the conversations (its second turns' hits write pages and snapshots on to Mooncake);
+    server B, fresh, on the same master, serves the second turns from there: storage hits at the end of
+    each first turn, HF's tokens and log-probabilities."""
+    path, first, ref1, second, ref2 = tiny
+    if path.name.startswith("nemotron_h"):  # (the engine serves it: the L3 cases above)
+        pytest.skip("hicache serve's preflight refuses a Nemotron-H config.json (no num_hidden_layers)")
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({"first": first, "second": second, "new": NEW}))
+    res = run_mooncake_script(Path(__file__).parent / "mooncake_state_two_servers.py", str(path), str(tmp_path),
+                              str(cases))
+    assert res["a_first"] == ref1 and [o["ids"] for o in res["a_second"]] == ref2, res
+    assert res["a_snapshots_stored"] and res["a_integrity"], res
+    b = res["b_second"]
+    assert [o["ids"] for o in b] == ref2, res
+    assert [o["storage"] for o in b] == [_resume_at(p) for p in first], res
+    assert res["b_stats"]["state_snapshots_fetched"] == len(first), res
+    want = hf_output_logprobs(path, second, ref2)
+    worst = max(abs(x - y) for o, w in zip(b, want, strict=True) for x, y in zip(o["logprobs"], w, strict=True))
+    assert worst < LOGPROB_TOL, worst
+    assert res["b_integrity"] and res["exit_codes"] == [0, 0], res
