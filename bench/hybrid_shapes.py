@@ -66,11 +66,11 @@ def layer_bytes(model, cfg: dict) -> dict:
 def weight_bytes(model) -> int:
     """Parameter bytes one decode step reads: every weight, the embedding as the LM head only
     (a lookup reads B rows; a tied model's embedding is the head)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.embed.weight
-    if model.lm_head_weight.data_ptr() != emb.data_ptr():
-        total -= emb.numel() * emb.element_size()
-    return total
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counts once
+    emb = next(p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight"))
+    tied = not any(p.data_ptr() != emb.data_ptr() and n.endswith("lm_head.weight")
+                   for n, p in model.named_parameters())
+    return total if tied else total - emb.numel() * emb.element_size()
 
 
 def decode_roofline(wbytes: int, lb: dict, bs: int, ctx: int) -> dict:
