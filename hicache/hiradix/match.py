@@ -54,8 +54,9 @@ class PendingLoad:
 class StateHit:
     """The state snapshot a match of a state model ends at: ``node``'s (the match's last node),
     where it was when the match was made: ``device_slot`` (L1, ready to copy into the request's
-    working slot once ``node.snap.load``, if any, is done), ``host_slot`` (L2 only:
-    ``HiRadixTree.load_back`` brings it to L1) or ``stored`` only (on L3: fetch it first)."""
+    working slot once ``node.snap.load``, if any, is done) or ``host_slot`` (L2 only:
+    ``HiRadixTree.load_back`` brings it to L1); ``stored``: L3 has it too. A match never ends at a
+    snapshot on L3 only (the L3 prefetch brings those to L2 first)."""
 
     node: TreeNode
     device_slot: int | None
@@ -63,11 +64,9 @@ class StateHit:
     stored: bool
 
     @property
-    def tier(self) -> Literal["device", "host", "storage"]:
+    def tier(self) -> Literal["device", "host"]:
         """The nearest tier holding it."""
-        if self.device_slot is not None:
-            return "device"
-        return "host" if self.host_slot is not None else "storage"
+        return "device" if self.device_slot is not None else "host"
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class MatchResult:
       ``state``); a reader waits until each is ``done()`` before it computes on them (see
       :class:`PendingLoad`).
     - ``state``: a tree of a state model (``needs_state``) cuts the match at the deepest node
-      on the path that has a state snapshot on some tier; this says where that one is. ``None``
+      on the path that has a state snapshot on L1 or L2; this says where that one is. ``None``
       without a cut, and when the path has no snapshot (the match is then empty: a request
       starts from the zero state).
     """

@@ -3,7 +3,7 @@
 A match walks the full pages of the tokens (:class:`~hicache.hiradix.shape.TreeShape`), counts the
 hit on the path, and asks :class:`~hicache.hiradix.tiering.Tiering` to back hit nodes up when the
 write policy says so. For a model with state layers (``needs_state``) it stops at the deepest node
-on the path with a state snapshot on some tier (:class:`~hicache.hiradix.state_snapshots.
+on the path with a state snapshot on L1 or L2 (:class:`~hicache.hiradix.state_snapshots.
 StateSnapshots` owns those): anything deeper would need a state nobody kept, so it is recomputed.
 A load-back brings the L2 run and the snapshot to L1 together, all or nothing. See tree.py for the
 invariants and the ordering contract of the transfers it emits.
@@ -43,7 +43,7 @@ class Matcher:
         Splits the node where the match ends mid-node; bumps ``hit_count`` and
         ``last_access`` on the matched path; backs hit nodes up to L2 when the write
         policy says so (skipped silently when L2 has no room). ``needs_state`` cuts the
-        match at the deepest node with a state snapshot on some tier (``MatchResult.state``
+        match at the deepest node with a state snapshot on L1 or L2 (``MatchResult.state``
         says where it is; a snapshot being loaded adds its load to ``pending_loads``);
         nothing below it is a hit, and a path without one matches nothing.
         """
@@ -88,7 +88,7 @@ class Matcher:
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         last, end = self.shape.root, 0
         for child, pos, m in self.shape.walk(tokens, len(tokens) - len(tokens) % self.shape.page_size):
-            if not needs_state or (m == len(child.key) and child.snap is not None):
+            if not needs_state or (m == len(child.key) and StateSnapshots.resident(child)):
                 last, end = child, pos + m
         return last, end
 

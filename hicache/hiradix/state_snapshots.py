@@ -131,11 +131,18 @@ class StateSnapshots:
 
     def cut(self, path: list[TreeNode]) -> int:
         """How many nodes of a matched ``path`` a state match keeps: up to the deepest one with a
-        snapshot on some tier (0: none)."""
+        snapshot on L1 or L2 (0: none). One stored on L3 only is not a hit a request can use now:
+        the L3 prefetch looks it up (from the deepest resident one on) and brings it to L2."""
         for i in range(len(path) - 1, -1, -1):
-            if path[i].snap is not None:
+            if self.resident(path[i]):
                 return i + 1
         return 0
+
+    @staticmethod
+    def resident(node: TreeNode) -> bool:
+        """``node`` has a snapshot on L1 or L2."""
+        snap = node.snap
+        return snap is not None and (snap.device_slot is not None or snap.host_slot is not None)
 
     @staticmethod
     def hit(node: TreeNode) -> StateHit | None:

@@ -26,6 +26,7 @@ from hicache import sizing
 from serving.server.config import AppConfig, ConfigError
 
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+LAYER_LISTS = ("layers_block_type", "layer_types", "hybrid_override_pattern")  # serving.models.config._num_layers
 MAX_TP = 64
 
 
@@ -61,6 +62,8 @@ def _model_config(path: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model-path {path}: cannot read config.json ({e})") from None
     missing = [k for k in MODEL_KEYS if not isinstance(raw.get(k) if isinstance(raw, dict) else None, int)]
+    if "num_hidden_layers" in missing and any(isinstance(raw.get(k), (list, str)) and raw.get(k) for k in LAYER_LISTS):
+        missing.remove("num_hidden_layers")  # the layer list says it (transformers 5 saves Nemotron-H's so)
     if missing:
         raise ConfigError(f"--model-path {path}: config.json lacks {', '.join(missing)} (not a supported model)")
     return raw

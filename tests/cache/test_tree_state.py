@@ -133,8 +133,8 @@ def test_l2_eviction_drops_the_snapshot_or_keeps_the_stored_mark():
     assert t.state.evict_host(2) == 2  # both L2 snapshots go; the KV stays
     r.check()
     assert nab.snap is None and na.snap.stored and na.snap.host_slot is None
-    m = t.match_prefix(AB)  # stops at na, whose snapshot is on L3 only
-    assert m.state.node is na and m.state.tier == "storage" and m.host_hit_tokens == 4
+    m = t.match_prefix(AB)  # na's snapshot is on L3 only: no hit a request can use now (the prefetch fetches it)
+    assert m.state is None and m.cached_tokens == 0 and t.lookup(AB)[1] == 0
     assert t.load_back(m) is m and r.drain() == []
     # the L3 fetch brings it into an L2 slot; then it loads as any
     (h,) = r.l2.alloc(1)
@@ -321,4 +321,31 @@ def test_a_loading_snapshots_l2_slot_is_not_reused_before_the_load_ends():
     assert same(r.l1_value(got.state.device_slot), state_value(7.0))
     t.finish_load(node)
     assert not r.l2.is_allocated(src)
+    r.check()
+
+
+def test_a_snapshot_on_l3_only_does_not_hide_a_resident_one_above_it():
+    """AB's snapshot is on L3 only (its L2 copy went, its stored mark stays) and A's is on L2: a match
+    for AB stops at A, whose snapshot a request can load now, not at AB (which would leave it nothing
+    to start from until the L3 prefetch brought AB's back)."""
+    r = StateRig(policy="write_back")
+    t = r.tree
+    na = r.request(A, 1.0)
+    nab = r.request(AB, 2.0)
+    t.evict_device(100)
+    r.drain()
+    assert t.state.mark_stored(nab)
+    key = t.state._key
+    t.state._key = lambda nd: (nd is not nab, key(nd))  # AB's L2 snapshot goes first
+    try:
+        assert t.state.evict_host(1) == 1
+    finally:
+        t.state._key = key
+    r.check()
+    assert nab.snap.stored and nab.snap.host_slot is None and na.snap.host_slot is not None
+    m = t.match_prefix(AB + [5, 5, 6, 6])
+    assert m.state is not None and m.state.node is na and m.state.tier == "host" and m.cached_tokens == len(A)
+    got = t.load_back(m)
+    r.drain()
+    assert got.resumable and same(r.l1_value(got.state.device_slot), state_value(1.0))
     r.check()

@@ -71,7 +71,7 @@ class StateTreeMachine(RuleBasedStateMachine):
         m = t.match_prefix(tokens)
         self.r.drain()
         path, _ = t.shape.match_path(list(tokens))  # the uncut path (splits like the match did)
-        with_snap = [nd for nd in path if nd.snap is not None]
+        with_snap = [nd for nd in path if t.state.resident(nd)]  # on L1 or L2: one on L3 only is prefetched
         want = with_snap[-1] if with_snap else None
         assert (m.state.node if m.state else None) is want, "the match does not stop at the deepest snapshot"
         assert t.lookup(tokens)[0] is (want or t.root)

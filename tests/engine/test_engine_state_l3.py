@@ -144,8 +144,6 @@ def test_a_second_server_resumes_through_mooncake(tiny, tmp_path) -> None:
     server B, fresh, on the same master, serves the second turns from there: storage hits at the end of
     each first turn, HF's tokens and log-probabilities."""
     path, first, ref1, second, ref2 = tiny
-    if path.name.startswith("nemotron_h"):  # (the engine serves it: the L3 cases above)
-        pytest.skip("hicache serve's preflight refuses a Nemotron-H config.json (no num_hidden_layers)")
     cases = tmp_path / "cases.json"
     cases.write_text(json.dumps({"first": first, "second": second, "new": NEW}))
     res = run_mooncake_script(Path(__file__).parent / "mooncake_state_two_servers.py", str(path), str(tmp_path),
