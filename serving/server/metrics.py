@@ -88,6 +88,13 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "fetches_followed": _event("prefetches that waited for another request's fetch of the same prefix"),
     "pages_deduplicated": _event("pages a prefetch found already being read by another request's fetch"),
     "fetches_in_flight": StorageMetric("gauge", "storage_fetches_in_flight", "L3 fetches in flight"),
+    # recurrent-state snapshots on L3 (hicache.tiers.storage_state), a model with state layers
+    "state_stored": _event("state snapshots written to L3"),
+    "state_store_failed": _event("state snapshots L3 failed to write"),
+    "state_hits": _event("state snapshots read from L3 and verified"),
+    "state_misses": _event("state snapshots asked of L3 and not found"),
+    "state_corrupt": _event("state snapshots L3 returned that failed their check (deleted, treated as misses)"),
+    "state_snapshots_fetched": _event("state snapshots prefetched from L3 into L2"),
     "write_pages_dropped": _event("pages whose write-back did not reach L3 (the store failed it)"),
     "l2_backups_skipped_pages": _event("L1 pages whose L2 backup found no room while L3 lacks them (skipped)"),
     "write_pages_waiting": StorageMetric("gauge", "storage_write_waiting_pages",
