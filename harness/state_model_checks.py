@@ -107,16 +107,16 @@ def check_state_is_read(path: Path, hf: torch.nn.Module) -> None:
 
 
 def check_model_runner(path: Path, hf: torch.nn.Module, backend: str) -> None:
-    """The engine's ModelRunner builds the state pool (2 slots a running request, + 8) and passes it."""
+    """The engine's ModelRunner builds the state pool (model_runner.state_slots_for) and passes it."""
     from hicache.tiers.device import DeviceKVPool
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.model.model_runner import ModelRunner
+    from serving.model.model_runner import ModelRunner, state_slots_for
     from serving.structs.forward_batch import ForwardBatch
 
     runner = ModelRunner(ModelConfig(model_path=str(path), device="cpu", dtype="float32", attention_backend=backend),
                          SchedulerConfig(max_total_tokens=256, max_running_requests=4), PAGE_SIZE)
     stack = runner.model.layer_stack
-    assert runner.state_pool is not None and runner.state_pool.num_slots == 16
+    assert runner.state_pool is not None and runner.state_pool.num_slots == state_slots_for(4) == 24
     assert runner.state_pool.layout == runner.model.state_layout(torch.float32)
     assert isinstance(runner.pool, DeviceKVPool) and runner.pool.layout.num_layers == len(stack.kv_layers)
     vocab = runner.arch.vocab_size
