@@ -185,22 +185,6 @@ def multiturn_section(res: dict, args, model_dir: str, cfg: dict, work: str) -> 
     res["multiturn_tiers_vs_l1"] = best["prompt_tok_s"] / out["l1_only"]["prompt_tok_s"]
 
 
-def narrow_wide_head_tiles() -> None:
-    """Workaround (CUDA): the split-KV extend kernel's default tiles (64 rows, 64 keys) need 295 KB
-    of shared memory at head_dim 256 (both models here) against Hopper's 227 KB, and fail to
-    launch; halve its key block there (196 KB). The kernel's own fix belongs in
-    serving/kernels/triton_extend_split.py."""
-    from serving.kernels import triton_extend
-
-    orig = triton_extend.split_extend_attention
-
-    def split(q, k_cache, v_cache, batch, scale, **kw):
-        if q.shape[-1] > 128:
-            kw.setdefault("block_n", 32)
-        return orig(q, k_cache, v_cache, batch, scale, **kw)
-    triton_extend.split_extend_attention = split
-
-
 def run_model(name: str, args, sections: set[str]) -> dict:
     from serving.models.state_kernels import backend_for
 
@@ -262,14 +246,11 @@ def main() -> None:
         conversations=4 if s else 16, turns=3, context=128 if s else 4096, mt_l1_tokens=2048 if s else 16384,
         mt_l2_gb=0.1 if s else 4.0, mt_user=32 if s else 256, mt_answer=8 if s else 32)
     sections = set(args.sections.split(","))
-    if args.device == "cuda":
-        narrow_wide_head_tiles()
     results = {}
     for name in args.models.split(","):
         log(f"model {name}")
         results[name] = run_model(name, args, sections)
         write_json(args.json, {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                               "workaround": "split extend kernel: block_n 32 at head_dim > 128",
                                "engine_init_s": args.engine_init_s, **results})
     table(results)
 

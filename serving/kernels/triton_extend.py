@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from serving.kernels.triton_common import attend_block, check_sinks, next_pow2, window_lo
-from serving.kernels.triton_extend_split import extend_blocks, split_extend_attention
+from serving.kernels.triton_extend_split import extend_blocks, key_block, split_extend_attention
 from serving.structs.forward_batch import ForwardBatch
 
 SPLIT_MAX_TOKENS = 512  # eager batches up to this many new tokens take the split-KV kernel
@@ -126,16 +126,18 @@ def one_pass_extend_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
-    block_n: int = 64,
+    block_n: int | None = None,
     rows: int = 64,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The one-pass kernel: a program per (sequence, kv head, block of new tokens)."""
+    """The one-pass kernel: a program per (sequence, kv head, block of new tokens); ``block_n`` None:
+    ``key_block(head_dim)``."""
     t, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
     group = num_heads // kv_heads
     block_h, block_m = extend_blocks(group, rows)
+    block_n = block_n or key_block(head_dim)
     o = torch.empty_like(q)
     sinks_arg = check_sinks(sinks, q)
     if t == 0:

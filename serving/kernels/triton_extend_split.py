@@ -44,6 +44,13 @@ MIN_SEQ_BLOCK = 64  # tl.arange over the sequences: one compiled variant for bat
 MAX_TILE_SLOTS = 65535  # the tile lookup packs a count of tiles into 16 bits
 
 
+def key_block(head_dim: int) -> int:
+    """Keys per block of the extend kernels: 64, or 32 past head_dim 128 (Gemma-3, Qwen3.5's 256): a
+    tile of 64 rows x 64 keys there needs ~295 KB of shared memory, over Hopper's 227 KB, and does not
+    launch; 32 keys need ~196 KB."""
+    return 64 if head_dim <= 128 else 32
+
+
 def extend_blocks(group: int, rows: int = 64) -> tuple[int, int]:
     """``(BLOCK_H, BLOCK_M)``: query heads per kv head padded to a power of two, and new tokens
     per tile (``rows`` rows in all, at least 16 for ``tl.dot``)."""
@@ -227,19 +234,20 @@ def split_extend_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
-    block_n: int = 64,
+    block_n: int | None = None,
     rows: int = 64,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]`` -> ``o [T, H, D]`` for a ragged extend batch (``window``: a sliding window;
-    ``sinks [H]`` float32: attention sinks).
+    ``sinks [H]`` float32: attention sinks; ``block_n`` None: :func:`key_block`).
     With ``batch.extend_bucket`` (a captured graph's ``(tokens, sequences)``) the launch is sized for
     the bucket and rows of no sequence (padding tokens) are left unwritten; otherwise for this batch."""
     t, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
     group = num_heads // kv_heads
     block_h, block_m = extend_blocks(group, rows)
+    block_n = block_n or key_block(head_dim)
     nseq = int(batch.extend_lens.shape[0])
     if batch.extend_bucket is not None:
         tokens, tiles = batch.extend_bucket[0], max_tiles(*batch.extend_bucket, block_m)
