@@ -17,9 +17,12 @@ Rules:
   an L2 slot when the node keeps L2 pages, else dropped); it loses its L2 pages or leaves the tree
   -> its L2 snapshot goes (the ``stored`` mark says whether L3 has it: ``mark_stored``).
 - Under state-pool pressure a snapshot is evicted alone (:meth:`evict_device` /
-  :meth:`evict_host`), policy order (LRU), never one of a locked node nor one loading: L1 ones are
-  demoted to L2 first where the node has L2 pages; L2-only snapshots go before L2 backups of L1
-  ones. The node's KV stays; a state match then stops higher.
+  :meth:`evict_host`), policy order (LRU: session-referenced nodes last), never one of a locked node
+  nor one loading: L1 ones are demoted to L2 first where the node has L2 pages; L2-only snapshots go
+  before L2 backups of L1 ones. The node's KV stays; a state match then stops higher. A node whose
+  L2 pages are pinned (``page_pins``: a ``cache_control`` breakpoint's or a ``/cache/pin`` lease, an
+  L3 write in flight) keeps its L2 snapshot, and leaves L1 only with one on L2: its prefix is
+  useless to a state model without it.
 - A match of a state model stops at the deepest node on its path with a snapshot (:meth:`cut`);
   a snapshot on L2 only is loaded back with the node's L2 run (``HiRadixTree.load_back``):
   a ``state_load`` Transfer carrying its own PendingLoad, the node locked until
@@ -62,8 +65,10 @@ class StateSnapshots:
     """
 
     def __init__(self, shape: TreeShape, device: SlotAllocator, host: SlotAllocator | None,
-                 emit: Callable[[Transfer], None], key: Callable[[TreeNode], tuple]) -> None:
+                 emit: Callable[[Transfer], None], key: Callable[[TreeNode], tuple],
+                 page_pins: HostPins | None = None) -> None:
         self.shape = shape
+        self.page_pins = page_pins  # the tree's L2 page pins (pinned prefixes keep their snapshots)
         self.device = device
         self.host = host
         self.pins = HostPins(host) if host is not None else None
@@ -157,7 +162,8 @@ class StateSnapshots:
     def evict_device(self, n: int) -> int:
         """Free ``n`` L1 slots if possible: snapshots of unlocked nodes, policy order, demoted to
         L2 where the node has L2 pages (dropped otherwise); the nodes keep their KV."""
-        cands = sorted((nd for nd in self._on_device if nd.lock_ref == 0 and nd.snap.load is None), key=self._key)
+        cands = sorted((nd for nd in self._on_device if nd.lock_ref == 0 and nd.snap.load is None
+                        and (nd.snap.host_slot is not None or not self._pinned(nd))), key=self._key)
         for nd in cands[:n]:
             self._leave_device(nd)
         return min(n, len(cands))
@@ -169,11 +175,15 @@ class StateSnapshots:
         if pins is None:
             return 0
         cands = [nd for nd in self._on_host if nd.lock_ref == 0 and nd is not keep and nd.snap.load is None
-                 and not pins.any_pinned((nd.snap.host_slot,))]
+                 and not pins.any_pinned((nd.snap.host_slot,)) and not self._pinned(nd)]
         cands.sort(key=lambda nd: (nd.snap.device_slot is not None, self._key(nd)))
         for nd in cands[:n]:
             self._drop_host(nd)
         return min(n, len(cands))
+
+    def _pinned(self, node: TreeNode) -> bool:
+        """Some of ``node``'s L2 pages are pinned."""
+        return self.page_pins is not None and node.host_pages is not None and self.page_pins.any_pinned(node.host_pages)
 
     # ------------------------------------------------------------------ cascade (Residency's hooks)
     def on_set_host(self, node: TreeNode) -> None:

@@ -124,7 +124,7 @@ class HiRadixTree:
         self.pins = HostPins(host)  # L2 pages readers outside the tree hold (pin_host)
         evict = make_eviction_policy(eviction_policy)
         self.state = None if state_device is None else StateSnapshots(
-            self.shape, state_device, state_host, lambda t: self.tiering.emit(t), evict.key)
+            self.shape, state_device, state_host, lambda t: self.tiering.emit(t), evict.key, self.pins)
         self.residency = Residency(self.shape, self.device, host, self.pins, self.events, self.state)
         self.tiering = Tiering(self.shape, self.residency, self.pins, self.events, self.device, host,
                                make_write_policy(write_policy, write_through_threshold), evict,

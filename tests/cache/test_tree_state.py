@@ -349,3 +349,28 @@ def test_a_snapshot_on_l3_only_does_not_hide_a_resident_one_above_it():
     r.drain()
     assert got.resumable and same(r.l1_value(got.state.device_slot), state_value(1.0))
     r.check()
+
+
+def test_a_pinned_prefix_keeps_its_snapshot_under_state_pressure():
+    """A's L2 pages are pinned (a cache_control breakpoint's lease): under state-pool pressure the
+    snapshots that go are the unpinned ones, never A's, until the pin ends."""
+    r = StateRig(policy="write_back")
+    t = r.tree
+    na = r.request(A, 1.0)
+    nab = r.request(AB, 2.0)
+    t.evict_device(100)  # KV and snapshots demoted to L2
+    r.drain()
+    assert na.snap.host_slot is not None and nab.snap.host_slot is not None
+    t.pin_host(na.host_pages)
+    key = t.state._key
+    t.state._key = lambda nd: (nd is not na, key(nd))  # A's would go first, were it not pinned
+    try:
+        assert t.state.evict_host(1) == 1
+        assert na.snap.host_slot is not None and nab.snap is None
+        assert t.state.evict_host(1) == 0  # only A's is left, and it is pinned
+        r.check()
+        t.unpin_host(na.host_pages)
+        assert t.state.evict_host(1) == 1 and na.snap is None
+    finally:
+        t.state._key = key
+    r.check()
