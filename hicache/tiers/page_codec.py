@@ -50,7 +50,8 @@ _DTYPE_CODES = {
 }
 
 
-def _key_digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
+    """The key's 16 bytes (page and state keys are 32 hex characters), as a value's trailer holds it."""
     try:
         raw = bytes.fromhex(key)
     except ValueError:
@@ -87,7 +88,7 @@ class PageCodec:
 
     def pack_trailer_into(self, buf, offset: int, key: str, payload) -> None:
         """Write the trailer of ``payload`` (a buffer of ``page_nbytes``) at ``buf[offset:]``."""
-        _TRAILER.pack_into(buf, offset, *self._fields, checksum(payload), _key_digest(key), self.encoding.code)
+        _TRAILER.pack_into(buf, offset, *self._fields, checksum(payload), key_digest(key), self.encoding.code)
 
     def encode(self, key: str, payload: bytes) -> bytes:
         """A whole value (payload + trailer) as bytes; for tests and tools."""
@@ -110,13 +111,13 @@ class PageCodec:
         if len(trailer) != TRAILER_SIZE:
             return False
         fields = _TRAILER.unpack_from(trailer, 0)
-        if fields[:8] != self._fields or fields[9] != _key_digest(key) or fields[10] != self.encoding.code:
+        if fields[:8] != self._fields or fields[9] != key_digest(key) or fields[10] != self.encoding.code:
             return False
         return payload_hash == fields[8]
 
     def pack_trailer_hashed(self, buf, offset: int, key: str, payload_hash: int) -> None:
         """:meth:`pack_trailer_into` for a payload whose XXH3-64 is ``payload_hash``."""
-        _TRAILER.pack_into(buf, offset, *self._fields, payload_hash, _key_digest(key), self.encoding.code)
+        _TRAILER.pack_into(buf, offset, *self._fields, payload_hash, key_digest(key), self.encoding.code)
 
     def verify(self, value, key: str) -> bool:
         """Whether ``value`` (payload + trailer, exactly ``value_nbytes``) is a good page for ``key``."""

@@ -19,7 +19,6 @@ write can replace it) and is a miss: the prefix is recomputed, never resumed fro
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
 import threading
@@ -29,22 +28,13 @@ from hicache.keys import state_key
 from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.base import StorageBackend
 from hicache.tiers.native_hash import xxh3_64
-from hicache.tiers.page_codec import TRAILER_SIZE
+from hicache.tiers.page_codec import TRAILER_SIZE, key_digest
 from hicache.tiers.state_layout import StateLayout
 
 MAGIC = b"HCST"
 FORMAT_VERSION = 1
 _TRAILER = struct.Struct("<4sHHQQQ16s")  # 48 bytes of fields, zero-padded to TRAILER_SIZE
 log = logging.getLogger("hicache.storage")
-
-
-def _key_digest(key: str) -> bytes:
-    """The key's 16 bytes (state keys are 32 hex characters), as a page value's trailer holds its key."""
-    try:
-        raw = bytes.fromhex(key)
-    except ValueError:
-        raw = b""
-    return raw if len(raw) == 16 else hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
 def layout_digest(layout: StateLayout) -> int:
@@ -66,7 +56,7 @@ class StateCodec:
         if len(payload) != self.payload_nbytes:
             raise ValueError(f"a state payload of {len(payload)} bytes, expected {self.payload_nbytes}")
         trailer = bytearray(TRAILER_SIZE)
-        _TRAILER.pack_into(trailer, 0, *self._fields, xxh3_64(payload), _key_digest(key))
+        _TRAILER.pack_into(trailer, 0, *self._fields, xxh3_64(payload), key_digest(key))
         return bytes(payload) + bytes(trailer)
 
     def decode(self, key: str, value) -> bytes | None:
@@ -76,7 +66,7 @@ class StateCodec:
         mv = memoryview(value).cast("B")
         payload, trailer = mv[: self.payload_nbytes], mv[self.payload_nbytes :]
         fields = _TRAILER.unpack_from(trailer, 0)
-        if fields[:5] != self._fields or fields[6] != _key_digest(key) or xxh3_64(payload) != fields[5]:
+        if fields[:5] != self._fields or fields[6] != key_digest(key) or xxh3_64(payload) != fields[5]:
             return None
         return bytes(payload)
 
