@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import parser, print_table, write_json  # noqa: E402
-from bench.gpu_model import GREEDY, rand_prompts  # noqa: E402
+from bench.gpu_model import engine_decode, rand_prompts  # noqa: E402
 from bench.gpu_tiers_sections import ONE, _multiturn_run, close, make_engine, sync, timed  # noqa: E402
 from bench.hybrid_shapes import (  # noqa: E402
     decode_roofline,
@@ -73,7 +73,7 @@ def decode_and_memory(res: dict, args, model_dir: str, cfg: dict, sections: set[
     if "decode" in sections:
         for bs in (1, 64):
             prompts = rand_prompts(bs, args.decode_ctx, cfg["vocab_size"], seed=bs)
-            tok_s = engine_decode(eng, prompts, args.decode_steps)
+            tok_s = engine_decode(eng, prompts, args.decode_steps)[0]
             roof = decode_roofline(wb, lb, bs, args.decode_ctx + args.decode_steps // 2)
             res[f"decode_bs{bs}_tok_s"] = tok_s
             res[f"decode_bs{bs}_roofline_tok_s"] = roof["roofline_tok_s"]
@@ -81,22 +81,6 @@ def decode_and_memory(res: dict, args, model_dir: str, cfg: dict, sections: set[
             res[f"decode_bs{bs}_step_bytes"] = roof["step_bytes"]
             log(f"decode bs {bs}: {tok_s:.1f} tok/s, roofline {roof['roofline_tok_s']:.1f}")
     close(eng)
-
-
-def engine_decode(eng, prompts: list[list[int]], new: int) -> float:
-    """Decode tok/s: ``new`` steps minus one step's run (prefill + first token), best of two."""
-    def run(m: int) -> float:
-        eng.flush_cache()
-        sync()
-        t0 = time.perf_counter()
-        outs = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": m})
-        sync()
-        assert all(len(o["output_ids"]) == m for o in outs)
-        return time.perf_counter() - t0
-
-    run(4)
-    t1 = min(run(1) for _ in range(2))
-    return len(prompts) * (new - 1) / (run(new) - t1)
 
 
 def _returning(eng, first: list[int], more: list[int]) -> list[int]:
