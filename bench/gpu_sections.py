@@ -20,7 +20,8 @@ def log(msg: str) -> None:
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():  # a CPU smoke run has nothing to wait for
+        torch.cuda.synchronize()
 
 
 def cuda_time(fn, reps: int = 5, warmup: int = 1) -> float:

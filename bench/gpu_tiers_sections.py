@@ -13,14 +13,10 @@ import numpy as np
 import torch
 
 from bench.gpu_model import rand_prompts
+from bench.gpu_sections import sync
 
 CHUNK = 2 << 20  # one 8B-shape page (16 tokens x 128 KiB)
 ONE = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def drop_page_cache(path: str) -> None:
