@@ -125,3 +125,27 @@ def test_more_prompts_sampled_against_hf(tiny) -> None:
         assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == hf_greedy(path, ps, 10)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+def test_a_second_server_resumes_through_mooncake(tiny, tmp_path) -> None:
+    """Server A serves first and second turns (writing their pages on to a real Mooncake Store, in a
+    network namespace of its own); server B, fresh, on the same master, serves the second turns from
+    there: storage hits, HF's tokens (the driver is the state models' one: tests/engine/test_engine_state_l3.py)."""
+    import json
+    from pathlib import Path
+
+    from harness.netns import run_mooncake_script
+
+    path, ps, _, _, ref, _ = tiny
+    rng = random.Random(31)
+    second = [p + r + [rng.randrange(1, 511) for _ in range(7)] for p, r in zip(ps, ref, strict=True)]
+    ref2 = hf_greedy(path, second, GREEDY["max_new_tokens"])
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({"first": ps, "second": second, "new": GREEDY["max_new_tokens"], "state": False}))
+    res = run_mooncake_script(Path(__file__).parent / "mooncake_state_two_servers.py", str(path), str(tmp_path),
+                              str(cases))
+    assert res["a_first"] == ref and [o["ids"] for o in res["a_second"]] == ref2, res
+    assert res["a_pages_stored"] and res["a_integrity"] and res["b_integrity"], res
+    assert [o["ids"] for o in res["b_second"]] == ref2, res
+    assert all(o["storage"] > 0 for o in res["b_second"]), res
