@@ -2,8 +2,9 @@
 
 Starts a real mooncake_master and two real HiCache servers sharing it with a tiny model with state
 layers (or sliding windows: ``"state": false`` in the cases): A serves conversations (first turns, then
-second turns: their hits write pages and state snapshots on to Mooncake); B, fresh, serves the second turns again from what A stored. Prints one JSON
-line: each server's output tokens and log-probabilities, B's storage hits, counters. Usage:
+second turns: their hits write pages and state snapshots on to Mooncake); B, fresh, serves the second
+turns again from what A stored. Prints one JSON line: each server's output tokens and log-probabilities,
+B's storage hits, counters. Usage:
     python tests/engine/mooncake_state_two_servers.py MODEL_DIR WORK_DIR CASES_JSON NS_ADDRESS
 """
 
