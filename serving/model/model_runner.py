@@ -91,16 +91,12 @@ class ModelRunner:
         self.state_pool: DeviceStatePool | None = None
         if self.layer_stack.state_layers:
             state_layout = self.model.state_layout(self.dtype)
-            slots = self._state_slots(state_layout.bytes_per_slot(), sched)
+            slots = self._min_over_ranks(self._state_slots(state_layout.bytes_per_slot(), sched))
             self.state_pool = DeviceStatePool(state_layout, slots, self.device)
             log.info("L1 state pool: %d slots x %d state layers (%.2f MiB a slot, %.2f GiB)", slots,
                      len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
                      self.state_pool.nbytes() / 2**30)
-        num_pages = self._num_pages(layout, sched, page_size)
-        if self.tp.is_parallel:
-            n = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
-            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
-            num_pages = int(n.item())
+        num_pages = self._min_over_ranks(self._num_pages(layout, sched, page_size))
         self.pool = DeviceKVPool(layout, num_pages, page_size, self.device)
         log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
         self.graphs: CudaGraphRunner | None = None
@@ -139,6 +135,14 @@ class ModelRunner:
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
             runner.keep_alive = rotary.built_tables()
         return runner
+
+    def _min_over_ranks(self, n: int) -> int:
+        """The smallest ``n`` of any tensor-parallel rank (pages, state slots: their ids mean the same everywhere)."""
+        if not self.tp.is_parallel:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+        return int(t.item())
 
     def _state_slots(self, slot_bytes: int, sched: SchedulerConfig) -> int:
         """L1 state slots: --max-mamba-cache-size, else :func:`state_slots_for`; on CUDA with L1 sized by

@@ -12,7 +12,9 @@ the torch scan, or fla-core on CUDA). Key heads are shared by
 ``num_v_heads // num_k_heads`` consecutive value heads. A sequence's state is its slot in the state
 pool: the conv's last ``conv_kernel - 1`` inputs ``[conv_dim, K - 1]`` and ``S`` per head
 ``[num_v_heads, head_k_dim, head_v_dim]`` (float32). Parameter names are HF's
-(``Qwen3_5GatedDeltaNet``).
+(``Qwen3_5GatedDeltaNet``). Under tensor parallelism (``tp``) the layer holds its rank's heads
+(serving/parallel/state_shard.py: the sizes above are then the rank's, and so is its state) and
+out_proj sums the ranks' parts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from hicache.tiers.state_layout import StateTensor
 from serving.models.hybrid_parts import GatedRMSNorm, activation
 from serving.models.state_kernels import backend_for, gated_delta_rule
 from serving.models.state_scan import StatePlan, causal_conv
+from serving.parallel.group import TPGroup
+from serving.parallel.layers import RowParallelLinear
+from serving.parallel.state_shard import Blocks, DeltaNetShard
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -34,11 +39,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, act: str = "silu") -> None:
+                 conv_kernel: int, eps: float, act: str = "silu", tp: TPGroup | None = None) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} is not a multiple of linear_num_key_heads "
                              f"{num_k_heads}")
+        tp = tp or TPGroup()
+        self.shard = DeltaNetShard.make(num_k_heads, num_v_heads, head_k_dim, head_v_dim, tp.rank, tp.size)
+        num_k_heads, num_v_heads = self.shard.k_heads, self.shard.v_heads  # this rank's
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -54,7 +62,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps, norm_before_gate=True)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden_size, False, tp)
+
+    def tp_source(self, leaf: str) -> Blocks | None:
+        """This rank's blocks of the HF tensor ``leaf`` (e.g. ``conv1d.weight``); None: whole."""
+        return self.shard.source(leaf)
 
     def state_tensors(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
         return (StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),

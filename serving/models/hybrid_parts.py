@@ -2,9 +2,11 @@
 activations, HF-named weight loading, and the base class with the layer stack, the state layout and
 the last-token logits.
 
-The hybrid families keep HF's parameter names as they are (no fused projections), run on one rank
-(tensor parallelism for state layers is a later step: refused with a message) and take the state
-pool as the forward pass's fourth argument.
+The hybrid families keep HF's parameter names as they are (no fused projections) and take the state
+pool as the forward pass's fourth argument. Under tensor parallelism (``tp``) every module holds its
+rank's shard: a module with a ``tp_source(leaf)`` method says which blocks of its HF tensors are its
+rank's (the state layers, serving/parallel/state_shard.py; Qwen3.5's gated q_proj), the rest is cut
+as Llama's (``ShardPlan.source_range``: q/k/v, gate/up, o/down, the vocab rows).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from serving.models.config import ModelArchConfig
 from serving.models.layer_spec import LayerStack
 from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
-from serving.parallel.shard import ShardPlan, narrow
+from serving.parallel.layers import parallel_logits
+from serving.parallel.shard import ShardPlan
+from serving.parallel.state_shard import Blocks, narrow_blocks
 from serving.structs.forward_batch import ForwardBatch
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -83,14 +87,6 @@ class GatedRMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def check_single_rank(tp: TPGroup | None, family: str) -> TPGroup:
-    tp = tp or TPGroup()
-    if tp.is_parallel:
-        raise ValueError(f"{family}: tensor parallelism is not supported for models with state layers yet "
-                         f"(run it with --tp-size 1)")
-    return tp
-
-
 class HybridCausalLM(nn.Module):
     """What a hybrid family has in common: ``layer_stack``, ``state_layout``, HF-named loading and the
     last-token logits. Subclasses build ``self.layer_stack`` and ``self.mixers`` (per model layer, its
@@ -108,16 +104,17 @@ class HybridCausalLM(nn.Module):
         super().__init__()
         self.family = family
         self.config = cfg
-        self.tp = check_single_rank(tp, family)
-        self.plan = ShardPlan.for_model(cfg)  # one rank: the runner reads its kv heads
+        self.tp = tp or TPGroup()
+        self.plan = ShardPlan.for_model(cfg, self.tp.rank, self.tp.size)  # the runner reads its kv heads
         self.logits_matmul = None  # no quantized LM head for these families yet
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            nn.Linear(cfg.hidden_size, self.plan.vocab_per_rank, bias=False)
 
     def mixer(self, layer: int) -> nn.Module:
         raise NotImplementedError
 
     @property
-    def embed(self) -> nn.Embedding:
+    def embed(self) -> nn.Module:  # a VocabParallelEmbedding
         raise NotImplementedError
 
     @property
@@ -146,12 +143,14 @@ class HybridCausalLM(nn.Module):
         last = batch.extend_start.to(torch.int64) + batch.extend_lens.to(torch.int64) - 1
         if batch.logit_rows is not None:
             last = torch.cat([last, batch.logit_rows])
-        return (norm(h[last]) @ self.lm_head_weight.t()).float()
+        return parallel_logits(norm(h[last]), self.lm_head_weight, self.plan, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy HF-named tensors (or lazy safetensors slices) into the parameters of the same name;
-        names this model has no parameter for (a tied ``lm_head``, MTP heads, a vision tower) are skipped."""
+        names this model has no parameter for (a tied ``lm_head``, MTP heads, a vision tower) are skipped.
+        Under tensor parallelism each parameter takes its rank's part (:meth:`tp_source`)."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             for alias, prefix in self.prefix_aliases.items():
@@ -160,7 +159,10 @@ class HybridCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 continue
-            src = narrow(tensor, None)
+            src = narrow_blocks(tensor, self.tp_source(name, modules))
+            if src.shape[0] < param.shape[0] and src.shape[1:] == param.shape[1:] and name.endswith(
+                    (".embed_tokens.weight", ".embeddings.weight", "lm_head.weight")):
+                src = torch.cat([src, src.new_zeros(param.shape[0] - src.shape[0], *src.shape[1:])])  # vocab padding
             if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, the model "
                                  f"{tuple(param.shape)}")
@@ -168,3 +170,24 @@ class HybridCausalLM(nn.Module):
                 param.copy_(src)
             loaded.add(name)
         return loaded
+
+    def tp_source(self, name: str, modules: dict[str, nn.Module]) -> Blocks | None:
+        """This rank's blocks of the HF tensor ``name`` (None: all of it): what the innermost module on
+        its path with a ``tp_source`` answers, else ``ShardPlan.source_range`` by the tensor's module
+        name (the state layers' own names are none of Llama's, so that holds them whole)."""
+        if not self.tp.is_parallel:
+            return None
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            owner = modules.get(".".join(parts[:i]))
+            if owner is not None and owner is not self and hasattr(owner, "tp_source"):
+                blocks = owner.tp_source(".".join(parts[i:]))
+                if blocks is not None:
+                    return blocks
+                break
+        piece = parts[-2] if len(parts) >= 2 else ""
+        rng = self.plan.source_range(_PIECES.get(piece, piece), parts[-1])
+        return None if rng is None else (rng[0], [rng[1:]])
+
+
+_PIECES = {"embeddings": "embed_tokens"}  # Nemotron-H's name for the embedding

@@ -11,6 +11,9 @@ dt_bias), time_step_min)`` and ``A = -exp(A_log)``:
 and the output is ``out_proj(w * rmsnorm_groups(y * silu(z)))``. A sequence's state is its slot in
 the state pool: the conv's last ``conv_kernel - 1`` inputs ``[conv_dim, K - 1]`` and ``S``
 ``[heads, head_dim, state_size]`` (float32). Parameter names are HF's (``NemotronHMamba2Mixer``).
+Under tensor parallelism (``tp``) the mixer holds its rank's heads and groups
+(serving/parallel/state_shard.py: the sizes above are then the rank's, and so is its state) and
+out_proj sums the ranks' parts.
 
 HF clamps dt at ``time_step_min`` in its chunked prefill but not in its one-token decode step; we
 clamp every token (the same state whatever the chunking; the two differ only when softplus gives
@@ -27,15 +30,21 @@ from hicache.tiers.state_layout import StateTensor
 from serving.models.hybrid_parts import GatedRMSNorm, activation
 from serving.models.state_kernels import backend_for, ssd
 from serving.models.state_scan import StatePlan, causal_conv
+from serving.parallel.group import TPGroup
+from serving.parallel.layers import RowParallelLinear
+from serving.parallel.state_shard import Blocks, Mamba2Shard
 
 
 class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int, eps: float, conv_bias: bool = True, proj_bias: bool = False,
-                 time_step_min: float = 0.0, act: str = "silu") -> None:
+                 time_step_min: float = 0.0, act: str = "silu", tp: TPGroup | None = None) -> None:
         super().__init__()
         if num_heads % n_groups:
             raise ValueError(f"mamba_num_heads {num_heads} is not a multiple of n_groups {n_groups}")
+        tp = tp or TPGroup()
+        self.shard = Mamba2Shard.make(num_heads, n_groups, head_dim, state_size, tp.rank, tp.size)
+        num_heads, n_groups = self.shard.heads, self.shard.groups  # this rank's
         self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
         self.intermediate = num_heads * head_dim
         self.conv_dim = self.intermediate + 2 * n_groups * state_size
@@ -50,7 +59,11 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = GatedRMSNorm(self.intermediate, eps, group_size=self.intermediate // n_groups,
                                  norm_before_gate=False)
-        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=proj_bias)
+        self.out_proj = RowParallelLinear(self.intermediate, hidden_size, proj_bias, tp)
+
+    def tp_source(self, leaf: str) -> Blocks | None:
+        """This rank's blocks of the HF tensor ``leaf`` (e.g. ``in_proj.weight``); None: whole."""
+        return self.shard.source(leaf)
 
     def state_tensors(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
         return (StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),

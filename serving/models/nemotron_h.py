@@ -5,7 +5,9 @@ mixer one of Mamba2 (``M``), attention (``*``: GQA without positional encoding),
 The blocks come from ``hybrid_override_pattern`` (``"M-M-M*-..."``, the checkpoints on the Hub) or
 transformers 5's ``layers_block_type`` list (``linear_attention`` = Mamba2, ``full_attention``,
 ``mlp``, ``moe``). KV goes to the KV pool's layer ``layer_stack.kv_index(i)``, Mamba state to the
-state pool's layer ``state_index(i)``. Parameter names are HF's.
+state pool's layer ``state_index(i)``. Parameter names are HF's. Under tensor parallelism each rank
+holds its heads (the attention's as Llama's, ShardPlan; Mamba2's heads and groups,
+serving/parallel/state_shard.py), the MLP's columns and its vocab rows.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from serving.models.llama import RMSNorm
 from serving.models.mamba2 import Mamba2Mixer
 from serving.models.registry import register_model
 from serving.parallel.group import TPGroup
+from serving.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from serving.parallel.shard import ShardPlan
+from serving.parallel.state_shard import Mamba2Shard
 from serving.structs.forward_batch import ForwardBatch
 
 _PATTERN = {"M": LayerKind.MAMBA, "*": LayerKind.FULL, "-": LayerKind.MLP}
@@ -52,16 +57,16 @@ def nemotron_h_stack(cfg: ModelArchConfig) -> LayerStack:
 
 
 class Attention(nn.Module):
-    """HF ``NemotronHAttention``: GQA, no rope, no biases."""
+    """HF ``NemotronHAttention``: GQA, no rope, no biases; this rank's heads (``plan``)."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        h, kh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, kh, d = plan.num_heads, plan.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kh, d
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, kh * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kh * d, bias=False)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(h * d, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -76,39 +81,45 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """HF ``NemotronHMLP``: ``down(act(up(x)))``, act ``mlp_hidden_act`` (relu2)."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, plan.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(plan.intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = activation(str(cfg.raw.get("mlp_hidden_act", "relu2")), "MLP")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-def _mamba(cfg: ModelArchConfig, eps: float) -> Mamba2Mixer:
+def _mamba_dims(cfg: ModelArchConfig) -> dict[str, int]:
+    raw = cfg.raw
+    return {"num_heads": int(raw["mamba_num_heads"]), "head_dim": int(raw["mamba_head_dim"]),
+            "state_size": int(raw["ssm_state_size"]),
+            "n_groups": int(raw.get("n_groups", raw.get("mamba_n_groups", 1)))}
+
+
+def _mamba(cfg: ModelArchConfig, eps: float, tp: TPGroup) -> Mamba2Mixer:
     raw = cfg.raw
     return Mamba2Mixer(
-        cfg.hidden_size, int(raw["mamba_num_heads"]), int(raw["mamba_head_dim"]), int(raw["ssm_state_size"]),
-        int(raw.get("n_groups", raw.get("mamba_n_groups", 1))), int(raw.get("conv_kernel", raw.get("mamba_d_conv", 4))),
-        eps, conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
+        cfg.hidden_size, **_mamba_dims(cfg), conv_kernel=int(raw.get("conv_kernel", raw.get("mamba_d_conv", 4))),
+        eps=eps, conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
         proj_bias=bool(raw.get("use_bias", False)), time_step_min=float(raw.get("time_step_min", 0.001)),
-        act=str(raw.get("mamba_hidden_act", "silu")))
+        act=str(raw.get("mamba_hidden_act", "silu")), tp=tp)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, kind: LayerKind, eps: float) -> None:
+    def __init__(self, cfg: ModelArchConfig, kind: LayerKind, eps: float, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, eps)
-        self.mixer = (_mamba(cfg, eps) if kind is LayerKind.MAMBA
-                      else Attention(cfg) if kind is LayerKind.FULL else MLP(cfg))
+        self.mixer = (_mamba(cfg, eps, tp) if kind is LayerKind.MAMBA
+                      else Attention(cfg, plan, tp) if kind is LayerKind.FULL else MLP(cfg, plan, tp))
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, stack: LayerStack, eps: float) -> None:
+    def __init__(self, cfg: ModelArchConfig, stack: LayerStack, eps: float, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, s.kind, eps) for s in stack.specs)
+        self.embeddings = VocabParallelEmbedding(plan, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(Block(cfg, s.kind, eps, plan, tp) for s in stack.specs)
         self.norm_f = RMSNorm(cfg.hidden_size, eps)
 
 
@@ -123,14 +134,20 @@ class NemotronHForCausalLM(HybridCausalLM):
         super().__init__(cfg, tp, "Nemotron-H")
         self.layer_stack = nemotron_h_stack(cfg)
         eps = float(cfg.raw.get("layer_norm_epsilon", cfg.rms_norm_eps))
-        self.model = Backbone(cfg, self.layer_stack, eps)
+        self.model = Backbone(cfg, self.layer_stack, eps, self.plan, self.tp)
         self.conv_kernel = int(cfg.raw.get("conv_kernel", cfg.raw.get("mamba_d_conv", 4)))
+
+    @staticmethod
+    def check_tp(cfg: ModelArchConfig, size: int) -> None:
+        """TPShapeError when ``size`` ranks cannot split the Mamba2 heads and groups (before any rank starts)."""
+        m = _mamba_dims(cfg)
+        Mamba2Shard.make(m["num_heads"], m["n_groups"], m["head_dim"], m["state_size"], 0, size)
 
     def mixer(self, layer: int) -> nn.Module:
         return self.model.layers[layer].mixer
 
     @property
-    def embed(self) -> nn.Embedding:
+    def embed(self) -> VocabParallelEmbedding:
         return self.model.embeddings
 
     @torch.inference_mode()

@@ -6,7 +6,9 @@ As HF's ``Qwen3_5ForCausalLM``: every RMSNorm but the DeltaNet's output norm sca
 and an output gate per head (``o_proj(attn * sigmoid(gate))``), q and k are RMS-normed per head, and
 rope turns the first ``partial_rotary_factor * head_dim`` dims (text positions: the three mrope
 sections share them, so it is plain rope). KV goes to the KV pool's layer ``layer_stack.kv_index(i)``
-(full-attention layers only), DeltaNet state to the state pool's layer ``state_index(i)``.
+(full-attention layers only), DeltaNet state to the state pool's layer ``state_index(i)``. Under tensor
+parallelism each rank holds its heads of both kinds of layer (the attention's as Llama's, ShardPlan; the
+DeltaNet's by head, serving/parallel/state_shard.py), the MLP's columns, its vocab rows.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from serving.models.layer_spec import LayerKind, LayerStack
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope
 from serving.parallel.group import TPGroup
+from serving.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from serving.parallel.shard import ShardPlan
+from serving.parallel.state_shard import Blocks, DeltaNetShard
 from serving.structs.forward_batch import ForwardBatch
 
 
@@ -35,18 +40,26 @@ def partial_rotary_factor(cfg: ModelArchConfig) -> float:
 
 
 class GatedAttention(nn.Module):
-    """Qwen3.5's full attention (HF ``Qwen3_5Attention``)."""
+    """Qwen3.5's full attention (HF ``Qwen3_5Attention``): this rank's heads (``plan``)."""
 
-    def __init__(self, cfg: ModelArchConfig, rotary_dim: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, rotary_dim: int, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        h, kh, d, bias = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.attention_bias
+        h, kh, d, bias = plan.num_heads, plan.num_kv_heads, cfg.head_dim, cfg.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim = h, kh, d, rotary_dim
+        self.plan = plan
         self.q_proj = nn.Linear(cfg.hidden_size, 2 * h * d, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kh * d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kh * d, bias=bias)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(h * d, cfg.hidden_size, bias, tp)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
+
+    def tp_source(self, leaf: str) -> Blocks | None:
+        """q_proj's rows are per head ``[query, gate]``: the rank's heads' rows (the rest as Llama's)."""
+        if leaf.startswith("q_proj.") and self.plan.size > 1:
+            n = 2 * self.plan.q_size
+            return 0, [(self.plan.rank * n, n)]
+        return None
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -69,11 +82,11 @@ class GatedAttention(nn.Module):
 class MLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` (HF ``Qwen3_5MLP``)."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, plan.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, plan.intermediate, bias=False)
+        self.down_proj = RowParallelLinear(plan.intermediate, cfg.hidden_size, False, tp)
         self.act = activation(str(cfg.raw.get("hidden_act", "silu")), "MLP")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,26 +94,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, kind: LayerKind, rotary_dim: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, kind: LayerKind, rotary_dim: int, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         raw = cfg.raw
         if kind is LayerKind.LINEAR:
             self.linear_attn = GatedDeltaNet(
                 cfg.hidden_size, int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
                 int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"]),
-                int(raw.get("linear_conv_kernel_dim", 4)), cfg.rms_norm_eps, str(raw.get("hidden_act", "silu")))
+                int(raw.get("linear_conv_kernel_dim", 4)), cfg.rms_norm_eps, str(raw.get("hidden_act", "silu")), tp)
         else:
-            self.self_attn = GatedAttention(cfg, rotary_dim)
-        self.mlp = MLP(cfg)
+            self.self_attn = GatedAttention(cfg, rotary_dim, plan, tp)
+        self.mlp = MLP(cfg, plan, tp)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, stack: LayerStack, rotary_dim: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, stack: LayerStack, rotary_dim: int, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, s.kind, rotary_dim) for s in stack.specs)
+        self.embed_tokens = VocabParallelEmbedding(plan, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, s.kind, rotary_dim, plan, tp) for s in stack.specs)
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -128,16 +141,23 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
         super().__init__(cfg, tp, "Qwen3.5")
         self.layer_stack = qwen3_5_stack(cfg)
         rotary_dim = int(cfg.head_dim * partial_rotary_factor(cfg))
-        self.model = Backbone(cfg, self.layer_stack, rotary_dim)
+        self.model = Backbone(cfg, self.layer_stack, rotary_dim, self.plan, self.tp)
         self.rotary = RotaryEmbedding(dataclasses.replace(cfg, head_dim=rotary_dim))
         self.conv_kernel = int(cfg.raw.get("linear_conv_kernel_dim", 4))
+
+    @staticmethod
+    def check_tp(cfg: ModelArchConfig, size: int) -> None:
+        """TPShapeError when ``size`` ranks cannot split the Gated DeltaNet heads (before any rank starts)."""
+        raw = cfg.raw
+        DeltaNetShard.make(int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
+                           int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"]), 0, size)
 
     def mixer(self, layer: int) -> nn.Module:
         block = self.model.layers[layer]
         return block.linear_attn if hasattr(block, "linear_attn") else block.self_attn
 
     @property
-    def embed(self) -> nn.Embedding:
+    def embed(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
 """A tensor-parallel rank other than 0: runs what rank 0 sends, on its own shard and pools.
 
 It owns no scheduler and no tree: rank 0 decides, this process moves bytes and computes.
-Its main thread runs the command pipe in order (forward passes, L1 <-> L2 copies); a second
+Its main thread runs the command pipe in order (forward passes, L1 <-> L2 copies of pages and
+state snapshots, a state model's slot zeroing and copies); a second
 thread answers L3 reads and writes, each only after the command it follows has run. It exits
 when rank 0's pipe closes (rank 0 gone) and non-zero when a command fails (rank 0's monitor
 then stops the engine).
@@ -68,6 +69,7 @@ def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: C
 
 def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection, rpc: Connection) -> None:
     from hicache.tiers.host import make_host_pool
+    from hicache.tiers.host_state import HostStatePool
     from serving.cache.cache_controller import CacheController
     from serving.model.model_runner import ModelRunner
     from serving.parallel.group import destroy_tp_group, init_tp_group
@@ -87,11 +89,20 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     host_pool = make_host_pool(cache.hicache_mem_layout, runner.pool.layout, setup.host_pages, cache.page_size,
                                cache.hicache_l2_encoding, pin_memory=runner.device.type == "cuda") \
         if setup.host_pages else None
-    controller = CacheController(runner.pool, host_pool) if host_pool is not None else None
+    state = runner.state_pool
+    if (state.num_slots if state is not None else 0) != setup.state_slots:
+        raise RuntimeError(f"rank {rank} has {state.num_slots if state else 0} L1 state slots, rank 0 "
+                           f"{setup.state_slots}")
+    host_state = HostStatePool(state.layout, setup.host_state_slots, pin_memory=runner.device.type == "cuda") \
+        if state is not None and setup.host_state_slots else None
+    controller = CacheController(runner.pool, host_pool, (state, host_state) if host_state is not None else None) \
+        if host_pool is not None else None
     tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
     progress = _Progress(1)  # Setup was command 1
     workers = 2 + cache.hicache_storage_read_threads  # rank 0's reader threads, its writer, a check
-    threading.Thread(target=_serve_requests, args=(rpc, runner.pool, tier, host_pool, progress,
+    counts = (runner.pool.num_pages, host_pool.num_pages if host_pool is not None else 0,
+              setup.state_slots, setup.host_state_slots)
+    threading.Thread(target=_serve_requests, args=(rpc, counts, tier, host_pool, progress,
                                                    config.model.dist_timeout, workers),
                      name="tp-requests", daemon=True).start()
     try:
@@ -109,7 +120,15 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
                     tp.broadcast(fb.input_ids)
                 if cmd.logit_rows is not None:
                     fb.logit_rows = torch.tensor(cmd.logit_rows, dtype=torch.int64, device=device)
+                if cmd.state is not None:
+                    fb.set_state(*cmd.state)
                 runner.forward(fb)  # the logits are rank 0's to sample from
+            elif isinstance(cmd, msg.StateOps):
+                for op, a, b in cmd.ops:
+                    if op == "zero":
+                        state.zero_slot(a)
+                    else:
+                        state.copy_slot(a, b)
             elif isinstance(cmd, msg.Moves):
                 last = controller.execute([_Move(*m) for m in cmd.moves])
                 if last is not None:
@@ -123,14 +142,14 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
         destroy_tp_group(tp)
 
 
-def _serve_requests(rpc: Connection, pool, tier, host_pool, progress: _Progress,  # noqa: ANN001
+def _serve_requests(rpc: Connection, counts: tuple, tier, host_pool, progress: _Progress,  # noqa: ANN001
                     timeout: float, workers: int) -> None:
     """Rank 0's requests that are not commands: L3 reads and writes, integrity checks."""
 
     def handle(req: msg.L3Get | msg.L3Set | msg.Check) -> object:
         ran = progress.wait(req.after, min(timeout, req.wait_s) if isinstance(req, msg.Check) else timeout)
         if isinstance(req, msg.Check):
-            return progress.done, pool.num_pages, host_pool.num_pages if host_pool is not None else 0
+            return (progress.done, *counts)
         if not ran or tier is None:
             return 0  # never read a page whose backup has not run: a miss / a failed write
         if isinstance(req, msg.L3Get):

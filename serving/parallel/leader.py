@@ -3,7 +3,12 @@
 "The tree decides, controllers move": rank 0 owns the scheduler and the HiRadixTree (metadata
 only). Each forward pass and each batch of tier moves the tree emits is sent, in order, down
 every follower's command pipe before rank 0 runs its own part, so page ids, locks and the tree
-are identical on every rank by construction (one tree). L3 reads and writes (rank 0's
+are identical on every rank by construction (one tree). A model with state layers: each forward
+carries its state slots, the tree's snapshot copies are moves, and rank 0's own writes into its L1
+state pool outside a forward (a request's working slot zeroed or copied from its match's snapshot at
+admission) are recorded by :meth:`TPLeader.setup`'s wrap of that pool and sent, as one ``StateOps``
+command, before the next command: every rank's state slots hold its heads' state of the same
+sequences. L3 reads and writes (rank 0's
 background threads) are mirrored by :class:`TPStorageTier`: every rank moves its own part of
 the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as read, written
 or present only when every rank's part is.
@@ -88,9 +93,13 @@ class TPLeader:
             raise ValueError(f"--tp-size {self.size} needs {self.size} GPUs from {device}; "
                              f"this host has {torch.cuda.device_count()}")
         from serving.models.config import ModelArchConfig
+        from serving.models.loader import get_model_class  # (the loader registers the families)
 
         arch = ModelArchConfig.from_pretrained(config.model.model_path)
         self.plans = [ShardPlan.for_model(arch, r, self.size) for r in range(self.size)]  # checks the heads
+        check_tp = getattr(get_model_class(arch.architectures), "check_tp", None)
+        if check_tp is not None:  # a family's own layers (the state layers' heads and groups)
+            check_tp(arch, self.size)
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.size))
         else:
@@ -116,18 +125,47 @@ class TPLeader:
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
         self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
         self.seq = 0  # commands sent
+        self._state_ops: list[tuple[str, int, int]] = []  # L1 state slot writes not sent yet (see setup)
+        self._state_slots = (0, 0)  # a state model's L1 / L2 state slot counts (setup)
         self.check_wait_s: float | None = None  # how long a check waits for a follower (None: dist_timeout)
 
     # -- what the scheduler thread calls -----------------------------------------------------
     def _send(self, cmd: Any) -> None:
         if self.dead is not None:
             raise RankDied(self.dead)
+        if self._state_ops:  # rank 0 made them before this command: the followers too
+            ops, self._state_ops = self._state_ops, []
+            self._send(msg.StateOps(ops))
         for c in self._cmds:
             c.send(cmd)
         self.seq += 1
 
-    def setup(self, host_pages: int) -> None:
-        self._send(msg.Setup(host_pages))
+    def setup(self, host_pages: int, state_pool: Any = None, host_state_pool: Any = None) -> None:
+        """The first command: the pools' sizes. A state model's L1 ``state_pool`` (a DeviceStatePool)
+        gets its ``zero_slot`` / ``copy_slot`` wrapped (this instance only): each is recorded, then
+        run; the records go to the followers before the next command (:meth:`_send`)."""
+        slots = state_pool.num_slots if state_pool is not None else 0
+        host_slots = host_state_pool.num_slots if host_state_pool is not None else 0
+        if state_pool is not None and self.config.cache.storage_enabled:
+            raise ValueError(
+                f"--tp-size {self.size} with an L3 tier (--hicache-storage-backend "
+                f"{self.config.cache.hicache_storage_backend}) is not supported for a model with linear-attention / "
+                "Mamba layers yet: its state snapshots on L3 are not split per rank; run with L1 and L2 only, or "
+                "with --tp-size 1")
+        self._state_slots = (slots, host_slots)
+        if state_pool is not None:
+            zero, copy = state_pool.zero_slot, state_pool.copy_slot
+
+            def tp_zero(slot: int) -> None:
+                self._state_ops.append(("zero", slot, -1))
+                zero(slot)
+
+            def tp_copy(src: int, dst: int) -> None:
+                self._state_ops.append(("copy", src, dst))
+                copy(src, dst)
+
+            state_pool.zero_slot, state_pool.copy_slot = tp_zero, tp_copy
+        self._send(msg.Setup(host_pages, slots, host_slots))
 
     def wrap_forward(self, forward: Callable) -> Callable:
         def tp_forward(batch: Any) -> torch.Tensor:
@@ -136,8 +174,10 @@ class TPLeader:
             # overlap scheduling (CUDA): ids of the previous step's tokens are still placeholders on the
             # host; rank 0 has filled them in on the GPU and broadcasts them (GPU to GPU, no host sync)
             placeholders = bool((i64[:t] < 0).any())
+            state = None if batch.state_slots_list is None else \
+                (batch.state_slots_list, batch.snap_slots_list, batch.snap_offsets_list)
             self._send(msg.Forward(i64.numpy(), i32.numpy(), t, b, width, batch.page_size,
-                                   batch.prefix_lens_list, batch.extend_lens_list, rows, placeholders))
+                                   batch.prefix_lens_list, batch.extend_lens_list, rows, placeholders, state))
             if placeholders:
                 self.group.broadcast(batch.input_ids)
             return forward(batch)
@@ -183,11 +223,12 @@ class TPLeader:
         """Every follower has run every command sent so far and has the same pools; AssertionError else."""
         wait_s = self.check_wait_s or self.config.model.dist_timeout
         answers = self._answers([c.call(msg.Check(self.seq, wait_s)) for c in self._rpcs], "an integrity check")
-        for r, (done, dev, host) in enumerate(answers, start=1):
-            if (done, dev, host) != (self.seq, device_pages, host_pages):
+        want = (self.seq, device_pages, host_pages, *self._state_slots)
+        for r, answer in enumerate(answers, start=1):
+            if tuple(answer) != want:
                 raise AssertionError(
-                    f"tensor-parallel rank {r}: ran {done} of {self.seq} commands, {dev} L1 / {host} L2 pages "
-                    f"(rank 0: {device_pages} / {host_pages})")
+                    f"tensor-parallel rank {r}: ran {answer[0]} of {self.seq} commands, L1 / L2 pages and state "
+                    f"slots {tuple(answer[1:])} (rank 0: {want[1:]})")
 
     # -- faults and shutdown ---------------------------------------------------------------
     def _monitor(self) -> None:

@@ -1,10 +1,12 @@
 """What rank 0 sends the other tensor-parallel ranks (pickled over a multiprocessing pipe).
 
 Command pipe (followers run them in order on their main thread): ``Forward`` (a forward
-batch's host buffers), ``Moves`` (L1 <-> L2 page copies the tree emitted), ``Stop``. Every
-command advances a sequence number. Storage pipe (a follower thread answers; rank 0 waits):
-``L3Get`` / ``L3Set`` with the rank's own keys; each names the command sequence number it
-must follow (``after``), so a page is read for L3 only once its L1 -> L2 backup has run.
+batch's host buffers, and a state model's slots), ``Moves`` (L1 <-> L2 page copies and state
+snapshot copies the tree emitted), ``StateOps`` (the L1 state slot zeroing and copies rank 0 made
+since the last command), ``Stop``. Every command advances a sequence number. Storage pipe (a
+follower thread answers; rank 0 waits): ``L3Get`` / ``L3Set`` with the rank's own keys; each
+names the command sequence number it must follow (``after``), so a page is read for L3 only once
+its L1 -> L2 backup has run.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Setup:
-    """First command: the page counts rank 0 chose (so every rank's page ids mean the same)."""
+    """First command: the page counts rank 0 chose (so every rank's page ids mean the same), and a
+    state model's L1 / L2 state slot counts (slot ids too)."""
 
     host_pages: int
+    state_slots: int = 0
+    host_state_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,13 +38,23 @@ class Forward:
     extend_lens: list[int]
     logit_rows: list[int] | None
     ids_from_rank0: bool = False  # overlap scheduling: the ids hold placeholders; rank 0 broadcasts the real ones
+    state: tuple[list[int], list[int], list[int]] | None = None  # state_slots, snap_slots, snap_offsets
 
 
 @dataclass(frozen=True)
 class Moves:
-    """Tier moves in order: (kind "backup" (L1 -> L2) or "load" (L2 -> L1), src pages, dst pages)."""
+    """Tier moves in order: (kind "backup" (L1 -> L2), "load" (L2 -> L1), "state_backup" or
+    "state_load" (state slots), src pages or slots, dst pages or slots)."""
 
     moves: list[tuple[str, list[int], list[int]]]
+
+
+@dataclass(frozen=True)
+class StateOps:
+    """L1 state slot writes in order: ("zero", slot, -1) or ("copy", src, dst) (a request's working
+    slot at admission: zeros, or its match's snapshot)."""
+
+    ops: list[tuple[str, int, int]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +79,7 @@ class L3Set:
 @dataclass(frozen=True)
 class Check:
     """check_integrity: the follower answers, once it has run command ``after`` or after
-    ``wait_s`` seconds, with ``(commands run, L1 pages, L2 pages)``."""
+    ``wait_s`` seconds, with ``(commands run, L1 pages, L2 pages, L1 state slots, L2 state slots)``."""
 
     after: int
     wait_s: float

@@ -1,0 +1,107 @@
+"""Tensor parallelism for models with recurrent-state layers (CPU, gloo, fp32, TP=2): a tiny random Qwen3.5
+(Gated DeltaNet split by key / value head) and Nemotron-H (Mamba2 split by head and group), each rank
+holding its heads' state. Greedy tokens equal HF transformers' (and so TP=1's, which the single-rank
+suites hold to HF) cold, for second turns resumed from L1 snapshots, and from L2 (the snapshots demoted
+with their KV and loaded back on every rank); ``check_integrity`` (every rank ran every command and holds
+the same pools and state slots) after each step. The log-probabilities stay within the single-rank
+tolerance of HF's, which a rank resuming from a wrong or stale state would not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness.engine_cases import ids_of, prompts
+from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from serving.engine import Engine
+from serving.parallel.shard import TPShapeError
+from serving.parallel.state_shard import DeltaNetShard, Mamba2Shard
+
+NEW = 8
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+LOGPROB_TOL = 2e-3
+FAMILIES = {"qwen3_5": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+            "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny(request, tmp_path_factory):
+    """The model (vocab 501: padded over 2 ranks); 3 first turns; their second turns; HF's answers;
+    6 unrelated prompts to push the first ones out of L1."""
+    path = tiny_model(tmp_path_factory.mktemp(f"tp-{request.param}"), request.param, vocab_size=501,
+                      **FAMILIES[request.param])
+    first = prompts(3, 500, seed=5, lo=30, hi=50)
+    ref1 = hf_greedy(path, first, NEW)
+    rng = random.Random(6)
+    second = [p + a + [rng.randrange(1, 500) for _ in range(rng.randint(5, 12))]
+              for p, a in zip(first, ref1, strict=True)]
+    others = prompts(6, 500, seed=7, lo=40, hi=60)
+    return path, first, ref1, second, hf_greedy(path, second, NEW), others
+
+
+def hits(outs, tier: str) -> list[int]:
+    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
+
+
+def generate(eng: Engine, path, ps: list[list[int]], ref: list[list[int]]) -> list[dict]:
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    assert ids_of(outs) == ref
+    got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    want = hf_output_logprobs(path, ps, ref)
+    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    assert worst < LOGPROB_TOL, worst
+    return outs
+
+
+def test_tp2_cold_and_second_turns_from_l1(tiny) -> None:
+    path, first, ref1, second, ref2, _ = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, chunked_prefill_size=10, tp_size=2)
+    procs = eng.core.tp.procs
+    try:
+        generate(eng, path, first, ref1)  # chunks of 10: mid-page
+        eng.check_integrity()
+        outs = generate(eng, path, second, ref2)
+        want = [(len(p) + NEW - 1) // 4 * 4 for p in first]  # each resumes at its first turn's full pages
+        assert hits(outs, "device") == want, (hits(outs, "device"), want)
+        eng.check_integrity()
+        assert eng.core.req_cache.states.snapshots_attached > 0
+    finally:
+        eng.shutdown()
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_tp2_second_turns_from_l2(tiny) -> None:
+    path, first, ref1, second, ref2, others = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=200, hicache_ratio=4.0, tp_size=2,
+                 hicache_write_policy="write_through", write_through_threshold=1, max_running_requests=2)
+    try:
+        generate(eng, path, first, ref1)
+        eng.check_integrity()
+        eng.generate(input_ids=others, sampling_params=GREEDY)  # pushes the first turns out of L1
+        assert eng.core.tree.state.cached_slots("host") > 0
+        eng.check_integrity()
+        outs = generate(eng, path, second, ref2)
+        assert sum(hits(outs, "host")) > 0, [o["meta_info"] for o in outs]
+        assert eng.core.controller.state_slots_moved > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_tp2_with_l3_is_refused_with_a_message(tiny, tmp_path) -> None:
+    path = tiny[0]
+    with pytest.raises(ValueError, match="not supported for a model with linear-attention / Mamba layers yet"):
+        Engine(model_path=str(path), page_size=4, max_total_tokens=256, tp_size=2, hicache_storage_backend="lmdb",
+               hicache_storage_backend_extra_config={"path": str(tmp_path / "db"), "capacity_gb": 0.05,
+                                                     "initial_map_mb": 1})
+
+
+def test_state_heads_that_do_not_split_are_refused(tmp_path) -> None:
+    with pytest.raises(TPShapeError, match="does not divide the model's 3 Gated DeltaNet key heads"):
+        DeltaNetShard.make(3, 6, 16, 16, 0, 2)
+    with pytest.raises(TPShapeError, match="does not divide the model's 1 Mamba2 groups"):
+        Mamba2Shard.make(8, 1, 8, 16, 0, 2)
+    path = tiny_model(tmp_path / "m", "nemotron_h", n_groups=1)  # 8 heads in one group
+    with pytest.raises(TPShapeError, match="--tp-size 2 does not divide the model's 1 Mamba2 groups"):
+        Engine(model_path=str(path), page_size=4, max_total_tokens=256, tp_size=2)
