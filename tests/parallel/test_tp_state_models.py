@@ -3,7 +3,7 @@
 holding its heads' state. Greedy tokens equal HF transformers' (and so TP=1's, which the single-rank
 suites hold to HF) cold, for second turns resumed from L1 snapshots, and from L2 (the snapshots demoted
 with their KV and loaded back on every rank); ``check_integrity`` (every rank ran every command and holds
-the same pools and state slots) after each step. The log-probabilities stay within the single-rank
+the same pools and state slots) after each step, and after retraction. The log-probabilities stay within the single-rank
 tolerance of HF's, which a rank resuming from a wrong or stale state would not."""
 
 from __future__ import annotations
@@ -84,6 +84,19 @@ def test_tp2_second_turns_from_l2(tiny) -> None:
         outs = generate(eng, path, second, ref2)
         assert sum(hits(outs, "host")) > 0, [o["meta_info"] for o in outs]
         assert eng.core.controller.state_slots_moved > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_tp2_retracted_requests_resume_exactly(tiny) -> None:
+    """A small L1 retracts requests: each gives its pages and captures to the tree and resumes from a
+    snapshot copied into a new working slot, on every rank."""
+    path, first, ref1, second, ref2, _ = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=96, max_running_requests=5, tp_size=2)
+    try:
+        assert ids_of(eng.generate(input_ids=first + second, sampling_params=GREEDY)) == ref1 + ref2
+        assert eng.core.scheduler.stats.retractions > 0  # the small L1 made it retract
         eng.check_integrity()
     finally:
         eng.shutdown()
