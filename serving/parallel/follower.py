@@ -74,6 +74,7 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     from serving.model.model_runner import ModelRunner
     from serving.parallel.group import destroy_tp_group, init_tp_group
     from serving.parallel.rank import cpu_threads_per_rank, make_rank_tier
+    from serving.parallel.state_ops import apply_ops
     from serving.structs.forward_batch import ForwardBatch
 
     device = torch.device(config.model.device)
@@ -124,11 +125,7 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
                     fb.set_state(*cmd.state)
                 runner.forward(fb)  # the logits are rank 0's to sample from
             elif isinstance(cmd, msg.StateOps):
-                for op, a, b in cmd.ops:
-                    if op == "zero":
-                        state.zero_slot(a)
-                    else:
-                        state.copy_slot(a, b)
+                apply_ops(state, cmd.ops)
             elif isinstance(cmd, msg.Moves):
                 last = controller.execute([_Move(*m) for m in cmd.moves])
                 if last is not None:

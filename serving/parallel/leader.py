@@ -47,6 +47,7 @@ from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
 from serving.parallel.rank import cpu_threads_per_rank
 from serving.parallel.rpc import RpcClient
 from serving.parallel.shard import ShardPlan
+from serving.parallel.state_ops import record_writes
 
 log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
@@ -134,7 +135,8 @@ class TPLeader:
         if self.dead is not None:
             raise RankDied(self.dead)
         if self._state_ops:  # rank 0 made them before this command: the followers too
-            ops, self._state_ops = self._state_ops, []
+            ops = list(self._state_ops)
+            self._state_ops.clear()  # (the list record_writes appends to)
             self._send(msg.StateOps(ops))
         for c in self._cmds:
             c.send(cmd)
@@ -142,8 +144,8 @@ class TPLeader:
 
     def setup(self, host_pages: int, state_pool: Any = None, host_state_pool: Any = None) -> None:
         """The first command: the pools' sizes. A state model's L1 ``state_pool`` (a DeviceStatePool)
-        gets its ``zero_slot`` / ``copy_slot`` wrapped (this instance only): each is recorded, then
-        run; the records go to the followers before the next command (:meth:`_send`)."""
+        gets its writes outside a forward recorded (serving/parallel/state_ops.py); the records go to
+        the followers before the next command (:meth:`_send`)."""
         slots = state_pool.num_slots if state_pool is not None else 0
         host_slots = host_state_pool.num_slots if host_state_pool is not None else 0
         if state_pool is not None and self.config.cache.storage_enabled:
@@ -154,17 +156,7 @@ class TPLeader:
                 "with --tp-size 1")
         self._state_slots = (slots, host_slots)
         if state_pool is not None:
-            zero, copy = state_pool.zero_slot, state_pool.copy_slot
-
-            def tp_zero(slot: int) -> None:
-                self._state_ops.append(("zero", slot, -1))
-                zero(slot)
-
-            def tp_copy(src: int, dst: int) -> None:
-                self._state_ops.append(("copy", src, dst))
-                copy(src, dst)
-
-            state_pool.zero_slot, state_pool.copy_slot = tp_zero, tp_copy
+            record_writes(state_pool, self._state_ops)
         self._send(msg.Setup(host_pages, slots, host_slots))
 
     def wrap_forward(self, forward: Callable) -> Callable:
