@@ -80,6 +80,11 @@ class SchedulerConfig:
     max_mamba_cache_size: int | None = None
     # the default state slots' share of the GPU budget: their bytes at most this times the KV cache's (SGLang's name)
     mamba_full_memory_ratio: float = 0.9
+    # Models with sliding-window layers and full ones (SGLang's names): the sliding layers' L1 pool holds this
+    # many tokens per token of the full layers' (it keeps only the pages a window can still read)
+    swa_full_tokens_ratio: float = 0.8
+    # keep the sliding layers' KV for every cached token, as the full layers' (one L1 pool for every layer)
+    disable_hybrid_swa_memory: bool = False
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
     grammar_backend: str = choice("xgrammar", GRAMMAR_BACKENDS)  # structured output (json_schema / regex / ebnf)
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
@@ -132,6 +137,8 @@ class SchedulerConfig:
         if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 4:
             raise ValueError("max_mamba_cache_size must be at least 4 (a running request's 3 state slots and a "
                              f"snapshot), got {self.max_mamba_cache_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not self.mamba_full_memory_ratio > 0:
             raise ValueError(f"mamba_full_memory_ratio must be positive, got {self.mamba_full_memory_ratio}")
         if not 0 < self.mem_fraction_static <= 1:

@@ -111,6 +111,9 @@ class HostKVPool(ABC):
         # clear-after-wait atomic with respect to a newer event being set meanwhile.
         self.pending_write: torch.cuda.Event | None = None
         self._pending_lock = threading.Lock()
+        # A hybrid SWA L1 (hicache/tiers/window_pages.py): 1 where a page's sliding layers hold good KV (0: its
+        # backup found no window page: the full layers only). Written by its backups and L3 reads; all 1 else.
+        self.sliding_valid = bytearray(b"\x01") * num_pages
 
     @property
     def growing(self) -> bool:

@@ -8,7 +8,11 @@ Value format (version 2), one value per page, independent of the host pool's lay
     order: [2 * layers, page_size, kv_heads,       rows u32 (2*layers) | page_size u32 |
     head_dim], in the dtype -- exactly one page    kv_heads u32 | head_dim u32 | payload_nbytes u64 |
     of a ``page_first`` host pool (or the page     xxh3_64 u64 | key digest 16 bytes | encoding u16 |
-    encoded by ``hicache.tiers.kv_codec``)         zero padding
+    encoded by ``hicache.tiers.kv_codec``)         flags u16 | zero padding
+
+``flags`` bit 0 (``SLIDING_INVALID``): the page's sliding-window layers are stale, its full layers good (a
+hybrid SWA L1 had dropped that page's window KV before its backup: hicache/tiers/window_pages.py); a
+reader sets the L2 page's ``sliding_valid`` from it. Zero (every value before flags existed): all good.
 
 ``encoding`` is the lower-tier encoding of the payload (0 raw, 1 fp8, 2 int8; it took two
 bytes of what was zero padding, so raw values keep the bytes they had before encodings existed);
@@ -39,7 +43,8 @@ from hicache.tiers.native_hash import xxh3_64
 FORMAT_VERSION = 2
 MAGIC = b"HCKV"
 TRAILER_SIZE = 64
-_TRAILER = struct.Struct("<4sHHIIIIQQ16sH6x")  # 58 bytes of fields, zero-padded to TRAILER_SIZE
+_TRAILER = struct.Struct("<4sHHIIIIQQ16sHH4x")  # 60 bytes of fields, zero-padded to TRAILER_SIZE
+SLIDING_INVALID = 1  # flags bit: the payload's sliding-window layers are stale (a hybrid SWA L1 had dropped them)
 _DTYPE_CODES = {
     torch.float32: 1,
     torch.float16: 2,
@@ -86,9 +91,9 @@ class PageCodec:
             self.page_nbytes,
         )
 
-    def pack_trailer_into(self, buf, offset: int, key: str, payload) -> None:
+    def pack_trailer_into(self, buf, offset: int, key: str, payload, flags: int = 0) -> None:
         """Write the trailer of ``payload`` (a buffer of ``page_nbytes``) at ``buf[offset:]``."""
-        _TRAILER.pack_into(buf, offset, *self._fields, checksum(payload), key_digest(key), self.encoding.code)
+        _TRAILER.pack_into(buf, offset, *self._fields, checksum(payload), key_digest(key), self.encoding.code, flags)
 
     def encode(self, key: str, payload: bytes) -> bytes:
         """A whole value (payload + trailer) as bytes; for tests and tools."""
@@ -115,9 +120,14 @@ class PageCodec:
             return False
         return payload_hash == fields[8]
 
-    def pack_trailer_hashed(self, buf, offset: int, key: str, payload_hash: int) -> None:
+    def pack_trailer_hashed(self, buf, offset: int, key: str, payload_hash: int, flags: int = 0) -> None:
         """:meth:`pack_trailer_into` for a payload whose XXH3-64 is ``payload_hash``."""
-        _TRAILER.pack_into(buf, offset, *self._fields, payload_hash, key_digest(key), self.encoding.code)
+        _TRAILER.pack_into(buf, offset, *self._fields, payload_hash, key_digest(key), self.encoding.code, flags)
+
+    @staticmethod
+    def flags_of(trailer) -> int:
+        """A (verified) trailer's flags."""
+        return _TRAILER.unpack_from(trailer, 0)[11]
 
     def verify(self, value, key: str) -> bool:
         """Whether ``value`` (payload + trailer, exactly ``value_nbytes``) is a good page for ``key``."""

@@ -37,7 +37,7 @@ from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.mooncake.store import MooncakeStore
 from hicache.tiers.native_copy import copy_and_hash
-from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
+from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
 
 __all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
@@ -137,7 +137,7 @@ class StorageTier:
             try:
                 host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
                 if direct:
-                    return self._read_chunk(keys[lo:hi], view, pages[lo:hi])
+                    return self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
                 return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
             finally:
                 self._read_clock.leave()
@@ -209,7 +209,7 @@ class StorageTier:
             view = self._pool_view(pool)
             hashes = copy_and_hash([view[p] for p in pages], [rows[i, :nb] for i in range(n)])
             for i in range(n):
-                self.codec.pack_trailer_hashed(rows[i], nb, keys[i], hashes[i])
+                self.codec.pack_trailer_hashed(rows[i], nb, keys[i], hashes[i], _flags(pool, pages[i]))
             return
         else:
             kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X], decoded
@@ -219,7 +219,7 @@ class StorageTier:
             else:
                 dst.view(kv.dtype).view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
         for i in range(n):
-            self.codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb])
+            self.codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb], _flags(pool, pages[i]))
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -251,7 +251,7 @@ class StorageTier:
             view = self._views[id(pool)] = host_page_bytes(pool)
         return view
 
-    def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int]) -> int:
+    def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int], pool: HostKVPool) -> int:
         """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread).
         The group's payloads are copied and hashed in one GIL-free call (:func:`copy_and_hash`,
         each chunk hashed right after its copy), then every page is checked against its trailer."""
@@ -272,6 +272,7 @@ class StorageTier:
                     not codec.verify_hashed(trailers[i], keys[i], hashes[i]):  # wrong size, or corrupt
                 self._corrupt(keys[i])
                 break
+            _set_valid(pool, pages[i], codec.flags_of(trailers[i]))
             ok += 1
         return ok
 
@@ -293,6 +294,7 @@ class StorageTier:
                                                                         rows[i, :nb]):
                     self._corrupt(ck[i])
                     break
+                _set_valid(pool, pages[lo + i], codec.flags_of(rows[i, nb: nb + TRAILER_SIZE]))
                 ok += 1
             if ok:  # decoded (raw: a view of the staged bytes), then the pool encodes in its own encoding
                 kv = self.encoding.decode_pages(buf.tensor[: ok * slot].view(ok, slot)[:, :nb], self.layout,
@@ -347,3 +349,13 @@ def make_storage(name: str, config: Mapping[str, Any] | None = None) -> StorageB
     except KeyError:
         raise ValueError(f"unknown storage backend {name!r}; choose from {sorted(STORAGE_BACKENDS)}") from None
     return factory(dict(config or {}))
+
+
+def _flags(pool: HostKVPool, page: int) -> int:
+    """The trailer flags of host page ``page``: its sliding layers stale or not (hicache/tiers/window_pages.py)."""
+    return 0 if pool.sliding_valid[page] else SLIDING_INVALID
+
+
+def _set_valid(pool: HostKVPool, page: int, flags: int) -> None:
+    """A page read from L3: its sliding layers are good unless its trailer says otherwise."""
+    pool.sliding_valid[page] = 0 if flags & SLIDING_INVALID else 1

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hicache.hiradix import HiRadixTree
+from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.hiradix.match import PendingLoad
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
@@ -74,6 +74,9 @@ class Fetches:
         self.tier = tier
         self.page_size = tree.page_size
         self.on_read = on_read  # (bytes, seconds) of every finished read (the load policy learns)
+        # a hybrid SWA L1 (serving/cache/request_windows.py): window pages for an early load's chain
+        # (before, after) -> None, before its transfers run; None: no window pool
+        self.on_load: Callable[[MatchResult, MatchResult], None] | None = None
         self.active: list[FetchOp] = []
         self.draining: list[tuple[ReadJob, list[int]]] = []  # host pages a released fetch may still write
         self._unobserved: list[FetchOp] = []  # released before their read ended: reported once it has
@@ -154,6 +157,8 @@ class Fetches:
                 self._l2_only(node) <= tree.device.num_free:  # never evict L1 for an early load
             m = tree.match_prefix(op.tokens[:upto])
             loaded_m = tree.load_back(m)  # no eviction: L1 has the room
+            if loaded_m is not m and self.on_load is not None:
+                self.on_load(m, loaded_m)
             self.transfers.flush()  # backups the match asked for; binds the load's PendingLoad
             if loaded_m is not m:
                 self.l1_loads.append((loaded_m.last_device_node, loaded_m.pending_loads[-1]))

@@ -15,6 +15,7 @@ from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.state_pool import DeviceStatePool
 from serving.cache.admission import Admission, Answer
 from serving.cache.request_states import RequestStates
+from serving.cache.request_windows import RequestWindows
 from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner
 from serving.structs.forward_batch import LayerWaits
@@ -50,8 +51,9 @@ class ReqCache:
 
     def __init__(self, tree: HiRadixTree, allocator: PageAllocator, page_size: int,
                  transfers: TransferRunner, storage: StorageController | None = None,
-                 state_pool: DeviceStatePool | None = None) -> None:
+                 state_pool: DeviceStatePool | None = None, windows: RequestWindows | None = None) -> None:
         self.tree = tree
+        self.windows = windows  # a hybrid SWA L1's window pages (serving/cache/request_windows.py); None: none
         self.state_pool = state_pool  # L1 state slots of a model with state layers (None: none)
         self.states = RequestStates(tree, state_pool, page_size) if state_pool is not None else None
         self.allocator = allocator
@@ -158,8 +160,16 @@ class ReqCache:
         start = self._state_start.pop(req.rid, None)
         return self.states.take(req, start)
 
+    @property
+    def win_map(self) -> list[int] | None:
+        """A hybrid SWA L1's map of logical to window pages (what a forward batch's sliding layers read)."""
+        return None if self.windows is None else self.windows.windows.map
+
     def _match(self, req: Req) -> MatchResult:
-        m = self.tree.match_prefix(self._matchable(req))
+        tokens = self._matchable(req)
+        if self.windows is not None:  # resume only where the window before has its window KV
+            tokens = tokens[: self.windows.usable_prefix(tokens)]
+        m = self.tree.match_prefix(tokens)
         self.flush_transfers()  # write-through backups of hit nodes run now, before anyone reads them
         return m
 
@@ -171,6 +181,10 @@ class ReqCache:
         state = match.state
         if match.host_hit_tokens > 0 or (state is not None and state.device_slot is None):
             m = self.tree.load_back(match)
+            if m is not match and self.windows is not None:  # the loaded run's last window: window pages
+                done = len(match.device_pages)
+                if not self.windows.ensure(self.windows.for_load(done, m.device_pages[done:])):
+                    raise RuntimeError("no window pages for a load-back: every window page is locked")
             self.flush_transfers()  # the controller binds the load's PendingLoad
             if m is not match:
                 kv.load_node = m.last_device_node
@@ -268,12 +282,20 @@ class ReqCache:
         pages = self.alloc(need)
         if pages is None:
             return False
+        if self.windows is not None:  # the sliding layers' KV of these pages: window pages
+            ok = self.windows.ensure(pages)
+            self.flush_transfers()
+            if not ok:
+                self.allocator.free(pages)
+                return False
         req.kv.pages.extend(pages)
         return True
 
     def advance(self, req: Req, n: int) -> None:
         """A forward pass computed the KV of ``req``'s next ``n`` positions (into its reserved pages)."""
         req.kv.kv_len += n
+        if self.windows is not None:
+            self.windows.trim(req)  # window pages no later token of it reads
 
     def trim(self, req: Req, keep_len: int) -> None:
         """Give back the request's own pages past those positions ``< keep_len`` need (speculative
@@ -305,6 +327,8 @@ class ReqCache:
         full = kv.kv_len // self.page_size
         tokens = req.fill_ids[: full * self.page_size]
         dup = self.tree.insert(tokens, kv.pages[:full]) if full else []
+        if self.windows is not None:
+            self.windows.adopt(tokens, kv.pages[:full], dup)
         if self.states is not None:
             self.states.give_back(req, tokens)
         to_free = list(dup) + kv.pages[full:]

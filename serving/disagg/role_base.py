@@ -37,6 +37,9 @@ class PDRole:
 
         pool = core.runner.pool
         state = core.runner.state_pool
+        if pool.windows is not None:
+            raise ValueError("PD disaggregation moves L1's pages of every KV layer; this model's sliding layers keep "
+                             "their KV in a window pool (the hybrid SWA L1): start with --disable-hybrid-swa-memory")
         if state is not None and server.disaggregation_transfer_backend == "cuda_ipc":
             raise ValueError("--disaggregation-transfer-backend cuda_ipc moves one buffer (L1's KV); a model with "
                              "linear-attention / Mamba layers also sends its state: use mooncake or nixl")

@@ -30,6 +30,7 @@ from serving.cache.cache_controller import CacheController
 from serving.cache.cost_model import make_load_policy
 from serving.cache.prefill_timer import PrefillTimer
 from serving.cache.req_cache import ReqCache
+from serving.cache.request_windows import RequestWindows
 from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner, TransferSink
 from serving.config import EngineConfig
@@ -134,8 +135,14 @@ class EngineCore:
             forward = self.tp.wrap_forward(forward)
         self.storage = self._make_storage(execute) if cache.storage_enabled else None
         transfers = self.storage.transfers if self.storage is not None else TransferRunner(self.tree, execute)
+        windows = None
+        if pool.windows is not None:  # a hybrid SWA L1: the sliding layers keep their windows only
+            window = max(w for w in self.runner.layer_stack.windows if w is not None)
+            windows = RequestWindows(pool.windows, self.tree, cache.page_size, window, self.host_pool)
+            if self.storage is not None:  # an L3 prefetch's early loads on to L1 bring their windows too
+                self.storage.prefetcher.fetches.on_load = windows.on_early_load
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
-                                  self.runner.state_pool)
+                                  self.runner.state_pool, windows)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
@@ -312,6 +319,8 @@ class EngineCore:
         self.tree.check_integrity(device_in_use=self.scheduler.in_use_pages(), host_in_use=host_in_use,
                                   state_device_in_use=state_in_use)
         self.runner.pool.allocator.check_integrity()
+        if self.runner.pool.windows is not None:  # every window page free or mapped from one L1 page
+            self.runner.pool.windows.check_integrity(self.runner.pool.allocator.is_allocated)
         if self.host_pool is not None:
             self.host_pool.check_integrity()  # its allocator, and its encoded pages' scales
         if self.tp is not None:  # the other ranks ran every command and hold the same pools

@@ -66,6 +66,8 @@ class Housekeeping:
         core = self.core
         s = core.scheduler.stats
         pages = {"device": _pages(core.runner.pool.allocator)}
+        if core.runner.pool.windows is not None:  # a hybrid SWA L1: the sliding layers' window pool
+            pages["device_window"] = _pages(core.runner.pool.windows.allocator)
         host = getattr(core, "host_pool", None)
         if host is not None:
             pages["host"] = _pages(host.allocator)

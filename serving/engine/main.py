@@ -33,6 +33,7 @@ def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
         "vocab_size": core.runner.arch.vocab_size,
         "page_size": config.cache.page_size,
         "num_pages": core.runner.pool.allocator.num_pages,
+        "num_window_pages": core.runner.pool.window_pages,  # a hybrid SWA L1's window pool (0: none)
         "device": str(core.runner.device),
         "pid": os.getpid(),
         "dtype": str(core.runner.dtype).removeprefix("torch."),

@@ -50,8 +50,15 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._batch: ForwardBatch | None = None
         self._meta: _TorchMeta | None = None
+        self._win_meta: _TorchMeta | None = None  # the sliding layers' view (batch.win) of a hybrid SWA pool
 
     def init_forward(self, batch: ForwardBatch) -> None:
+        self._batch = batch
+        self._meta = self._build_meta(batch)
+        self._win_meta = None if batch.win is None else self._build_meta(batch.win)
+
+    @staticmethod
+    def _build_meta(batch: ForwardBatch) -> _TorchMeta:
         ps = batch.page_size
         table = batch.page_table.to(torch.int64)  # [B, P]
         offsets = torch.arange(ps, dtype=torch.int64, device=table.device)
@@ -66,11 +73,11 @@ class TorchAttentionBackend(AttentionBackend):
             key_pos = torch.arange(max_len, device=table.device)
             seq_lens = batch.seq_lens.to(device=table.device, dtype=torch.int64)
             decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        self._batch = batch
-        self._meta = _TorchMeta(slots=slots, starts=starts, decode_mask=decode_mask, max_len=max_len,
-                                seq_lens=seq_lens)
+        return _TorchMeta(slots=slots, starts=starts, decode_mask=decode_mask, max_len=max_len, seq_lens=seq_lens)
 
     def _meta_for(self, batch: ForwardBatch) -> _TorchMeta:
+        if self._batch is not None and batch is self._batch.win and self._win_meta is not None:
+            return self._win_meta
         if self._batch is not batch or self._meta is None:
             self.init_forward(batch)
         assert self._meta is not None

@@ -40,13 +40,13 @@ LAYER_GROUP = 4
 LOAD_PROGRAMS: int | None = 32
 
 
-def _flat(kv_buffer: torch.Tensor) -> torch.Tensor:
+def flat(kv_buffer: torch.Tensor) -> torch.Tensor:
     # [2, L, P, ps, H, D] -> [2L, P, ps*H*D]
     two, layers, pages = kv_buffer.shape[:3]
-    return kv_buffer.view(two * layers, pages, -1)
+    return kv_buffer.view(two * layers, pages, kv_buffer.shape[3:].numel())  # (no -1: a pool may hold 0 layers)
 
 
-def _host_page_dim(host: HostKVPool) -> int:
+def host_page_dim(host: HostKVPool) -> int:
     return 0 if host.layout_name == "page_first" else 1
 
 
@@ -56,7 +56,7 @@ class PageMover:
     scheduler thread)."""
 
     def __init__(self, kv_buffer: torch.Tensor, host: HostKVPool, use_kernel: bool | None = None) -> None:
-        self.dev = _flat(kv_buffer.view(storage_dtype(kv_buffer.dtype)))  # [2L, P, X]; an fp8 L1 moves as bytes
+        self.dev = flat(kv_buffer.view(storage_dtype(kv_buffer.dtype)))  # [2L, P, X]; an fp8 L1 moves as bytes
         self.host = host
         self._bufs: dict[str, torch.Tensor] = {}
         dev = self.dev.device
@@ -75,13 +75,13 @@ class PageMover:
         from serving.kernels.page_copy_triton import move_pages
 
         ids = torch.zeros(1, dtype=torch.int64, device=self.dev.device)
-        saved = self.host.buffer.select(_host_page_dim(self.host), 0).clone()
-        move_pages(self.dev, 1, ids, self.host.buffer, _host_page_dim(self.host), ids)
-        move_pages(self.host.buffer, _host_page_dim(self.host), ids, self.dev, 1, ids)
+        saved = self.host.buffer.select(host_page_dim(self.host), 0).clone()
+        move_pages(self.dev, 1, ids, self.host.buffer, host_page_dim(self.host), ids)
+        move_pages(self.host.buffer, host_page_dim(self.host), ids, self.dev, 1, ids)
         if LOAD_PROGRAMS is not None:  # a layered load's capped kernel too (a first build takes ~1 s)
-            move_pages(self.host.buffer, _host_page_dim(self.host), ids, self.dev, 1, ids, max_programs=1)
+            move_pages(self.host.buffer, host_page_dim(self.host), ids, self.dev, 1, ids, max_programs=1)
         torch.cuda.synchronize(self.dev.device)
-        self.host.buffer.select(_host_page_dim(self.host), 0).copy_(saved)
+        self.host.buffer.select(host_page_dim(self.host), 0).copy_(saved)
 
     # -- staging path (CPU, unpinned host) --------------------------------------------
     def _staging(self, name: str, n: int, device: torch.device, pin: bool = False) -> torch.Tensor:
@@ -126,7 +126,7 @@ class PageMover:
         s.wait_event(ready)
         with torch.cuda.stream(s):
             ids = self._dev_ids(device_pages, host_pages)
-            move_pages(self.dev, 1, ids[0], self.host.buffer, _host_page_dim(self.host), ids[1])
+            move_pages(self.dev, 1, ids[0], self.host.buffer, host_page_dim(self.host), ids[1])
             done = torch.cuda.Event()
             done.record(s)
         self._main.wait_event(done)  # freed L1 pages are rewritten only after the copy
@@ -150,10 +150,10 @@ class PageMover:
             s.wait_event(pending)  # a backup still writing host pages
         ids = self._dev_ids(host_pages, device_pages)
         if not layered:
-            move_pages(self.host.buffer, _host_page_dim(self.host), ids[0], self.dev, 1, ids[1])
+            move_pages(self.host.buffer, host_page_dim(self.host), ids[0], self.dev, 1, ids[1])
             return None
         layers = self.dev.shape[0] // 2  # row r of the flat pool: K of layer r (< L), V of layer r - L
-        hdim = _host_page_dim(self.host)
+        hdim = host_page_dim(self.host)
         events = []
         for lo in range(0, layers, LAYER_GROUP):
             hi = min(layers, lo + LAYER_GROUP)

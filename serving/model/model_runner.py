@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -33,6 +34,19 @@ def state_slots_for(max_running_requests: int) -> int:
     and two captures, serving/cache/request_states.py), as many again for the tree's snapshots, and a
     few spare."""
     return 4 * max_running_requests + 8
+
+
+def swa_pages(num_pages: int, layers: int, window_layers: int, sched: SchedulerConfig,
+              page_size: int) -> tuple[int, int]:
+    """(logical pages, window pages) of a hybrid SWA pool with ``num_pages`` pages' worth of every layer:
+    --max-total-tokens sets the logical pages (the full layers' tokens), the window pool gets
+    --swa-full-tokens-ratio of them; else the same bytes are split so (SGLang's sizing)."""
+    r = sched.swa_full_tokens_ratio
+    if sched.max_total_tokens is not None:
+        logical = num_pages
+    else:
+        logical = max(1, int(num_pages * layers / ((layers - window_layers) + r * window_layers)))
+    return logical, max(1, math.ceil(logical * r - 1e-9))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -97,8 +111,14 @@ class ModelRunner:
                      len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
                      self.state_pool.nbytes() / 2**30)
         num_pages = self._min_over_ranks(self._num_pages(layout, sched, page_size))
-        self.pool = DeviceKVPool(layout, num_pages, page_size, self.device)
-        log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, self.pool.nbytes() / 2**30)
+        win_layers = self._window_layers(sched)
+        win_pages = 0
+        if win_layers:
+            num_pages, win_pages = swa_pages(num_pages, layout.num_layers, len(win_layers), sched, page_size)
+        self.pool = DeviceKVPool(layout, num_pages, page_size, self.device, win_layers, win_pages)
+        log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)%s", num_pages, page_size, self.pool.nbytes() / 2**30,
+                 f"; the {len(win_layers)} sliding layers' window pool: {win_pages} pages "
+                 f"(--swa-full-tokens-ratio {sched.swa_full_tokens_ratio})" if win_layers else "")
         self.graphs: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         if self.state_pool is not None and self.device.type == "cuda" and not model.disable_cuda_graph:
@@ -113,6 +133,17 @@ class ModelRunner:
                     # speculative verification asks for every position's logits: small buckets get graphs for that too
                     rows = [(t, s) for t, s in buckets if t <= 128 and s <= 16] if sched.speculative_algorithm else []
                     self.extend_graphs = self.make_extend_graph_runner(buckets, row_buckets=rows)
+
+    def _window_layers(self, sched: SchedulerConfig) -> tuple[int, ...]:
+        """The KV layers that go to a window pool (hicache/tiers/window_pages.py): the sliding ones, unless
+        --disable-hybrid-swa-memory, tensor parallelism (the window table is not sent to other ranks) or a
+        CUDA device (its graphs' static buffers and the page-move kernels do not take the window pool yet)."""
+        if sched.disable_hybrid_swa_memory or self.tp.is_parallel:
+            return ()
+        if self.device.type == "cuda" and any(w is not None for w in self.layer_stack.windows):
+            log.info("hybrid SWA L1: off on CUDA for now (every sliding layer keeps every token's KV)")
+            return ()
+        return tuple(j for j, w in enumerate(self.layer_stack.windows) if w is not None)
 
     def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
@@ -193,6 +224,7 @@ class ModelRunner:
         self.graphs = self.extend_graphs = None
         self.model = None  # type: ignore[assignment]
         self.pool.kv_buffer = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        self.pool.win_buffer = None
         self.pool.k_buffers, self.pool.v_buffers = [], []
         if self.state_pool is not None:
             self.state_pool.release()

@@ -13,9 +13,9 @@ in the model's dtype, tied embeddings, ``final_logit_softcapping`` on the logits
 HF's Gemma-3 does not apply ``attn_logit_softcapping`` (its attention never passes it), so
 neither do we; ``use_bidirectional_attention`` (EmbeddingGemma) is refused.
 
-Parameter names follow HF with q/k/v and gate/up fused (``llama.load_hf_weights``). Every layer
-keeps its KV in the paged pool for every token (the sliding layers too: exact on every tier with
-no change to the tree; a pool that keeps only the window is a later step).
+Parameter names follow HF with q/k/v and gate/up fused (``llama.load_hf_weights``). With a hybrid
+SWA pool (hicache/tiers/window_pages.py) the sliding layers read and store their KV through the
+batch's window view (``batch.win``): their pool keeps only the pages a window can still read.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ class Gemma3ForCausalLM(nn.Module):
             if waits is not None:
                 waits.before_layer(j)  # this layer's KV loaded back from L2 has landed (GPU-side wait)
             cos, sin = rope[spec.kind]
-            x = layer.self_attn(layer.input_layernorm(h), cos, sin, batch, kv.k_buffers[j], kv.v_buffers[j], attn,
+            lb = batch.win if spec.window is not None and batch.win is not None else batch  # a hybrid SWA pool's view
+            x = layer.self_attn(layer.input_layernorm(h), cos, sin, lb, kv.k_buffers[j], kv.v_buffers[j], attn,
                                 spec.window)
             h = h + layer.post_attention_layernorm(x)
             h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))

@@ -237,8 +237,9 @@ class LlamaForCausalLM(nn.Module):
         """Run the new tokens of ``batch``; return ``[B, vocab]`` float32 last-token logits
         (``[B + R, vocab]`` with R ``batch.logit_rows``)."""
         fused = self.fused_decoder() if batch.positions.device.type == "cpu" else None
-        if fused is not None and cpu_decoder.usable(attn, kv.k_buffers[0].dtype, batch):
-            return self._forward_fused(fused, batch, kv)
+        if fused is not None and cpu_decoder.usable(attn, kv.k_buffers[0].dtype, batch) and (
+                batch.win is None or not kv.full_layers):  # a hybrid SWA pool: fused when every layer slides
+            return self._forward_fused(fused, batch if batch.win is None else batch.win, kv)
         attn.init_forward(batch)
         if _rope_kernel(batch.positions.device, self.lm_head_weight.dtype) is not None:  # [L, D] tables
             cos, sin = self.rotary.tables(batch.positions.device, batch.max_seq_len)
@@ -256,7 +257,9 @@ class LlamaForCausalLM(nn.Module):
                 x = layer.input_layernorm(h)
             else:
                 x, h = layer.input_layernorm.add_forward(delta, h)
-            delta = layer.self_attn(x, cos, sin, batch, kv.k_buffers[j], kv.v_buffers[j], attn, stack.specs[i].window)
+            window = stack.specs[i].window
+            lb = batch.win if window is not None and batch.win is not None else batch  # a hybrid SWA pool's view
+            delta = layer.self_attn(x, cos, sin, lb, kv.k_buffers[j], kv.v_buffers[j], attn, window)
             x, h = layer.post_attention_layernorm.add_forward(delta, h)
             delta = layer.mlp(x)
         h = h + delta

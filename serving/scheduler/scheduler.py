@@ -197,7 +197,7 @@ class Scheduler:
         seqs = [(r.model_ids(r.kv.kv_len, r.kv.kv_len + n) if n == 1 or spec is None or not spec.drafts(r)
                  else r.model_ids(r.kv.kv_len, r.kv.kv_len + 1) + spec.drafts(r), r.kv.kv_len, r.kv.pages)
                 for r, n in batch_reqs]
-        fb = ForwardBatch.build(seqs, self.page_size, self.device)
+        fb = ForwardBatch.build(seqs, self.page_size, self.device, win_map=self.cache.win_map)
         if self.cache.states is not None:  # state layers: working slots, captures at page boundaries
             fb.set_state(*self.cache.states.plan(batch_reqs))
         fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,6 +125,10 @@ class ForwardBatch:
     state_slots_list: list[int] | None = None
     snap_slots_list: list[int] | None = None
     snap_offsets_list: list[int] | None = None
+    # A hybrid SWA L1 (hicache/tiers/window_pages.py): the sliding layers' view of this batch, the same
+    # batch with ``page_table`` and ``out_cache_loc`` in window pages (``set_window``); None: every
+    # layer reads the pages above
+    win: ForwardBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -169,6 +173,30 @@ class ForwardBatch:
         self.state_slots_list, self.snap_slots_list, self.snap_offsets_list = \
             list(state_slots), snap_slots, snap_offsets
 
+    def set_window(self, win_map: list[int], seqs: list[tuple[list[int], int, list[int]]]) -> None:
+        """The sliding layers' view (``win``) of a hybrid SWA pool: each page of ``seqs`` (as ``build``'s)
+        through ``win_map`` (logical page -> window page, -1: none). A page a new token is stored into must
+        have a window page (ValueError); one without, which no new token reads, becomes window page 0."""
+        ps, width = self.page_size, self.page_table.shape[1]
+        table = [0] * (len(seqs) * width)
+        locs: list[int] = []
+        for i, (ids, prefix, pages) in enumerate(seqs):
+            table[i * width: i * width + len(pages)] = [max(win_map[p], 0) for p in pages]
+            for pos in range(prefix, prefix + len(ids)):
+                w = win_map[pages[pos // ps]]
+                if w < 0:
+                    raise ValueError(f"sequence {i}: position {pos} is stored into page {pages[pos // ps]}, "
+                                     "which has no window page")
+                locs.append(w * ps + pos % ps)
+        i64 = torch.tensor(locs, dtype=torch.int64)
+        i32 = torch.tensor(table, dtype=torch.int32)
+        dev = self.input_ids.device
+        if dev.type == "cuda":
+            i64, i32 = i64.pin_memory().to(dev, non_blocking=True), i32.pin_memory().to(dev, non_blocking=True)
+        elif dev.type != "cpu":
+            i64, i32 = i64.to(dev), i32.to(dev)
+        self.win = replace(self, page_table=i32.view(len(seqs), width), out_cache_loc=i64, host=None, win=None)
+
     @staticmethod
     def build(
         seqs: list[tuple[list[int], int, list[int]]],
@@ -177,11 +205,13 @@ class ForwardBatch:
         state_slots: list[int] | None = None,
         snap_slots: list[int] | None = None,
         snap_offsets: list[int] | None = None,
+        win_map: list[int] | None = None,
     ) -> ForwardBatch:
         """Build from ``(new_token_ids, prefix_len, page_ids)`` per sequence.
 
         ``page_ids`` must cover positions ``0 .. prefix_len + len(new_token_ids) - 1``.
         ``state_slots`` (and optional ``snap_slots`` / ``snap_offsets``): see ``set_state``.
+        ``win_map``: a hybrid SWA pool's map of logical to window pages (``set_window``).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -212,6 +242,8 @@ class ForwardBatch:
         i64 = torch.tensor(input_ids + positions + locs, dtype=torch.int64)
         i32 = torch.tensor(prefix_lens + extend_lens + seq_lens + starts + table, dtype=torch.int32)
         batch = ForwardBatch.from_host(i64, i32, t, b, width, page_size, prefix_lens, extend_lens, dev)
+        if win_map is not None:
+            batch.set_window(win_map, seqs)
         if state_slots is not None:
             batch.set_state(state_slots, snap_slots, snap_offsets)
         elif snap_slots is not None or snap_offsets is not None:

@@ -1,0 +1,160 @@
+"""Window pages of a hybrid SWA L1 on the request side (hicache/tiers/window_pages.py): which of a
+request's pages keep their sliding layers' KV, where a match may resume, and eviction of window pages.
+
+A sliding layer of window ``w`` reads, for a token at position ``p``, positions ``p - w + 1 .. p``. So:
+
+- A running request needs window pages for the pages it computes into (``ensure``, from ``reserve``),
+  and after each forward pass frees those of its own pages that no later token of it reads
+  (``trim``): every position below ``floor(kv_len / ps) * ps - w + 1`` (whole pages only; the floor
+  keeps the window before the end of its last full page, where the next turn resumes). It keeps the
+  window before its prompt's matchable end too (``prompt_end``: the same prompt asked again resumes
+  there). Pages it took from the tree are not its to free.
+- A match may resume at a page boundary ``e`` only if every page overlapping ``[e - w + 1, e)`` has its
+  window KV: an L1 page its window page, an L2-only page a valid sliding part (``host.sliding_valid``).
+  ``usable_prefix`` finds the deepest such ``e``; the admission cuts its match there (the rest is
+  recomputed). A loaded-back L2 run gets window pages for the pages in that last window only (``for_load``).
+- At release, a request page that duplicated a tree page hands its window page to the tree page when
+  that has none (``adopt``): the same positions' window KV.
+- Under window-pool pressure (``make_room``) unlocked tree nodes lose their window pages alone, least
+  recently used first (their full KV stays, matches then stop higher); only then are whole pages evicted.
+
+Concurrency contract: the scheduler thread only (as ReqCache, its owner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hicache.hiradix import HiRadixTree, MatchResult
+from hicache.tiers.host import HostKVPool
+from hicache.tiers.window_pages import WindowPages
+from serving.structs.request import Req
+
+
+class RequestWindows:
+    """The window pages' policy for requests and the tree (see the module docstring)."""
+
+    def __init__(self, windows: WindowPages, tree: HiRadixTree, page_size: int, window: int,
+                 host: HostKVPool | None) -> None:
+        self.windows = windows
+        self.tree = tree
+        self.page_size = page_size
+        self.window = window  # the largest window of the model's sliding layers
+        self.host = host
+
+    # -- running requests ---------------------------------------------------------------
+    def first_needed(self, end: int) -> int:
+        """The first page a token resuming at position ``end`` reads (sliding layers)."""
+        return max(0, end - self.window + 1) // self.page_size
+
+    def ensure(self, pages: Sequence[int]) -> bool:
+        """Window pages for ``pages`` (a request computes into them), evicting for room; False: none."""
+        short = len(self.windows.missing(pages)) - self.windows.num_free
+        if short > 0:
+            self.make_room(short)
+        return self.windows.assign(pages)
+
+    def prompt_end(self, req: Req) -> int:
+        """Where the same prompt asked again would resume (its matchable end, whole pages)."""
+        return (len(req.input_ids) - 1) // self.page_size * self.page_size
+
+    def trim(self, req: Req) -> int:
+        """Free the window pages of ``req``'s own pages no later token of it reads (see the module
+        docstring); returns how many."""
+        kv, ps = req.kv, self.page_size
+        upto = self.first_needed(kv.kv_len // ps * ps)  # pages before this one: out of every window it keeps
+        keep_lo, keep_hi = self.first_needed(self.prompt_end(req)), self.prompt_end(req) // ps
+        drop = [kv.pages[i] for i in range(kv.tree_pages, min(upto, len(kv.pages)))
+                if not keep_lo <= i < keep_hi]
+        return self.windows.drop(drop)
+
+    # -- matches ------------------------------------------------------------------------
+    def usable_prefix(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of ``tokens`` (whole pages) the tree holds whose last window has its
+        window KV on L1 or on L2 (see the module docstring); read-only."""
+        node, matched = self.tree.lookup(tokens)
+        ps = self.page_size
+        n = matched // ps
+        valid: list[bool] = []
+        m, flags = self.windows.map, self.host.sliding_valid if self.host is not None else None
+        for nd in reversed(node.path_to_root()):
+            if nd.parent is None:
+                continue  # the root
+            k = len(nd.key) // ps
+            if nd.device_pages is not None:
+                valid += [m[p] >= 0 for p in nd.device_pages[:k]]
+            elif nd.host_pages is not None and flags is not None:
+                valid += [bool(flags[p]) for p in nd.host_pages[:k]]
+            else:
+                valid += [False] * k
+            if len(valid) >= n:
+                break
+        valid = valid[:n]
+        bad = -1  # the last invalid page below the candidate end
+        best = 0
+        for e in range(1, n + 1):  # candidate end: e pages
+            if not valid[e - 1]:
+                bad = e - 1
+            if bad < self.first_needed(e * ps):
+                best = e
+        return best * ps
+
+    def for_load(self, prefix_pages: int, loaded: Sequence[int]) -> list[int]:
+        """Of the pages an L2 -> L1 load fills (the match's pages ``prefix_pages ..``), those in the last
+        window before the match's end: they get window pages (their L2 sliding parts are valid: the cut)."""
+        end = prefix_pages + len(loaded)
+        lo = max(prefix_pages, self.first_needed(end * self.page_size))
+        return list(loaded[lo - prefix_pages:])
+
+    def on_early_load(self, before: MatchResult, after: MatchResult) -> None:
+        """An L3 prefetch's early L2 -> L1 load (``before`` -> ``after``, serving/cache/l3_fetch.py): where the
+        request will resume is not known yet, so every loaded page whose L2 sliding part is valid gets a
+        window page, as far as the window pool has free ones (no eviction: the load itself evicts nothing)."""
+        flags = self.host.sliding_valid if self.host is not None else None
+        if flags is None:
+            return
+        want: list[int] = []
+        nd, top = after.last_device_node, before.last_device_node
+        while nd is not None and nd is not top:
+            if nd.device_pages is not None and nd.host_pages is not None:
+                want += [d for d, h in zip(nd.device_pages, nd.host_pages, strict=False) if flags[h]]
+            nd = nd.parent
+        want = want[: self.windows.num_free]
+        self.windows.assign(want)
+
+    def adopt(self, tokens: Sequence[int], own: Sequence[int], dup: Sequence[int]) -> None:
+        """After ``tree.insert(tokens, own)``: each page of ``own`` that duplicated a tree page (``dup``)
+        hands its window page to that tree page when it has none."""
+        if not dup:
+            return
+        dups = set(dup)
+        node, _ = self.tree.lookup(tokens)
+        path: list[int | None] = []
+        for nd in reversed(node.path_to_root()):
+            if nd.parent is None:
+                continue
+            k = len(nd.key) // self.page_size
+            path += list(nd.device_pages[:k]) if nd.device_pages is not None else [None] * k
+        for p, t in zip(own, path, strict=False):
+            if p in dups and t is not None and t != p:
+                self.windows.move(p, t)
+
+    # -- eviction -----------------------------------------------------------------------
+    def make_room(self, n: int) -> int:
+        """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, their full KV stays), then
+        whole L1 pages (tree eviction); returns how many were freed."""
+        m = self.windows.map
+        cands = [nd for nd in self.tree.nodes()
+                 if nd.device_pages is not None and not nd.lock_ref and not nd.loading
+                 and any(m[p] >= 0 for p in nd.device_pages)]
+        cands.sort(key=lambda nd: nd.last_access)
+        freed = 0
+        for nd in cands:
+            if freed >= n:
+                break
+            freed += self.windows.drop(nd.device_pages)
+        if freed < n:
+            before = self.windows.num_free
+            self.tree.evict_device(n - freed)
+            freed += self.windows.num_free - before
+        return freed

@@ -1,0 +1,114 @@
+"""The hybrid SWA L1 (hicache/tiers/window_pages.py, serving/cache/request_windows.py): the sliding layers
+of a tiny random Gemma-3 (2 sliding layers with an 8-token window to 1 full) and Mistral (every layer
+an 8-token window) keep their KV in a window pool only where a window can still read it, float32 on
+CPU, page size 4. What the pool holds, the cut of a match whose window was evicted, small window pools
+under concurrency, and the flag that turns it off -- every answer HF's greedy tokens, check_integrity()
+after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness.engine_cases import ids_of, tier_prompts
+from harness.model_utils import hf_greedy, tiny_model
+from serving.engine import Engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+WINDOW, PS = 8, 4
+PER_WINDOW = -(-(WINDOW - 1) // PS) + 1  # pages overlapping the window before a page boundary
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral"])
+def tiny(request, tmp_path_factory):
+    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    ps, _ = tier_prompts()
+    return path, ps, hf_greedy(path, ps, GREEDY["max_new_tokens"])
+
+
+def _stepped(eng: Engine, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    """Generate with check_integrity() after every engine step (the offline engine's step hook)."""
+    core = eng.core
+    step = core.step
+
+    def checked():
+        out = step()
+        core.check_integrity()
+        return out
+
+    core.step = checked
+    try:
+        return ids_of(eng.generate(input_ids=prompts, sampling_params=params))
+    finally:
+        core.step = step
+
+
+def test_a_long_decode_keeps_about_one_window(tiny) -> None:
+    """One request decodes 60 tokens past a 47-token prompt: the tree then holds all its full pages but
+    window pages only for the window before its prompt's end and before its own end (today: every page)."""
+    path, ps, _ = tiny
+    long = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+    ref = hf_greedy(path, ps[:1], 60)
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024)
+    try:
+        pool = eng.core.runner.pool
+        assert pool.window_pages == 205 and pool.num_pages == 256  # --swa-full-tokens-ratio 0.8
+        assert _stepped(eng, ps[:1], long) == ref
+        cached = eng.core.tree.cached_pages("device")
+        held = pool.windows.allocator.num_used
+        assert cached >= (len(ps[0]) + 59) // PS
+        assert held <= 2 * PER_WINDOW, (held, cached)
+    finally:
+        eng.shutdown()
+    off = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, disable_hybrid_swa_memory=True)
+    try:
+        assert off.core.runner.pool.windows is None
+        assert ids_of(off.generate(input_ids=ps[:1], sampling_params=long)) == ref
+        assert off.core.tree.cached_pages("device") == cached  # the same pages, every layer of them
+    finally:
+        off.shutdown()
+
+
+def test_match_is_cut_where_window_pages_were_evicted(tiny) -> None:
+    path, ps, ref = tiny
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024)
+    try:
+        assert _stepped(eng, ps, GREEDY) == ref
+        windows = eng.core.req_cache.windows
+        held = windows.windows.allocator.num_used
+        assert held > 0 and windows.make_room(held) == held  # every window page the tree holds goes (alone)
+        assert eng.core.runner.pool.windows.allocator.num_used == 0
+        assert eng.core.tree.cached_pages("device") > 0  # the full layers' pages stay
+        again = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        assert ids_of(again) == ref
+        # a match may still resume where no window is needed: the first page ends before any window matters
+        assert all(o["meta_info"]["cached_tokens_details"]["device"] <= PS for o in again), \
+            [o["meta_info"] for o in again]
+        third = eng.generate(input_ids=ps, sampling_params=GREEDY)  # the second run's windows are back
+        assert ids_of(third) == ref
+        assert all(o["meta_info"]["cached_tokens_details"]["device"] >= 40 for o in third)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_small_window_pool_concurrent_shared_prefix_chunked(tiny) -> None:
+    """A window pool of 40 pages for 256 logical ones, four requests sharing a 36-token prefix, chunks of 7
+    (boundaries inside windows), asked twice: exact, the second time from L1."""
+    path, _, _ = tiny
+    rng = random.Random(8)
+    shared = [rng.randrange(1, 511) for _ in range(36)]
+    sharing = [shared + [rng.randrange(1, 511) for _ in range(n)] for n in (3, 9, 14, 21)]
+    ref = hf_greedy(path, sharing, 10)
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, swa_full_tokens_ratio=40 / 256,
+                 chunked_prefill_size=7, max_running_requests=4)
+    try:
+        assert eng.core.runner.pool.window_pages == 40
+        assert _stepped(eng, sharing, GREEDY) == ref
+        outs = eng.generate(input_ids=sharing[::-1], sampling_params=GREEDY)
+        assert ids_of(outs) == ref[::-1]
+        assert sum(o["meta_info"]["cached_tokens_details"]["device"] for o in outs) > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
