@@ -80,10 +80,12 @@ class SchedulerConfig:
     max_mamba_cache_size: int | None = None
     # the default state slots' share of the GPU budget: their bytes at most this times the KV cache's (SGLang's name)
     mamba_full_memory_ratio: float = 0.9
-    # Models with sliding-window layers and full ones (SGLang's names): the sliding layers' L1 pool holds this
-    # many tokens per token of the full layers' (it keeps only the pages a window can still read)
+    # Models with sliding-window layers: keep their KV in L1 only where a window can still read it (a window
+    # pool beside the full layers' pages; opt-in for now: CPU only, no TP / PD, see docs/models.md)
+    enable_hybrid_swa_memory: bool = False
+    # the window pool's tokens per token of the full layers' pages (SGLang's name)
     swa_full_tokens_ratio: float = 0.8
-    # keep the sliding layers' KV for every cached token, as the full layers' (one L1 pool for every layer)
+    # keep the sliding layers' KV for every cached token, as the full layers' (SGLang's name; the default now)
     disable_hybrid_swa_memory: bool = False
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
     grammar_backend: str = choice("xgrammar", GRAMMAR_BACKENDS)  # structured output (json_schema / regex / ebnf)

@@ -50,7 +50,7 @@ def test_a_long_decode_keeps_about_one_window(tiny) -> None:
     path, ps, _ = tiny
     long = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
     ref = hf_greedy(path, ps[:1], 60)
-    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024)
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True)
     try:
         pool = eng.core.runner.pool
         assert pool.window_pages == 205 and pool.num_pages == 256  # --swa-full-tokens-ratio 0.8
@@ -61,7 +61,8 @@ def test_a_long_decode_keeps_about_one_window(tiny) -> None:
         assert held <= 2 * PER_WINDOW, (held, cached)
     finally:
         eng.shutdown()
-    off = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, disable_hybrid_swa_memory=True)
+    off = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True,
+                 disable_hybrid_swa_memory=True)
     try:
         assert off.core.runner.pool.windows is None
         assert ids_of(off.generate(input_ids=ps[:1], sampling_params=long)) == ref
@@ -72,7 +73,7 @@ def test_a_long_decode_keeps_about_one_window(tiny) -> None:
 
 def test_match_is_cut_where_window_pages_were_evicted(tiny) -> None:
     path, ps, ref = tiny
-    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024)
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True)
     try:
         assert _stepped(eng, ps, GREEDY) == ref
         windows = eng.core.req_cache.windows
@@ -101,7 +102,8 @@ def test_small_window_pool_concurrent_shared_prefix_chunked(tiny) -> None:
     shared = [rng.randrange(1, 511) for _ in range(36)]
     sharing = [shared + [rng.randrange(1, 511) for _ in range(n)] for n in (3, 9, 14, 21)]
     ref = hf_greedy(path, sharing, 10)
-    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, swa_full_tokens_ratio=40 / 256,
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True,
+                 swa_full_tokens_ratio=40 / 256,
                  chunked_prefill_size=7, max_running_requests=4)
     try:
         assert eng.core.runner.pool.window_pages == 40
@@ -109,6 +111,43 @@ def test_small_window_pool_concurrent_shared_prefix_chunked(tiny) -> None:
         outs = eng.generate(input_ids=sharing[::-1], sampling_params=GREEDY)
         assert ids_of(outs) == ref[::-1]
         assert sum(o["meta_info"]["cached_tokens_details"]["device"] for o in outs) > 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_prefixes_come_back_from_l2_and_from_l3_after_a_restart(tiny, tmp_path) -> None:
+    """With the window pool, prefixes demoted to L2 (a small L1) and read from L3 by a restarted engine
+    carry their sliding layers' KV (the host page's sliding part, flagged valid): HF's tokens, hits."""
+    path, ps, ref = tiny
+    _, others = tier_prompts()
+    l3 = {"hicache_storage_backend": "lmdb", "hicache_storage_prefetch_policy": "wait_complete",
+          "hicache_storage_backend_extra_config": {"path": str(tmp_path / "l3"), "capacity_gb": 0.05,
+                                                   "initial_map_mb": 1},
+          "hicache_storage_prefetch_threshold": 8, "hicache_storage_load_policy": "always_load"}
+
+    def engine(**kw) -> Engine:
+        return Engine(model_path=str(path), page_size=PS, max_total_tokens=256, hicache_ratio=4.0,
+                      hicache_write_policy="write_through", write_through_threshold=1, max_running_requests=2,
+                      enable_hybrid_swa_memory=True, **l3, **kw)
+
+    eng = engine()
+    try:
+        assert eng.core.runner.pool.windows is not None  # the window pool is on
+        assert _stepped(eng, ps, GREEDY) == ref
+        eng.generate(input_ids=others, sampling_params=GREEDY)  # pushes ps out of L1
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        assert ids_of(outs) == ref
+        assert sum(o["meta_info"]["cached_tokens_details"]["host"] for o in outs) > 0, [o["meta_info"] for o in outs]
+        eng.core.storage.poll(wait=True)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    eng = engine()  # a restart: L1 and L2 empty
+    try:
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        assert ids_of(outs) == ref
+        assert all(o["meta_info"]["cached_tokens_details"]["storage"] > 0 for o in outs), [o["meta_info"] for o in outs]
         eng.check_integrity()
     finally:
         eng.shutdown()
