@@ -150,6 +150,8 @@ class ReqCache:
     def chunk(self, req: Req, n: int) -> int:
         """The prompt tokens of ``req`` a pass computes when ``n`` would fit: ``n``, or fewer for a
         state model whose captures need the pass to end earlier (RequestStates.chunk)."""
+        if self.windows is not None and n > 0:  # a hybrid SWA L1: the chunk's window pages must fit its pool
+            n = min(n, self.windows.chunk_limit(req))
         return n if self.states is None or n <= 0 else self.states.chunk(req, n)
 
     def _take_state_slots(self, req: Req) -> bool:

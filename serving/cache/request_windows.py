@@ -54,6 +54,15 @@ class RequestWindows:
             self.make_room(short)
         return self.windows.assign(pages)
 
+    def chunk_limit(self, req: Req) -> int:
+        """The most new tokens a pass of ``req`` may compute: window pages for all of them, beside the two
+        windows it keeps (before its position and before its prompt's end), must fit the window pool
+        even when nothing else holds it; a longer chunk would never find room (it would wait forever)."""
+        ps = self.page_size
+        per_window = -(-(self.window - 1) // ps) + 1
+        pages = max(1, self.windows.num_pages - 2 * per_window - 1)
+        return max(1, pages * ps - req.kv.kv_len % ps)
+
     def prompt_end(self, req: Req) -> int:
         """Where the same prompt asked again would resume (its matchable end, whole pages)."""
         return (len(req.input_ids) - 1) // self.page_size * self.page_size

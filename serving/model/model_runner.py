@@ -138,9 +138,7 @@ class ModelRunner:
         """The KV layers that go to a window pool (hicache/tiers/window_pages.py): the sliding ones with
         --enable-hybrid-swa-memory, unless --disable-hybrid-swa-memory, tensor parallelism (the window
         table is not sent to other ranks) or a CUDA device (its graphs' static buffers and the page-move
-        kernels do not take the window pool yet). Opt-in: a prefill chunk needs window pages for all of
-        its tokens, and a chunk larger than the window pool's free pages does not run (the chunk is not
-        cut to fit yet)."""
+        kernels do not take the window pool yet). Opt-in for now (docs/models.md says why)."""
         if not sched.enable_hybrid_swa_memory or sched.disable_hybrid_swa_memory or self.tp.is_parallel:
             return ()
         if self.device.type == "cuda" and any(w is not None for w in self.layer_stack.windows):

@@ -151,3 +151,26 @@ def test_prefixes_come_back_from_l2_and_from_l3_after_a_restart(tiny, tmp_path) 
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_a_prompt_longer_than_the_window_pool_runs_in_chunks_that_fit(tiny) -> None:
+    """A 120-token prompt (30 pages) in one pass would need 30 window pages, more than the 26-page window pool
+    (a 256-token L1, ratio 0.4) will ever have free: it never ran (a stall). Its passes are now cut so their
+    window pages fit (ReqCache.chunk), and it gives HF's tokens."""
+    path = tiny[0]
+    rng = random.Random(17)
+    prompt = [rng.randrange(1, 511) for _ in range(120)]
+    ref = hf_greedy(path, [prompt], GREEDY["max_new_tokens"])
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=256, enable_hybrid_swa_memory=True,
+                 swa_full_tokens_ratio=0.4)
+    try:
+        windows = eng.core.runner.pool.windows
+        assert windows is not None and windows.num_pages == 26
+        from serving.structs.request import Req
+        from serving.structs.sampling_params import SamplingParams
+
+        probe = Req("probe", prompt, SamplingParams())
+        assert eng.core.req_cache.chunk(probe, 120) <= (26 - 2 * PER_WINDOW - 1) * PS  # the cut
+        assert _stepped(eng, [prompt], GREEDY) == ref
+    finally:
+        eng.shutdown()
