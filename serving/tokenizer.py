@@ -45,6 +45,14 @@ class Tokenizer:
         self.hf = load_tokenizer(path)
         self.path = path
         self._large = threading.BoundedSemaphore(LARGE_AT_ONCE)
+        # the token the tokenizer puts before a text by default (Gemma's <bos>; None: it adds none)
+        plain, special = list(self.hf.encode("a", add_special_tokens=False)), list(self.hf.encode("a"))
+        self.bos_id: int | None = special[0] if len(special) == len(plain) + 1 and special[1:] == plain else None
+
+    def prompt_ids(self, ids: list[int]) -> list[int]:
+        """A raw-text prompt's ids as vLLM / SGLang feed them: the tokenizer's BOS first when it adds one
+        and the text does not already start with it (a chat template writes its own)."""
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """The text's token ids. With ``max_tokens``, a text longer than PIECE_CHARS is counted

@@ -233,7 +233,7 @@ class EngineCore:
                 raise InvalidRequest("this model has no tokenizer; send input_ids")
             if not isinstance(text, str):
                 raise InvalidRequest("text must be a string")
-            input_ids = self.tokenizer.encode(text)
+            input_ids = self.tokenizer.prompt_ids(self.tokenizer.encode(text))  # BOS as vLLM / SGLang add it
         check_prompt(input_ids, self.runner.arch.vocab_size, self.runner.context_len)  # scheduler/prompt_check.py
         params = sampling_params if isinstance(sampling_params, SamplingParams) else \
             SamplingParams.from_dict(sampling_params)

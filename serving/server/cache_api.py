@@ -79,7 +79,7 @@ async def _ids(ctx: ServerContext, body: KVRequest) -> list[int]:
     if body.messages is not None:
         ids = await run_in_threadpool(ctx.chat_ids, [msg.as_template_dict() for msg in body.messages])
     elif body.prompt is not None:
-        ids = await run_in_threadpool(ctx.encode, body.prompt)
+        ids = await run_in_threadpool(ctx.prompt_ids, body.prompt)
     else:
         ids = list(body.input_ids or [])
     vocab = int(ctx.info["vocab_size"])

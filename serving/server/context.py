@@ -79,6 +79,11 @@ class ServerContext:
             raise APIError(400, f"the prompt has at least {self.context_len} tokens (counting stopped there); "
                                 f"this model's context length is {self.context_len}") from None
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """A raw-text prompt (completions, /generate, Ollama's generate, /cache lookups): its ids with the
+        tokenizer's BOS where it adds one (Tokenizer.prompt_ids); a chat template's text is encoded as is."""
+        return self.tokenizer.prompt_ids(self.encode(text))
+
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; chat needs one")

@@ -60,7 +60,7 @@ async def generate(request: Request) -> Any:
     score = params.get("max_new_tokens") == 0 or scoring(params, opts is not None and opts.start_len not in (None, -1))
     if score:
         params["max_new_tokens"] = 1  # a prefill: the one token is dropped (serving.server.fanout)
-    ids = [await run_in_threadpool(ctx.encode, p) if isinstance(p, str) else p for p in prompts]  # off the loop
+    ids = [await run_in_threadpool(ctx.prompt_ids, p) if isinstance(p, str) else p for p in prompts]  # off the loop
     reqs = [
         ctx.make_request(
             p,

@@ -212,7 +212,7 @@ async def generate(request: Request) -> Any:
     if not body.prompt:  # Ollama: an empty prompt only loads the model
         return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
     if body.raw:
-        ids = await run_in_threadpool(ctx.encode, body.prompt)
+        ids = await run_in_threadpool(ctx.prompt_ids, body.prompt)
     else:
         ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     return await _run(request, ctx, body, ids, "response", lambda t: t)

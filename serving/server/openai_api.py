@@ -200,7 +200,7 @@ async def completions(request: Request) -> Any:
         params["max_new_tokens"] = 1  # a prefill: the one token is dropped (serving.server.fanout)
     reqs, prompt_ids = [], []
     for i, prompt in enumerate(body.prompt):
-        ids = await run_in_threadpool(ctx.encode, prompt) if isinstance(prompt, str) else prompt
+        ids = await run_in_threadpool(ctx.prompt_ids, prompt) if isinstance(prompt, str) else prompt
         prompt_ids.append(ids)
         reqs.append(
             ctx.make_request(ids, params, body.session_id, prompt_param="prompt",

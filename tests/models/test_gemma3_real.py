@@ -194,6 +194,16 @@ def test_server_answers_a_completion(model_dir: Path, hf_model, tokenizer) -> No
             "model": "gemma-3-270m", "prompt": COMPLETION, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["text"]
+        # without "<bos>" in the text the server adds it, as vLLM / SGLang do (the tokenizer adds one): the same
+        # prompt, the same answer; /generate's text too
+        bare = httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "model": "gemma-3-270m", "prompt": COMPLETION.removeprefix("<bos>"), "max_tokens": 8, "temperature": 0})
+        assert bare.status_code == 200, bare.text
+        assert bare.json()["choices"][0]["text"] == text
+        assert bare.json()["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+        gen = httpx.post(s.url + "/generate", timeout=120, json={
+            "text": COMPLETION.removeprefix("<bos>"), "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        assert gen.status_code == 200 and gen.json()["text"] == text, gen.text
     assert "Paris" in text, text
     assert text == hf_greedy_text(hf_model, tokenizer, tokenizer(COMPLETION, add_special_tokens=False)["input_ids"], 8)
 
