@@ -98,6 +98,31 @@ def until_seen(sock: socket.socket, marker: bytes) -> bytes:
     return out
 
 
+def one_answer(sock: socket.socket) -> bytes:
+    """One whole answer whose body is sized by Content-Length (the connection stays open); fails
+    when the peer closes first, and on the socket's own timeout."""
+    head, _, body = until_seen(sock, b"\r\n\r\n").partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
+                  if line.startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, head + body
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def get_after_idle(raw: RawHttp, path: str, idle_s: float) -> list[bytes]:
+    """Two GETs of ``path`` on one connection, ``idle_s`` apart: both answers. Fails when the peer
+    closed the connection while it was idle (an empty read, or a reset)."""
+    with raw.connect() as sock:
+        answers = []
+        for pause in (idle_s, 0.0):
+            sock.sendall(raw.request_line("GET", path) + b"\r\n")
+            answers.append(one_answer(sock))
+            time.sleep(pause)
+        return answers
+
+
 def answer_of(raw: bytes, status: int) -> dict:
     """The JSON body of a whole answer that has ``status`` and closes the connection (its body
     sized by Content-Length or chunked); fails when the status or the ``Connection: close`` differ."""

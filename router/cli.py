@@ -107,7 +107,7 @@ def serve(cfg: RouterConfig) -> int:
     server = _Server(
         uvicorn.Config(
             create_app(cfg), host=cfg.host, port=cfg.port, http=protocol_class(cfg), log_level=cfg.log_level,
-            access_log=False, lifespan="on"
+            access_log=False, lifespan="on", timeout_keep_alive=cfg.timeout_keep_alive
         )
     )
     server.run()

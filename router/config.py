@@ -87,6 +87,9 @@ class RouterConfig:
     header_timeout_s: float = 30.0
     body_timeout_s: float = 300.0  # a request's whole body must arrive within this many seconds, else 408
     body_idle_timeout_s: float = 30.0  # and with no gap between its bytes longer than this, else 408
+    # uvicorn's flag: an idle kept-alive connection is closed after this many seconds; longer than
+    # clients keep one to reuse (httpx and the OpenAI SDK: 5 s), so a reuse never races the close
+    timeout_keep_alive: float = 75.0
     # routing keys cover at most this many tokens of a prompt, and the tokenizer sees at most 8 characters
     # per token of it (unset: the workers' context length, else 131072)
     max_routing_tokens: int | None = None
@@ -119,7 +122,7 @@ class RouterConfig:
         if self.tokenizer_workers < 0 or not 0 <= self.shared_l3_weight <= self.l2_weight <= 1:
             raise ValueError("tokenizer_workers must be >= 0 and 0 <= shared_l3_weight <= l2_weight <= 1")
         for name in ("max_tree_size", "max_concurrent_requests", "circuit_failure_threshold", "max_sessions",
-                     "max_leases", "max_worker_pages", "max_request_bytes"):
+                     "max_leases", "max_worker_pages", "max_request_bytes", "timeout_keep_alive"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_retries < 0 or self.max_queued_requests < 0:

@@ -43,7 +43,7 @@ class RouterThread:
 
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host=cfg.host, port=cfg.port, http=protocol_class(cfg, count),
-                           log_level="warning", lifespan="on")
+                           log_level="warning", lifespan="on", timeout_keep_alive=cfg.timeout_keep_alive)
         )
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)

@@ -91,6 +91,9 @@ class ServerConfig:
     header_timeout_s: float = 30.0
     body_timeout_s: float = 300.0  # a request's whole body must arrive within this many seconds, else 408
     body_idle_timeout_s: float = 30.0  # and with no gap between its bytes longer than this, else 408
+    # uvicorn's flag: an idle kept-alive connection is closed after this many seconds; longer than
+    # clients keep one to reuse (httpx and the OpenAI SDK: 5 s), so a reuse never races the close
+    timeout_keep_alive: float = 75.0
     # uvicorn's flag: past this many open connections plus running requests, new requests get HTTP 503
     # (unset: no limit; idle and slow connections count too, so a low value lets them lock clients out)
     limit_concurrency: int | None = None
@@ -140,7 +143,7 @@ class ServerConfig:
             raise ValueError("engine_call_timeout_s must be positive")
         if self.max_json_depth < 2:
             raise ValueError("max_json_depth must be at least 2")
-        for name in ("header_timeout_s", "body_timeout_s", "body_idle_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "body_idle_timeout_s", "timeout_keep_alive"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:

@@ -162,6 +162,7 @@ def run_server(cfg: AppConfig) -> int:
                                     lambda status, message, path: error_body(status, message), log,
                                     "hicache_http_connections_closed_total"),
                 limit_concurrency=cfg.server.limit_concurrency,
+                timeout_keep_alive=cfg.server.timeout_keep_alive,
                 log_level=cfg.server.log_level,
                 access_log=False,  # serving.server.access_log writes one (route templates, durations)
                 lifespan="on",

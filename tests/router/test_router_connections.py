@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from harness.raw_http import RawHttp, answer_of, assert_openai_408
+from harness.raw_http import RawHttp, answer_of, assert_openai_408, get_after_idle
 from router.config import RouterConfig
 from router.embedded import RouterThread
 
@@ -108,3 +108,12 @@ def test_transfer_encoding_with_content_length_is_refused_and_closed(router: Rou
         err = answer_of(raw.until_closed(sock, t0), 400)
     assert err["type"] == "error" and "Transfer-Encoding and Content-Length" in err["error"]["message"], err
     assert router.connections_closed["ambiguous_framing"] - before == 1
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_reuse(raw: RawHttp) -> None:
+    """httpx (and the OpenAI SDK on it) reuses an idle connection for up to 5 s; a server that
+    closes one after the same 5 s (uvicorn's default) races the client's next request on it, which
+    then fails with a ReadError (the soak's abuser saw one in CI at 32f6c83)."""
+    idle_s = httpx.Limits().keepalive_expiry + 1.0
+    for answer in get_after_idle(raw, "/list_workers", idle_s):
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]

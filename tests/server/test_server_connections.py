@@ -27,7 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.raw_http import RawHttp, assert_openai_408, until_seen
+from harness.raw_http import RawHttp, assert_openai_408, get_after_idle, until_seen
 from harness.server_utils import READY, ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
@@ -168,3 +168,12 @@ def test_past_limit_concurrency_requests_are_503_until_connections_close(server:
 
 def test_the_ready_line_names_the_url(server: ServerProcess) -> None:
     assert f"{READY} {server.url}\n" in server.log(), server.log()[-2000:]
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_reuse(raw: RawHttp) -> None:
+    """httpx (and the OpenAI SDK on it) reuses an idle connection for up to 5 s; a server that
+    closes one after the same 5 s (uvicorn's default) races the client's next request on it, which
+    then fails with a ReadError (the soak's abuser saw one in CI at 32f6c83)."""
+    idle_s = httpx.Limits().keepalive_expiry + 1.0
+    for answer in get_after_idle(raw, "/health", idle_s):
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
