@@ -75,10 +75,10 @@ class SchedulerConfig:
     kv_cache_gb: float | None = None  # L1 KV capacity in GiB (alternative to max_total_tokens)
     mem_fraction_static: float = 0.85  # CUDA: share of free GPU memory for weights + KV
     # Models with recurrent-state layers (SGLang's name): L1 state slots, 3 per running request (its working
-    # slot, 2 captures) and the tree's snapshots; default 4 per running request + 8, on CUDA within the GPU's
-    # budget (mamba_full_memory_ratio) unless --max-total-tokens / --kv-cache-gb size L1
+    # slot, 2 captures) and the tree's snapshots; default 4 per running request + 8, their bytes within
+    # mamba_full_memory_ratio of the KV cache's (on CUDA sized by budget: that share of the budget)
     max_mamba_cache_size: int | None = None
-    # the default state slots' share of the GPU budget: their bytes at most this times the KV cache's (SGLang's name)
+    # the default state slots' bytes at most this times the KV cache's (SGLang's name)
     mamba_full_memory_ratio: float = 0.9
     # Models with sliding-window layers: keep their KV in L1 only where a window can still read it (a window
     # pool beside the full layers' pages; opt-in for now: CPU only, no TP / PD, see docs/models.md)

@@ -29,11 +29,20 @@ KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": to
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
-def state_slots_for(max_running_requests: int) -> int:
-    """L1 state slots of a model with state layers: three for every running request (its working slot
-    and two captures, serving/cache/request_states.py), as many again for the tree's snapshots, and a
-    few spare."""
-    return 4 * max_running_requests + 8
+STATE_FLOOR_BYTES = 256 * 2**20  # the default state slots may always take this much (tiny models: every slot)
+
+
+def state_slots_for(max_running_requests: int, slot_bytes: int = 0, kv_bytes: int = 0, ratio: float = 0.0) -> int:
+    """The default L1 state slots of a model with state layers: three for every running request (its
+    working slot and two captures, serving/cache/request_states.py), as many again for the tree's
+    snapshots, and a few spare; with ``slot_bytes``, at most what fits in ``ratio`` x ``kv_bytes`` (L1's
+    KV bytes; --mamba-full-memory-ratio) or STATE_FLOOR_BYTES, whichever is more, and never fewer than
+    4 (one request's 3 and a snapshot)."""
+    slots = 4 * max_running_requests + 8
+    if slot_bytes <= 0:
+        return slots
+    fit = int(max(ratio * kv_bytes, STATE_FLOOR_BYTES)) // slot_bytes
+    return min(slots, max(fit, 4))
 
 
 def swa_pages(num_pages: int, layers: int, window_layers: int, sched: SchedulerConfig,
@@ -105,7 +114,8 @@ class ModelRunner:
         self.state_pool: DeviceStatePool | None = None
         if self.layer_stack.state_layers:
             state_layout = self.model.state_layout(self.dtype)
-            slots = self._min_over_ranks(self._state_slots(state_layout.bytes_per_slot(), sched))
+            slot_bytes = state_layout.bytes_per_slot()
+            slots = self._min_over_ranks(self._state_slots(slot_bytes, layout.bytes_per_token(), sched))
             self.state_pool = DeviceStatePool(state_layout, slots, self.device)
             log.info("L1 state pool: %d slots x %d state layers (%.2f MiB a slot, %.2f GiB)", slots,
                      len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
@@ -176,15 +186,18 @@ class ModelRunner:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
         return int(t.item())
 
-    def _state_slots(self, slot_bytes: int, sched: SchedulerConfig) -> int:
+    def _state_slots(self, slot_bytes: int, per_token: int, sched: SchedulerConfig) -> int:
         """L1 state slots: --max-mamba-cache-size, else :func:`state_slots_for`; on CUDA with L1 sized by
         the GPU's budget, at most the share ``r / (1 + r)`` of that budget (``r``: --mamba-full-memory-ratio,
-        the state's bytes against the KV cache's), so the KV pages keep the rest."""
+        the state's bytes against the KV cache's), so the KV pages keep the rest; else at most ``r`` x the
+        KV bytes L1 is asked for (--max-total-tokens, --kv-cache-gb, the CPU default)."""
         if sched.max_mamba_cache_size is not None:
             return sched.max_mamba_cache_size
-        slots = state_slots_for(sched.max_running_requests)
         if self.device.type != "cuda" or sched.max_total_tokens is not None or sched.kv_cache_gb is not None:
-            return slots
+            kv_bytes = sizing.l1_request(sched.max_total_tokens, sched.kv_cache_gb, per_token,
+                                         CPU_DEFAULT_KV_TOKENS * per_token, "").nbytes
+            return state_slots_for(sched.max_running_requests, slot_bytes, kv_bytes, sched.mamba_full_memory_ratio)
+        slots = state_slots_for(sched.max_running_requests)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = max(0, int(free - total * (1 - sched.mem_fraction_static)))
         ratio = sched.mamba_full_memory_ratio

@@ -1,13 +1,15 @@
 """Models with recurrent-state layers in the engine (issue 43): a tiny random Qwen3.5 (Gated DeltaNet +
 gated attention) and Nemotron-H (Mamba2 + attention + MLP blocks), float32 on CPU. Each request computes
-its state in a working slot of the L1 state pool (zeroed at admission, given back at release); the tree's
-state snapshots are not wired to requests yet, so a state model's prefix is recomputed: a repeated prompt
-gives HF's greedy tokens and reports no cached tokens, chunked prefills and concurrent requests keep
-their own states, a retracted request starts again from the zero state, and no slot leaks."""
+its state in a working slot of the L1 state pool and leaves snapshots to the tree
+(serving/cache/request_states.py), so a repeated prompt resumes from one: it gives HF's greedy tokens and
+reports cached tokens; chunked prefills and concurrent requests keep their own states, a retracted
+request resumes exactly, no slot leaks, and the state pool's default size stays within
+--mamba-full-memory-ratio of the KV cache's bytes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.engine_cases import ids_of, prompts
 from harness.model_utils import hf_greedy, tiny_model
@@ -76,3 +78,27 @@ def test_state_pool_size_is_sglangs_max_mamba_cache_size(tiny) -> None:
         eng.shutdown()
     with pytest.raises(ValueError, match="max_mamba_cache_size must be at least 4"):
         Engine(model_path=str(path), page_size=4, max_total_tokens=256, max_mamba_cache_size=3)
+
+
+def test_the_default_state_pool_of_the_9b_shape_stays_within_the_kv_ratio(tmp_path) -> None:
+    """Qwen3.5's default text config (the 9B shape: 24 DeltaNet layers, ~51 MiB a state slot) on CPU:
+    the default slots (4 per running request + 8: 264 at the default 64, 13 GiB) are capped so their
+    bytes stay within --mamba-full-memory-ratio (0.9) x the KV cache's (the CPU default's 16384 tokens)."""
+    from transformers import Qwen3_5TextConfig
+
+    from hicache.tiers.device import KVLayout
+    from serving.model.model_runner import CPU_DEFAULT_KV_TOKENS, STATE_FLOOR_BYTES, state_slots_for
+    from serving.models.config import ModelArchConfig
+    from serving.models.registry import get_model_class
+
+    Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"]).save_pretrained(tmp_path)
+    arch = ModelArchConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = get_model_class(arch.architectures)(arch)
+    slot_bytes = model.state_layout(torch.float32).bytes_per_slot()
+    per_token = KVLayout(len(model.layer_stack.kv_layers), arch.num_key_value_heads, arch.head_dim,
+                         torch.float32).bytes_per_token()
+    kv_bytes = CPU_DEFAULT_KV_TOKENS * per_token
+    slots = state_slots_for(64, slot_bytes, kv_bytes, 0.9)
+    assert 4 * 64 + 8 > slots >= 4, slots
+    assert slots * slot_bytes <= max(0.9 * kv_bytes, STATE_FLOOR_BYTES), (slots, slot_bytes, kv_bytes)
