@@ -11,6 +11,12 @@ payload first, then a 64-byte trailer, little-endian::
     StateLayout order (HostStatePool.slot_bytes)  payload_nbytes u64 | xxh3_64 u64 | key digest 16 bytes |
                                                   zero padding
 
+Under tensor parallelism (``parts`` > 1) each rank holds its own heads' share of a snapshot and stores it
+as its own value, as it stores its part of each page (per-rank entries): part ``r`` of ``parts`` under
+:func:`part_key` (a hash of the state key and ``r/parts``, for every part, rank 0's too, so a TP=1 value
+and a TP=2 part never share a key even where the pages' keys coincide). A snapshot is on L3 only when
+every part is: :meth:`StateStore.find_deepest` of a ``parts`` > 1 store answers every part's payload.
+
 The layout digest names the tensors' shapes and dtypes, so a value of another model shape is never
 served. A value is served only if its size, every trailer field, the key digest (the key it was read
 under) and the payload's XXH3-64 match; anything else is counted ``state_corrupt``, deleted (so a later
@@ -19,6 +25,7 @@ write can replace it) and is a miss: the prefix is recomputed, never resumed fro
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
 import threading
@@ -35,6 +42,23 @@ MAGIC = b"HCST"
 FORMAT_VERSION = 1
 _TRAILER = struct.Struct("<4sHHQQQ16s")  # 48 bytes of fields, zero-padded to TRAILER_SIZE
 log = logging.getLogger("hicache.storage")
+
+
+def part_key(page_key: str, part: int = 0, parts: int = 1) -> str:
+    """The L3 key of part ``part`` of ``parts`` of the snapshot after the page whose key is ``page_key``:
+    ``state_key(page_key)`` when whole (``parts`` == 1), else a hash of it and ``"<part>/<parts>"``."""
+    if not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts}")
+    key = state_key(page_key)
+    if parts == 1:
+        return key
+    h = hashlib.blake2b(bytes.fromhex(key), digest_size=16, person=b"hicache-tpstate")
+    h.update(f"{part}/{parts}".encode())
+    return h.hexdigest()
+
+
+class StateParts(tuple):
+    """Every tensor-parallel rank's payload of one snapshot, rank order (what a ``parts`` > 1 store finds)."""
 
 
 def layout_digest(layout: StateLayout) -> int:
@@ -73,15 +97,18 @@ class StateCodec:
 
 class StateStore:
     """Snapshots on one :class:`StorageBackend` (see the module docstring), under the state keys of
-    their page keys.
+    their page keys: this store writes part ``part`` of ``parts`` (a tensor-parallel rank's share; every
+    part has the same layout) and finds snapshots whose every part is stored.
 
     Concurrency contract: thread-safe (the backend is; the counters are locked). The write-back's writer
     threads call :meth:`put`, the prefetcher's lookup threads :meth:`find_deepest`; neither touches
     the tree. Never raises because of the store (the backend's misses and failures are misses).
     """
 
-    def __init__(self, backend: StorageBackend, layout: StateLayout) -> None:
+    def __init__(self, backend: StorageBackend, layout: StateLayout, part: int = 0, parts: int = 1) -> None:
+        part_key("00" * 16, part, parts)  # checks the part
         self.backend = backend
+        self.part, self.parts = part, parts
         self.codec = StateCodec(layout)
         self._lock = threading.Lock()
         self._warn = RateLimitedLog(log)
@@ -90,30 +117,37 @@ class StateStore:
 
     def put(self, page_key: str, payload: bytes) -> bool:
         """Store the snapshot after the page whose key is ``page_key``; True when L3 holds it (now or
-        already: equal keys mean equal values)."""
-        key = state_key(page_key)
+        already: equal keys mean equal values). This store's part."""
+        key = part_key(page_key, self.part, self.parts)
         if self.backend.exists(key):
             return True
         ok = self.backend.set(key, self.codec.encode(key, payload))
         self._count("state_stored" if ok else "state_store_failed")
         return ok
 
-    def find_deepest(self, page_keys: Sequence[str]) -> tuple[int, bytes] | None:
+    def put_slot(self, page_key: str, pool, slot: int) -> bool:  # noqa: ANN001 (a HostStatePool)
+        """:meth:`put` of L2 state slot ``slot`` of ``pool`` (its bytes)."""
+        return self.put(page_key, pool.slot_bytes(slot))
+
+    def find_deepest(self, page_keys: Sequence[str]) -> tuple[int, bytes | StateParts] | None:
         """The deepest good snapshot after one of ``page_keys`` (consecutive pages): ``(i + 1,
-        payload)`` for the one after ``page_keys[i]``, or None. Deepest first; a corrupt one is a miss
-        (deleted) and the search goes on above it."""
+        payload)`` for the one after ``page_keys[i]``, or None; the payload is a :class:`StateParts` of
+        every part's when ``parts`` > 1. Deepest first; a snapshot with a corrupt part is a miss (the
+        corrupt parts deleted) and the search goes on above it; one with a part missing is absent."""
         for i in range(len(page_keys) - 1, -1, -1):
-            key = state_key(page_keys[i])
-            if not self.backend.exists(key):
+            keys = [part_key(page_keys[i], r, self.parts) for r in range(self.parts)]
+            if not all(self.backend.exists(k) for k in keys):
                 continue
-            payload = self.codec.decode(key, self.backend.get(key))
-            if payload is not None:
+            payloads = [self.codec.decode(k, self.backend.get(k)) for k in keys]
+            if all(p is not None for p in payloads):
                 self._count("state_hits")
-                return i + 1, payload
+                return i + 1, payloads[0] if self.parts == 1 else StateParts(payloads)
             self._count("state_corrupt")
-            self._warn.warning("state_corrupt", "L3: the state snapshot %s failed its check (corrupt or short); "
-                               "deleted, and its prefix is recomputed", key)
-            self.backend.delete(key)
+            for k, p in zip(keys, payloads, strict=True):
+                if p is None:
+                    self._warn.warning("state_corrupt", "L3: the state snapshot %s failed its check (corrupt or "
+                                       "short); deleted, and its prefix is recomputed", k)
+                    self.backend.delete(k)
         if page_keys:
             self._count("state_misses")
         return None

@@ -207,7 +207,7 @@ class WriteBack:
             state = False
             if w.state_slot is not None and present + wrote == len(ks) and last is not None:
                 pool, store = self.states
-                state = store.put(last, pool.slot_bytes(w.state_slot))
+                state = store.put_slot(last, pool, w.state_slot)
             out.append((present + wrote, wrote, state))
         return out
 

@@ -2,8 +2,9 @@
 
 It owns no scheduler and no tree: rank 0 decides, this process moves bytes and computes.
 Its main thread runs the command pipe in order (forward passes, L1 <-> L2 copies of pages and
-state snapshots, a state model's slot zeroing and copies); a second
-thread answers L3 reads and writes, each only after the command it follows has run. It exits
+state snapshots, a state model's slot zeroing and copies, its part of a snapshot read from L3 into an
+L2 slot); a second thread answers L3 reads and writes (pages, its part of a snapshot), each only
+after the command it follows has run. It exits
 when rank 0's pipe closes (rank 0 gone) and non-zero when a command fails (rank 0's monitor
 then stops the engine).
 """
@@ -99,11 +100,16 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     controller = CacheController(runner.pool, host_pool, (state, host_state) if host_state is not None else None) \
         if host_pool is not None else None
     tier = make_rank_tier(config, runner.pool.layout) if host_pool is not None and cache.storage_enabled else None
+    states = None  # a state model's L2 state pool and this rank's part of the snapshots on L3
+    if tier is not None and host_state is not None:
+        from hicache.tiers.storage_state import StateStore
+
+        states = (host_state, StateStore(tier.backend, host_state.layout, rank, size))
     progress = _Progress(1)  # Setup was command 1
     workers = 2 + cache.hicache_storage_read_threads  # rank 0's reader threads, its writer, a check
     counts = (runner.pool.num_pages, host_pool.num_pages if host_pool is not None else 0,
               setup.state_slots, setup.host_state_slots)
-    threading.Thread(target=_serve_requests, args=(rpc, counts, tier, host_pool, progress,
+    threading.Thread(target=_serve_requests, args=(rpc, counts, tier, host_pool, states, progress,
                                                    config.model.dist_timeout, workers),
                      name="tp-requests", daemon=True).start()
     try:
@@ -126,6 +132,8 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
                 runner.forward(fb)  # the logits are rank 0's to sample from
             elif isinstance(cmd, msg.StateOps):
                 apply_ops(state, cmd.ops)
+            elif isinstance(cmd, msg.StateLoad):
+                host_state.load_slot_bytes(cmd.slot, cmd.payload)
             elif isinstance(cmd, msg.Moves):
                 last = controller.execute([_Move(*m) for m in cmd.moves])
                 if last is not None:
@@ -139,16 +147,19 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
         destroy_tp_group(tp)
 
 
-def _serve_requests(rpc: Connection, counts: tuple, tier, host_pool, progress: _Progress,  # noqa: ANN001
+def _serve_requests(rpc: Connection, counts: tuple, tier, host_pool, states, progress: _Progress,  # noqa: ANN001
                     timeout: float, workers: int) -> None:
-    """Rank 0's requests that are not commands: L3 reads and writes, integrity checks."""
+    """Rank 0's requests that are not commands: L3 reads and writes (pages, this rank's part of a state
+    snapshot), integrity checks."""
 
-    def handle(req: msg.L3Get | msg.L3Set | msg.Check) -> object:
+    def handle(req: msg.L3Get | msg.L3Set | msg.L3StateSet | msg.Check) -> object:
         ran = progress.wait(req.after, min(timeout, req.wait_s) if isinstance(req, msg.Check) else timeout)
         if isinstance(req, msg.Check):
             return (progress.done, *counts)
         if not ran or tier is None:
             return 0  # never read a page whose backup has not run: a miss / a failed write
+        if isinstance(req, msg.L3StateSet):
+            return 0 if states is None else int(states[1].put_slot(req.page_key, states[0], req.slot))
         if isinstance(req, msg.L3Get):
             return tier.batch_get(req.keys, host_pool, req.pages)
         return tier.batch_set(req.keys, host_pool, req.pages)

@@ -11,7 +11,8 @@ command, before the next command: every rank's state slots hold its heads' state
 sequences. L3 reads and writes (rank 0's
 background threads) are mirrored by :class:`TPStorageTier`: every rank moves its own part of
 the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as read, written
-or present only when every rank's part is.
+or present only when every rank's part is; a state model's snapshots likewise, per rank
+(serving/parallel/state_l3.py).
 
 Faults: a monitor thread watches the followers; one that exits takes the engine down with a
 message naming it, and every collective has ``--dist-timeout``. In the server's engine process
@@ -47,6 +48,7 @@ from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
 from serving.parallel.rank import cpu_threads_per_rank
 from serving.parallel.rpc import RpcClient
 from serving.parallel.shard import ShardPlan
+from serving.parallel.state_l3 import TPStateStore, mirror_loads
 from serving.parallel.state_ops import record_writes
 
 log = logging.getLogger(__name__)
@@ -142,21 +144,29 @@ class TPLeader:
             c.send(cmd)
         self.seq += 1
 
+    def _send_each(self, make: Callable[[int], Any]) -> None:
+        """One command, ``make(r)`` to follower ``r`` (its own part of something)."""
+        if self.dead is not None:
+            raise RankDied(self.dead)
+        if self._state_ops:  # rank 0's slot writes before this command (see _send)
+            ops = list(self._state_ops)
+            self._state_ops.clear()
+            self._send(msg.StateOps(ops))
+        for r, c in enumerate(self._cmds, start=1):
+            c.send(make(r))
+        self.seq += 1
+
     def setup(self, host_pages: int, state_pool: Any = None, host_state_pool: Any = None) -> None:
         """The first command: the pools' sizes. A state model's L1 ``state_pool`` (a DeviceStatePool)
         gets its writes outside a forward recorded (serving/parallel/state_ops.py); the records go to
         the followers before the next command (:meth:`_send`)."""
         slots = state_pool.num_slots if state_pool is not None else 0
         host_slots = host_state_pool.num_slots if host_state_pool is not None else 0
-        if state_pool is not None and self.config.cache.storage_enabled:
-            raise ValueError(
-                f"--tp-size {self.size} with an L3 tier (--hicache-storage-backend "
-                f"{self.config.cache.hicache_storage_backend}) is not supported for a model with linear-attention / "
-                "Mamba layers yet: its state snapshots on L3 are not split per rank; run with L1 and L2 only, or "
-                "with --tp-size 1")
         self._state_slots = (slots, host_slots)
         if state_pool is not None:
             record_writes(state_pool, self._state_ops)
+        if host_state_pool is not None:  # a snapshot from L3 comes in with every rank's part
+            mirror_loads(host_state_pool, self._send_each)
         self._send(msg.Setup(host_pages, slots, host_slots))
 
     def wrap_forward(self, forward: Callable) -> Callable:
@@ -272,6 +282,12 @@ class TPStorageTier:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tier, name)
+
+    def state_store(self, layout: Any) -> TPStateStore:
+        """A state model's snapshot store: every rank writes its part (serving/parallel/state_l3.py)."""
+        from hicache.tiers.storage_state import StateStore
+
+        return TPStateStore(StateStore(self._tier.backend, layout, 0, self._leader.size), self._leader)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """Leading pages whose every part is in the store (rank 0 asks the shared store)."""

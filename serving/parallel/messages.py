@@ -3,10 +3,11 @@
 Command pipe (followers run them in order on their main thread): ``Forward`` (a forward
 batch's host buffers, and a state model's slots), ``Moves`` (L1 <-> L2 page copies and state
 snapshot copies the tree emitted), ``StateOps`` (the L1 state slot zeroing and copies rank 0 made
-since the last command), ``Stop``. Every command advances a sequence number. Storage pipe (a
-follower thread answers; rank 0 waits): ``L3Get`` / ``L3Set`` with the rank's own keys; each
-names the command sequence number it must follow (``after``), so a page is read for L3 only once
-its L1 -> L2 backup has run.
+since the last command), ``StateLoad`` (the rank's part of a snapshot read from L3, into an L2 state
+slot), ``Stop``. Every command advances a sequence number. Storage pipe (a follower thread answers;
+rank 0 waits): ``L3Get`` / ``L3Set`` with the rank's own keys, ``L3StateSet`` (the rank's part of a
+snapshot); each names the command sequence number it must follow (``after``), so a page or a
+snapshot is written to L3 only once its L1 -> L2 backup has run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class StateOps:
 
 
 @dataclass(frozen=True)
+class StateLoad:
+    """L2 state slot ``slot`` := ``payload`` (this rank's part of a snapshot rank 0 read from L3)."""
+
+    slot: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -74,6 +83,16 @@ class L3Set:
     after: int
     keys: list[str]
     pages: list[int]
+
+
+@dataclass(frozen=True)
+class L3StateSet:
+    """Store this rank's part of L2 state slot ``slot`` as the snapshot after the page keyed ``page_key``
+    (rank 0's key; the part's key is derived from it); the answer is 1 when it is on L3."""
+
+    after: int
+    page_key: str
+    slot: int
 
 
 @dataclass(frozen=True)

@@ -102,14 +102,6 @@ def test_tp2_retracted_requests_resume_exactly(tiny) -> None:
         eng.shutdown()
 
 
-def test_tp2_with_l3_is_refused_with_a_message(tiny, tmp_path) -> None:
-    path = tiny[0]
-    with pytest.raises(ValueError, match="not supported for a model with linear-attention / Mamba layers yet"):
-        Engine(model_path=str(path), page_size=4, max_total_tokens=256, tp_size=2, hicache_storage_backend="lmdb",
-               hicache_storage_backend_extra_config={"path": str(tmp_path / "db"), "capacity_gb": 0.05,
-                                                     "initial_map_mb": 1})
-
-
 def test_state_heads_that_do_not_split_are_refused(tmp_path) -> None:
     with pytest.raises(TPShapeError, match="does not divide the model's 3 Gated DeltaNet key heads"):
         DeltaNetShard.make(3, 6, 16, 16, 0, 2)
