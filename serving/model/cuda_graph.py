@@ -13,6 +13,12 @@ graphs' private memory pool; the decode kernel's split count is fixed per size
 cos/sin table is built for the whole context before capture. Padding rows store no KV
 (slot -1, skipped by the store kernel), attend to one key and are cut from the logits.
 
+A hybrid SWA L1 (``windows``: hicache/tiers/window_pages.py): the sliding layers read through the
+batch's window view (``ForwardBatch.win``: the page table and KV slots in window pages), so the
+static batch has a static window view too (:class:`WindowBuffers`), filled per replay from the
+batch's like the others (padding rows: slot -1); a runner takes only batches that have a window
+view exactly when it has one.
+
 ``capture=False`` keeps the static buffers and padding but runs the forward pass eagerly
 on them: the same code path for tests on a CPU (with Triton's interpreter).
 """
@@ -48,6 +54,30 @@ def decode_splits(batch_size: int, kv_heads: int) -> int:
     return 1 if batch_size * kv_heads >= BUSY_PROGRAMS else MAX_SPLITS
 
 
+class WindowBuffers:
+    """Static buffers of the window view (``ForwardBatch.win``) of a graph runner's static batches:
+    a page table of window pages ``[seqs, max_pages]`` and the new tokens' window slots ``[tokens]``."""
+
+    def __init__(self, seqs: int, tokens: int, max_pages: int, device: torch.device) -> None:
+        self.page_table = torch.zeros((seqs, max_pages), dtype=torch.int32, device=device)
+        self.out_cache_loc = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+
+    def attach(self, static: ForwardBatch, seqs: int, tokens: int) -> ForwardBatch:
+        """``static`` with its window view on these buffers (its first ``seqs`` rows, ``tokens`` slots)."""
+        static.win = static.window_view(self.page_table[:seqs], self.out_cache_loc[:tokens])
+        return static
+
+    def fill(self, win: ForwardBatch, padded_tokens: int) -> None:
+        """Copy a batch's window view in; slots past its tokens up to ``padded_tokens`` store nothing (-1).
+        Padding rows keep stale window pages (valid ids of the pool) and read one key or none."""
+        b, w = win.page_table.shape
+        t = win.out_cache_loc.shape[0]
+        self.page_table[:b, :w].copy_(win.page_table, non_blocking=True)
+        self.out_cache_loc[:t].copy_(win.out_cache_loc, non_blocking=True)
+        if padded_tokens > t:
+            self.out_cache_loc[t:padded_tokens].fill_(-1)
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -59,7 +89,9 @@ class CudaGraphRunner:
         device: torch.device,
         capture: bool = True,
         keep_alive: object = None,
+        windows: bool = False,
     ) -> None:
+        """``windows``: the pool has a window pool (a hybrid SWA L1): batches come with a window view."""
         self.forward = forward
         self.sizes = sorted(batch_sizes)
         self.max_bs = self.sizes[-1]
@@ -81,6 +113,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, **i32)
         self.extend_start = torch.arange(n, **i32)
         self.page_table = torch.zeros((n, self.max_pages), **i32)
+        self.win = WindowBuffers(n, n, self.max_pages, device) if windows else None
         self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -89,7 +122,7 @@ class CudaGraphRunner:
             self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
+        fb = ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], prefix_lens=self.prefix_lens[:bs],
             extend_lens=self.extend_lens[:bs], seq_lens=self.seq_lens[:bs], extend_start=self.extend_start[:bs],
             page_table=self.page_table[:bs], out_cache_loc=self.out_cache_loc[:bs], page_size=self.page_size,
@@ -97,6 +130,7 @@ class CudaGraphRunner:
             prefix_lens_list=[self.context_len - 1] * bs, extend_lens_list=[1] * bs,
             decode_splits=decode_splits(bs, self.kv_heads),
         )
+        return fb if self.win is None else self.win.attach(fb, bs, bs)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -129,6 +163,7 @@ class CudaGraphRunner:
             and 0 < batch.batch_size <= self.max_bs
             and batch.page_size == self.page_size
             and batch.page_table.shape[1] <= self.max_pages
+            and (batch.win is not None) == (self.win is not None)
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -143,6 +178,8 @@ class CudaGraphRunner:
         self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
         self.out_cache_loc[:b].copy_(batch.out_cache_loc, non_blocking=True)
         self.page_table[:b, :w].copy_(batch.page_table, non_blocking=True)
+        if self.win is not None:
+            self.win.fill(batch.win, bs)
         if bs > b:  # padding rows: no KV stored, one key read
             self.out_cache_loc[b:bs].fill_(-1)
             self.seq_lens[b:bs].fill_(1)

@@ -26,6 +26,9 @@ tokens and 16 sequences): their static batch asks for every token row of the buc
 (``logit_rows`` a static buffer, the batch's rows first, the rest pointing at row 0), so the
 output is ``[sequences + tokens, vocab]`` and the batch's rows are cut from it.
 
+A hybrid SWA L1: the static batches have a static window view (``ForwardBatch.win``), filled per
+replay as in the decode graphs (``serving.model.cuda_graph.WindowBuffers``).
+
 ``capture=False`` keeps the buckets, static buffers and padding but runs the forward pass
 eagerly on them: the same code path for tests on a CPU (Triton's interpreter).
 """
@@ -38,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from serving.model.cuda_graph import WindowBuffers
 from serving.structs.forward_batch import ForwardBatch, GraphLayerWaits
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,9 @@ class ExtendGraphRunner:
         capture: bool = True,
         keep_alive: object = None,
         row_buckets: list[tuple[int, int]] = (),
+        windows: bool = False,
     ) -> None:
+        """``windows``: the pool has a window pool (a hybrid SWA L1): batches come with a window view."""
         self.forward = forward
         self.buckets = sorted(set(buckets))  # by tokens, then sequences: the first fit is the smallest
         self.max_tokens = max(t for t, _ in self.buckets)
@@ -103,6 +109,7 @@ class ExtendGraphRunner:
         self.extend_start = torch.zeros(n, **i32)
         self.page_table = torch.zeros((n, self.max_pages), **i32)
         self.logit_rows = torch.zeros(t, **i64)  # the extra rows of a row graph's batch (then row 0)
+        self.win = WindowBuffers(n, t, self.max_pages, device) if windows else None
         self.waits = GraphLayerWaits.create(num_layers, device)
         self.row_buckets = sorted(set(row_buckets) & set(self.buckets))
         # key (tokens, sequences, rows?): the row graphs ask for every token row besides the last ones
@@ -116,7 +123,7 @@ class ExtendGraphRunner:
             self._capture_all()
 
     def _static_batch(self, t: int, s: int, rows: bool = False) -> ForwardBatch:
-        return ForwardBatch(
+        fb = ForwardBatch(
             input_ids=self.input_ids[:t], positions=self.positions[:t], prefix_lens=self.prefix_lens[:s],
             extend_lens=self.extend_lens[:s], seq_lens=self.seq_lens[:s], extend_start=self.extend_start[:s],
             page_table=self.page_table[:s], out_cache_loc=self.out_cache_loc[:t], page_size=self.page_size,
@@ -125,6 +132,7 @@ class ExtendGraphRunner:
             prefix_lens_list=[self.context_len] * s, extend_lens_list=[0] * s,
             extend_bucket=(t, s), layer_waits=self.waits, logit_rows=self.logit_rows[:t] if rows else None,
         )
+        return fb if self.win is None else self.win.attach(fb, s, t)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -161,6 +169,7 @@ class ExtendGraphRunner:
             and batch.page_size == self.page_size
             and batch.page_table.shape[1] <= self.max_pages
             and batch.max_seq_len <= self.context_len
+            and (batch.win is not None) == (self.win is not None)
             and self.bucket_for(batch.num_tokens, batch.batch_size, batch.logit_rows is not None) is not None
         )
 
@@ -180,6 +189,8 @@ class ExtendGraphRunner:
                             (self.seq_lens, batch.seq_lens), (self.extend_start, batch.extend_start)):
             static[:b].copy_(src, non_blocking=True)
         self.page_table[:b, :w].copy_(batch.page_table, non_blocking=True)
+        if self.win is not None:
+            self.win.fill(batch.win, tb)
         if tb > t:  # padding tokens: no KV stored, cut from the output
             self.input_ids[t:tb].zero_()
             self.positions[t:tb].zero_()

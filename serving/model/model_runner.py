@@ -146,13 +146,10 @@ class ModelRunner:
 
     def _window_layers(self, sched: SchedulerConfig) -> tuple[int, ...]:
         """The KV layers that go to a window pool (hicache/tiers/window_pages.py): the sliding ones with
-        --enable-hybrid-swa-memory, unless --disable-hybrid-swa-memory, tensor parallelism (the window
-        table is not sent to other ranks) or a CUDA device (its graphs' static buffers and the page-move
-        kernels do not take the window pool yet). Opt-in for now (docs/models.md says why)."""
+        --enable-hybrid-swa-memory, unless --disable-hybrid-swa-memory or tensor parallelism (the window
+        table is not sent to other ranks). On CUDA too: the graphs have a static window view and the
+        page mover moves window pages. Opt-in for now (docs/models.md says why)."""
         if not sched.enable_hybrid_swa_memory or sched.disable_hybrid_swa_memory or self.tp.is_parallel:
-            return ()
-        if self.device.type == "cuda" and any(w is not None for w in self.layer_stack.windows):
-            log.info("hybrid SWA L1: off on CUDA for now (every sliding layer keeps every token's KV)")
             return ()
         return tuple(j for j, w in enumerate(self.layer_stack.windows) if w is not None)
 
@@ -160,7 +157,7 @@ class ModelRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
         runner = CudaGraphRunner(
             self._forward_eager, sizes, self.context_len, self.pool.page_size, self.kv_heads,
-            self.device, capture=capture)
+            self.device, capture=capture, windows=self.pool.windows is not None)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables: keep them even if regrown
             runner.keep_alive = rotary.built_tables()
@@ -172,7 +169,7 @@ class ModelRunner:
         (``row_buckets``: also for batches asking the logits of every position, see ExtendGraphRunner)."""
         runner = ExtendGraphRunner(
             self._forward_eager, buckets, self.context_len, self.pool.page_size, len(self.layer_stack.kv_layers),
-            self.device, capture=capture, row_buckets=row_buckets)
+            self.device, capture=capture, row_buckets=row_buckets, windows=self.pool.windows is not None)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
             runner.keep_alive = rotary.built_tables()

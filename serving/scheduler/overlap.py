@@ -78,6 +78,8 @@ class OverlapScheduler:
         ids = fb.input_ids
         rows = (-1 - ids).clamp_(min=0)
         fb.input_ids = torch.where(ids < 0, self.prev.tokens[rows], ids)
+        if fb.win is not None:  # a hybrid SWA pool's window view (CPU's fused decoder embeds through it)
+            fb.win.input_ids = fb.input_ids
         return fb
 
     def finish(self, logits: torch.Tensor, rows: list[int], done: list[Req]) -> list[Req]:

@@ -195,7 +195,12 @@ class ForwardBatch:
             i64, i32 = i64.pin_memory().to(dev, non_blocking=True), i32.pin_memory().to(dev, non_blocking=True)
         elif dev.type != "cpu":
             i64, i32 = i64.to(dev), i32.to(dev)
-        self.win = replace(self, page_table=i32.view(len(seqs), width), out_cache_loc=i64, host=None, win=None)
+        self.win = self.window_view(i32.view(len(seqs), width), i64)
+
+    def window_view(self, page_table: torch.Tensor, out_cache_loc: torch.Tensor) -> ForwardBatch:
+        """This batch as the sliding layers of a hybrid SWA pool see it: ``page_table`` / ``out_cache_loc`` in
+        window pages, every other field shared (``set_window``'s; the CUDA graph runners' static ``win``)."""
+        return replace(self, page_table=page_table, out_cache_loc=out_cache_loc, host=None, win=None)
 
     @staticmethod
     def build(
