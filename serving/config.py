@@ -81,7 +81,7 @@ class SchedulerConfig:
     # the default state slots' bytes at most this times the KV cache's (SGLang's name)
     mamba_full_memory_ratio: float = 0.9
     # Models with sliding-window layers: keep their KV in L1 only where a window can still read it (a window
-    # pool beside the full layers' pages; opt-in for now: CPU only, no TP / PD, see docs/models.md)
+    # pool beside the full layers' pages; opt-in for now: no TP / PD, see docs/models.md)
     enable_hybrid_swa_memory: bool = False
     # the window pool's tokens per token of the full layers' pages (SGLang's name)
     swa_full_tokens_ratio: float = 0.8

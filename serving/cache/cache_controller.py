@@ -29,7 +29,7 @@ from hicache.tiers.device import DeviceKVPool
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.host_state import HostStatePool, copy_slots
 from hicache.tiers.state_pool import DeviceStatePool
-from serving.kernels.page_copy_hybrid import make_page_mover
+from serving.kernels.page_copy import PageMover
 
 
 class _GpuLoad(Future):
@@ -81,8 +81,8 @@ class CacheController:
         self._stream = torch.cuda.Stream(device_pool.device, priority=-1) if device_pool.device.type == "cuda" \
             else None
         self._lock = threading.Lock()
-        self._backup_mover = make_page_mover(device_pool, host_pool)  # a hybrid SWA pool: its window pages too
-        self._load_mover = make_page_mover(device_pool, host_pool)
+        self._backup_mover = PageMover(device_pool, host_pool)  # a hybrid SWA pool: its window pages too
+        self._load_mover = PageMover(device_pool, host_pool)
         self.pages_backed_up = 0
         self.pages_loaded = 0
         self.state_slots_moved = 0  # snapshots backed up or loaded (scheduler thread only)

@@ -1,7 +1,14 @@
 """Moving scattered pages between the L1 pool and the L2 host pool.
 
 Every move covers all layers, K and V, of a whole list of pages (never one copy call per
-page).
+page). An L2 page holds every KV layer in one row order (K of each KV layer, then V of each).
+
+A hybrid SWA L1 (hicache/tiers/window_pages.py) keeps its sliding layers in a window buffer
+indexed by window pages: a page's full layers move from / to its logical page, its sliding
+layers from / to its window page where it has one (``windows.map``). A backup of a page without
+one leaves its host page's sliding rows stale and says so (``host.sliding_valid``); a load fills
+the window pages of the pages that have one (the caller gives window pages only to pages whose
+host flag is valid and whose window KV a reader needs).
 
 - CUDA with a pinned host pool: one Triton kernel per move (``page_copy_triton``) reads the
   device pool and writes pinned host memory through its UVA address (or the reverse), in
@@ -12,7 +19,9 @@ page).
   Loads (L2 -> L1) run on the caller's current stream (the controller's side stream),
   after pending backups and after the work already queued on the model's stream; a
   *layered* load launches once per layer and records an event after each, so a forward
-  pass can start layer ``i`` as soon as layer ``i``'s KV has landed.
+  pass can start layer ``i`` as soon as layer ``i``'s KV has landed. With a window buffer a
+  move is one launch per run of host rows that sit in one buffer in the same order (full and
+  sliding layers interleave in the host's order; ``_runs``).
 - CPU, or an unpinned host pool: torch indexing through reused staging buffers (on CUDA
   the gather runs on the device, one bulk copy crosses PCIe, the scatter runs on the host).
 """
@@ -24,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hicache.tiers.device import DeviceKVPool
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.kv_codec import storage_dtype
 
@@ -51,15 +61,33 @@ def host_page_dim(host: HostKVPool) -> int:
 
 
 class PageMover:
-    """Copies pages between one device pool buffer and one host pool. One user at a time
-    per direction (the controller serializes loads on one thread; backups run on the
-    scheduler thread)."""
+    """Copies pages between one L1 pool (a :class:`DeviceKVPool`, its window buffer included, or one
+    pool buffer of every layer) and one host pool. One user at a time per direction (the controller
+    serializes loads on one thread; backups run on the scheduler thread)."""
 
-    def __init__(self, kv_buffer: torch.Tensor, host: HostKVPool, use_kernel: bool | None = None) -> None:
-        self.dev = flat(kv_buffer.view(storage_dtype(kv_buffer.dtype)))  # [2L, P, X]; an fp8 L1 moves as bytes
+    def __init__(self, pool: DeviceKVPool | torch.Tensor, host: HostKVPool, use_kernel: bool | None = None) -> None:
+        kv_buffer = pool if isinstance(pool, torch.Tensor) else pool.kv_buffer
+        self.dev = flat(kv_buffer.view(storage_dtype(kv_buffer.dtype)))  # [2Lf, P, X]; an fp8 L1 moves as bytes
         self.host = host
-        self._bufs: dict[str, torch.Tensor] = {}
+        self.windows = None if isinstance(pool, torch.Tensor) else pool.windows
+        self.win: torch.Tensor | None = None  # the window buffer, flat: [2Ls, W, X]
+        nl = self.dev.shape[0] // 2  # KV layers (all of them in one buffer)
+        full, sliding = tuple(range(nl)), ()
+        if self.windows is not None:
+            assert pool.win_buffer is not None
+            self.win = flat(pool.win_buffer.view(storage_dtype(pool.win_buffer.dtype)))
+            nl, full, sliding = pool.layout.num_layers, pool.full_layers, pool.window_layers
+        self.layers = nl
+        # host row -> (buffer 0: full / 1: window, its row there)
+        self.row_of = [None] * (2 * nl)
+        for b, layers in enumerate((full, sliding)):
+            for kv in (0, 1):
+                for row, i in enumerate(layers):
+                    self.row_of[kv * nl + i] = (b, kv * len(layers) + row)
         dev = self.dev.device
+        self._full_idx = torch.tensor([kv * nl + i for kv in (0, 1) for i in full], dtype=torch.int64, device=dev)
+        self._win_idx = torch.tensor([kv * nl + i for kv in (0, 1) for i in sliding], dtype=torch.int64, device=dev)
+        self._bufs: dict[str, torch.Tensor] = {}
         can = dev.type == "cuda" and host.buffer.is_pinned() and host.encoding == "raw"  # encoded: read/write_pages
         self.use_kernel = can if use_kernel is None else (use_kernel and can)
         if self.use_kernel:
@@ -71,21 +99,24 @@ class PageMover:
     def _warm_up(self) -> None:
         """Compile both directions now, on this thread (Triton's first launch compiles; the
         loader thread and the scheduler thread should not both do that at once). Moves page
-        0 out and back, so the pools hold what they held."""
-        from serving.kernels.page_copy_triton import move_pages
-
+        0 (and window page 0) out and back, so the pools hold what they held."""
+        hdim = host_page_dim(self.host)
         ids = torch.zeros(1, dtype=torch.int64, device=self.dev.device)
-        saved = self.host.buffer.select(host_page_dim(self.host), 0).clone()
-        move_pages(self.dev, 1, ids, self.host.buffer, host_page_dim(self.host), ids)
-        move_pages(self.host.buffer, host_page_dim(self.host), ids, self.dev, 1, ids)
-        if LOAD_PROGRAMS is not None:  # a layered load's capped kernel too (a first build takes ~1 s)
-            move_pages(self.host.buffer, host_page_dim(self.host), ids, self.dev, 1, ids, max_programs=1)
+        saved = self.host.buffer.select(hdim, 0).clone()
+        every = [(0, 2 * self.layers)]
+        self.move(True, (ids,) * 4, every)
+        self.move(False, (ids,) * 4, every)
+        if LOAD_PROGRAMS is not None:  # a layered load's capped kernels too (a first build takes ~1 s)
+            for lo in range(0, self.layers, LAYER_GROUP):
+                hi = min(self.layers, lo + LAYER_GROUP)
+                self.move(False, (ids,) * 4, [(lo, hi), (self.layers + lo, self.layers + hi)], max_programs=1)
         torch.cuda.synchronize(self.dev.device)
-        self.host.buffer.select(host_page_dim(self.host), 0).copy_(saved)
+        self.host.buffer.select(hdim, 0).copy_(saved)
 
-    # -- staging path (CPU, unpinned host) --------------------------------------------
+    # -- staging path (CPU, unpinned or encoded host) -----------------------------------
     def _staging(self, name: str, n: int, device: torch.device, pin: bool = False) -> torch.Tensor:
-        rows, x = self.dev.shape[0], self.dev.shape[2]
+        """``[2L, n, X]``: ``n`` pages of every KV layer in the host's row order."""
+        rows, x = 2 * self.layers, self.dev.shape[2]
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < rows * n * x:
             buf = torch.empty(rows * n * x, dtype=self.dev.dtype, device=device, pin_memory=pin)
@@ -95,12 +126,58 @@ class PageMover:
     def _ids(self, pages: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(list(pages), dtype=torch.int64, device=device)
 
+    def _windowed(self, device_pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(indexes into ``device_pages`` of the pages with a window page, their window pages)."""
+        if self.windows is None:
+            return [], []
+        m = self.windows.map
+        idx = [i for i, p in enumerate(device_pages) if m[p] >= 0]
+        return idx, [m[device_pages[i]] for i in idx]
+
     # -- kernel path ------------------------------------------------------------------
-    def _dev_ids(self, src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
-        """``[2, n]`` int64 on the GPU, copied on the current stream from one of a few reused
-        pinned buffers (a fresh pinned tensor per call can cost a ``cudaHostAlloc``, i.e.
-        hundreds of microseconds during which the GPU waits)."""
-        n = len(src)
+    def _runs(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """Host rows ``lo .. hi - 1`` as ``(buffer, host row, buffer row, n)`` runs of consecutive rows."""
+        runs: list[tuple[int, int, int, int]] = []
+        for h in range(lo, hi):
+            b, d = self.row_of[h]
+            if runs and runs[-1][0] == b and runs[-1][1] + runs[-1][3] == h and runs[-1][2] + runs[-1][3] == d:
+                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+            else:
+                runs.append((b, h, d, 1))
+        return runs
+
+    def id_lists(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The kernel's page ids: ``device_pages`` then their window pages, and the host pages of each."""
+        idx, wins = self._windowed(device_pages)
+        return list(device_pages) + wins, list(host_pages) + [host_pages[i] for i in idx]
+
+    def move(self, to_host: bool, ids: tuple[torch.Tensor, ...], host_rows: Sequence[tuple[int, int]],
+             max_programs: int | None = None) -> None:
+        """Launch the copies of host row ranges ``host_rows`` on the current stream. ``ids``: (logical pages,
+        their host pages, window pages, their host pages) as tensors where the kernel runs (a window page's
+        rows go to / come from its logical page's host page)."""
+        from serving.kernels.page_copy_triton import move_pages
+
+        hdim, hb = host_page_dim(self.host), self.host.buffer
+        bufs = (self.dev, self.win)
+        for lo, hi in host_rows:
+            for b, h_lo, d_lo, n in self._runs(lo, hi):
+                d_ids, h_ids = ids[2 * b], ids[2 * b + 1]
+                if d_ids.numel() == 0:
+                    continue
+                h = hb[:, h_lo: h_lo + n] if hdim == 0 else hb[h_lo: h_lo + n]
+                d = bufs[b][d_lo: d_lo + n]
+                if to_host:
+                    move_pages(d, 1, d_ids, h, hdim, h_ids)
+                else:
+                    move_pages(h, hdim, h_ids, d, 1, d_ids, max_programs=max_programs)
+
+    def _dev_ids(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """``move``'s ids on the GPU, copied on the current stream from one of a few reused pinned
+        buffers (a fresh pinned tensor per call can cost a ``cudaHostAlloc``, i.e. hundreds of
+        microseconds during which the GPU waits)."""
+        src, dst = self.id_lists(device_pages, host_pages)
+        n, k = len(src), len(device_pages)
         slot = self._ids_next = (getattr(self, "_ids_next", -1) + 1) % len(self._ids_ring)
         buf, event = self._ids_ring[slot]
         if buf is None or buf.shape[1] < n:
@@ -115,18 +192,15 @@ class PageMover:
         event = torch.cuda.Event()
         event.record()
         self._ids_ring[slot] = (buf, event)
-        return ids
+        return ids[0, :k], ids[1, :k], ids[0, k:], ids[1, k:]
 
     def _kernel_backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        from serving.kernels.page_copy_triton import move_pages
-
         ready = torch.cuda.Event()
         ready.record(self._main)  # every KV write queued so far
         s = self._backup_stream
         s.wait_event(ready)
         with torch.cuda.stream(s):
-            ids = self._dev_ids(device_pages, host_pages)
-            move_pages(self.dev, 1, ids[0], self.host.buffer, host_page_dim(self.host), ids[1])
+            self.move(True, self._dev_ids(device_pages, host_pages), [(0, 2 * self.layers)])
             done = torch.cuda.Event()
             done.record(s)
         self._main.wait_event(done)  # freed L1 pages are rewritten only after the copy
@@ -138,8 +212,6 @@ class PageMover:
         ``LAYER_GROUP`` layers, each group followed by an event; returns one event per layer
         (a group's layers share theirs) that a forward pass waits for before that layer
         reads its KV."""
-        from serving.kernels.page_copy_triton import move_pages
-
         s = torch.cuda.current_stream(self.dev.device)
         if s != self._main:
             after = torch.cuda.Event()
@@ -148,18 +220,15 @@ class PageMover:
         pending = self.host.pending_write
         if pending is not None:
             s.wait_event(pending)  # a backup still writing host pages
-        ids = self._dev_ids(host_pages, device_pages)
+        ids = self._dev_ids(device_pages, host_pages)
+        nl = self.layers  # host row r: K of layer r (< L), V of layer r - L
         if not layered:
-            move_pages(self.host.buffer, host_page_dim(self.host), ids[0], self.dev, 1, ids[1])
+            self.move(False, ids, [(0, 2 * nl)])
             return None
-        layers = self.dev.shape[0] // 2  # row r of the flat pool: K of layer r (< L), V of layer r - L
-        hdim = host_page_dim(self.host)
         events = []
-        for lo in range(0, layers, LAYER_GROUP):
-            hi = min(layers, lo + LAYER_GROUP)
-            for rows in (slice(lo, hi), slice(layers + lo, layers + hi)):  # K rows, then V rows
-                src = self.host.buffer[:, rows] if hdim == 0 else self.host.buffer[rows]
-                move_pages(src, hdim, ids[0], self.dev[rows], 1, ids[1], max_programs=LOAD_PROGRAMS)
+        for lo in range(0, nl, LAYER_GROUP):
+            hi = min(nl, lo + LAYER_GROUP)
+            self.move(False, ids, [(lo, hi), (nl + lo, nl + hi)], max_programs=LOAD_PROGRAMS)  # K rows, V rows
             ev = torch.cuda.Event()
             ev.record(s)
             events += [ev] * (hi - lo)
@@ -171,17 +240,28 @@ class PageMover:
             raise ValueError("device_pages and host_pages differ in length")
         if not device_pages:
             return
+        if self.windows is not None:  # which host pages get their sliding rows
+            m = self.windows.map
+            for p, hp in zip(device_pages, host_pages, strict=True):
+                self.host.sliding_valid[hp] = 1 if m[p] >= 0 else 0
         if self.use_kernel:
             self._kernel_backup(device_pages, host_pages)
             return
         n, dev = len(device_pages), self.dev.device
-        gathered = torch.index_select(self.dev, 1, self._ids(device_pages, dev),
-                                      out=self._staging("out_dev", n, dev))  # [2L, n, X]
+        st = self._staging("out_dev", n, dev)  # [2L, n, X] in the host's row order
+        if self.win is None:
+            torch.index_select(self.dev, 1, self._ids(device_pages, dev), out=st)
+        else:
+            st[self._full_idx] = self.dev.index_select(1, self._ids(device_pages, dev))
+            idx, wins = self._windowed(device_pages)
+            if idx:
+                got = self.win.index_select(1, self._ids(wins, dev))  # [2Ls, k, X]
+                st[self._win_idx[:, None], self._ids(idx, dev)[None, :]] = got
         if dev.type != "cpu":
             pinned = self._staging("out_host", n, torch.device("cpu"), pin=self.host.pin)
-            pinned.copy_(gathered)
-            gathered = pinned
-        self.host.write_pages(self._ids(host_pages, torch.device("cpu")), gathered)
+            pinned.copy_(st)
+            st = pinned
+        self.host.write_pages(self._ids(host_pages, torch.device("cpu")), st)
 
     def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int],
                        non_blocking: bool = False) -> None:
@@ -204,7 +284,14 @@ class PageMover:
             staged = self._staging("in_dev", n, dev)
             staged.copy_(src, non_blocking=non_blocking)
             src = staged
-        self.dev.index_copy_(1, self._ids(device_pages, dev), src)
+        if self.win is None:
+            self.dev.index_copy_(1, self._ids(device_pages, dev), src)
+            return
+        self.dev.index_copy_(1, self._ids(device_pages, dev), src.index_select(0, self._full_idx))
+        idx, wins = self._windowed(device_pages)
+        if idx:
+            part = src.index_select(0, self._win_idx).index_select(1, self._ids(idx, dev))
+            self.win.index_copy_(1, self._ids(wins, dev), part)
 
     def host_to_device_layered(self, host_pages: Sequence[int],
                                device_pages: Sequence[int]) -> list[torch.cuda.Event]:
