@@ -122,7 +122,8 @@ class EngineCore:
             self.controller = CacheController(
                 pool, self.host_pool, (state, self.host_state_pool) if state is not None else None)
         if self.tp is not None:
-            self.tp.setup(self.host_pool.num_pages if self.host_pool else 0, state, self.host_state_pool)
+            self.tp.setup(self.host_pool.num_pages if self.host_pool else 0, state, self.host_state_pool,
+                          pool.windows)
         self.tree = HiRadixTree.from_config(
             cache, pool.allocator, self.host_pool.allocator if self.host_pool else None,
             state_device=state, state_host=self.host_state_pool)

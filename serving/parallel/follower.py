@@ -2,9 +2,9 @@
 
 It owns no scheduler and no tree: rank 0 decides, this process moves bytes and computes.
 Its main thread runs the command pipe in order (forward passes, L1 <-> L2 copies of pages and
-state snapshots, a state model's slot zeroing and copies, its part of a snapshot read from L3 into an
-L2 slot); a second thread answers L3 reads and writes (pages, its part of a snapshot), each only
-after the command it follows has run. It exits
+state snapshots, a state model's slot zeroing and copies, a hybrid SWA L1's window map entries,
+its part of a snapshot read from L3 into an L2 slot); a second thread answers L3 reads and writes
+(pages, its part of a snapshot), each only after the command it follows has run. It exits
 when rank 0's pipe closes (rank 0 gone) and non-zero when a command fails (rank 0's monitor
 then stops the engine).
 """
@@ -24,6 +24,7 @@ import torch
 from serving.config import EngineConfig
 from serving.parallel import messages as msg
 from serving.parallel.rpc import serve_rpc
+from serving.parallel.window_map import map_digest
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     from serving.parallel.group import destroy_tp_group, init_tp_group
     from serving.parallel.rank import cpu_threads_per_rank, make_rank_tier
     from serving.parallel.state_ops import apply_ops
+    from serving.parallel.window_map import MapMirror
     from serving.structs.forward_batch import ForwardBatch
 
     device = torch.device(config.model.device)
@@ -105,11 +107,12 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
         from hicache.tiers.storage_state import StateStore
 
         states = (host_state, StateStore(tier.backend, host_state.layout, rank, size))
+    mirror = MapMirror(runner.pool.windows) if runner.pool.windows is not None else None  # a hybrid SWA L1
     progress = _Progress(1)  # Setup was command 1
     workers = 2 + cache.hicache_storage_read_threads  # rank 0's reader threads, its writer, a check
     counts = (runner.pool.num_pages, host_pool.num_pages if host_pool is not None else 0,
               setup.state_slots, setup.host_state_slots)
-    threading.Thread(target=_serve_requests, args=(rpc, counts, tier, host_pool, states, progress,
+    threading.Thread(target=_serve_requests, args=(rpc, counts, mirror, tier, host_pool, states, progress,
                                                    config.model.dist_timeout, workers),
                      name="tp-requests", daemon=True).start()
     try:
@@ -129,9 +132,13 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
                     fb.logit_rows = torch.tensor(cmd.logit_rows, dtype=torch.int64, device=device)
                 if cmd.state is not None:
                     fb.set_state(*cmd.state)
+                if mirror is not None:  # the sliding layers' view, through rank 0's window map
+                    mirror.window_view(fb, cmd.i64, cmd.i32)
                 runner.forward(fb)  # the logits are rank 0's to sample from
             elif isinstance(cmd, msg.StateOps):
                 apply_ops(state, cmd.ops)
+            elif isinstance(cmd, msg.WindowMap):
+                mirror.apply(cmd.pages, cmd.values)
             elif isinstance(cmd, msg.StateLoad):
                 host_state.load_slot_bytes(cmd.slot, cmd.payload)
             elif isinstance(cmd, msg.Moves):
@@ -147,15 +154,15 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
         destroy_tp_group(tp)
 
 
-def _serve_requests(rpc: Connection, counts: tuple, tier, host_pool, states, progress: _Progress,  # noqa: ANN001
-                    timeout: float, workers: int) -> None:
+def _serve_requests(rpc: Connection, counts: tuple, mirror, tier, host_pool, states,  # noqa: ANN001
+                    progress: _Progress, timeout: float, workers: int) -> None:
     """Rank 0's requests that are not commands: L3 reads and writes (pages, this rank's part of a state
     snapshot), integrity checks."""
 
     def handle(req: msg.L3Get | msg.L3Set | msg.L3StateSet | msg.Check) -> object:
         ran = progress.wait(req.after, min(timeout, req.wait_s) if isinstance(req, msg.Check) else timeout)
         if isinstance(req, msg.Check):
-            return (progress.done, *counts)
+            return (progress.done, *counts, map_digest(mirror.windows if mirror is not None else None))
         if not ran or tier is None:
             return 0  # never read a page whose backup has not run: a miss / a failed write
         if isinstance(req, msg.L3StateSet):

@@ -8,7 +8,9 @@ carries its state slots, the tree's snapshot copies are moves, and rank 0's own 
 state pool outside a forward (a request's working slot zeroed or copied from its match's snapshot at
 admission) are recorded by :meth:`TPLeader.setup`'s wrap of that pool and sent, as one ``StateOps``
 command, before the next command: every rank's state slots hold its heads' state of the same
-sequences. L3 reads and writes (rank 0's
+sequences. A hybrid SWA L1's window map likewise: rank 0's writes to it are sent, as one ``WindowMap``
+command, before the next command (serving/parallel/window_map.py), so every rank's sliding layers
+read and move the same window pages. L3 reads and writes (rank 0's
 background threads) are mirrored by :class:`TPStorageTier`: every rank moves its own part of
 the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as read, written
 or present only when every rank's part is; a state model's snapshots likewise, per rank
@@ -50,6 +52,7 @@ from serving.parallel.rpc import RpcClient
 from serving.parallel.shard import ShardPlan
 from serving.parallel.state_l3 import TPStateStore, mirror_loads
 from serving.parallel.state_ops import record_writes
+from serving.parallel.window_map import map_digest, record_map, take_notes
 
 log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
@@ -129,6 +132,8 @@ class TPLeader:
         self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
         self.seq = 0  # commands sent
         self._state_ops: list[tuple[str, int, int]] = []  # L1 state slot writes not sent yet (see setup)
+        self._win_notes: dict[int, int] = {}  # window map entries written, not sent yet (see setup)
+        self._windows: Any = None  # a hybrid SWA L1's WindowPages (setup)
         self._state_slots = (0, 0)  # a state model's L1 / L2 state slot counts (setup)
         self.check_wait_s: float | None = None  # how long a check waits for a follower (None: dist_timeout)
 
@@ -136,35 +141,45 @@ class TPLeader:
     def _send(self, cmd: Any) -> None:
         if self.dead is not None:
             raise RankDied(self.dead)
-        if self._state_ops:  # rank 0 made them before this command: the followers too
-            ops = list(self._state_ops)
-            self._state_ops.clear()  # (the list record_writes appends to)
-            self._send(msg.StateOps(ops))
+        self._flush_notes()
         for c in self._cmds:
             c.send(cmd)
         self.seq += 1
+
+    def _flush_notes(self) -> None:
+        """What rank 0 wrote outside a command since the last one (L1 state slots, window map entries):
+        the followers do the same before the next command."""
+        if self._state_ops:
+            ops = list(self._state_ops)
+            self._state_ops.clear()  # (the list record_writes appends to)
+            self._send(msg.StateOps(ops))
+        notes = take_notes(self._win_notes)
+        if notes is not None:
+            self._send(msg.WindowMap(*notes))
 
     def _send_each(self, make: Callable[[int], Any]) -> None:
         """One command, ``make(r)`` to follower ``r`` (its own part of something)."""
         if self.dead is not None:
             raise RankDied(self.dead)
-        if self._state_ops:  # rank 0's slot writes before this command (see _send)
-            ops = list(self._state_ops)
-            self._state_ops.clear()
-            self._send(msg.StateOps(ops))
+        self._flush_notes()
         for r, c in enumerate(self._cmds, start=1):
             c.send(make(r))
         self.seq += 1
 
-    def setup(self, host_pages: int, state_pool: Any = None, host_state_pool: Any = None) -> None:
+    def setup(self, host_pages: int, state_pool: Any = None, host_state_pool: Any = None,
+              windows: Any = None) -> None:
         """The first command: the pools' sizes. A state model's L1 ``state_pool`` (a DeviceStatePool)
-        gets its writes outside a forward recorded (serving/parallel/state_ops.py); the records go to
+        gets its writes outside a forward recorded (serving/parallel/state_ops.py), a hybrid SWA L1's
+        ``windows`` (its WindowPages) its map writes (serving/parallel/window_map.py); the records go to
         the followers before the next command (:meth:`_send`)."""
         slots = state_pool.num_slots if state_pool is not None else 0
         host_slots = host_state_pool.num_slots if host_state_pool is not None else 0
         self._state_slots = (slots, host_slots)
         if state_pool is not None:
             record_writes(state_pool, self._state_ops)
+        self._windows = windows
+        if windows is not None:
+            record_map(windows, self._win_notes)
         if host_state_pool is not None:  # a snapshot from L3 comes in with every rank's part
             mirror_loads(host_state_pool, self._send_each)
         self._send(msg.Setup(host_pages, slots, host_slots))
@@ -223,14 +238,15 @@ class TPLeader:
 
     def check_integrity(self, device_pages: int, host_pages: int) -> None:
         """Every follower has run every command sent so far and has the same pools; AssertionError else."""
+        self._flush_notes()  # a window map's latest writes: the followers' maps must be rank 0's
         wait_s = self.check_wait_s or self.config.model.dist_timeout
         answers = self._answers([c.call(msg.Check(self.seq, wait_s)) for c in self._rpcs], "an integrity check")
-        want = (self.seq, device_pages, host_pages, *self._state_slots)
+        want = (self.seq, device_pages, host_pages, *self._state_slots, map_digest(self._windows))
         for r, answer in enumerate(answers, start=1):
             if tuple(answer) != want:
                 raise AssertionError(
-                    f"tensor-parallel rank {r}: ran {answer[0]} of {self.seq} commands, L1 / L2 pages and state "
-                    f"slots {tuple(answer[1:])} (rank 0: {want[1:]})")
+                    f"tensor-parallel rank {r}: ran {answer[0]} of {self.seq} commands, L1 / L2 pages, state "
+                    f"slots and window map digest {tuple(answer[1:])} (rank 0: {want[1:]})")
 
     # -- faults and shutdown ---------------------------------------------------------------
     def _monitor(self) -> None:

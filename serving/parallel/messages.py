@@ -4,7 +4,8 @@ Command pipe (followers run them in order on their main thread): ``Forward`` (a 
 batch's host buffers, and a state model's slots), ``Moves`` (L1 <-> L2 page copies and state
 snapshot copies the tree emitted), ``StateOps`` (the L1 state slot zeroing and copies rank 0 made
 since the last command), ``StateLoad`` (the rank's part of a snapshot read from L3, into an L2 state
-slot), ``Stop``. Every command advances a sequence number. Storage pipe (a follower thread answers;
+slot), ``WindowMap`` (a hybrid SWA L1's window map entries rank 0 wrote since the last command),
+``Stop``. Every command advances a sequence number. Storage pipe (a follower thread answers;
 rank 0 waits): ``L3Get`` / ``L3Set`` with the rank's own keys, ``L3StateSet`` (the rank's part of a
 snapshot); each names the command sequence number it must follow (``after``), so a page or a
 snapshot is written to L3 only once its L1 -> L2 backup has run.
@@ -67,6 +68,15 @@ class StateLoad:
 
 
 @dataclass(frozen=True)
+class WindowMap:
+    """A hybrid SWA L1's window map: logical page ``pages[i]`` -> window page ``values[i]`` (-1: none),
+    rank 0's writes since the last command (serving/parallel/window_map.py)."""
+
+    pages: np.ndarray
+    values: np.ndarray
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -98,7 +108,8 @@ class L3StateSet:
 @dataclass(frozen=True)
 class Check:
     """check_integrity: the follower answers, once it has run command ``after`` or after
-    ``wait_s`` seconds, with ``(commands run, L1 pages, L2 pages, L1 state slots, L2 state slots)``."""
+    ``wait_s`` seconds, with ``(commands run, L1 pages, L2 pages, L1 state slots, L2 state slots, window
+    map digest)``."""
 
     after: int
     wait_s: float
