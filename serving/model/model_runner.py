@@ -146,10 +146,10 @@ class ModelRunner:
 
     def _window_layers(self, sched: SchedulerConfig) -> tuple[int, ...]:
         """The KV layers that go to a window pool (hicache/tiers/window_pages.py): the sliding ones with
-        --enable-hybrid-swa-memory, unless --disable-hybrid-swa-memory or tensor parallelism (the window
-        table is not sent to other ranks). On CUDA too: the graphs have a static window view and the
-        page mover moves window pages. Opt-in for now (docs/models.md says why)."""
-        if not sched.enable_hybrid_swa_memory or sched.disable_hybrid_swa_memory or self.tp.is_parallel:
+        --enable-hybrid-swa-memory, unless --disable-hybrid-swa-memory. Under tensor parallelism every rank
+        has one (rank 0 sends its window map: serving/parallel/window_map.py). On CUDA too: the graphs have
+        a static window view and the page mover moves window pages. Opt-in for now (docs/models.md says why)."""
+        if not sched.enable_hybrid_swa_memory or sched.disable_hybrid_swa_memory:
             return ()
         return tuple(j for j, w in enumerate(self.layer_stack.windows) if w is not None)
 
