@@ -5,6 +5,11 @@ token: the short convolution's last inputs and the recurrent state (hicache/tier
 A slot holds one sequence's state for every state layer. A running request owns a working slot (the
 model updates it in place, serving.structs.forward_batch's ``state_slots``); snapshots of a state at a
 chosen position (``snap_slots``) are slots too, held by the cache.
+
+With speculative decoding the pool also has **scratch** slots (ids ``scratch_base ..`` past the
+allocatable ones, outside the free list): a verify pass writes a drafting request's state after each
+of its tokens but the last into a run of them, and the accepted position's state is copied into the
+request's working slot (serving/cache/request_states.py). They hold nothing between steps.
 """
 
 from __future__ import annotations
@@ -14,6 +19,16 @@ import torch
 from hicache.tiers.allocator import OutOfPages
 from hicache.tiers.state_layout import StateLayout
 from hicache.tiers.state_slots import StateSlots
+
+VERIFY_ROWS = 8  # requests that may verify drafts in one step (their scratch is reserved)
+
+
+def verify_scratch_slots(num_draft_tokens: int | None, max_running_requests: int) -> int:
+    """Scratch slots for speculative decoding with ``num_draft_tokens`` (the last token and its drafts;
+    None: off): one per draft for up to ``VERIFY_ROWS`` verifying requests a step."""
+    if not num_draft_tokens:
+        return 0
+    return (num_draft_tokens - 1) * max(1, min(VERIFY_ROWS, max_running_requests))
 
 
 class OutOfStateSlots(RuntimeError):
@@ -33,14 +48,18 @@ class DeviceStatePool:
       scheduler's thread, in its stream order (a copy issued after a forward sees its state).
     - :meth:`read_slot` copies to the host and waits for the device: the scheduler calls it
       only off its hot path (tests, a tier move that already waits).
+    - ``scratch`` slots (ids ``scratch_base .. scratch_base + scratch - 1``) are outside the free
+      list (see the module doc); the same writers, the same thread.
     - No locking: one scheduler thread owns the pool.
     """
 
-    def __init__(self, layout: StateLayout, num_slots: int, device: torch.device | str) -> None:
+    def __init__(self, layout: StateLayout, num_slots: int, device: torch.device | str, scratch: int = 0) -> None:
         self.device = torch.device(device)
-        self.slots = StateSlots(layout, num_slots, "state slot", device=self.device)
+        self.slots = StateSlots(layout, num_slots, "state slot", device=self.device, extra=scratch)
         self.layout = layout
         self.num_slots = num_slots
+        self.scratch_base = num_slots
+        self.num_scratch = scratch
 
     @property
     def buffers(self) -> list[list[torch.Tensor]]:
@@ -109,4 +128,4 @@ class DeviceStatePool:
         return self.layout.bytes_per_slot()
 
     def nbytes(self) -> int:
-        return self.bytes_per_slot * self.num_slots
+        return self.bytes_per_slot * (self.num_slots + self.num_scratch)

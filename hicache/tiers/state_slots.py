@@ -26,18 +26,21 @@ class StateSlots:
       :meth:`alloc` raises OutOfPages when fewer are free, a slot freed but not allocated raises
       ValueError). :meth:`alloc` does not zero a slot. The tensors are never resized.
     - ``name`` names a slot in errors ("state slot", "L2 state slot").
+    - ``extra`` rows past ``num_slots`` (ids ``num_slots .. num_slots + extra - 1``) are outside the free
+      list: the owner uses them as it says (L1: speculative verification's scratch).
     - No locking: the owning pool's contract says which thread calls what.
     """
 
     def __init__(self, layout: StateLayout, num_slots: int, name: str, device: torch.device | str = "cpu",
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, extra: int = 0) -> None:
         if layout.num_layers == 0:
             raise ValueError("a state pool needs at least one state layer")
         self.layout = layout
         self.num_slots = num_slots
+        self.extra = extra
         self.name = name
         self.buffers: list[list[torch.Tensor]] = [
-            [torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=device, pin_memory=pin_memory)
+            [torch.zeros((num_slots + extra, *t.shape), dtype=t.dtype, device=device, pin_memory=pin_memory)
              for t in layer]
             for layer in layout.layers
         ]
@@ -82,8 +85,9 @@ class StateSlots:
         self.free_list.check_integrity()
         for layer, bufs in zip(self.layout.layers, self.buffers, strict=True):
             for t, buf in zip(layer, bufs, strict=True):
-                assert buf.shape == (self.num_slots, *t.shape) and buf.dtype == t.dtype, (
-                    f"{self.name} buffer {t.name} is {tuple(buf.shape)} {buf.dtype}, not {(self.num_slots, *t.shape)}"
+                rows = self.num_slots + self.extra
+                assert buf.shape == (rows, *t.shape) and buf.dtype == t.dtype, (
+                    f"{self.name} buffer {t.name} is {tuple(buf.shape)} {buf.dtype}, not {(rows, *t.shape)}"
                 )
 
     # -- contents ------------------------------------------------------------------------------

@@ -21,6 +21,14 @@ Each admitted request holds slots of the L1 state pool (``hicache/tiers/state_po
   of the prompt's positions ends at the first (:meth:`chunk`: one more pass, once); a pass crossing
   several anyway takes the deepest. At release each goes to the node ending at its position.
 
+With speculative decoding a drafting request's verify pass (its last token and ``k`` drafts) takes
+no capture; the pool's scratch (``DeviceStatePool.scratch_base``) gives it ``k`` slots for the step
+(:meth:`reserve_verify`), into which the state layers write the state after each of its tokens but the
+last (``ForwardBatch.set_state``'s ``SNAP_EVERY``), while the working slot ends after the last draft.
+Once the drafts are judged, :meth:`settle_verify` copies the state after the last accepted one into
+the working slot and, when the accepted tokens cross a page boundary, the state there into the rolling
+capture: no rejected draft's token is ever in a state a request keeps or the tree gets.
+
 A capture the tree refuses (that node has one already) goes back to the pool. Snapshots are taken at
 page boundaries because the tree keeps whole pages; tokens past the last full page are recomputed by
 the next request, as for any model.
@@ -32,6 +40,7 @@ from collections.abc import Sequence
 
 from hicache.hiradix import HiRadixTree
 from hicache.tiers.state_pool import DeviceStatePool
+from serving.structs.forward_batch import SNAP_EVERY
 from serving.structs.request import Req
 
 MAX_CAPTURES = 8  # fixed captures a request keeps at most
@@ -55,6 +64,8 @@ class RequestStates:
         self.pool = pool
         self.page_size = page_size
         self.snapshots_attached = 0  # captures the tree took (reporting)
+        self._verify: dict[int, tuple[int, int]] = {}  # this step's verify rows: rid -> (first scratch slot, k)
+        self._scratch_next = pool.scratch_base
 
     def take(self, req: Req, snapshot_slot: int | None) -> bool:
         """Give an admitted ``req`` its working slot and rolling capture, the working one holding the
@@ -86,6 +97,12 @@ class RequestStates:
             kv = req.kv
             start, end = kv.kv_len, kv.kv_len + n
             slots.append(kv.state_slot)
+            verify = self._verify.get(req.rid) if n > 1 else None
+            if verify is not None:  # a verify row: the state after each token but the last, to scratch
+                assert n - 1 <= verify[1], (n, verify)
+                snaps.append(verify[0])
+                offsets.append(SNAP_EVERY)
+                continue
             fixed = self._fixed_position(req, start, end)
             if fixed is not None and self._room_for_capture(kv):
                 slot = self.pool.alloc(1)[0]
@@ -102,6 +119,40 @@ class RequestStates:
                 snaps.append(-1)
                 offsets.append(-1)
         return slots, snaps, offsets
+
+    # -- speculative verification (see the module docstring) -----------------------------------
+    def begin_verify(self) -> None:
+        """A step's drafts are about to be proposed: last step's scratch is free again."""
+        self._verify.clear()
+        self._scratch_next = self.pool.scratch_base
+
+    def verify_room(self) -> int:
+        """Drafts the scratch left this step can verify (for one request)."""
+        return self.pool.scratch_base + self.pool.num_scratch - self._scratch_next
+
+    def reserve_verify(self, req: Req, drafts: int) -> None:
+        """``req`` verifies ``drafts`` drafts this step (at most :meth:`verify_room`): its scratch run."""
+        if not 0 < drafts <= self.verify_room():
+            raise ValueError(f"{drafts} drafts to verify, scratch for {self.verify_room()}")
+        self._verify[req.rid] = (self._scratch_next, drafts)
+        self._scratch_next += drafts
+
+    def settle_verify(self, req: Req, accepted: int) -> None:
+        """``req``'s verify pass ran and ``accepted`` of its drafts were accepted (before ``kv_len``
+        advances past them): the working slot := the state after the last accepted one, and the
+        rolling capture := the state at the last page boundary its accepted tokens crossed."""
+        first, k = self._verify.pop(req.rid)
+        if not 0 <= accepted <= k:
+            raise ValueError(f"{accepted} drafts accepted of {k}")
+        kv = req.kv
+        start = kv.kv_len
+        last = (start + accepted + 1) // self.page_size * self.page_size
+        if kv.snap_slot >= 0 and last > start:
+            j = last - start - 1  # the state of ``last`` tokens: after new token j (j <= accepted)
+            self.pool.copy_slot(first + j if j < k else kv.state_slot, kv.snap_slot)
+            kv.snap_pos = last
+        if accepted < k:
+            self.pool.copy_slot(first + accepted, kv.state_slot)
 
     def chunk(self, req: Req, n: int) -> int:
         """How many of the ``n`` prompt tokens after ``kv.kv_len`` this pass computes: up to the first

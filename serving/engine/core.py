@@ -154,11 +154,6 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
             self.runner.context_len, self.runner.device, self.grammar, prefill_timer)
-        if config.scheduler.speculative_algorithm is not None and self.runner.state_pool is not None:
-            raise ValueError(
-                f"--speculative-algorithm {config.scheduler.speculative_algorithm} is not supported for a model "
-                "with linear-attention / Mamba layers: a rejected draft would leave its tokens in the recurrent "
-                "state (state rollback is not built); start without speculative decoding")
         if config.scheduler.speculative_algorithm is not None:  # NGRAM: drafts from the tree (serving/speculative)
             from serving.speculative.worker import SpeculativeWorker
 

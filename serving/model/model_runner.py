@@ -10,7 +10,7 @@ import torch
 from hicache import sizing
 from hicache.tiers.device import DeviceKVPool, KVLayout
 from hicache.tiers.kv_codec import round_trip_encoding
-from hicache.tiers.state_pool import DeviceStatePool
+from hicache.tiers.state_pool import DeviceStatePool, verify_scratch_slots
 from serving.config import ModelConfig, SchedulerConfig
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
@@ -116,7 +116,10 @@ class ModelRunner:
             state_layout = self.model.state_layout(self.dtype)
             slot_bytes = state_layout.bytes_per_slot()
             slots = self._min_over_ranks(self._state_slots(slot_bytes, layout.bytes_per_token(), sched))
-            self.state_pool = DeviceStatePool(state_layout, slots, self.device)
+            # speculative decoding: scratch for the states after each draft (serving/cache/request_states.py)
+            scratch = verify_scratch_slots(sched.speculative_algorithm and sched.speculative_num_draft_tokens,
+                                           sched.max_running_requests)
+            self.state_pool = DeviceStatePool(state_layout, slots, self.device, scratch)
             log.info("L1 state pool: %d slots x %d state layers (%.2f MiB a slot, %.2f GiB)", slots,
                      len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
                      self.state_pool.nbytes() / 2**30)

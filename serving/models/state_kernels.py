@@ -8,8 +8,10 @@ makes a missing fla-core an error instead.
 
 fla runs whole sequences from an initial state, so the pool's slots are gathered into its
 ``initial_state`` and its ``output_final_state`` scattered back; a sequence with a snapshot is cut
-after its snapshot token (``StatePlan.segments``): pass 1 ends exactly there, its final state is the
-snapshot, and pass 2 continues from it. Both layers' recurrences are written in fla's terms:
+after its snapshot token (``StatePlan.passes``): one pass ends exactly there, its final state is the
+snapshot, and the next continues from it. A speculative verify row (a snapshot after every token
+but the last) thus runs one token a pass through the fused recurrent kernel, the launch decode
+makes: exact by construction, a launch per draft. Both layers' recurrences are written in fla's terms:
 
 - Gated DeltaNet: ``S = exp(g) S + k (beta (v - S^T k))^T``, ``o = scale S^T q`` (GVA: value head
   ``h`` reads key head ``h // (Hv / Hk)``), state ``[Hv, Dk, Dv]``;
@@ -66,10 +68,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     float32 -> o ``[T, Hv, Dv]``; ``recurrent [slots, Hv, Dk, Dv]`` updated at the plan's slots."""
     if backend == "fla":
         ops = _fla()
-        kern = ops["gdn_recurrent"] if plan.is_decode else ops["gdn_chunk"]
         dt = v.dtype
 
         def run(q_, k_, v_, g_, b_, h0, cu):
+            kern = ops["gdn_recurrent"] if cu is None else ops["gdn_chunk"]
             return kern(q_, k_, v_, g=g_, beta=b_, scale=scale, initial_state=h0, output_final_state=True,
                         cu_seqlens=cu)
         return run_segments(run, [q.to(dt), k.to(dt), v, g.float(), beta.to(dt)], recurrent, plan)
@@ -100,10 +102,10 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: 
     rep = x.shape[1] // b.shape[1]
     if backend == "fla":
         ops = _fla()
-        kern = ops["gla_recurrent"] if plan.is_decode else ops["gla_chunk"]
         dtype = io_dtype or x.dtype
 
         def run(q_, k_, v_, g_, h0, cu):
+            kern = ops["gla_recurrent"] if cu is None else ops["gla_chunk"]
             return kern(q_, k_, v_, g=g_, scale=1.0, initial_state=h0, output_final_state=True,
                         state_v_first=True, cu_seqlens=cu)
         v = (dt[..., None] * x.float()).to(dtype)
@@ -124,36 +126,42 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: 
     return y
 
 
-# run(*token-major inputs [1, T', ...], initial_state [N, ...], cu_seqlens or None) -> (out, final states)
+# run(*token-major inputs [N, T', ...], initial_state [N, ...], cu_seqlens) -> (out, final states): with
+# cu_seqlens, one row of ragged sequences ([1, T', ...], the chunked kernel); None, N sequences of one
+# token each ([N, 1, ...], the fused recurrent kernel, as in decode)
 RunFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def run_segments(run: RunFn, inputs: list[torch.Tensor], recurrent: torch.Tensor, plan: StatePlan) -> torch.Tensor:
     """Run a whole-sequence kernel over the batch (``inputs``: ``[T, ...]`` each), cut at the
-    snapshot points (``plan.segments``): the working slots end at each sequence's last state, the
-    snapshot slots take the state after their offset's token. Returns the outputs ``[T, ...]``."""
-    h0 = recurrent[plan.slots].float()
-    if plan.is_decode:  # B sequences of one token: no cu_seqlens; a snapshot is the final state
-        o, hn = run(*(t.unsqueeze(1).contiguous() for t in inputs), h0, None)
-        if plan.snap_seqs.numel():
-            recurrent[plan.snap_slots] = hn[plan.snap_seqs].to(recurrent.dtype)
-        recurrent[plan.slots] = hn.to(recurrent.dtype)
-        return o[:, 0]
-    seg = plan.segments
-    part = inputs if seg.rows1 is None else [t[seg.rows1] for t in inputs]
-    o1, hn = run(*(t.unsqueeze(0).contiguous() for t in part), h0, seg.cu1)
-    if seg.rows1 is None:
-        out = o1[0]
-    else:
-        out = o1.new_empty((inputs[0].shape[0], *o1.shape[2:]))
-        out[seg.rows1] = o1[0]
-    hn = hn.float()
-    if plan.snap_seqs.numel():
-        recurrent[plan.snap_slots] = hn[plan.snap_seqs].to(recurrent.dtype)
-    if seg.seqs2.numel():
-        part = [t[seg.rows2] for t in inputs]
-        o2, h2 = run(*(t.unsqueeze(0).contiguous() for t in part), hn[seg.seqs2].contiguous(), seg.cu2)
-        out[seg.rows2] = o2[0]
-        hn[seg.seqs2] = h2.float()
-    recurrent[plan.slots] = hn.to(recurrent.dtype)
+    snapshot points (``plan.passes``): each pass starts its sequences from the state the one before
+    left them, the snapshot slots take the state after their offset's token, the working slots end
+    at each sequence's last state. A pass of one token per sequence (decode; a verify row's drafts)
+    is the decode kernel's launch. Returns the outputs ``[T, ...]``."""
+    state = recurrent[plan.slots].float()
+    out: torch.Tensor | None = None
+    for ps in plan.passes:
+        part = inputs if ps.rows is None else [t[ps.rows] for t in inputs]
+        h0 = (state if ps.seqs is None else state[ps.seqs]).contiguous()
+        if ps.one_token:
+            o, hn = run(*(t.unsqueeze(1).contiguous() for t in part), h0, None)
+            o = o[:, 0]
+        else:
+            o, hn = run(*(t.unsqueeze(0).contiguous() for t in part), h0, ps.cu)
+            o = o[0]
+        if ps.rows is None:
+            out = o
+        else:
+            if out is None:
+                out = o.new_empty((inputs[0].shape[0], *o.shape[1:]))
+            out[ps.rows] = o
+        hn = hn.float()
+        if ps.snap_idx.numel():
+            recurrent[ps.snap_slots] = hn[ps.snap_idx].to(recurrent.dtype)
+        if ps.seqs is None:
+            state = hn
+        else:
+            state[ps.seqs] = hn
+    recurrent[plan.slots] = state.to(recurrent.dtype)
+    assert out is not None
     return out

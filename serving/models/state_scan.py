@@ -7,8 +7,10 @@ A :class:`StatePlan` is built once per forward pass from the batch's host lists 
 state layer: the rows that lay each sequence's conv history before its new tokens, where snapshots
 are taken (``ForwardBatch.snap_slots`` / ``snap_offsets``), and, computed on first use, the
 recurrence's steps (step ``t`` advances every sequence with more than ``t`` new tokens by one
-token; the torch path) or the batch cut at its snapshot points (:class:`Segments`; the chunked
-kernels). The recurrence is exact per token, so a sequence split over several forwards (chunked
+token; the torch path) or the batch cut at its snapshot points (:class:`Pass`; fla-core's
+kernels). A speculative verify row takes a snapshot after each of its tokens but the last (into
+scratch slots, serving/cache/request_states.py), so its state after whichever draft is the last
+accepted is at hand. The recurrence is exact per token, so a sequence split over several forwards (chunked
 prefill) reaches the same state as one.
 """
 
@@ -20,27 +22,32 @@ from functools import cached_property
 
 import torch
 
-from serving.structs.forward_batch import ForwardBatch
+from serving.structs.forward_batch import SNAP_EVERY, ForwardBatch
 
 # step(state rows [A, ...] float32, token rows [A]) -> (new state rows, output rows [A, ...])
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class Segments:
-    """The batch cut at its snapshot points, for kernels that run whole sequences from an initial
-    state (fla-core's ``cu_seqlens`` / ``initial_state`` / ``output_final_state``). Pass 1 runs
-    every sequence up to and including its snapshot token (all its tokens if it has none); the
-    snapshot slots take pass 1's final states of ``snap_seqs``; pass 2 runs the remainders of
-    ``seqs2`` from those states. Row tensors index the batch's token rows; ``None``: all, in order."""
+class Pass:
+    """One launch of a kernel that runs whole sequences from an initial state (fla-core's
+    ``cu_seqlens`` / ``initial_state`` / ``output_final_state``): the batch is cut at its snapshot
+    points and pass ``p`` runs each sequence's ``p``-th piece (a sequence without a snapshot has one
+    piece: all its new tokens). Its sequences start from the state the previous pass left them; the
+    snapshots whose token ends a piece here take that piece's final state. ``None``: all sequences
+    (all token rows), in order."""
 
-    rows1: torch.Tensor | None
-    cu1: torch.Tensor  # [B + 1] int64
-    cu1_host: tuple[int, ...]
-    seqs2: torch.Tensor  # [R] sequences with tokens after their snapshot
-    rows2: torch.Tensor
-    cu2: torch.Tensor  # [R + 1]
-    cu2_host: tuple[int, ...]
+    seqs: torch.Tensor | None
+    rows: torch.Tensor | None
+    cu: torch.Tensor  # [len(seqs) + 1] int64
+    cu_host: tuple[int, ...]
+    snap_idx: torch.Tensor  # [S] which of this pass's sequences end at a snapshot
+    snap_slots: torch.Tensor  # [S] their snapshot slots
+
+    @property
+    def one_token(self) -> bool:
+        """Every piece is one token (a decode-shaped launch: no ``cu_seqlens``)."""
+        return len(self.cu_host) - 1 == self.cu_host[-1]
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,9 @@ class StatePlan:
     """Index tensors (on the batch's device) for one forward pass with conv width ``width``.
 
     The conv works on an extended row space: sequence ``i``'s ``width - 1`` history rows, then its
-    new tokens, sequence after sequence."""
+    new tokens, sequence after sequence. Snapshots (``snaps``: sequence, offset, slot; several per
+    sequence for a verify row, ``ForwardBatch.set_state``'s ``SNAP_EVERY``) take the state after
+    their offset's new token."""
 
     slots: torch.Tensor  # [B] int64 working slots
     num_ext: int  # rows of the extended space
@@ -56,12 +65,11 @@ class StatePlan:
     tok_rows: torch.Tensor  # [T] where each new token goes
     windows: torch.Tensor  # [T, width] the rows each token's convolution reads (oldest first)
     tails: torch.Tensor  # [B, width - 1] each sequence's history after its new tokens
-    snap_seqs: torch.Tensor  # [S] sequences with a snapshot
-    snap_slots: torch.Tensor  # [S] their snapshot slots
-    snap_tails: torch.Tensor  # [S, width - 1] their conv history at the snapshot
+    snap_seqs: torch.Tensor  # [S] the sequence of each snapshot
+    snap_slots: torch.Tensor  # [S] its slot
+    snap_tails: torch.Tensor  # [S, width - 1] its conv history
     lens: tuple[int, ...]  # new tokens per sequence
-    snap_offsets: tuple[int, ...]  # per sequence, the token after which its snapshot is taken (-1: none)
-    snap_slots_host: tuple[int, ...]
+    snaps: tuple[tuple[int, int, int], ...]  # (sequence, offset, slot) per snapshot, by sequence
 
     @property
     def device(self) -> torch.device:
@@ -86,22 +94,22 @@ class StatePlan:
             offset += h + n
         offsets = list(batch.snap_offsets_list or [-1] * b)
         snap_slot_list = list(batch.snap_slots_list or [-1] * b)
-        snap_seqs, snap_slots, snap_tails = [], [], []
+        snaps, snap_tails = [], []
         first = 0  # sequence i's first extended row
         for i, (slot, k) in enumerate(zip(snap_slot_list, offsets, strict=True)):
-            if k >= 0:
-                snap_seqs.append(i)
-                snap_slots.append(slot)
-                snap_tails.append(list(range(first + k + 1, first + k + 1 + h)))
+            every = k == SNAP_EVERY and slot >= 0
+            for j in (range(lens[i] - 1) if every else [k] if k >= 0 else []):
+                snaps.append((i, j, slot + j if every else slot))
+                snap_tails.append(list(range(first + j + 1, first + j + 1 + h)))
             first += h + lens[i]
         dev = batch.input_ids.device
         tok_rows = _t(toks, dev)
         windows = tok_rows[:, None] - h + torch.arange(width, device=dev)  # a token reads its h rows before it
         return StatePlan(
             slots=batch.state_slots, num_ext=offset, hist_rows=_t(hist, dev), tok_rows=tok_rows, windows=windows,
-            tails=_t(tails, dev).view(b, h), snap_seqs=_t(snap_seqs, dev), snap_slots=_t(snap_slots, dev),
-            snap_tails=_t(snap_tails, dev).view(-1, h), lens=tuple(lens), snap_offsets=tuple(offsets),
-            snap_slots_host=tuple(snap_slot_list))
+            tails=_t(tails, dev).view(b, h), snap_seqs=_t([s[0] for s in snaps], dev),
+            snap_slots=_t([s[2] for s in snaps], dev), snap_tails=_t(snap_tails, dev).view(-1, h),
+            lens=tuple(lens), snaps=tuple(snaps))
 
     @cached_property
     def steps(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor], ...]:
@@ -118,24 +126,39 @@ class StatePlan:
     def snaps_at(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Step -> (its sequences with a snapshot, their snapshot slots)."""
         by_step: dict[int, tuple[list[int], list[int]]] = {}
-        for i, (k, slot) in enumerate(zip(self.snap_offsets, self.snap_slots_host, strict=True)):
-            if k >= 0:
-                seqs, slots = by_step.setdefault(k, ([], []))
-                seqs.append(i)
-                slots.append(slot)
+        for i, k, slot in self.snaps:
+            seqs, slots = by_step.setdefault(k, ([], []))
+            seqs.append(i)
+            slots.append(slot)
         return {k: (_t(s, self.device), _t(sl, self.device)) for k, (s, sl) in by_step.items()}
 
     @cached_property
-    def segments(self) -> Segments:
-        starts, dev = _starts(self.lens), self.device
-        cut = [n if k < 0 else k + 1 for n, k in zip(self.lens, self.snap_offsets, strict=True)]
-        rows1 = None if cut == list(self.lens) else \
-            [r for i, c in enumerate(cut) for r in range(starts[i], starts[i] + c)]
-        seqs2 = [i for i, (c, n) in enumerate(zip(cut, self.lens, strict=True)) if c < n]
-        rows2 = [r for i in seqs2 for r in range(starts[i] + cut[i], starts[i + 1])]
-        cu1, cu2 = _starts(cut), _starts([self.lens[i] - cut[i] for i in seqs2])
-        return Segments(rows1=None if rows1 is None else _t(rows1, dev), cu1=_t(cu1, dev), cu1_host=tuple(cu1),
-                        seqs2=_t(seqs2, dev), rows2=_t(rows2, dev), cu2=_t(cu2, dev), cu2_host=tuple(cu2))
+    def passes(self) -> tuple[Pass, ...]:
+        """The batch cut at its snapshot points (see :class:`Pass`): as many passes as the most
+        pieces of a sequence (one without snapshots; a verify row's drafts + 1 tokens: one each)."""
+        starts, dev, b = _starts(self.lens), self.device, len(self.lens)
+        ends: list[list[int]] = [[] for _ in range(b)]  # each sequence's piece ends
+        ending: dict[tuple[int, int], list[int]] = {}  # (sequence, piece end) -> snapshot slots
+        for i, k, slot in self.snaps:
+            ending.setdefault((i, k + 1), []).append(slot)
+            ends[i].append(k + 1)
+        ends = [sorted({*e, n}) for e, n in zip(ends, self.lens, strict=True)]
+        out = []
+        for p in range(max((len(e) for e in ends), default=0)):
+            seqs = [i for i in range(b) if len(ends[i]) > p and self.lens[i] > 0]
+            pieces = [(ends[i][p - 1] if p else 0, ends[i][p]) for i in seqs]
+            rows = [starts[i] + r for i, (a, z) in zip(seqs, pieces, strict=True) for r in range(a, z)]
+            snap_idx, snap_slots = [], []
+            for j, (i, (_, z)) in enumerate(zip(seqs, pieces, strict=True)):
+                for slot in ending.get((i, z), []):
+                    snap_idx.append(j)
+                    snap_slots.append(slot)
+            whole = len(seqs) == b and rows == list(range(starts[-1]))
+            cu = _starts([z - a for a, z in pieces])
+            out.append(Pass(seqs=None if len(seqs) == b else _t(seqs, dev), rows=None if whole else _t(rows, dev),
+                            cu=_t(cu, dev), cu_host=tuple(cu), snap_idx=_t(snap_idx, dev),
+                            snap_slots=_t(snap_slots, dev)))
+        return tuple(out)
 
 
 def _starts(lens: list[int] | tuple[int, ...]) -> list[int]:

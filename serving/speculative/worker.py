@@ -19,6 +19,11 @@ Per step, on the scheduler thread (``Scheduler._step``):
    dropped). ``kv_len`` counts the positions whose KV holds an appended token; the pages past the
    next position go back to the free list at once, so no rejected draft's slot stays referenced
    (a slot of a kept page past ``kv_len`` is overwritten by the next token before anyone reads it).
+   A model with state layers (Gated DeltaNet, Mamba2) cannot drop a draft's tokens from a recurrent
+   state: its verify pass writes the state after each drafted position into the state pool's scratch
+   (``RequestStates.reserve_verify``: drafts are cut to the scratch left, as to the free pages), and
+   before the accepted tokens are appended the state after the last accepted one becomes the
+   request's working state (``RequestStates.settle_verify``), so the next step starts exactly there.
 
 Overlap scheduling (CUDA) needs the last token on the host to draft, so a step in which any
 running request may draft is synchronous (:meth:`speculating`); steps where every request's
@@ -98,6 +103,9 @@ class SpeculativeWorker:
         """Set ``r.spec.drafts`` of each decode row's request (and reserve their slots);
         ``prefill``: the step also runs prefill chunks (its time says nothing of the drafts')."""
         drafted: list[Req] = []
+        states = self.cache.states  # a model with state layers: drafts need verify scratch
+        if states is not None:
+            states.begin_verify()
         self.index.catch_up(INDEX_TOKENS_PER_STEP)
         probe = not prefill and self.cost.wants_plain(len(decode))  # a plain step to measure
         cost = self.cost.terms(len(decode))
@@ -127,9 +135,13 @@ class SpeculativeWorker:
             if r.grammar is not None:
                 drafts = self._grammar_filter(r, drafts)
             drafts = drafts[: self._room(r)]
+            if states is not None:
+                drafts = drafts[: states.verify_room()]
             if drafts and self.cache.reserve(r, r.kv.kv_len + 1 + len(drafts)):
                 st.drafts = drafts
                 drafted.append(r)
+                if states is not None:
+                    states.reserve_verify(r, len(drafts))
         if self.grammar is not None and any(r.grammar is not None for r in drafted):
             self._fill_masks(drafted)
         self._step = None if prefill else (len(decode), sum(len(r.spec.drafts) for r in drafted))
@@ -232,6 +244,8 @@ class SpeculativeWorker:
     def _append(self, r: Req, tokens: list[int], rows: torch.Tensor, append: Callable[[Req, int], None]) -> None:
         st = r.spec
         k, accepted = len(st.drafts), len(tokens) - 1
+        if self.cache.states is not None:  # state layers: back to the state after the last accepted draft
+            self.cache.states.settle_verify(r, accepted)
         n = 0  # a decode row (kv_len == seq_len - 1): positions seq_len - 1 .. + accepted now hold real tokens' KV
         for i, tok in enumerate(tokens):
             self.cache.advance(r, 1)  # position kv_len: the KV of the token before ``tok``

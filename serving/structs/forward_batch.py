@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+SNAP_EVERY = -2  # a snapshot offset: the state after each new token but the last (see ForwardBatch.set_state)
+
 
 class LayerWaits:
     """GPU events of layered L2 -> L1 loads that a forward pass reads from: before layer ``i``
@@ -117,7 +119,9 @@ class ForwardBatch:
     # int64: the slot holding sequence i's state before these tokens, updated in place to the state
     # after them. ``snap_slots`` / ``snap_offsets`` [B] int64 (-1: none): after new token
     # ``snap_offsets[i]`` (0-based, so the state of ``prefix_lens[i] + snap_offsets[i] + 1`` tokens)
-    # each state layer also copies its state into slot ``snap_slots[i]``. The ``*_list`` fields are
+    # each state layer also copies its state into slot ``snap_slots[i]``; ``snap_offsets[i] ==
+    # SNAP_EVERY`` (speculative verification): the state after each new token ``j < n - 1`` goes to
+    # slot ``snap_slots[i] + j`` (a run of the state pool's scratch). The ``*_list`` fields are
     # the same values on the host (the torch paths loop over them without a device sync).
     state_slots: torch.Tensor | None = None
     snap_slots: torch.Tensor | None = None
@@ -155,12 +159,14 @@ class ForwardBatch:
         if not len(state_slots) == len(snap_slots) == len(snap_offsets) == b:
             raise ValueError(f"state slots for {len(state_slots)} / {len(snap_slots)} / {len(snap_offsets)} "
                              f"sequences in a batch of {b}")
+        used = [s for s in state_slots if s >= 0]
         for i, (slot, snap, off, n) in enumerate(
                 zip(state_slots, snap_slots, snap_offsets, self.extend_lens_list, strict=True)):
-            if slot < 0 or (snap < 0) != (off < 0) or off >= n or snap == slot:
+            every = off == SNAP_EVERY and snap >= 0 and n >= 2
+            if slot < 0 or (not every and ((snap < 0) != (off < 0) or off >= n)) or snap == slot:
                 raise ValueError(f"sequence {i}: state slot {slot}, snapshot slot {snap} after new token {off} "
                                  f"of {n}")
-        used = [s for s in list(state_slots) + snap_slots if s >= 0]
+            used.extend(range(snap, snap + n - 1) if every else [snap] if snap >= 0 else [])
         if len(set(used)) != len(used):
             raise ValueError(f"state slots {list(state_slots)} and snapshot slots {snap_slots} repeat a slot")
         host = torch.tensor(list(state_slots) + snap_slots + snap_offsets, dtype=torch.int64)

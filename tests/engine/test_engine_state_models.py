@@ -54,10 +54,19 @@ def test_retracted_requests_resume_exactly(tiny) -> None:
         eng.shutdown()
 
 
-def test_speculative_decoding_is_refused_with_the_reason(tiny) -> None:
-    path, _, _ = tiny
-    with pytest.raises(ValueError, match="recurrent state"):
-        Engine(model_path=str(path), page_size=4, max_total_tokens=256, speculative_algorithm="NGRAM")
+def test_speculative_decoding_gets_verify_scratch(tiny) -> None:
+    """NGRAM runs on a state model (exactness: tests/engine/test_engine_state_spec.py): the state pool
+    has scratch for the state after each draft of up to 8 verifying requests, outside its slots."""
+    path, ps, ref = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, speculative_algorithm="NGRAM",
+                 speculative_num_draft_tokens=4, max_running_requests=16)
+    try:
+        state = eng.core.runner.state_pool
+        assert state.num_scratch == 3 * 8 and state.scratch_base == state.num_slots
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
 
 
 def test_state_pool_size_is_sglangs_max_mamba_cache_size(tiny) -> None:

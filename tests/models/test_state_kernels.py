@@ -3,7 +3,8 @@
 CPU: the fla path's plumbing (slots gathered into ``initial_state``, final states scattered back,
 sequences cut at their snapshot offsets, decode batches without ``cu_seqlens``, Mamba2's
 value-first state) through stand-ins with fla's signatures that compute the recurrence per
-sequence, against the torch scan. CUDA (skipped without): the real fla-core kernels inside the
+sequence, against the torch scan; a speculative verify row's scratch states against running
+only that many tokens. CUDA (skipped without): the real fla-core kernels inside the
 Gated DeltaNet and Mamba2 layers against the CPU torch reference, chunked prefill with snapshots,
 decode and a continued extend, within a TF32 tolerance.
 """
@@ -80,6 +81,9 @@ BATCHES = [  # (lens, working slots, snapshot slots, snapshot offsets)
     ([9, 5, 1, 7], [0, 1, 2, 3], [4, -1, 5, 6], [3, -1, 0, 6]),  # cut inside, none, one token, at the end
     ([1, 1, 1], [0, 1, 2], [-1, 7, -1], [-1, 0, -1]),  # decode, one snapshot
     ([6, 2], [1, 3], [-1, -1], [-1, -1]),  # no snapshot: one pass over all rows
+    # speculative verify rows (SNAP_EVERY: the state after each token but the last into scratch 4-6, 9-10)
+    # beside a decode row and a prefill chunk with a snapshot: passes of one token each after the first
+    ([4, 1, 9, 3], [0, 1, 2, 3], [4, -1, 7, 9], [-2, -1, 5, -2]),
 ]
 
 
@@ -114,13 +118,21 @@ def test_fla_plumbing_matches_the_torch_scan(monkeypatch, case) -> None:
     torch.testing.assert_close(states["fla"], states["torch"], rtol=1e-4, atol=1e-5)
 
 
-def test_segments_cut_at_snapshots() -> None:
+def test_passes_cut_at_snapshots() -> None:
     plan = _plan(*BATCHES[0])
-    seg = plan.segments
-    assert seg.rows1.tolist() == [0, 1, 2, 3, *range(9, 22)]
-    assert seg.cu1_host == (0, 4, 9, 10, 17)
-    assert seg.seqs2.tolist() == [0] and seg.rows2.tolist() == [4, 5, 6, 7, 8] and seg.cu2_host == (0, 5)
-    assert _plan(*BATCHES[2]).segments.rows1 is None
+    first, second = plan.passes
+    assert first.seqs is None and first.rows.tolist() == [0, 1, 2, 3, *range(9, 22)]
+    assert first.cu_host == (0, 4, 9, 10, 17)
+    assert first.snap_idx.tolist() == [0, 2, 3] and first.snap_slots.tolist() == [4, 5, 6]
+    assert second.seqs.tolist() == [0] and second.rows.tolist() == [4, 5, 6, 7, 8] and second.cu_host == (0, 5)
+    assert not second.snap_idx.numel()
+    (only,) = _plan(*BATCHES[2]).passes
+    assert only.rows is None and only.seqs is None and not only.one_token
+    assert _plan(*BATCHES[1]).passes[0].one_token
+    verify = _plan(*BATCHES[3]).passes  # verify rows of 4 and 3 tokens: a pass for each of their tokens
+    assert [p.seqs.tolist() if p.seqs is not None else None for p in verify] == [None, [0, 2, 3], [0, 3], [0]]
+    assert [p.one_token for p in verify] == [False, False, True, True]  # the prefill's second piece in pass 1
+    assert [p.snap_slots.tolist() for p in verify] == [[4, 7, 9], [5, 10], [6], []]
 
 
 def test_backend_choice(monkeypatch) -> None:
@@ -128,6 +140,51 @@ def test_backend_choice(monkeypatch) -> None:
     monkeypatch.setenv("HICACHE_STATE_BACKEND", "triton")
     with pytest.raises(ValueError, match="expected auto, torch or fla"):
         state_kernels.backend_for(torch.zeros(1))
+
+
+# -- a speculative verify row: the state after each of its tokens but the last goes to scratch ---------
+def _run_layer(layer, x, plan, conv, rec):
+    with torch.inference_mode():
+        return layer(x, plan, conv, rec)
+
+
+TOKENS = 5  # the last token and 4 drafts
+SCRATCH = 6  # scratch slots 6 .. 9
+
+
+@pytest.mark.parametrize("backend", ["torch", "fla"])
+@pytest.mark.parametrize("which", [0, 1], ids=["gated_deltanet", "mamba2"])
+def test_verify_scratch_holds_the_state_after_each_token(monkeypatch, backend, which) -> None:
+    """Scratch ``j`` holds the state (conv and recurrent) after the verify row's token ``j``, the
+    working slot the state after its last, as running only that many tokens leaves them; the fla
+    plumbing (through the stand-ins) runs the drafts one decode-shaped launch each."""
+    if backend == "fla":
+        monkeypatch.setitem(state_kernels._FLA, "ops", {"gdn_chunk": fake_gdn, "gdn_recurrent": fake_gdn,
+                                                       "gla_chunk": fake_gla, "gla_recurrent": fake_gla})
+        monkeypatch.setattr(state_kernels, "backend_for", lambda x: "fla")
+    layer = _layers(0)[which]
+    conv_shape, rec_shape = (t.shape for t in layer.state_tensors(torch.float32))
+    gen = torch.Generator().manual_seed(which)
+    conv0, rec0 = torch.randn(SLOTS, *conv_shape, generator=gen), torch.randn(SLOTS, *rec_shape, generator=gen)
+    x = torch.randn(TOKENS + 1 + 7, 64, generator=gen)
+    # the verify row (working slot 0) beside a decode row (slot 1) and a prefill chunk with a snapshot (slot 2)
+    conv, rec = conv0.clone(), rec0.clone()
+    out = _run_layer(layer, x, _plan([TOKENS, 1, 7], [0, 1, 2], [SCRATCH, -1, 11], [-2, -1, 3]), conv, rec)
+    for j in range(TOKENS):
+        c, r = conv0.clone(), rec0.clone()
+        ref = _run_layer(layer, x[: j + 1], _plan([j + 1], [0], [-1], [-1]), c, r)
+        slot = SCRATCH + j if j < TOKENS - 1 else 0
+        torch.testing.assert_close(conv[slot], c[0], rtol=1e-5, atol=1e-6)  # (other row counts: other rounding)
+        torch.testing.assert_close(rec[slot], r[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[: j + 1], ref, rtol=1e-5, atol=1e-6)
+    c, r = conv0.clone(), rec0.clone()  # the other rows are as without the verify row
+    ref = _run_layer(layer, x[TOKENS:], _plan([1, 7], [1, 2], [-1, 11], [-1, 3]), c, r)
+    torch.testing.assert_close(out[TOKENS:], ref, rtol=1e-5, atol=1e-6)
+    for slot in (1, 2, 11):
+        torch.testing.assert_close(rec[slot], r[slot], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(conv[slot], c[slot], rtol=1e-5, atol=1e-6)
+    untouched = [s for s in range(SLOTS) if s not in (0, 1, 2, 11, *range(SCRATCH, SCRATCH + TOKENS - 1))]
+    assert torch.equal(rec[untouched], rec0[untouched]) and torch.equal(conv[untouched], conv0[untouched])
 
 
 # -- CUDA: the real fla-core kernels in the layers against the CPU torch reference -----------------
@@ -147,6 +204,7 @@ GPU_STEPS = [  # one conversation of batches over the same slots: prefill with s
     ([150, 37, 1, 90], [0, 1, 2, 3], [4, -1, 5, 6], [63, -1, 0, 89]),
     ([1, 1, 1, 1], [0, 1, 2, 3], [-1, 7, -1, -1], [-1, 0, -1, -1]),
     ([70, 3], [0, 2], [8, -1], [40, -1]),
+    ([1, 5, 3, 1], [0, 1, 2, 3], [-1, 4, 9, -1], [-1, -2, -2, -1]),  # verify rows: scratch 4-7, 9-10
 ]
 
 
@@ -176,7 +234,8 @@ def test_cuda_layers_match_the_cpu_reference(monkeypatch, backend) -> None:
                 got = gpu_layer(x.cuda(), _plan(lens, slots, snaps, offs, "cuda"), *states["cuda"])
             name = type(layer).__name__
             errs[f"{name} step {s} out"] = _rel(got, ref)
-            used = sorted({*slots, *(x for x in snaps if x >= 0)})
+            used = sorted({*slots, *(x + j for x, o, n in zip(snaps, offs, lens, strict=True) if x >= 0
+                                     for j in range(n - 1 if o == -2 else 1))})
             for j, part in enumerate(("conv", "recurrent")):
                 errs[f"{name} step {s} {part}"] = _rel(states["cuda"][j][used], states["cpu"][j][used])
     print({k: f"{v:.2e}" for k, v in errs.items()})
