@@ -3,7 +3,7 @@ Qwen3.5 (Gated DeltaNet) and Nemotron-H (Mamba2), float32 on CPU, with prompts t
 are proposed, some accepted and some rejected: the tree holds decoys, each prompt with the start of its
 output and then other tokens) give HF transformers' greedy tokens and the engine's
 without speculation, for concurrent requests, a repeated batch (resumed from the state snapshots the
-first one left, some of them taken inside verify passes) and a second turn of each conversation;
+first one left, some of them taken inside verify passes), a second turn of each conversation and TP=2;
 ``check_integrity()`` holds after every step and every state slot a request held is back."""
 
 from __future__ import annotations
@@ -87,5 +87,22 @@ def test_speculative_greedy_is_hf_greedy_across_turns(tiny) -> None:
         assert not core.scheduler.running
         state = core.runner.state_pool  # every slot left is a tree snapshot's
         assert state.num_used == core.tree.state.cached_slots("device")
+    finally:
+        eng.shutdown()
+
+
+def test_tensor_parallel_speculation_is_exact(tiny) -> None:
+    """TP=2: each rank writes its heads' scratch from the batch's SNAP_EVERY offsets and mirrors rank 0's
+    settle copies; greedy tokens are HF's, and check_integrity (every rank's pools and slots) holds."""
+    path, ps, ref, _, _ = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=2048, tp_size=2,
+                 speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
+    eng.core.scheduler.spec.cost = StepCost(0.01, adaptive=False)
+    try:
+        rng = random.Random(1)
+        drive(eng, [p + out[:8] + [rng.randrange(1, 511) for _ in range(6)] for p, out in zip(ps, ref, strict=True)])
+        assert [r.output_ids for r in drive(eng, ps)] == ref
+        stats = eng.core.scheduler.spec.stats
+        assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
     finally:
         eng.shutdown()
