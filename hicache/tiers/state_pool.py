@@ -36,8 +36,8 @@ class OutOfStateSlots(RuntimeError):
 
 
 class DeviceStatePool:
-    """``buffers[j][t]``: state layer ``j``'s tensor ``t`` (StateLayout order), ``[num_slots, *shape]``,
-    zeros at start.
+    """``buffers[j][t]``: state layer ``j``'s tensor ``t`` (StateLayout order), ``[num_slots + scratch + 1,
+    *shape]``, zeros at start.
 
     Contract:
     - Slot ids ``0 .. num_slots-1`` come from :meth:`alloc` (a free list, as PageAllocator's: a
@@ -50,23 +50,28 @@ class DeviceStatePool:
       only off its hot path (tests, a tier move that already waits).
     - ``scratch`` slots (ids ``scratch_base .. scratch_base + scratch - 1``) are outside the free
       list (see the module doc); the same writers, the same thread.
+    - Row ``pad_slot`` (the last) is never allocated: whatever a CUDA graph's padding rows compute
+      lands there, and nothing reads it as a sequence's state.
     - No locking: one scheduler thread owns the pool.
     """
 
     def __init__(self, layout: StateLayout, num_slots: int, device: torch.device | str, scratch: int = 0) -> None:
         self.device = torch.device(device)
-        self.slots = StateSlots(layout, num_slots, "state slot", device=self.device, extra=scratch)
+        self.slots = StateSlots(layout, num_slots, "state slot", device=self.device, extra=scratch + 1)
         self.layout = layout
         self.num_slots = num_slots
         self.scratch_base = num_slots
         self.num_scratch = scratch
+        # the row after the scratch slots, never allocated: a CUDA graph's padding rows (and rows taking no
+        # snapshot) read and write their state there (serving/model/cuda_graph.py)
+        self.pad_slot = num_slots + scratch
 
     @property
     def buffers(self) -> list[list[torch.Tensor]]:
         return self.slots.buffers
 
     def layer(self, j: int) -> list[torch.Tensor]:
-        """State layer ``j``'s tensors (``[num_slots, *shape]`` each), in StateLayout order."""
+        """State layer ``j``'s tensors (``[num_slots + scratch + 1, *shape]`` each), in StateLayout order."""
         return self.slots.buffers[j]
 
     def release(self) -> None:

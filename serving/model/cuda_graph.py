@@ -19,6 +19,13 @@ static batch has a static window view too (:class:`WindowBuffers`), filled per r
 batch's like the others (padding rows: slot -1); a runner takes only batches that have a window
 view exactly when it has one.
 
+A model with state layers (Gated DeltaNet, Mamba2) also reads its working state slots and
+writes a snapshot where a sequence's token ends a page (serving/cache/request_states.py):
+both are static buffers (``state_slots``, ``snap_slots``) under a state plan built once on them
+(``make_state_plan``: ``StatePlan.for_decode``). Every row writes a snapshot: a row that takes
+none, and every padding row, reads and writes the state pool's scratch row (``pad_slot``),
+which no sequence owns.
+
 ``capture=False`` keeps the static buffers and padding but runs the forward pass eagerly
 on them: the same code path for tests on a CPU (with Triton's interpreter).
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -90,8 +98,12 @@ class CudaGraphRunner:
         capture: bool = True,
         keep_alive: object = None,
         windows: bool = False,
+        make_state_plan: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        pad_slot: int = -1,
     ) -> None:
-        """``windows``: the pool has a window pool (a hybrid SWA L1): batches come with a window view."""
+        """``windows``: the pool has a window pool (a hybrid SWA L1): batches come with a window view.
+        ``make_state_plan`` (slots, snapshot slots) -> the state plan of a model with state layers, whose
+        pool's ``pad_slot`` takes padding rows' state."""
         self.forward = forward
         self.sizes = sorted(batch_sizes)
         self.max_bs = self.sizes[-1]
@@ -114,6 +126,11 @@ class CudaGraphRunner:
         self.extend_start = torch.arange(n, **i32)
         self.page_table = torch.zeros((n, self.max_pages), **i32)
         self.win = WindowBuffers(n, n, self.max_pages, device) if windows else None
+        # state layers: the working and snapshot slots (the scratch row where there is none)
+        self.make_state_plan = make_state_plan
+        self.pad_slot = pad_slot
+        self.state_slots = torch.full((n,), pad_slot, **i64) if make_state_plan else None
+        self.snap_slots = torch.full((n,), pad_slot, **i64) if make_state_plan else None
         self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -130,6 +147,10 @@ class CudaGraphRunner:
             prefix_lens_list=[self.context_len - 1] * bs, extend_lens_list=[1] * bs,
             decode_splits=decode_splits(bs, self.kv_heads),
         )
+        if self.make_state_plan is not None:
+            assert self.state_slots is not None and self.snap_slots is not None
+            fb.state_slots = self.state_slots[:bs]
+            fb.state_plan = self.make_state_plan(self.state_slots[:bs], self.snap_slots[:bs])
         return fb if self.win is None else self.win.attach(fb, bs, bs)
 
     @torch.inference_mode()
@@ -164,6 +185,7 @@ class CudaGraphRunner:
             and batch.page_size == self.page_size
             and batch.page_table.shape[1] <= self.max_pages
             and (batch.win is not None) == (self.win is not None)
+            and (self.state_slots is None) == (batch.state_slots is None)
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -180,6 +202,14 @@ class CudaGraphRunner:
         self.page_table[:b, :w].copy_(batch.page_table, non_blocking=True)
         if self.win is not None:
             self.win.fill(batch.win, bs)
+        if self.state_slots is not None and self.snap_slots is not None:
+            assert batch.state_slots is not None and batch.snap_slots is not None and batch.snap_offsets is not None
+            self.state_slots[:b].copy_(batch.state_slots, non_blocking=True)
+            scratch = torch.full_like(batch.snap_slots, self.pad_slot)
+            self.snap_slots[:b].copy_(torch.where(batch.snap_offsets >= 0, batch.snap_slots, scratch),
+                                      non_blocking=True)
+            self.state_slots[b:bs].fill_(self.pad_slot)
+            self.snap_slots[b:bs].fill_(self.pad_slot)
         if bs > b:  # padding rows: no KV stored, one key read
             self.out_cache_loc[b:bs].fill_(-1)
             self.seq_lens[b:bs].fill_(1)

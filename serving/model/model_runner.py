@@ -17,6 +17,7 @@ from serving.kernels.attention import get_attention_backend
 from serving.model.cuda_graph import CudaGraphRunner, capture_sizes
 from serving.model.cuda_graph_extend import ExtendGraphRunner, extend_buckets
 from serving.models.loader import load_model
+from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
 from serving.startup_log import timed
 from serving.structs.forward_batch import ForwardBatch
@@ -134,13 +135,12 @@ class ModelRunner:
                  f"(--swa-full-tokens-ratio {sched.swa_full_tokens_ratio})" if win_layers else "")
         self.graphs: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
-        if self.state_pool is not None and self.device.type == "cuda" and not model.disable_cuda_graph:
-            log.info("CUDA graphs: off for a model with state layers (their torch path runs eagerly)")
-        elif self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
+        if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
             with timed("capturing CUDA graphs"):
                 self.graphs = self.make_graph_runner(
                     capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
-                if not model.disable_extend_cuda_graph:
+                # state layers: decode graphs only (an extend's state plan is cut per batch on the host)
+                if not model.disable_extend_cuda_graph and self.state_pool is None:
                     max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
                     buckets = extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs)
                     # speculative verification asks for every position's logits: small buckets get graphs for that too
@@ -158,9 +158,17 @@ class ModelRunner:
 
     def make_graph_runner(self, sizes: list[int], capture: bool = True) -> CudaGraphRunner:
         """Static decode buffers (and, with ``capture``, CUDA graphs) for batch sizes ``sizes``."""
+        make_plan, scratch = None, -1
+        if self.state_pool is not None:  # the state layers' plan on the graphs' static slot buffers
+            width = self.model.conv_kernel
+
+            def make_plan(slots: torch.Tensor, snaps: torch.Tensor) -> StatePlan:
+                return StatePlan.for_decode(slots, snaps, width)
+            scratch = self.state_pool.pad_slot
         runner = CudaGraphRunner(
             self._forward_eager, sizes, self.context_len, self.pool.page_size, self.kv_heads,
-            self.device, capture=capture, windows=self.pool.windows is not None)
+            self.device, capture=capture, make_state_plan=make_plan, pad_slot=scratch,
+            windows=self.pool.windows is not None)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables: keep them even if regrown
             runner.keep_alive = rotary.built_tables()

@@ -134,7 +134,7 @@ class HybridCausalLM(nn.Module):
         if self.layer_stack.state_layers:
             if state is None:
                 raise ValueError(f"{self.family} has {self.state_kind} layers: its forward pass needs the state pool")
-            plan = StatePlan.build(batch, self.conv_kernel)
+            plan = batch.state_plan or StatePlan.build(batch, self.conv_kernel)
         attn.init_forward(batch)
         return plan
 

@@ -111,6 +111,28 @@ class StatePlan:
             snap_slots=_t([s[2] for s in snaps], dev), snap_tails=_t(snap_tails, dev).view(-1, h),
             lens=tuple(lens), snaps=tuple(snaps))
 
+    @staticmethod
+    def for_decode(slots: torch.Tensor, snap_slots: torch.Tensor, width: int) -> StatePlan:
+        """A decode plan on fixed tensors, for a CUDA graph (serving/model/cuda_graph.py): ``slots`` [B]
+        the working slots, ``snap_slots`` [B] where each sequence's state after its token also goes
+        (a scratch row for a sequence taking no snapshot). The graph runner fills both in place before
+        each replay; nothing here is rebuilt, so the plan holds no host values that change."""
+        b, h, dev = slots.shape[0], width - 1, slots.device
+        rows = torch.arange(b, device=dev)
+        tok_rows = rows * width + h  # sequence i's extended rows: i * width .. i * width + h
+        tails = tok_rows[:, None] - h + 1 + torch.arange(h, device=dev)  # its history after the token
+        plan = StatePlan(
+            slots=slots, num_ext=b * width, hist_rows=(tok_rows[:, None] - h + torch.arange(h, device=dev)).reshape(-1),
+            tok_rows=tok_rows, windows=tok_rows[:, None] - h + torch.arange(width, device=dev), tails=tails,
+            snap_seqs=rows, snap_slots=snap_slots, snap_tails=tails, lens=(1,) * b,
+            snaps=tuple((i, 0, -1) for i in range(b)))  # their slots: never read, the cached properties are set
+        plan.__dict__["steps"] = ((None, rows),)  # the cached properties, fixed (no host values)
+        plan.__dict__["snaps_at"] = {0: (rows, snap_slots)}
+        cu = tuple(range(b + 1))
+        plan.__dict__["passes"] = (Pass(seqs=None, rows=None, cu=torch.arange(b + 1, device=dev), cu_host=cu,
+                                        snap_idx=rows, snap_slots=snap_slots),)
+        return plan
+
     @cached_property
     def steps(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor], ...]:
         """Per step of the torch recurrence: (its sequences, None: all; their token rows)."""

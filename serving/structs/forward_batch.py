@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -129,6 +130,9 @@ class ForwardBatch:
     state_slots_list: list[int] | None = None
     snap_slots_list: list[int] | None = None
     snap_offsets_list: list[int] | None = None
+    # a state plan built once on fixed tensors (serving/models/state_scan.py ``StatePlan.for_decode``: a
+    # CUDA graph's static batch); None: the model builds one from the fields above
+    state_plan: Any = None
     # A hybrid SWA L1 (hicache/tiers/window_pages.py): the sliding layers' view of this batch, the same
     # batch with ``page_table`` and ``out_cache_loc`` in window pages (``set_window``); None: every
     # layer reads the pages above
