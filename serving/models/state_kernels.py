@@ -6,7 +6,10 @@ fla-core is optional: it is imported on the first CUDA forward pass that wants i
 (or with ``HICACHE_STATE_BACKEND=torch``) CUDA runs the torch scan. ``HICACHE_STATE_BACKEND=fla``
 makes a missing fla-core an error instead.
 
-fla runs whole sequences from an initial state, so the pool's slots are gathered into its
+Decode and passes of at most ``RECURRENT_MAX_TOKENS`` tokens a sequence (a cache hit's suffix) run
+fla's fused recurrent kernels (one launch a pass); longer passes its chunked ones (a dozen launches,
+each fla call ~0.8 ms of host time on the H200). fla runs whole sequences from an initial state, so
+the pool's slots are gathered into its
 ``initial_state`` and its ``output_final_state`` scattered back; a sequence with a snapshot is cut
 after its snapshot token (``StatePlan.passes``): one pass ends exactly there, its final state is the
 snapshot, and the next continues from it. A speculative verify row (a snapshot after every token
@@ -70,8 +73,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         ops = _fla()
         dt = v.dtype
 
-        def run(q_, k_, v_, g_, b_, h0, cu):
-            kern = ops["gdn_recurrent"] if cu is None else ops["gdn_chunk"]
+        def run(q_, k_, v_, g_, b_, h0, cu, recurrent):
+            kern = ops["gdn_recurrent"] if recurrent else ops["gdn_chunk"]
             return kern(q_, k_, v_, g=g_, beta=b_, scale=scale, initial_state=h0, output_final_state=True,
                         cu_seqlens=cu)
         return run_segments(run, [q.to(dt), k.to(dt), v, g.float(), beta.to(dt)], recurrent, plan)
@@ -104,8 +107,8 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: 
         ops = _fla()
         dtype = io_dtype or x.dtype
 
-        def run(q_, k_, v_, g_, h0, cu):
-            kern = ops["gla_recurrent"] if cu is None else ops["gla_chunk"]
+        def run(q_, k_, v_, g_, h0, cu, recurrent):
+            kern = ops["gla_recurrent"] if recurrent else ops["gla_chunk"]
             return kern(q_, k_, v_, g=g_, scale=1.0, initial_state=h0, output_final_state=True,
                         state_v_first=True, cu_seqlens=cu)
         v = (dt[..., None] * x.float()).to(dtype)
@@ -126,9 +129,11 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: 
     return y
 
 
-# run(*token-major inputs [N, T', ...], initial_state [N, ...], cu_seqlens) -> (out, final states): with
-# cu_seqlens, one row of ragged sequences ([1, T', ...], the chunked kernel); None, N sequences of one
-# token each ([N, 1, ...], the fused recurrent kernel, as in decode)
+RECURRENT_MAX_TOKENS = 64  # passes whose pieces have at most this many tokens run fla's fused recurrent kernel
+
+# run(*token-major inputs [N, T', ...], initial_state [N, ...], cu_seqlens, recurrent) -> (out, final states):
+# with cu_seqlens, one row of ragged sequences ([1, T', ...]); None, N sequences of one token each
+# ([N, 1, ...], as in decode); ``recurrent``: fla's fused recurrent kernel, else its chunked one
 RunFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -144,10 +149,11 @@ def run_segments(run: RunFn, inputs: list[torch.Tensor], recurrent: torch.Tensor
         part = inputs if ps.rows is None else [t[ps.rows] for t in inputs]
         h0 = (state if ps.seqs is None else state[ps.seqs]).contiguous()
         if ps.one_token:
-            o, hn = run(*(t.unsqueeze(1).contiguous() for t in part), h0, None)
+            o, hn = run(*(t.unsqueeze(1).contiguous() for t in part), h0, None, True)
             o = o[:, 0]
         else:
-            o, hn = run(*(t.unsqueeze(0).contiguous() for t in part), h0, ps.cu)
+            o, hn = run(*(t.unsqueeze(0).contiguous() for t in part), h0, ps.cu,
+                        ps.longest <= RECURRENT_MAX_TOKENS)
             o = o[0]
         if ps.rows is None:
             out = o

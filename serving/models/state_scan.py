@@ -45,6 +45,11 @@ class Pass:
     snap_slots: torch.Tensor  # [S] their snapshot slots
 
     @property
+    def longest(self) -> int:
+        """The most tokens of one sequence in this pass."""
+        return max((b - a for a, b in zip(self.cu_host, self.cu_host[1:], strict=False)), default=0)
+
+    @property
     def one_token(self) -> bool:
         """Every piece is one token (a decode-shaped launch: no ``cu_seqlens``)."""
         return len(self.cu_host) - 1 == self.cu_host[-1]

@@ -118,6 +118,27 @@ def test_fla_plumbing_matches_the_torch_scan(monkeypatch, case) -> None:
     torch.testing.assert_close(states["fla"], states["torch"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(("lens", "kernel"), [([1, 1], "recurrent"), ([64, 3], "recurrent"), ([65, 1], "chunk")])
+def test_short_extends_take_the_recurrent_kernel(monkeypatch, lens, kernel) -> None:
+    """Decode and extends of at most RECURRENT_MAX_TOKENS tokens a sequence (a cache hit's suffix) run
+    fla's one-launch fused recurrent kernel, longer ones its chunked kernel: both layers' recurrences."""
+    called: list[str] = []
+
+    def spy(name, fake):
+        return lambda *a, **kw: (called.append(name), fake(*a, **kw))[1]
+    monkeypatch.setitem(state_kernels._FLA, "ops", {
+        "gdn_chunk": spy("chunk", fake_gdn), "gdn_recurrent": spy("recurrent", fake_gdn),
+        "gla_chunk": spy("chunk", fake_gla), "gla_recurrent": spy("recurrent", fake_gla)})
+    plan = _plan(lens, [0, 1], [-1, -1], [-1, -1])
+    t = sum(lens)
+    q = k = torch.nn.functional.normalize(torch.randn(t, 2, 8), dim=-1)
+    state_kernels.gated_delta_rule(q, k, torch.randn(t, 4, 6), -torch.rand(t, 4), torch.rand(t, 4), 0.3,
+                                   torch.zeros(SLOTS, 4, 8, 6), plan, "fla")
+    state_kernels.ssd(torch.randn(t, 4, 5), torch.rand(t, 4) * 0.3, -torch.rand(4), torch.randn(t, 2, 7),
+                      torch.randn(t, 2, 7), torch.zeros(SLOTS, 4, 5, 7), plan, "fla")
+    assert called == [kernel, kernel], called
+
+
 def test_passes_cut_at_snapshots() -> None:
     plan = _plan(*BATCHES[0])
     first, second = plan.passes
