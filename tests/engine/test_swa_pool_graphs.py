@@ -58,10 +58,14 @@ for g in (runner.graphs, runner.extend_graphs):
         seen.append(batch.win.out_cache_loc.tolist())
         return out
     g.run = spy
+# a busy L1: the requests' logical pages lie above every window page id (a sliding layer that read its
+# page table in logical pages would read and write outside the window pool, or other sequences' windows)
+held = pool.allocator.alloc(150)
 outs = eng.generate(input_ids=ps, sampling_params=params)
 assert [o["output_ids"] for o in outs] == ref, ([o["output_ids"] for o in outs], ref)
 assert runner.graphs.replays > 0 and runner.extend_graphs.replays > 0
 assert seen and all(0 <= x < pool.window_pages * 4 or x == -1 for s in seen for x in s)
+pool.allocator.free(held)
 eng.check_integrity()
 first = (runner.graphs.replays, runner.extend_graphs.replays)
 # the same prompts plus a few tokens: the prefixes (and their last windows) come from L1
