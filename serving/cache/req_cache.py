@@ -232,7 +232,10 @@ class ReqCache:
         after the prompt into the working one). False: no room now (nothing held; retry later)."""
         if reuse_prefix:
             self._lock_prefix(req, self._match(req))
-        if self._take_state_slots(req) and self.reserve(req, len(req.input_ids)):
+        # a hybrid SWA L1: window pages only for the prompt's last window (what the next tokens read and where
+        # the same prompt resumes; the sender fills them), so a prompt longer than the window pool fits
+        first = 0 if self.windows is None else self.windows.first_needed(self.windows.prompt_end(req))
+        if self._take_state_slots(req) and self.reserve(req, len(req.input_ids), first):
             req.kv.admitted = True
             return True
         self.release(req)  # no room yet: give the prefix back
@@ -274,8 +277,9 @@ class ReqCache:
         loads = [p.layer_events() for r in reqs for p in r.kv.wait_loads if not p.done()]
         return LayerWaits(loads) if loads else None
 
-    def reserve(self, req: Req, upto_len: int) -> bool:
-        """Make ``req.kv.pages`` cover positions ``< upto_len``; False (nothing taken) if no room."""
+    def reserve(self, req: Req, upto_len: int, windows_from: int = 0) -> bool:
+        """Make ``req.kv.pages`` cover positions ``< upto_len``; False (nothing taken) if no room. A hybrid
+        SWA L1: the new pages from page index ``windows_from`` on get window pages."""
         if req.rid in self._refuse:
             return False  # it waits for L1 room (_lock_prefix): try_admit releases it, admission stops
         need = -(-upto_len // self.page_size) - len(req.kv.pages)
@@ -285,7 +289,7 @@ class ReqCache:
         if pages is None:
             return False
         if self.windows is not None:  # the sliding layers' KV of these pages: window pages
-            ok = self.windows.ensure(pages)
+            ok = self.windows.ensure(pages[max(0, windows_from - len(req.kv.pages)):])
             self.flush_transfers()
             if not ok:
                 self.allocator.free(pages)

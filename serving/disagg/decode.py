@@ -5,7 +5,9 @@ such as the warm-up, is served colocated):
 
 1. **pending**: when L1 has room, it takes pages for its prompt: with
    ``--disaggregation-decode-enable-radix-cache`` first the prefix its tree holds (matched
-   and locked like any admission, so only the rest travels), then fresh pages for the rest;
+   and locked like any admission, so only the rest travels), then fresh pages for the rest
+   (with a hybrid SWA L1, window pages only for those in the prompt's last window: the sender
+   fills them with its sliding layers' KV there);
 2. **registered**: an I/O thread PUTs the :class:`~serving.disagg.protocol.DecodeTarget`
    to the prefill server's bootstrap port; the request waits for its room's
    :class:`~serving.disagg.protocol.KVDone` on this role's control server;
@@ -157,11 +159,24 @@ class DecodeRole(PDRole):
         return self.sched.cache.take_prompt(req, self.use_radix)  # no room yet: tried again next step
 
     def _target(self, req: Req) -> DecodeTarget:
+        wins, since = self._window_target(req)
         return DecodeTarget(room=req.pd.room, prompt_len=len(req.input_ids), prompt_digest=prompt_digest(req.input_ids),
                             endpoint=self.transport.endpoint(), geometry=self.geometry,
                             pages=list(req.kv.pages[req.kv.tree_pages:]), skip_pages=req.kv.tree_pages,
                             notify_url=f"{self.control.url}/pd/done", state=self.state_geometry,
-                            state_slot=req.kv.state_slot)
+                            state_slot=req.kv.state_slot, window=self.window_geometry, window_pages=wins,
+                            window_from=since)
+
+    def _window_target(self, req: Req) -> tuple[list[int], int]:
+        """A hybrid SWA L1: the window pages (taken by ``take_prompt``) of the request's own prompt pages in
+        the prompt's last window -- what its next tokens read and where the same prompt resumes -- and the
+        prompt page they start at; the sender fills them. Pages it reuses from its tree hold theirs already."""
+        windows = self.sched.cache.windows
+        if windows is None:
+            return [], 0
+        since = max(windows.first_needed(windows.prompt_end(req)), req.kv.tree_pages)
+        m = windows.windows.map
+        return [m[p] for p in req.kv.pages[since: -(-len(req.input_ids) // self.page_size)]], since
 
     def _register(self, url: str, target: DecodeTarget) -> None:
         """I/O thread: hand the target to the prefill server; a failure comes back as a KVDone."""

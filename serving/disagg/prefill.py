@@ -6,14 +6,16 @@ token sampled), :meth:`PrefillRole.on_finish` *parks* it: its L1 pages stay held
 prefix + own pages) while the KV travels. It is sent once its room's
 :class:`~serving.disagg.protocol.DecodeTarget` has arrived on the bootstrap port (before or
 after the prompt is done); the sender thread writes the pages the decode side lacks in one
-batched transport call and POSTs the :class:`~serving.disagg.protocol.KVDone` (with the
+batched transport call (with a hybrid SWA L1, also the sliding layers' KV of the prompt's last
+window, from its window pages into the decode side's) and POSTs the :class:`~serving.disagg.protocol.KVDone` (with the
 first token's and the prompt's logprobs when the request asks: serving/disagg/logprob_handoff.py;
 a 400 to the decode side when they are more than the control channel carries). Only then are
 the pages released into the tree (:meth:`step` polls the send futures).
 
 Concurrency contract: see :mod:`serving.disagg.role_base`. ``parked`` / ``targets`` / ``sending``
 are scheduler-thread state. The sender thread reads a parked request's ``pages``,
-``input_ids`` and ``output_ids``, which nobody changes while it is parked.
+``input_ids`` and ``output_ids``, which nobody changes while it is parked; a hybrid SWA L1's window
+pages of its last window are read from the window map on the scheduler thread and handed to it.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class PrefillRole(PDRole):
             req, _ = self.parked.pop(room)
             target, _ = self.targets.pop(room)
             lp = logprob_handoff.export(req.logprob)  # here: nothing touches the state while the KV travels
-            self.sending[room] = (req, self.sender.submit(self._send, req, target, lp))
+            wins = self._window_sources(req, target)  # (the window map is this thread's)
+            self.sending[room] = (req, self.sender.submit(self._send, req, target, lp, wins))
         for room, (req, fut) in list(self.sending.items()):
             if fut.done():
                 del self.sending[room]
@@ -151,7 +154,18 @@ class PrefillRole(PDRole):
         self.counters["bytes_sent"] += res.nbytes
         self.counters["transfer_s"] += res.transfer_s
 
-    def _send(self, req: Req, target: DecodeTarget, lp: dict[str, Any] | None) -> KVDone | None:
+    def _window_sources(self, req: Req, target: DecodeTarget) -> list[int] | None:
+        """A hybrid SWA L1: the window pages holding the sliding layers' KV of the request's prompt pages
+        ``target.window_from ..`` (-1 where a page has none: the send fails); None without a window pool."""
+        windows = self.sched.cache.windows
+        if windows is None:
+            return None
+        need = -(-len(req.input_ids) // self.page_size)
+        m = windows.windows.map
+        return [m[p] for p in req.kv.pages[min(target.window_from, need):need]]
+
+    def _send(self, req: Req, target: DecodeTarget, lp: dict[str, Any] | None,
+              wins: list[int] | None = None) -> KVDone | None:
         """Sender thread: write the pages the decode side lacks, then report. None on failure."""
         if lp is not None and (size := len(json.dumps(lp))) > MAX_BODY - 64 * 1024:
             msg = (f"the prompt logprobs of this request take {size} bytes, over what the PD control channel "
@@ -160,18 +174,23 @@ class PrefillRole(PDRole):
             self._notify(target, KVDone(target.room, False, error=msg, status=400))
             return None
         try:
-            done = self._write(req, target, lp)
+            done = self._write(req, target, lp, wins)
         except Exception as e:  # noqa: BLE001 - any failure is reported to the decode side
             log.warning("PD room %d: sending KV failed: %s", target.room, e)
             self._notify(target, KVDone(target.room, False, error=f"KV transfer failed: {e}", status=502))
             return None
         return done if self._notify(target, done) else None
 
-    def _write(self, req: Req, target: DecodeTarget, lp: dict[str, Any] | None) -> KVDone:
+    def _write(self, req: Req, target: DecodeTarget, lp: dict[str, Any] | None,
+               wins: list[int] | None = None) -> KVDone:
         n = len(req.input_ids)
         if target.prompt_len != n or target.prompt_digest != prompt_digest(req.input_ids):
             raise ValueError(f"the decode server tokenized the prompt differently ({target.prompt_len} tokens "
                              f"there, {n} here)")
+        if (self.window_geometry is None) != (target.window is None):
+            here, there = ("on", "off") if self.window_geometry is not None else ("off", "on")
+            raise ValueError(f"the hybrid SWA L1 (--enable-hybrid-swa-memory) is {here} here and {there} on the "
+                             "decode server: the sliding layers' KV is kept differently; start both the same way")
         why = self.geometry.mismatch(target.geometry)
         if why is not None:
             raise ValueError(f"KV layouts differ: {why}")
@@ -184,6 +203,8 @@ class PrefillRole(PDRole):
         lengths = [self.geometry.chunk] * len(src)
         if self.state_geometry is not None or target.state is not None:  # the state after the prompt
             src, dst, lengths = self._with_state(req, target, list(src), list(dst), lengths)
+        if target.window is not None:  # the sliding layers' KV of the prompt's last window
+            src, dst, lengths = self._with_window(target, wins or [], list(src), list(dst), lengths)
         t0 = time.perf_counter()
         if len(src):  # the transport coalesces neighbouring chunks
             self.transport.write(target.endpoint, src, dst, lengths)
@@ -204,6 +225,21 @@ class PrefillRole(PDRole):
         s_src, s_len = self.state_geometry.addrs(req.kv.state_slot)
         s_dst, _ = target.state.addrs(target.state_slot)
         return src + s_src, dst + s_dst, lengths + s_len
+
+    def _with_window(self, target: DecodeTarget, wins: list[int], src: list[int], dst: list[int],
+                     lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Add the window pages of the prompt's last window (``wins``: this side's, in prompt page order from
+        ``target.window_from``) to the write, into the decode side's ``target.window_pages``."""
+        why = self.window_geometry.mismatch(target.window)
+        if why is not None:
+            raise ValueError(f"window pools differ: {why}")
+        if len(wins) != len(target.window_pages):
+            raise ValueError(f"the decode server offered {len(target.window_pages)} window pages from prompt page "
+                             f"{target.window_from}; the prompt has {len(wins)} from there")
+        if any(w < 0 for w in wins):
+            raise ValueError("the prefill server no longer holds the sliding layers' KV of the prompt's last window")
+        w_src, w_dst = self.window_geometry.addrs(wins), target.window.addrs(target.window_pages)
+        return src + list(w_src), dst + list(w_dst), lengths + [self.window_geometry.chunk] * len(w_src)
 
     def _notify(self, target: DecodeTarget, done: KVDone) -> bool:
         try:

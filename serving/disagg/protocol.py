@@ -10,7 +10,8 @@ The handshake (SGLang's shape, one bootstrap room per request):
 3. the prefill server computes the prompt (through its own HiCache), writes the KV of the
    pages the decode server does not hold straight into them with the transport (and, for a
    model with recurrent-state layers, its state after the prompt into the decode request's
-   working state slot: :class:`StateGeometry`), then POSTs
+   working state slot: :class:`StateGeometry`; for a hybrid SWA L1, the sliding layers' KV of the
+   prompt's last window into the decode side's window pages: ``DecodeTarget.window``), then POSTs
    a :class:`KVDone` (the first token, and the logprobs only the prefill side could compute:
    serving/disagg/logprob_handoff.py) to the decode server, which decodes from there.
 
@@ -54,9 +55,20 @@ class KVGeometry:
 
     @classmethod
     def of_pool(cls, pool: Any, model_tag: str = "") -> KVGeometry:
+        """The pool's ``kv_buffer`` (with a hybrid SWA L1: its full layers only; :meth:`of_windows`)."""
         lay = pool.layout
-        return cls(lay.num_layers, pool.page_size, lay.num_kv_heads, lay.head_dim,
-                   str(lay.dtype).removeprefix("torch."), pool.num_pages, pool.kv_buffer.data_ptr(), model_tag)
+        return cls(len(getattr(pool, "full_layers", range(lay.num_layers))), pool.page_size, lay.num_kv_heads,
+                   lay.head_dim, str(lay.dtype).removeprefix("torch."), pool.num_pages, pool.kv_buffer.data_ptr(),
+                   model_tag)
+
+    @classmethod
+    def of_windows(cls, pool: Any, model_tag: str = "") -> KVGeometry | None:
+        """A hybrid SWA L1's window buffer (its sliding layers, by window page); None without one."""
+        if getattr(pool, "win_buffer", None) is None:
+            return None
+        lay = pool.layout
+        return cls(len(pool.window_layers), pool.page_size, lay.num_kv_heads, lay.head_dim,
+                   str(lay.dtype).removeprefix("torch."), pool.window_pages, pool.win_buffer.data_ptr(), model_tag)
 
     @property
     def chunk(self) -> int:
@@ -134,6 +146,11 @@ class DecodeTarget:
     notify_url: str  # where the prefill side POSTs the KVDone
     state: StateGeometry | None = None  # a model with recurrent-state layers: the decode side's state pool
     state_slot: int = -1  # ... and the request's working slot there (the prefill side writes its state in)
+    # a hybrid SWA L1 (--enable-hybrid-swa-memory): the decode side's window buffer, and the window pages of
+    # prompt pages window_from .. ceil(prompt_len / page_size) - 1 (the prompt's last window, its own pages)
+    window: KVGeometry | None = None
+    window_pages: list[int] = field(default_factory=list)
+    window_from: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,13 +164,15 @@ class DecodeTarget:
             if state is not None:
                 state = StateGeometry([int(b) for b in state.bases], [int(n) for n in state.row_bytes],
                                       int(state.num_slots), str(state.layout))
+            win = None if d.get("window") is None else KVGeometry(**_typed(KVGeometry, d["window"]))
             t = cls(int(d["room"]), int(d["prompt_len"]), str(d["prompt_digest"]), dict(d["endpoint"]), geo,
                     [int(p) for p in d["pages"]], int(d["skip_pages"]), str(d["notify_url"]), state,
-                    int(d.get("state_slot", -1)))
+                    int(d.get("state_slot", -1)), win, [int(p) for p in d.get("window_pages", [])],
+                    int(d.get("window_from", 0)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"DecodeTarget: {e}") from None
-        if t.skip_pages < 0 or t.prompt_len <= 0:
-            raise ValueError("DecodeTarget: skip_pages must be >= 0 and prompt_len > 0")
+        if t.skip_pages < 0 or t.prompt_len <= 0 or t.window_from < 0:
+            raise ValueError("DecodeTarget: skip_pages and window_from must be >= 0 and prompt_len > 0")
         return t
 
 

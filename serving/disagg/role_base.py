@@ -37,18 +37,23 @@ class PDRole:
 
         pool = core.runner.pool
         state = core.runner.state_pool
-        if pool.windows is not None:
-            raise ValueError("PD disaggregation moves L1's pages of every KV layer; this model's sliding layers keep "
-                             "their KV in a window pool (the hybrid SWA L1): start with --disable-hybrid-swa-memory")
         if state is not None and server.disaggregation_transfer_backend == "cuda_ipc":
             raise ValueError("--disaggregation-transfer-backend cuda_ipc moves one buffer (L1's KV); a model with "
                              "linear-attention / Mamba layers also sends its state: use mooncake or nixl")
+        if pool.windows is not None and server.disaggregation_transfer_backend == "cuda_ipc":
+            raise ValueError("--disaggregation-transfer-backend cuda_ipc moves one buffer (L1's KV); with the hybrid "
+                             "SWA L1 (--enable-hybrid-swa-memory) the sliding layers' window pool travels too: use "
+                             "mooncake or nixl, or start without --enable-hybrid-swa-memory")
         self.timeout_s = server.disaggregation_bootstrap_timeout_s
         self.geometry = KVGeometry.of_pool(pool, core.kv_model_tag)
         self.page_size = pool.page_size
         self.transport = make_transport(server.disaggregation_transfer_backend,
                                         TransportConfig(host=server.disaggregation_transfer_host))
         self.transport.register_tensor(pool.kv_buffer)
+        # a hybrid SWA L1: the sliding layers' window pool travels too (the prompt's last window)
+        self.window_geometry = KVGeometry.of_windows(pool, core.kv_model_tag)
+        if pool.win_buffer is not None:
+            self.transport.register_tensor(pool.win_buffer)
         # a model with recurrent-state layers: its L1 state pool travels too (a request's working slot)
         self.state_geometry = StateGeometry.of_pool(state) if state is not None else None
         if state is not None:
