@@ -3,17 +3,19 @@ shape; Gated DeltaNet + gated attention) and Gemma-3 12B's text shape (5 sliding
 dummy weights, one run.
 
     python3 bench/hybrid.py [--json PATH] [--models qwen3_5,gemma3] [--sections decode,memory,ttft,multiturn]
+        [--swa-full-tokens-ratio R]  # the hybrid SWA L1 (window pool) on, R of the logical pages
         [--small --device cpu]   # a smoke run: 4- / 6-layer shapes, short prompts
 
 Per model:
 1. decode: bs 1 and bs 64 step tok/s (1,024-token prompts; the offline Engine, its default
    graphs / overlap settings) against the HBM roofline (weights + each sequence's KV, a window
    layer its window, + its state read and written, over 4.1 TB/s);
-2. memory: cached tokens per GB of L1 and L2 (the same layout on both) for 8k-token sequences,
-   computed from the model's own layouts: today's design (every KV layer keeps every token, a
-   request's end leaves up to two state snapshots: serving/cache/request_states.py), what the
-   layer mix allows (full layers every token, window layers one window, one snapshot per end) and
-   the same model with every layer full attention;
+2. memory: cached tokens per GB of L1 and of L2 for 8k-token sequences, computed from the model's
+   own layouts and the engine's L1 pools: today's design (L1: every KV layer keeps every token, or
+   with ``--swa-full-tokens-ratio R`` the hybrid SWA L1, its window layers R of the tokens; L2: every
+   KV layer every token; a request's end leaves up to two state snapshots:
+   serving/cache/request_states.py), what the layer mix allows (full layers every token, window
+   layers one window, one snapshot per end) and the same model with every layer full attention;
 3. ttft: a returning 8k-token turn (an 8,128-token first turn, then it + its answer + 63 user
    tokens) served from L1, L2 (L1 demoted), L3 (a restarted engine) against recompute (fresh
    8,192-token prompts), each path warmed once untimed (its first hit compiles kernels: 2.2 s on the
@@ -61,7 +63,8 @@ def log(msg: str) -> None:
 
 
 def decode_and_memory(res: dict, args, model_dir: str, cfg: dict, sections: set[str]) -> None:
-    eng = make_engine(args, model_dir, None, max_total_tokens=args.decode_tokens, max_running_requests=64)
+    eng = make_engine(args, model_dir, None, max_total_tokens=args.decode_tokens, max_running_requests=64,
+                      **swa_kw(args))
     model = eng.core.runner.model
     lb = layer_bytes(model, cfg)
     res["layers"] = {k: (v if k != "windows" else sorted(set(v))) for k, v in lb.items()}
@@ -69,7 +72,10 @@ def decode_and_memory(res: dict, args, model_dir: str, cfg: dict, sections: set[
     wb = weight_bytes(model)
     res["weight_bytes"] = wb
     if "memory" in sections:
-        res["memory"] = tokens_per_gb(lb, args.seq_len, snapshots_now=2 if lb["state_layers"] else 0)
+        pool = eng.core.runner.pool
+        share = pool.window_pages / pool.num_pages if pool.windows is not None else 1.0
+        res["memory"] = tokens_per_gb(lb, args.seq_len, snapshots_now=2 if lb["state_layers"] else 0,
+                                      l1_window_share=share)
     if "decode" in sections:
         for bs in (1, 64):
             prompts = rand_prompts(bs, args.decode_ctx, cfg["vocab_size"], seed=bs)
@@ -81,6 +87,14 @@ def decode_and_memory(res: dict, args, model_dir: str, cfg: dict, sections: set[
             res[f"decode_bs{bs}_step_bytes"] = roof["step_bytes"]
             log(f"decode bs {bs}: {tok_s:.1f} tok/s, roofline {roof['roofline_tok_s']:.1f}")
     close(eng)
+
+
+def swa_kw(args) -> dict:
+    """The engine's hybrid SWA L1 flags (``--swa-full-tokens-ratio R``: the window pool on, its size R
+    of the logical pages; a model without sliding layers ignores them)."""
+    if args.swa_full_tokens_ratio is None:
+        return {}
+    return dict(enable_hybrid_swa_memory=True, swa_full_tokens_ratio=args.swa_full_tokens_ratio)
 
 
 def _returning(eng, first: list[int], more: list[int]) -> list[int]:
@@ -95,7 +109,7 @@ def ttft_section(res: dict, args, model_dir: str, cfg: dict, work: str) -> None:
     fresh = rand_prompts(n, ctx, vocab, seed=43)
     l3 = os.path.join(work, "l3")
     kw = dict(max_total_tokens=(3 * n + 4) * (ctx + 64), hicache_size=args.l2_gb,
-              hicache_storage_load_policy="always_load")
+              hicache_storage_load_policy="always_load", **swa_kw(args))
     try:
         eng = make_engine(args, model_dir, l3, **kw)
     except Exception as e:  # noqa: BLE001 (the engine refuses L3 for this model: say why, go on without)
@@ -162,13 +176,13 @@ def multiturn_section(res: dict, args, model_dir: str, cfg: dict, work: str) -> 
     args.vocab = cfg["vocab_size"]
     out = {}
     l3 = os.path.join(work, "mt-l3")
-    out["l1_only"] = _multiturn_run(args, model_dir, None, {}, True)
+    out["l1_only"] = _multiturn_run(args, model_dir, None, swa_kw(args), True)
     log(f"multiturn l1 only: {out['l1_only']}")
     try:
-        out["l1_l2_l3"] = _multiturn_run(args, model_dir, l3, {"hicache_size": args.mt_l2_gb}, True)
+        out["l1_l2_l3"] = _multiturn_run(args, model_dir, l3, {"hicache_size": args.mt_l2_gb, **swa_kw(args)}, True)
     except Exception as e:  # noqa: BLE001
         out["l1_l2_l3_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out["l1_l2"] = _multiturn_run(args, model_dir, None, {"hicache_size": args.mt_l2_gb}, True)
+        out["l1_l2"] = _multiturn_run(args, model_dir, None, {"hicache_size": args.mt_l2_gb, **swa_kw(args)}, True)
     log(f"multiturn tiers: {out}")
     best = out.get("l1_l2_l3") or out.get("l1_l2")
     res["multiturn"] = {"conversations": args.conversations, "turns": args.turns, "context": args.context,
@@ -212,7 +226,8 @@ def table(results: dict) -> None:
             (name, "decode bs 64 tok/s (of roofline)", f"{g('decode_bs64_tok_s')} ({g('decode_bs64_of_roofline')})"),
             (name, "tokens/GB now / layer mix / all full", f"{m.get('tokens_per_gb_now', '--')} / "
              f"{m.get('tokens_per_gb_layer_mix', '--')} / {m.get('tokens_per_gb_all_full', '--')}"),
-            (name, "now vs layer mix (goal >= 0.8)", m.get("now_vs_layer_mix", "--")),
+            (name, "L1 / L2 vs layer mix (goal >= 0.8)", f"{m.get('now_vs_layer_mix', '--')} / "
+             f"{m.get('now_l2_vs_layer_mix', '--')}"),
             (name, "TTFT recompute / L1 / L2 / L3 s", f"{g('ttft_recompute_s')} / {g('ttft_l1_s')} / {g('ttft_l2_s')}"
              f" / {r.get('ttft_l3_s', r.get('ttft_l3', '--'))}"),
             (name, "TTFT L2 (when n/a)", r.get("ttft_l2", "--")),
@@ -228,6 +243,8 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes and prompts (a smoke run; CPU works)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--swa-full-tokens-ratio", type=float, default=None,
+                   help="the hybrid SWA L1 on (the window pool), this share of the logical pages")
     args = p.parse_args()
     s = args.small
     args.__dict__.update(
