@@ -137,8 +137,7 @@ class ModelRunner:
         self.extend_graphs: ExtendGraphRunner | None = None
         if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
             with timed("capturing CUDA graphs"):
-                self.graphs = self.make_graph_runner(
-                    capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
+                self.graphs = self._decode_graphs(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
                 # state layers: decode graphs only (an extend's state plan is cut per batch on the host)
                 if not model.disable_extend_cuda_graph and self.state_pool is None:
                     max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
@@ -146,6 +145,20 @@ class ModelRunner:
                     # speculative verification asks for every position's logits: small buckets get graphs for that too
                     rows = [(t, s) for t, s in buckets if t <= 128 and s <= 16] if sched.speculative_algorithm else []
                     self.extend_graphs = self.make_extend_graph_runner(buckets, row_buckets=rows)
+
+    def _decode_graphs(self, sizes: list[int]) -> CudaGraphRunner | None:
+        """The decode graphs. A model with state layers whose graphs fail to capture (their state
+        plan on static buffers has not yet run on a GPU) decodes eagerly, with a warning."""
+        if self.state_pool is None:
+            return self.make_graph_runner(sizes)
+        try:
+            return self.make_graph_runner(sizes)
+        except RuntimeError as e:
+            log.warning("CUDA graphs for a model with state layers did not capture (%s: %s): decode runs eagerly",
+                        type(e).__name__, str(e)[:300])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
 
     def _window_layers(self, sched: SchedulerConfig) -> tuple[int, ...]:
         """The KV layers that go to a window pool (hicache/tiers/window_pages.py): the sliding ones with

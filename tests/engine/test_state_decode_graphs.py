@@ -59,3 +59,25 @@ def test_state_model_decode_through_graph_buffers_equals_hf(tmp_path, family):
     code = CODE.replace("sys.argv[1]", repr(str(tmp_path))).replace("FAMILY", repr(family)) \
         .replace("**KW", f"**{FAMILIES[family]!r}")
     run_interpreted(code)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_a_state_model_whose_graphs_fail_to_capture_decodes_eagerly(tmp_path, monkeypatch, family):
+    """Until the state layers' graphs have run on a GPU, a capture that raises leaves a state model
+    decoding eagerly (a warning), where a model without state layers still fails as before."""
+    from harness.model_utils import tiny_model
+    from serving.config import ModelConfig, SchedulerConfig
+    from serving.model.model_runner import ModelRunner
+
+    path = tiny_model(tmp_path, family, **FAMILIES.get(family, {}))
+    runner = ModelRunner(ModelConfig(model_path=str(path), device="cpu", dtype="float32"),
+                         SchedulerConfig(max_total_tokens=256, max_running_requests=4), 4)
+
+    def broken(sizes, capture=True):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(runner, "make_graph_runner", broken)
+    if family == "llama":
+        with pytest.raises(RuntimeError, match="capturing"):
+            runner._decode_graphs([1, 2])
+    else:
+        assert runner._decode_graphs([1, 2]) is None
