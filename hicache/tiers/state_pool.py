@@ -133,4 +133,5 @@ class DeviceStatePool:
         return self.layout.bytes_per_slot()
 
     def nbytes(self) -> int:
-        return self.bytes_per_slot * (self.num_slots + self.num_scratch)
+        """Every row's bytes: the slots, the scratch slots and the padding row."""
+        return self.bytes_per_slot * (self.pad_slot + 1)

@@ -19,13 +19,14 @@ def _random_slot(gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def test_buffers_shapes_and_bytes() -> None:
-    pool = DeviceStatePool(LAYOUT, 5, "cpu")
+    pool = DeviceStatePool(LAYOUT, 5, "cpu")  # 5 slots, then the padding row of CUDA graphs (pad_slot)
+    assert pool.pad_slot == 5
     assert [[tuple(b.shape) for b in layer] for layer in pool.buffers] == [
-        [(5, 6, 3), (5, 2, 4, 5)], [(5, 8, 3), (5, 3, 2, 2)]]
+        [(6, 6, 3), (6, 2, 4, 5)], [(6, 8, 3), (6, 3, 2, 2)]]
     assert pool.layer(1)[0].dtype == torch.float16 and pool.layer(1)[1].dtype == torch.float32
     per_slot = (18 + 24) * 2 + (40 + 12) * 4
     assert pool.bytes_per_slot == LAYOUT.bytes_per_slot() == per_slot
-    assert pool.nbytes() == 5 * per_slot == sum(b.numel() * b.element_size() for lay in pool.buffers for b in lay)
+    assert pool.nbytes() == 6 * per_slot == sum(b.numel() * b.element_size() for lay in pool.buffers for b in lay)
     assert all(bool((b == 0).all()) for lay in pool.buffers for b in lay)
 
 
