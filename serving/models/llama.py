@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral; Qwen2 subclasses it) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral; Qwen2 and Qwen3 subclass it) over the paged KV cache.
 
 Parameter names follow HF (``model.layers.N.self_attn...``) except that q/k/v and gate/up
 are fused into ``qkv_proj`` and ``gate_up_proj``; ``load_weights`` maps HF names onto them.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,11 +82,22 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What a family's attention adds to Llama's: biases on q/k/v and on o_proj, and an RMSNorm over
+    each head of q and k before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
 class Attention(nn.Module):
     """GQA self-attention with fused qkv projection; KV goes through the paged pool."""
 
-    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool, plan: ShardPlan, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
+        qkv_bias, o_bias = opts.qkv_bias, opts.o_bias
         self.num_heads = plan.num_heads  # this rank's heads
         self.num_kv_heads = plan.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -93,6 +105,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, o_bias, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
 
     def forward(
         self,
@@ -107,7 +121,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if cos.dim() == 2:  # whole cos/sin tables: the fused path reads them at batch.positions
+        if self.q_norm is not None and self.k_norm is not None:  # per-head norms of q and k, then RoPE
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+            if cos.dim() == 2:  # whole tables: this token's rows
+                cos, sin = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        elif cos.dim() == 2:  # whole cos/sin tables: the fused path reads them at batch.positions
             rope = _rope_kernel(x.device, x.dtype)
             q, k = rope.rope_qk(qkv, batch.positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -142,10 +164,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool, plan: ShardPlan, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qkv_bias, o_bias, plan, tp)
+        self.self_attn = Attention(cfg, opts, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, plan, tp)
 
@@ -153,11 +175,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, o_bias: bool, plan: ShardPlan, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(plan, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, qkv_bias, o_bias, plan, tp) for _ in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, opts, plan, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -182,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp or TPGroup()
         self.plan = ShardPlan.for_model(cfg, self.tp.rank, self.tp.size)
-        self.model = Backbone(cfg, *self.attention_biases(cfg), self.plan, self.tp)
+        self.model = Backbone(cfg, self.attention_options(cfg), self.plan, self.tp)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.plan.vocab_per_rank, bias=False)
         )
@@ -224,9 +246,9 @@ class LlamaForCausalLM(nn.Module):
         return LayerStack.from_kinds(list(kinds), int(window))
 
     @classmethod
-    def attention_biases(cls, cfg: ModelArchConfig) -> tuple[bool, bool]:
-        """(bias on q/k/v, bias on o_proj). Llama's ``attention_bias`` sets both."""
-        return cfg.attention_bias, cfg.attention_bias
+    def attention_options(cls, cfg: ModelArchConfig) -> AttentionOptions:
+        """Llama's ``attention_bias`` sets both biases; no q/k norms."""
+        return AttentionOptions(cfg.attention_bias, cfg.attention_bias)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from serving.models.config import ModelArchConfig
-from serving.models.llama import LlamaForCausalLM
+from serving.models.llama import AttentionOptions, LlamaForCausalLM
 from serving.models.registry import register_model
 
 
@@ -12,5 +12,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 causal LM (same forward as Llama)."""
 
     @classmethod
-    def attention_biases(cls, cfg: ModelArchConfig) -> tuple[bool, bool]:
-        return True, False
+    def attention_options(cls, cfg: ModelArchConfig) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, o_bias=False)

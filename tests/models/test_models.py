@@ -53,6 +53,8 @@ CASES = {
         ),
     ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    # q/k per-head RMSNorms (randomized below: "norm" in their names), head_dim apart from hidden / heads
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, attention_bias=True, use_sliding_window=False)),
 }
 
 
