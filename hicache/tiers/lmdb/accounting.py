@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import lmdb
 
@@ -189,6 +189,29 @@ class LMDBAccounting:
 
     def put_used(self, txn) -> None:
         txn.put(b"used", U64.pack(max(0, self.used)), db=self.h.meta)
+
+    def check(self, txn, owns: Callable[[bytes], bool]) -> dict[str, int]:
+        """Raise AssertionError unless (in ``txn``, with the store's ``_wlock`` held) every value has
+        one stamp and the order database maps it back, nothing else is stamped, ``used`` equals the
+        sum of the entries' costs and what ``meta`` holds, and ``owns`` accepts every key (the
+        shard's keys). Returns entries and bytes."""
+        h, used, n = self.h, 0, 0
+        for key, val in txn.cursor(db=h.data):
+            kb = bytes(key)
+            assert owns(kb), f"LMDB {h.path}: key {kb[:40]!r} belongs to another shard"
+            seq = txn.get(kb, db=h.kseq)
+            assert seq is not None, f"LMDB {h.path}: key {kb[:40]!r} has no recency stamp"
+            back = txn.get(bytes(seq), db=h.order)
+            assert back is not None and bytes(back) == kb, f"LMDB {h.path}: the stamp of {kb[:40]!r} is not in order"
+            used += self.cost(len(kb), len(val))
+            n += 1
+        kseq, order = txn.stat(h.kseq)["entries"], txn.stat(h.order)["entries"]
+        assert kseq == order == n, f"LMDB {h.path}: {n} values, {kseq} stamps, {order} order entries"
+        raw = txn.get(b"used", db=h.meta)
+        meta = U64.unpack(raw)[0] if raw else 0
+        assert self.used == used == meta, f"LMDB {h.path}: used {self.used}, meta {meta}, entries' cost {used}"
+        assert used <= self.capacity, f"LMDB {h.path}: {used} bytes held, the capacity is {self.capacity}"
+        return {"entries": n, "used_bytes": used}
 
     def _stamp(self, txn, kb: bytes) -> None:
         seq = U64.pack(self._seq)

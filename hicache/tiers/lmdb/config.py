@@ -10,6 +10,9 @@ from typing import Any
 
 U64 = struct.Struct(">Q")  # sequence numbers and the ``used`` counter: u64 big-endian
 MIB = 1 << 20
+DEFAULT_SHARDS = 4  # a new store's environments (bench/l3_write.py chose it: docs/storage.md)
+MIN_SHARD_GB = 1.0  # ``shards: 0`` gives a new store no shard smaller than this
+MAX_SHARDS = 64
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class LMDBConfig:
     low_watermark: float = 0.75
     max_readers: int = 126
     touch_buffer: int = 65536
+    # LMDB environments the store is sharded into by page key, each with its own writer thread
+    # (hicache.tiers.lmdb.layout). 0: an existing store keeps its own count; a new one gets
+    # DEFAULT_SHARDS, fewer where that would make a shard smaller than MIN_SHARD_GB. A count given
+    # that differs from an existing store's is refused (StorageOpenError), never migrated.
+    shards: int = 0
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -38,6 +46,16 @@ class LMDBConfig:
             raise ValueError("capacity_gb must be positive and initial_map_mb >= 0")
         if not 0 < self.low_watermark <= self.high_watermark < 1:
             raise ValueError("need 0 < low_watermark <= high_watermark < 1")
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or not 0 <= self.shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be an integer in [0, {MAX_SHARDS}] (0: the store's own count, "
+                             f"{DEFAULT_SHARDS} for a new store), got {self.shards!r}")
+
+    def new_store_shards(self) -> int:
+        """The shard count a new store gets: ``shards``, or for 0 the default, capped so that a
+        shard holds at least ``MIN_SHARD_GB``."""
+        if self.shards:
+            return self.shards
+        return max(1, min(DEFAULT_SHARDS, int(self.capacity_gb / MIN_SHARD_GB)))
 
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any]) -> LMDBConfig:

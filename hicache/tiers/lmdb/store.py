@@ -1,6 +1,15 @@
 """LMDB backend of the storage tier: the embedded default (one directory, survives restarts).
 
-Layout of the environment (four named databases):
+Shards: the store is ``shards`` LMDB environments (hicache.tiers.lmdb.layout: the directory
+layout, which shard a key belongs to, a store opened with another count), each with its own
+writer thread, so writes to different shards commit in parallel (LMDB has one writer per
+environment). A key's reads, writes and deletes go to its shard; a batch is split by shard and
+each part runs in its shard (writes: on its writer thread, all parts at once; reads: one read
+transaction per shard touched, all open together). Each shard holds an equal share of
+``capacity_gb`` and keeps every rule below on its own (its own ``used``, recency order and
+eviction); the store's stats are the sums.
+
+Layout of each environment (four named databases):
 - ``data``:  key -> value (the page values, header included)
 - ``kseq``:  key -> sequence number (u64 big-endian) of its last write or read
 - ``order``: sequence number -> key (ascending = least recently used first)
@@ -34,19 +43,21 @@ to do (nothing is deleted: the directory may hold something else than a cache).
 Crash safety: plain LMDB transactions (no ``writemap``; ``sync`` on by default). A process
 killed mid-write loses at most the uncommitted transaction; committed values survive and
 the store reopens cleanly. ``sync=False`` keeps that for process crashes but may lose the
-last transactions on an OS crash or power loss.
+last transactions on an OS crash or power loss. A batch over several shards commits one
+transaction per shard: a crash between them keeps the parts committed (each page is its own
+value; a prefix lookup stops at the first page missing).
 
-Threads: any number of readers and writers (writes are serialised by a lock, map resizes
-wait for readers to leave). Processes: several may share the directory (LMDB's lock file;
+Threads: any number of readers and writers (a shard's writes are serialised, map resizes
+wait for that shard's readers to leave). Processes: several may share the directory (LMDB's lock file;
 ``MapResizedError`` from a resize by another process is handled).
 """
 
 from __future__ import annotations
 
-import os
 import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any
 
 import lmdb
@@ -60,36 +71,29 @@ from hicache.tiers.base import (
     PageCopy,
     StagingBuffer,
     StorageBackend,
-    StorageOpenError,
     copy_each,
     same_len,
 )
-from hicache.tiers.lmdb.accounting import LMDBAccounting
-from hicache.tiers.lmdb.config import LMDBConfig, MapGeometry
-from hicache.tiers.lmdb.disk import mib, write_failure
-from hicache.tiers.lmdb.handles import LMDBHandles, open_failure
+from hicache.tiers.lmdb.config import LMDBConfig
+from hicache.tiers.lmdb.handles import LMDBHandles
+from hicache.tiers.lmdb.layout import shard_configs, shard_of
+from hicache.tiers.lmdb.shard import LMDBShard
 
 
 class LMDBStore(StorageBackend):
-    """The LMDB backend (rules in the module docstring). Values up to the capacity; keys up to
-    500 bytes (UTF-8).
+    """The LMDB backend (rules in the module docstring). Values up to a shard's capacity; keys up
+    to 500 bytes (UTF-8).
 
-    Parts: ``handles`` (:class:`LMDBHandles`: the environment, its databases and the
-    :class:`~hicache.tiers.lmdb.rwlock.RWLock`), ``acct`` (:class:`LMDBAccounting`: size,
-    recency stamps, the touch buffer, counters, map growth, eviction).
+    Parts: ``shards`` (:class:`LMDBShard`: an environment, its bookkeeping and its write lock,
+    one per shard), ``_writers`` (one single-thread executor per shard when there are several:
+    the shard's writer thread).
 
-    Threads: any number of callers at once (the storage tier's readers and writers). What each
-    lock protects:
-    - ``_wlock``: one writer at a time (``batch_set``, ``delete``, ``clear``, ``close``): the
-      write transaction and everything ``acct`` changes with it (``used``, stamps, eviction,
-      map growth). LMDB would serialise write transactions anyway; holding it first keeps the
-      eviction and growth decisions in step with the write that needs them.
-    - the handles' ``RWLock``: every transaction (read or write) holds it shared; a map resize
-      (``acct.grow_map``, or ``set_mapsize(0)`` after another process resized) holds it alone,
-      as LMDB requires that no transaction of this process be open then. Readers never take
-      ``_wlock``: a read waits only for a resize.
-    - ``acct``'s ``_touch_lock``: the touch buffer readers fill and counters (dict updates only).
-    - ``_cause``: thread-local, why this thread's latest write failed (:meth:`write_error`).
+    Threads: any number of callers at once (the storage tier's readers and writers). A write
+    batch is split by shard and each part handed to its shard's writer thread; the caller waits
+    for all of them (the values may be views of its staging buffer). Each shard's own locks are
+    in :class:`LMDBShard`. A read takes the read transactions of the shards it touches in shard
+    order (a map resize holds one shard's lock alone and nothing else: no cycle). ``_cause``:
+    thread-local, why this thread's latest write failed (:meth:`write_error`).
     """
 
     name = "lmdb"
@@ -97,23 +101,40 @@ class LMDBStore(StorageBackend):
 
     def __init__(self, config: LMDBConfig) -> None:
         self.config = config
-        geometry = MapGeometry.of(config)
-        self.handles = LMDBHandles.open(config, geometry.initial)
+        self.shards: list[LMDBShard] = []
         try:
-            self.acct = LMDBAccounting(self.handles, config, geometry)
-        except lmdb.Error as e:  # the header was fine, the pages behind it are not
-            self.handles.env.close()
-            raise StorageOpenError(open_failure(e, self.handles.path)) from None
-        self._wlock = threading.Lock()  # one writer at a time (LMDB would block anyway)
+            for cfg in shard_configs(config):
+                self.shards.append(LMDBShard(cfg))
+        except BaseException:
+            for shard in self.shards:
+                shard.close()
+            raise
+        n = len(self.shards)
+        self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"hicache-lmdb-shard{i}") for i in range(n)] \
+            if n > 1 else []
         self._cause = threading.local()
-
-    @property
-    def capacity(self) -> int:
-        return self.acct.capacity
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | LMDBConfig) -> LMDBStore:
         return cls(config if isinstance(config, LMDBConfig) else LMDBConfig.from_mapping(config))
+
+    @property
+    def capacity(self) -> int:
+        return sum(s.capacity for s in self.shards)
+
+    @property
+    def handles(self) -> LMDBHandles:
+        """The environment of a one-shard store (tests and benches that reach LMDB itself)."""
+        if len(self.shards) != 1:
+            raise AttributeError(f"a store of {len(self.shards)} shards has one environment per shard: "
+                                 "use shard_for(key).handles")
+        return self.shards[0].handles
+
+    def shard_index(self, key: str) -> int:
+        return shard_of(key.encode(), len(self.shards))
+
+    def shard_for(self, key: str) -> LMDBShard:
+        return self.shards[self.shard_index(key)]
 
     # ------------------------------------------------------------------ reads
     def exists(self, key: str) -> bool:
@@ -123,26 +144,22 @@ class LMDBStore(StorageBackend):
         return self.batch_get([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        def run(txn):
-            cur = txn.cursor(db=self.handles.data)
+        def run(get):
             n = 0
-            for k in keys:
-                if not cur.set_key(k.encode()):
+            for i in range(len(keys)):
+                if get(i) is None:
                     break
                 n += 1
             return n
 
-        n = self._read(run)
+        n = self._read(keys, run, buffers=True)
         return 0 if n is None else n
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        def run(txn):
-            return [txn.get(k.encode(), db=self.handles.data) for k in keys]
-
-        out = self._read(run)
+        out = self._read(keys, lambda get: [get(i) for i in range(len(keys))])
         if out is None:
             return [None] * len(keys)
-        self.acct.touch(k for k, v in zip(keys, out, strict=True) if v is not None)
+        self._touch([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
 
     def batch_get_into(
@@ -150,10 +167,10 @@ class LMDBStore(StorageBackend):
     ) -> list[int]:
         same_len(keys, spans)
 
-        def run(txn):
+        def run(get):
             res = []
-            for k, (off, size) in zip(keys, spans, strict=True):
-                val = txn.get(k.encode(), db=self.handles.data)  # a view into the map, valid in txn
+            for i, (off, size) in enumerate(spans):
+                val = get(i)  # a view into the map, valid in txn
                 if val is None:
                     res.append(MISSING)
                 elif len(val) > size:
@@ -163,10 +180,10 @@ class LMDBStore(StorageBackend):
                     res.append(len(val))
             return res
 
-        out = self._read(run, buffers=True)
+        out = self._read(keys, run, buffers=True)
         if out is None:
             return [ERROR] * len(keys)
-        self.acct.touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
+        self._touch([k for k, r in zip(keys, out, strict=True) if r >= 0])
         return out
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
@@ -174,10 +191,10 @@ class LMDBStore(StorageBackend):
         same_len(keys, dsts)
         t = trailers.shape[1]
 
-        def run(txn):
+        def run(get):
             res, srcs, idx = [], [], []
-            for i, k in enumerate(keys):
-                val = txn.get(k.encode(), db=self.handles.data)  # a view into the map, valid in txn
+            for i in range(len(keys)):
+                val = get(i)  # a view into the map, valid in txn
                 if val is None:
                     res.append(MISSING)
                     continue
@@ -194,10 +211,10 @@ class LMDBStore(StorageBackend):
                 copy_each(srcs, [dsts[i] for i in idx])
             return res
 
-        out = self._read(run, buffers=True)
+        out = self._read(keys, run, buffers=True)
         if out is None:
             return [ERROR] * len(keys)
-        self.acct.touch(k for k, r in zip(keys, out, strict=True) if r >= 0)
+        self._touch([k for k, r in zip(keys, out, strict=True) if r >= 0])
         return out
 
     # ------------------------------------------------------------------ writes
@@ -210,132 +227,90 @@ class LMDBStore(StorageBackend):
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         same_len(keys, values)
         self._cause.text = None
-        items = []
-        ok = []
-        for k, v in zip(keys, values, strict=True):
+        ok = [False] * len(keys)
+        parts: dict[int, tuple[list[int], list[tuple[bytes, Buffer]]]] = {}
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             kb = k.encode()
-            fits = 0 < len(kb) <= 500 and self.acct.cost(len(kb), len(v)) <= self.capacity * self.config.low_watermark
-            ok.append(fits)
-            if fits:
+            s = shard_of(kb, len(self.shards))
+            if self.shards[s].fits(kb, len(v)):
+                idx, items = parts.setdefault(s, ([], []))
+                idx.append(i)
                 items.append((kb, v))
             elif self._cause.text is None:
                 self._cause.text = "an empty key, a key over 500 bytes or a value over the low watermark is not stored"
-        if not items:
-            return ok
-        incoming = sum(self.acct.cost(len(k), len(v)) for k, v in items)
-        with self._wlock:
-            if not self._store_items(items, incoming):
-                self.acct.count("errors")
-                return [False] * len(keys)
+        if len(self.shards) == 1:
+            causes = {s: self.shards[s].store(items) for s, (_, items) in parts.items()}
+        else:  # every part on its shard's writer thread, all at once
+            futures = {s: self._writers[s].submit(self.shards[s].store, items) for s, (_, items) in parts.items()}
+            causes = {s: f.result() for s, f in futures.items()}
+        for s, (idx, _) in sorted(parts.items()):
+            if causes[s] is None:
+                for i in idx:
+                    ok[i] = True
+            elif self._cause.text is None:
+                self._cause.text = causes[s]
         return ok
 
     def delete(self, key: str) -> bool:
         kb = key.encode()
-        with self._wlock:
-            found = []
-
-            def run(txn):
-                found.append(self.acct.delete_key(txn, kb))
-                self.acct.put_used(txn)
-
-            if not self._write(run):
-                self.acct.count("errors")
-                return False
-        if found and found[0]:
-            self.acct.count("deleted")
-            return True
-        return False
+        return self.shards[shard_of(kb, len(self.shards))].delete(kb)
 
     def clear(self) -> None:
-        with self._wlock:
-            if not self._write(self.acct.drop_all):
-                self.acct.count("errors")
-            self.acct.clear_touched()
+        for shard in self.shards:
+            shard.clear()
 
     def stats(self) -> dict[str, float]:
-        try:
-            with self.handles.rw.shared(), self.handles.env.begin() as txn:
-                entries = txn.stat(self.handles.data)["entries"]
-            file_bytes = os.path.getsize(os.path.join(self.config.path, "data.mdb"))
-        except (lmdb.Error, OSError):
-            entries = file_bytes = -1
-        out = self.acct.counts()
-        out.update(
-            entries=entries,
-            used_bytes=self.acct.used,
-            capacity_bytes=self.capacity,
-            map_size=self.handles.env.info()["map_size"],
-            file_bytes=file_bytes,
-        )
+        out: dict[str, float] = {}
+        for st in (s.stats() for s in self.shards):
+            for k, v in st.items():
+                out[k] = -1 if v < 0 or out.get(k, 0) < 0 else out.get(k, 0) + v
+        out["shards"] = len(self.shards)
         return out
 
+    def check_integrity(self) -> dict[str, int]:
+        """Raise AssertionError unless every shard's databases agree with each other and its
+        ``used`` (:meth:`LMDBShard.check`) and hold only keys of that shard; returns the totals
+        (entries, used_bytes), which equal what :meth:`stats` reports."""
+        total = {"entries": 0, "used_bytes": 0}
+        n = len(self.shards)
+        for i, shard in enumerate(self.shards):
+            got = shard.check(lambda kb, i=i: shard_of(kb, n) == i)
+            for k in total:
+                total[k] += got[k]
+        assert total["used_bytes"] <= self.capacity, f"LMDB: {total['used_bytes']} bytes held over {self.capacity}"
+        return total
+
     def close(self) -> None:
-        with self._wlock, self.handles.rw.exclusive():
-            self.handles.env.close()
+        for w in self._writers:
+            w.shutdown(wait=True)
+        for shard in self.shards:
+            shard.close()
 
     # ------------------------------------------------------------------ internals
-    def _read(self, fn, buffers: bool = False):
-        """Run ``fn(txn)`` in a read transaction; None (error counted) on an LMDB failure."""
-        for _ in range(2):
-            try:
-                with self.handles.rw.shared(), self.handles.env.begin(buffers=buffers) as txn:
-                    return fn(txn)
-            except lmdb.MapResizedError:  # another process grew the map
-                with self.handles.rw.exclusive():
-                    self.handles.env.set_mapsize(0)
-            except lmdb.Error:
-                break
-        self.acct.count("errors")
-        return None
+    def _touch(self, keys: list[str]) -> None:
+        """Remember the keys a read hit, in their shards (the next write there re-stamps them)."""
+        if len(self.shards) == 1:
+            self.shards[0].acct.touch(keys)
+            return
+        parts: dict[int, list[str]] = {}
+        for k in keys:
+            parts.setdefault(self.shard_index(k), []).append(k)
+        for s, ks in parts.items():
+            self.shards[s].acct.touch(ks)
 
-    def _write(self, fn, needed: int = 0) -> bool:
-        """Run ``fn(txn)`` in a write transaction (caller holds ``_wlock``), growing the map
-        or evicting on ``MapFullError``. False when it could not commit (the cause in
-        ``_cause``: ``needed``, about the bytes the write adds, tells a full disk from others)."""
-        stalls = 0
-        for _ in range(12):
-            used_before = self.acct.used
-            try:
-                # buffers: values read inside writes (sizes of old values) are views, never copies
-                with self.handles.rw.shared(), self.handles.env.begin(write=True, buffers=True) as txn:
-                    fn(txn)
-                return True
-            except lmdb.MapFullError:
-                self.acct.used = used_before  # the transaction was aborted
-                if not self.acct.grow_map() and not self.acct.evict(self.capacity // 10):
-                    # nothing left to evict: the free pages are still pinned by readers'
-                    # snapshots; give them a moment to end their transactions
-                    if stalls >= 5:
-                        return self._failed(self._map_full())
-                    time.sleep(0.005 * 2**stalls)
-                    stalls += 1
-            except lmdb.MapResizedError:
-                self.acct.used = used_before
-                with self.handles.rw.exclusive():
-                    self.handles.env.set_mapsize(0)
-            except lmdb.Error as e:
-                self.acct.used = used_before
-                return self._failed(write_failure(e, self.handles.path, needed))
-        return self._failed(self._map_full())
-
-    def _failed(self, cause: str) -> bool:
-        self._cause.text = cause
-        return False
-
-    def _map_full(self) -> str:
-        if self.acct.grow_error is not None:  # writemap: the disk had no room for a larger map
-            return self.acct.grow_error
-        return (f"the LMDB map ({mib(self.handles.env.info()['map_size'])}) has no room left and nothing more could be "
-                f"evicted (readers still hold its free pages) ({self.handles.path})")
-
-    def _store_items(self, items: list[tuple[bytes, Buffer]], incoming: int) -> bool:
-        self.acct.make_room(incoming)
-        touched = self.acct.take_touched()
-
-        def run(txn):
-            self.acct.restamp(txn, touched)
-            for kb, v in items:
-                self.acct.put(txn, kb, v)
-            self.acct.put_used(txn)
-
-        return self._write(run, incoming)
+    def _read(self, keys: Sequence[str], fn: Callable[[Callable[[int], Any]], Any], buffers: bool = False):
+        """Run ``fn(get)`` with a read transaction open in every shard ``keys`` touch (``get(i)``:
+        key ``i``'s value, a view with ``buffers``, or None); None (an error counted) on an LMDB
+        failure."""
+        n = len(self.shards)
+        idx = [shard_of(k.encode(), n) for k in keys]
+        touched = sorted(set(idx)) or [0]
+        try:
+            with ExitStack() as stack:
+                txns = {s: stack.enter_context(self.shards[s].txn(buffers)) for s in touched}
+                dbs = {s: self.shards[s].handles.data for s in touched}
+                enc = [k.encode() for k in keys]
+                return fn(lambda i: txns[idx[i]].get(enc[i], db=dbs[idx[i]]))
+        except lmdb.Error:
+            self.shards[touched[0]].acct.count("errors")
+            return None
