@@ -159,6 +159,8 @@ class PolicyReplay:
                                 eviction_policy=cfg.eviction_policy)
         with_l3 = cfg.l3_tokens >= ps and self.host is not None
         self.l3 = L3Model(cfg.l3_tokens // ps, cfg.l3_evict_to) if with_l3 else None
+        if self.l3 is not None:
+            self.tree.exclusive.enable_demotion()  # StorageController does so (a no-op unless exclusive)
         self.counts = Counts()
         self._running: list[tuple[float, int, _Running]] = []  # heap by end time
         self._now = 0.0
@@ -210,7 +212,7 @@ class PolicyReplay:
         tree.lock(m.last_device_node)
         if loaded is not None:
             tree.finish_load(loaded)  # the copy is instant here
-        if self.l3 is not None:
+        if self.l3 is not None and not tree.exclusive.on:
             nd = m.last_device_node
             while nd is not None and nd.parent is not None:  # StorageController.on_hit
                 self._write(nd)
@@ -300,6 +302,10 @@ class PolicyReplay:
         transfers = self.tree.take_transfers()
         if self.l3 is None:
             return
+        if self.tree.exclusive.on:  # StorageController.clean: the coldest L2 pages L3 lacks
+            for nd in self.tree.exclusive.dirty_tail():
+                self._write(nd)
+            return
         for t in transfers:
             if t.kind == "backup":
                 for nd in t.nodes:
@@ -336,6 +342,7 @@ class PolicyReplay:
             "l3_pages": len(self.l3) if self.l3 is not None else 0,
             "l3_pages_written": self.l3.pages_written if self.l3 is not None else 0,
             "l2_backups_skipped_pages": self.tree.backups_skipped_pages,
+            "l2_demotions_dropped_pages": self.tree.exclusive.demotions_dropped_pages,
         }
         return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hicache.hiradix.exclusive import ExclusiveTiers
 from hicache.hiradix.residency import Residency
 from hicache.hiradix.shape import TreeShape
 from hicache.tiers.allocator import PageAllocator
@@ -24,7 +25,9 @@ class L3Marks:
     L3 threads hand their results to it).
     """
 
-    def __init__(self, shape: TreeShape, residency: Residency, host: PageAllocator | None) -> None:
+    def __init__(self, shape: TreeShape, residency: Residency, host: PageAllocator | None,
+                 exclusive: ExclusiveTiers | None = None) -> None:
+        self.exclusive = exclusive
         self.shape = shape
         self.residency = residency
         self.host = host
@@ -37,7 +40,8 @@ class L3Marks:
         stay the caller's); the pages before ``start_page`` must already be in the tree (on
         any tier; the caller keeps that path locked). Nodes that have an L2 copy keep it
         and the given ids of their pages are returned for the caller to free; L1-only
-        nodes adopt the given pages as their L2 copy; the rest becomes new L2-only nodes
+        nodes adopt the given pages as their L2 copy (in the exclusive mode they do not: the ids
+        are returned); the rest becomes new L2-only nodes
         (``hit_count == 0``). Nodes that got pages from this call are marked as stored on
         L3. If the tree no longer holds the first ``start_page`` pages, nothing is
         inserted and every given id is returned. Emits no transfers. Raises
@@ -79,8 +83,10 @@ class L3Marks:
                 break
             child, end = shape.descend(child, tokens, pos, n)
             given = given_all[(pos - base) // ps : (end - base) // ps]
-            if child.host_pages is None:
+            if child.host_pages is None and (self.exclusive is None or self.exclusive.adopts(child)):
                 self.residency.set_host(child, given)
+            elif child.host_pages is None:  # the exclusive mode: an L1 node takes no L2 copy
+                dup.extend(given)
             elif child.host_pages != given:
                 dup.extend(b for a, b in zip(child.host_pages, given, strict=True) if a != b)
             child.storage_pages = len(given)

@@ -210,13 +210,13 @@ class Residency:
                 out.append(nd)
         return out
 
-    def host_leaves(self) -> list[TreeNode]:
-        """Unlocked, unpinned L2-only leaves now (eviction candidates; prunes the lazy set)."""
+    def host_leaves(self, include_pinned: bool = False) -> list[TreeNode]:
+        """Unlocked, unpinned (or also pinned) L2-only leaves now (eviction candidates; prunes the lazy set)."""
         out, leaves, pins = [], self._host_leaves, self.pins
         for nd in list(leaves):
             if nd.removed or nd.host_pages is None or nd.device_pages is not None or nd.children:
                 leaves.discard(nd)
-            elif nd.lock_ref == 0 and not pins.any_pinned(nd.host_pages):
+            elif nd.lock_ref == 0 and (include_pinned or not pins.any_pinned(nd.host_pages)):
                 out.append(nd)
         return out
 

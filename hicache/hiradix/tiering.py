@@ -13,6 +13,7 @@ import heapq
 from collections.abc import Callable
 
 from hicache.hiradix.events import TreeEvents
+from hicache.hiradix.exclusive import ExclusiveTiers
 from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
 from hicache.hiradix.node import TreeNode
 from hicache.hiradix.pins import HostPins
@@ -51,6 +52,7 @@ class Tiering:
         # L1 pages that got no L2 copy because L2 had no room (every evictable page was locked or
         # pinned, e.g. waiting for its L3 write-back): skipped backups and demotions that dropped
         self.backups_skipped_pages = 0
+        self.exclusive = ExclusiveTiers(shape, residency, pins, host, write_policy, lambda: self._evict_key("host"))
 
     def take(self) -> list[Transfer]:
         """Drain the outbox (see the ordering contract in tree.py)."""
@@ -125,6 +127,7 @@ class Tiering:
                 continue
             freed += len(nd.host_pages)
             parent = nd.parent
+            self.exclusive.dropping(nd)
             self.residency.remove(nd)
             if (
                 parent is not root
@@ -221,11 +224,13 @@ class Tiering:
             top = self._loads.pop(node)
         except KeyError:
             raise ValueError(f"no load in flight ends at {node!r}") from None
-        nd = node
+        nd, chain = node, []
         while nd is not top:
             nd.load = None
+            chain.append(nd)
             nd = nd.parent
         self.residency.unlock(node)
+        self.exclusive.drop_duplicates(chain)  # the exclusive mode: the L2 source goes unless hot
 
     def _alloc_host(self, n: int) -> list[int] | None:
         host = self.host
@@ -240,7 +245,7 @@ class Tiering:
             return 0
         nodes = [n for n in self.shape.nodes() if n.device_pages is not None and n.host_pages is None]
         before = self.residency.cached_pages("host")
-        self.backup(nodes, protect=self.shape.root)
+        self.backup(nodes, protect=self.shape.root, keep=True)
         return self.residency.cached_pages("host") - before
 
     def backup_prefix(self, tokens: list[int]) -> int:
@@ -252,11 +257,12 @@ class Tiering:
         path, _ = self.shape.match_path(tokens)
         nodes = [n for n in path if n.device_pages is not None and n.host_pages is None]
         before = self.residency.cached_pages("host")
-        self.backup(nodes, protect=path[-1] if path else self.shape.root)
+        self.backup(nodes, protect=path[-1] if path else self.shape.root, keep=True)
         return self.residency.cached_pages("host") - before
 
-    def backup(self, nodes: list[TreeNode], protect: TreeNode) -> None:
-        """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped."""
+    def backup(self, nodes: list[TreeNode], protect: TreeNode, keep: bool = False) -> None:
+        """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped.
+        ``keep``: a copy asked for on purpose, which the exclusive mode keeps beside the L1 one."""
         self.residency.lock(protect)  # evict_host must not drop the path being matched
         src: list[int] = []
         dst: list[int] = []
@@ -271,6 +277,8 @@ class Tiering:
             src += nd.device_pages
             dst += hp
             done.append(nd)
+            if keep and self.exclusive.on:
+                self.exclusive.kept.add(nd)
         self.residency.unlock(protect)
         if src:
             self._outbox.append(Transfer("backup", src, dst, tuple(done)))
@@ -297,3 +305,4 @@ class Tiering:
         for end, top in self._loads.items():
             assert end.loading and end.lock_ref > 0 and not end.removed, f"load in flight on a bad node: {end!r}"
             assert not top.removed, f"load in flight under a removed node: {top!r}"
+        self.exclusive.check_integrity()

@@ -15,6 +15,8 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
   never handed out again while pinned: the node keeps them, or, if the tree drops the
   node meanwhile, the pages wait in a deferred set until :meth:`unpin_host` frees them.
   Pins do not lock: a pinned node may still lose its L1 copy (write-back never pins L1).
+- Write policy ``exclusive``: a node on both L1 and L2 is hot, loading, pinned or backed up on
+  purpose (hicache/hiradix/exclusive.py).
 
 Parts (each owns its state; the tree composes them and is the one face callers use):
 :class:`~hicache.hiradix.shape.TreeShape` (nodes, keys, walks, splits),
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING
 
 from hicache.config import CacheConfig
 from hicache.hiradix.events import TreeEvents
+from hicache.hiradix.exclusive import ExclusiveTiers
 from hicache.hiradix.integrity import check_tree
 from hicache.hiradix.l3_marks import L3Marks
 from hicache.hiradix.match import MatchResult, Transfer
@@ -129,7 +132,7 @@ class HiRadixTree:
         self.tiering = Tiering(self.shape, self.residency, self.pins, self.events, self.device, host,
                                make_write_policy(write_policy, write_through_threshold), evict,
                                load_back_threshold)
-        self.l3 = L3Marks(self.shape, self.residency, host)
+        self.l3 = L3Marks(self.shape, self.residency, host, self.tiering.exclusive)
         self.matcher = Matcher(self.shape, self.residency, self.tiering, self.state, host)
 
     @classmethod
@@ -189,8 +192,7 @@ class HiRadixTree:
         return self.matcher.lookup(tokens, self.needs_state if needs_state is None else needs_state)
 
     def node_at(self, tokens: Sequence[int]) -> TreeNode | None:
-        """The node ending exactly at the last full page of ``tokens`` (splitting the one they end
-        inside), or None when the tree does not hold them all (see :meth:`Matcher.node_at`)."""
+        """The node ending at the last full page of ``tokens``, or None (see :meth:`Matcher.node_at`)."""
         return self.matcher.node_at(tokens)
 
     def attach_state(self, node: TreeNode, slot: int) -> int | None:
@@ -208,8 +210,7 @@ class HiRadixTree:
         return self.shape.walk(tokens, n)
 
     def peek_prefix_len(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens`` cached on L1 or L2, without touching the tree: for ordering a
-        waiting queue."""
+        """Tokens of ``tokens`` cached on L1 or L2, untouched (for ordering a waiting queue)."""
         return self.lookup(tokens)[1]
 
     def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
@@ -227,7 +228,7 @@ class HiRadixTree:
         if len(device_pages) < n // ps:
             raise ValueError(f"{n // ps} full pages but only {len(device_pages)} device pages")
         tick = shape.next_tick()
-        node, pos, dup = shape.root, 0, []
+        node, pos, dup, adopted = shape.root, 0, [], []
         while pos < n:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
@@ -238,10 +239,12 @@ class HiRadixTree:
             given = list(device_pages[pos // ps : end // ps])
             if child.device_pages is None:
                 residency.set_device(child, given)
+                adopted.append(child)
             elif child.device_pages != given:
                 dup.extend(b for a, b in zip(child.device_pages, given, strict=True) if a != b)
             child.last_access = tick
             node, pos = child, end
+        self.tiering.exclusive.drop_duplicates(adopted)  # exclusive: a recomputed page's L2 copy goes
         return dup
 
     def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int], start_page: int = 0) -> list[int]:
@@ -262,9 +265,9 @@ class HiRadixTree:
         self.residency.unlock(node)
 
     def pin_host(self, pages: Sequence[int]) -> None:
-        """A reader outside the tree (an L3 write-back) reads L2 ``pages`` until
-        :meth:`unpin_host`: they are not dropped by L2 eviction and never reused meanwhile
-        (a node removed while pinned leaves them deferred). Pins nothing on L1."""
+        """A reader outside the tree (an L3 write-back) reads L2 ``pages`` until :meth:`unpin_host`:
+        never dropped by L2 eviction nor reused meanwhile (a node removed while pinned leaves them
+        deferred). Pins nothing on L1."""
         self.pins.pin(pages)
 
     def unpin_host(self, pages: Sequence[int]) -> None:
@@ -280,6 +283,11 @@ class HiRadixTree:
     def evict_device(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L1 pages if possible (see :meth:`Tiering.evict_device`)."""
         return self.tiering.evict_device(num_pages)
+
+    @property
+    def exclusive(self) -> ExclusiveTiers:
+        """The exclusive mode's rules (``.on``: write policy ``exclusive``; ``.dirty_tail()``)."""
+        return self.tiering.exclusive
 
     def on_l3(self, node: TreeNode) -> bool:
         """Whether all of ``node``'s pages are known to be on L3 (see :meth:`Tiering.on_l3`)."""

@@ -2,7 +2,8 @@
 
 The tree decides, this controller moves, on background threads; it composes two parts:
 - :class:`serving.cache.l3_writeback.WriteBack`: a node that got an L2 copy (a backup) is written
-  on to L3 under its page keys; its L2 pages are pinned until then (never dropped: over the
+  on to L3 under its page keys (in the exclusive mode only the coldest L2 nodes, ahead of their
+  eviction: hicache/hiradix/exclusive.py); its L2 pages are pinned until then (never dropped: over the
   writers' cap it waits), never its L1 pages.
 - :class:`serving.cache.l3_prefetch.Prefetcher`: a waiting request whose prompt continues past
   L1/L2 in L3 gets a lookup, then a fetch into host pages, committed into the tree as L2
@@ -66,11 +67,14 @@ class StorageController:
         self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, self.transfers, policy, threshold_tokens,
                                      timeout_base_s, timeout_per_1k_tokens_s, load_policy, states)
         self.load_policy = self.prefetcher.load_policy
+        tree.exclusive.enable_demotion()  # exclusive tiers: L3 takes the coldest L2 pages (poll)
 
     # -- write-back -----------------------------------------------------------------------
     def on_hit(self, node: TreeNode) -> None:
         """A request matched the path to ``node``: retry write-backs that did not reach L3
-        (the store was down, say) for its L2 nodes."""
+        (the store was down, say) for its L2 nodes; not in the exclusive mode (L3 takes cold pages only)."""
+        if self.tree.exclusive.on:
+            return
         while node is not None and node.parent is not None:
             self.writeback.write(node)
             node = node.parent
@@ -83,9 +87,13 @@ class StorageController:
         return bool(wb.waiting or wb.in_flight or f.active or f.draining)
 
     def poll(self, wait: bool = False) -> None:
-        """Record finished write-backs and free pages of finished cancelled fetches."""
+        """Record finished write-backs and free pages of finished cancelled fetches; in the exclusive
+        mode write the coldest L2 pages L3 lacks (``tree.exclusive.dirty_tail``: L2 eviction then
+        drops pages L3 holds)."""
         self.writeback.poll(wait)
         self.prefetcher.poll(wait)
+        for node in self.tree.exclusive.dirty_tail():
+            self.writeback.write(node)
 
     def persist_all(self) -> None:
         """Write every L2 page that is not in L3 yet (L1-only nodes are backed up to L2 first

@@ -48,7 +48,7 @@ class TransferRunner:
         if not transfers or self._execute is None:
             return
         self._execute(transfers)  # backups are done when this returns; loads are bound
-        if self._write_back is not None:
+        if self._write_back is not None and not self.tree.exclusive.on:  # exclusive: L3 takes cold pages only
             for t in transfers:
                 if t.kind in ("backup", "state_backup"):  # a snapshot's L2 copy goes on to L3 too
                     for node in t.nodes:

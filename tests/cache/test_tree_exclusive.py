@@ -1,0 +1,101 @@
+"""The exclusive tiers (hicache_write_policy: exclusive) in the tree: a page lives in one tier unless hot."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.hiradix import HiRadixTree
+from hicache.tiers.allocator import PageAllocator
+
+PS = 4
+
+
+def make(dev: int = 8, host: int = 8, threshold: int = 3) -> HiRadixTree:
+    return HiRadixTree(PS, PageAllocator(dev), PageAllocator(host), write_policy="exclusive",
+                       write_through_threshold=threshold)
+
+
+def seq(base: int, pages: int) -> list[int]:
+    return [base + i for i in range(pages * PS)]
+
+
+def put(t: HiRadixTree, toks: list[int]) -> None:
+    t.insert(toks, t.device.alloc(len(toks) // PS))
+    t.take_transfers()
+    t.check_integrity()
+
+
+def test_eviction_demotes_and_a_load_back_frees_the_l2_copy():
+    t = make()
+    a = seq(1000, 4)
+    put(t, a)
+    m = t.match_prefix(a)  # a hit: no L2 copy (write_through would back it up here)
+    assert t.cached_pages("host") == 0 and not [x for x in t.take_transfers() if x.kind == "backup"]
+    assert t.evict_device(4) == 4  # L1 -> L2
+    assert [x.kind for x in t.take_transfers()] == ["backup"]
+    assert t.cached_pages("device") == 0 and t.cached_pages("host") == 4
+    t.check_integrity()
+    m = t.match_prefix(a)
+    m2 = t.load_back(m)
+    t.take_transfers()
+    assert m2.device_hit_tokens == 16 and t.cached_pages("host") == 4  # the copy's source, while loading
+    t.check_integrity()
+    t.finish_load(m2.last_device_node)
+    assert t.cached_pages("host") == 0 and t.cached_pages("device") == 4  # moved up, not copied
+    t.check_integrity()
+
+
+def test_a_hot_node_keeps_both_copies():
+    t = make(threshold=2)
+    a = seq(2000, 2)
+    put(t, a)
+    t.match_prefix(a)
+    t.evict_device(2)
+    t.take_transfers()
+    m = t.load_back(t.match_prefix(a))  # second hit: hot
+    t.take_transfers()
+    t.finish_load(m.last_device_node)
+    assert t.cached_pages("host") == 2 and t.cached_pages("device") == 2
+    t.check_integrity()
+
+
+def test_integrity_refuses_a_cold_duplicate():
+    t = make()
+    a = seq(3000, 2)
+    put(t, a)
+    node = t.match_prefix(a).last_device_node
+    t.tiering.backup([node], protect=t.root)  # an L2 copy nobody asked to keep, of a cold node
+    t.take_transfers()
+    with pytest.raises(AssertionError, match="cold node on L1 and L2"):
+        t.check_integrity()
+
+
+def test_l3_pages_do_not_join_an_l1_node():
+    t = make()
+    a = seq(4000, 2)
+    put(t, a)
+    dup = t.insert_host(a, t.host.alloc(2))
+    assert len(dup) == 2 and t.cached_pages("host") == 0  # returned: the node stays on L1 only
+    t.host.free(dup)
+    t.check_integrity()
+
+
+def test_l3_takes_the_coldest_l2_pages_ahead_of_their_eviction():
+    t = make(dev=4, host=8)
+    t.exclusive.enable_demotion()
+    chains = [seq(10_000 * (i + 1), 2) for i in range(5)]
+    for c in chains[:2]:
+        put(t, c)
+    assert t.exclusive.dirty_tail(2) == []  # L2 has room: nothing is written
+    for c in chains[2:]:  # each insert pushes older chains down to L2
+        t.evict_device(2)
+        t.take_transfers()
+        put(t, c)
+    assert t.cached_pages("host") == 6 and t.host.num_free == 2
+    tail = t.exclusive.dirty_tail(4)  # 2 free + 2 more: the coldest node, chains[0]
+    assert [t.path_tokens(n) for n in tail] == [chains[0]]
+    t.mark_stored(chains[0], 0, 2)  # the controller wrote it
+    assert t.exclusive.dirty_tail(4) == []
+    assert t.evict_host(2) == 2 and t.exclusive.demotions_dropped_pages == 0  # it was on L3: a demotion
+    assert t.evict_host(2) == 2 and t.exclusive.demotions_dropped_pages == 2  # chains[1]: L3 lacked it
+    t.check_integrity()
