@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,9 +54,11 @@ def raw_read(store: LMDBStore, keys: list[bytes], view: np.ndarray, pages: list[
     trailers = np.empty((len(keys), TRAILER_SIZE), np.uint8)
 
     def reader(i: int) -> None:
-        with store.handles.env.begin(buffers=True, db=store.handles.data) as txn:
+        with ExitStack() as stack:  # a read transaction in every shard (LMDBConfig.shards)
+            txns = [(stack.enter_context(s.handles.env.begin(buffers=True)), s.handles.data) for s in store.shards]
             for j in range(i, len(keys), threads):
-                src = np.frombuffer(txn.get(keys[j]), np.uint8)
+                txn, db = txns[store.shard_index(keys[j].decode())]
+                src = np.frombuffer(txn.get(keys[j], db=db), np.uint8)
                 np.copyto(view[pages[j]], src[:nb])
                 trailers[j] = src[nb:]
 
