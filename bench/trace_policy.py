@@ -18,7 +18,9 @@ for its fixed cost): the next request starts when the first of those in flight e
 server that runs each request at its own pace. With ``concurrency`` 1 the order is exact.
 
 After every tree call the transfers are drained as the engine does; every L1 -> L2 backup is
-written on to L3 at once (what a write-back that keeps up does). L3 is modelled as an LRU of
+written on to L3 at once (what a write-back that keeps up does). With ``write_policy="exclusive"``
+no backup is written and no hit retries a write: after each drain the coldest L2 nodes L3 lacks
+(``tree.exclusive.dirty_tail()``, as StorageController.poll) are written at once instead. L3 is modelled as an LRU of
 page keys (a key chains the page's tokens onto its parent's, as hicache.keys does) with
 ``l3_tokens`` of room, stamped on write and read like the LMDB store. Tier capacities are in
 tokens. Hits per tier are counted as the engine counts them (``Req.kv.cached_by_tier``).

@@ -42,7 +42,8 @@ class CacheConfig:
     hicache_ratio: float = 0.0
     hicache_size: float = 0.0  # L2 in GiB (wins over hicache_ratio when > 0); more than the host can pin is an error
     hicache_mem_layout: str = choice("layer_first", HOST_LAYOUTS)  # page_first: a page is contiguous (one L3 value)
-    # when L1 pages are copied down to L2: on a node's first hit, after write_through_threshold hits, on eviction
+    # when pages are copied down: to L2 on a node's first hit, after write_through_threshold hits, on eviction
+    # (L3 takes every L2 page), or exclusive (a page in one tier unless hot; L2 eviction demotes to L3)
     hicache_write_policy: str = choice("write_through", _write_policies)
     write_through_threshold: int = 2  # hits before write_through_selective backs a node up
     load_back_threshold: int = 1  # pages; smaller L2 hits are recomputed instead of loaded
