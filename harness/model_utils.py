@@ -25,6 +25,9 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1])),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -51,7 +54,7 @@ def gemma3_270m_path() -> Path:
 
 def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **overrides) -> Path:
     """Save a tiny random checkpoint (HF format) into ``path``: ``arch`` one of ``TINY_FAMILIES``
-    (llama, qwen2, qwen3 (head_dim 32); the sliding-window families mistral, every layer an 8-token window, and gemma3,
+    (llama, qwen2, qwen3 (head_dim 32), qwen3_moe (8 experts, top 2, a sparse then a dense layer); the sliding-window families mistral, every layer an 8-token window, and gemma3,
     2 sliding layers (window 8) to 1 full; the hybrids qwen3_5, a Gated DeltaNet + gated-attention
     stack, and nemotron_h, Mamba2 + attention + MLP blocks).
 

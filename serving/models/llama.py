@@ -10,7 +10,7 @@ embedding and LM head vocab-split (serving.parallel.shard says which rows).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,22 +164,24 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, opts, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, plan, tp)
+        self.mlp = mlp if mlp is not None else MLP(cfg, plan, tp)
 
 
 class Backbone(nn.Module):
     """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelArchConfig, opts: AttentionOptions, plan: ShardPlan, tp: TPGroup,
+                 mlp_for: Callable[[int], nn.Module | None] = lambda layer: None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(plan, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, opts, plan, tp) for _ in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, opts, plan, tp, mlp_for(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -204,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp or TPGroup()
         self.plan = ShardPlan.for_model(cfg, self.tp.rank, self.tp.size)
-        self.model = Backbone(cfg, self.attention_options(cfg), self.plan, self.tp)
+        self.model = Backbone(cfg, self.attention_options(cfg), self.plan, self.tp, self.sparse_mlp)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.plan.vocab_per_rank, bias=False)
         )
@@ -244,6 +246,10 @@ class LlamaForCausalLM(nn.Module):
         if len(kinds) != n or not set(kinds) <= {LayerKind.FULL.value, LayerKind.SLIDING.value}:
             raise ValueError(f"layer_types {list(kinds)}: expected {n} of full_attention / sliding_attention")
         return LayerStack.from_kinds(list(kinds), int(window))
+
+    def sparse_mlp(self, layer: int) -> nn.Module | None:
+        """Layer ``layer``'s MLP when it is not the dense SwiGLU (a mixture of experts); None: dense."""
+        return None
 
     @classmethod
     def attention_options(cls, cfg: ModelArchConfig) -> AttentionOptions:

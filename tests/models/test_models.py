@@ -55,6 +55,14 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=False)),
     # q/k per-head RMSNorms (randomized below: "norm" in their names), head_dim apart from hidden / heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, attention_bias=True, use_sliding_window=False)),
+    # a sparse layer (8 experts, top 2, renormalized) then a dense one (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1], use_sliding_window=False)),
+    # every layer sparse (decoder_sparse_step 1), top 3 probabilities as they are
+    "qwen3_moe_unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+        use_sliding_window=False)),
 }
 
 
