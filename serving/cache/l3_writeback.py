@@ -25,8 +25,13 @@ Concurrency contract (the class owns it):
   ``tier.write_threads`` writers run at once (they frame pages in parallel; the backend
   serialises its commits where it must). ``rate_mb_s`` caps each writer's bandwidth so
   write-back does not take the memory bandwidth and cores that decode needs.
-- A write the store fails is not retried by itself (the pages are unpinned; the node is
-  written again at its next backup or hit); its pages are counted in ``pages_dropped``.
+- A write the store fails (all or part of it: a full map whose free pages readers still hold, a
+  remote store's timeout) is retried, not dropped: it goes back to the head of the backlog with
+  its pages still pinned and L3's reservation kept, and is handed out again after a backoff
+  (``RETRY_S`` doubling per attempt; pages already on L3 are skipped). Only after
+  ``MAX_ATTEMPTS`` failed attempts in a row (a dead or full disk: pinning L2 for it forever would
+  stop L2 itself) are the pages unpinned and counted in ``pages_dropped`` (the node is written
+  again at its next backup or hit); ``write_retries`` counts the retries.
 - A model with state layers: a node's L2 state snapshot not stored yet goes with the node's write
   (its L2 slot pinned in ``tree.state.pins`` until the write is done; read on the writer thread), under
   ``state_key`` of the node's last page key, once all of the node's pages are on L3; :meth:`poll`
@@ -50,6 +55,9 @@ from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.storage import StorageTier
 from hicache.tiers.storage_state import StateStore
 
+RETRY_S = 0.05  # backoff before a failed write's first retry; doubles per attempt
+MAX_ATTEMPTS = 8  # about 6 s of retries in all before a failing store's pages are given up
+
 
 @dataclass(eq=False)
 class _Write:
@@ -59,6 +67,9 @@ class _Write:
     node_id: int
     tenant: str | None = None  # whose L3 quota the pages are reserved against (hicache.hiradix.quota)
     state_slot: int | None = None  # the node's L2 state snapshot, pinned until the write is done
+    attempts: int = 0  # store calls that failed it so far
+    wrote: int = 0  # pages it wrote in failed attempts (for the tenant's ledger)
+    retry_at: float = 0.0  # time.monotonic() before which it is not handed out again
 
 
 @dataclass(eq=False)
@@ -96,7 +107,8 @@ class WriteBack:
         self._waiting_pages = 0  # pages in the backlog
         self._queued_pages = 0  # pages handed to the writers, not finished
         self.pages_written = 0
-        self.pages_dropped = 0  # pages of writes the store failed (not on L3; rewritten at the next hit)
+        self.pages_dropped = 0  # pages of writes the store failed MAX_ATTEMPTS times (rewritten at the next hit)
+        self.write_retries = 0  # failed writes handed back to the backlog (pinned) to try again
         self.snapshots_written = 0  # state snapshots now on L3
         self.pages_over_quota = 0  # not written: their tenant is at its L3 quota (hicache.hiradix.quota)
         self.max_waiting_pages = 0  # the backlog's high-water mark (how far behind the writers got)
@@ -154,6 +166,8 @@ class WriteBack:
         """Hand waiting writes to idle writers, a staging batch (or one larger write) per writer,
         while the pages handed out stay under the cap."""
         while self._backlog and len(self._jobs) < self.threads:
+            if self._backlog[0].retry_at > time.monotonic():  # a failed write backs off (FIFO: the rest wait)
+                break
             head = len(self._backlog[0].host_pages)
             if self._jobs and self._queued_pages + head > self.max_queued_pages:
                 break
@@ -223,6 +237,8 @@ class WriteBack:
             self._pump()
             if not (wait and (self._jobs or self._backlog)):
                 return
+            if not self._jobs:  # only a failed write backing off is left
+                time.sleep(max(0.0, min(1.0, self._backlog[0].retry_at - time.monotonic())))
 
     def _finish(self, job: _Job) -> None:
         self._jobs.remove(job)  # before its effects: a failure below cannot settle it twice
@@ -231,12 +247,19 @@ class WriteBack:
             results = job.future.result()
         except Exception:  # a backend bug: nothing is marked, the pages are unpinned
             results = [(0, 0, False)] * len(job.writes)
+        retry = []
         for w, (stored, wrote, state) in zip(job.writes, results, strict=True):
-            self._pending.discard(w.node_id)
             self.pages_written += wrote
+            w.wrote += wrote
+            if stored < len(w.host_pages) and w.attempts + 1 < MAX_ATTEMPTS:  # back to the backlog, still pinned
+                w.attempts += 1
+                w.retry_at = time.monotonic() + RETRY_S * 2 ** (w.attempts - 1)
+                retry.append(w)
+                continue
+            self._pending.discard(w.node_id)
             self.pages_dropped += len(w.host_pages) - stored
             if self.tree.ledger is not None:
-                self.tree.ledger.settle_storage(w.tenant, len(w.host_pages), w.tokens, wrote)
+                self.tree.ledger.settle_storage(w.tenant, len(w.host_pages), w.tokens, w.wrote)
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self.tree.unpin_host(w.host_pages)
@@ -246,6 +269,10 @@ class WriteBack:
                     if end == len(w.tokens) and self.tree.state.mark_stored(node):
                         self.snapshots_written += 1
                 self.tree.state.pins.unpin([w.state_slot])
+        if retry:
+            self.write_retries += len(retry)
+            self._backlog.extendleft(reversed(retry))
+            self._waiting_pages += sum(len(w.host_pages) for w in retry)
 
     def _all_writes(self) -> list[_Write]:
         return [*self._backlog, *(w for j in self._jobs for w in j.writes)]
