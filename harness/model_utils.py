@@ -32,6 +32,9 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"])),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
@@ -54,9 +57,10 @@ def gemma3_270m_path() -> Path:
 
 def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **overrides) -> Path:
     """Save a tiny random checkpoint (HF format) into ``path``: ``arch`` one of ``TINY_FAMILIES``
-    (llama, qwen2, qwen3 (head_dim 32), qwen3_moe (8 experts, top 2, a sparse then a dense layer); the sliding-window families mistral, every layer an 8-token window, and gemma3,
-    2 sliding layers (window 8) to 1 full; the hybrids qwen3_5, a Gated DeltaNet + gated-attention
-    stack, and nemotron_h, Mamba2 + attention + MLP blocks).
+    (llama, qwen2, qwen3 (head_dim 32), qwen3_moe (8 experts, top 2, a sparse then a dense layer);
+    the sliding-window families mistral, every layer an 8-token window, gemma3, 2 sliding layers
+    (window 8) to 1 full, and gpt_oss (sinks, an 8-token window then a full layer, 4 experts); the
+    hybrids qwen3_5, a Gated DeltaNet + gated-attention stack, and nemotron_h, Mamba2 + attention + MLP blocks).
 
     Weights are drawn with a large ``initializer_range`` so greedy decoding has clear
     winners (random models with tiny weights produce near-ties that make token

@@ -24,7 +24,15 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
-    original_max_position_embeddings: int | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    # yarn: the ramp's rotation bounds, whether they are rounded out, and the cos/sin scale (None: from
+    # factor, or mscale / mscale_all_dim)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,10 +190,18 @@ def _parse_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     orig = merged.get("original_max_position_embeddings")
     if rope_type == "llama3" and orig is None:
         orig = raw.get("max_position_embeddings")
+    if rope_type == "yarn" and orig is None:
+        orig = raw.get("max_position_embeddings")
     return theta, RopeScaling(
         rope_type=str(rope_type),
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=merged.get("low_freq_factor"),
         high_freq_factor=merged.get("high_freq_factor"),
         original_max_position_embeddings=None if orig is None else int(orig),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=merged.get("attention_factor"),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
     )

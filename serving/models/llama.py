@@ -84,12 +84,13 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """What a family's attention adds to Llama's: biases on q/k/v and on o_proj, and an RMSNorm over
-    each head of q and k before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
+    """What a family's attention adds to Llama's: biases on q/k/v and on o_proj, an RMSNorm over
+    each head of q and k before RoPE (Qwen3's ``q_norm`` / ``k_norm``), attention sinks (GPT-OSS)."""
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    sinks: bool = False  # a learned logit per q head in the softmax's denominator (GPT-OSS's ``sinks``)
 
 
 class Attention(nn.Module):
@@ -107,6 +108,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if opts.sinks else None  # this rank's heads'
 
     def forward(
         self,
@@ -139,7 +141,8 @@ class Attention(nn.Module):
             k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KH, D]
             v = v.view(t, self.num_kv_heads, self.head_dim)
         attn.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale, window=window)  # [T, H, D]
+        sinks = None if self.sinks is None else self.sinks.float()
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale, window=window, sinks=sinks)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 

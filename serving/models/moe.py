@@ -1,17 +1,27 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``): a router picks each
-token's top-k of ``num_experts`` SwiGLU experts and sums their outputs weighted by the router's
-probabilities (softmax over all experts in float32, the top-k kept and, with ``norm_topk_prob``,
-renormalized to sum to 1; then cast to the activations' dtype, as HF does).
+"""A sparse mixture-of-experts MLP: a router picks each token's top-k of ``num_experts`` gated experts
+and sums their outputs weighted by the router's scores. The families differ in two small strategies
+(:class:`MoEOptions`):
 
-The experts' weights are stacked: ``w13 [E, 2 I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``,
-loaded from HF's per-expert names (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,
-:meth:`SparseMoE.load_expert`). The torch path groups the tokens by expert (one sort) and runs each
-expert that has tokens on its rows. Under tensor parallelism every rank holds every expert's share
-of the intermediate columns (gate/up rows, down columns: ``I / tp`` each) and the ranks' partial sums
-are added by one all-reduce, as a dense MLP's down projection does.
+- **scoring**: ``softmax_topk`` (Qwen3-MoE: softmax over every expert in float32, the top-k kept and,
+  with ``renormalize``, rescaled to sum to 1) or ``topk_softmax`` (GPT-OSS: the top-k logits, a
+  softmax over those k); then cast to the activations' dtype, as HF does. ``router_bias``: the router
+  has a bias (GPT-OSS);
+- **activation** (``ACTIVATIONS``): ``silu`` (SwiGLU: ``silu(gate) * up``) or ``gpt_oss``
+  (``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``); experts may
+  have biases (``expert_bias``: GPT-OSS).
+
+The experts' weights are stacked: ``w13 [E, 2 I, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and,
+with biases, ``b13 [E, 2 I]`` / ``b2 [E, H]``; the families' loaders fill them (:meth:`SparseMoE.load`).
+The torch path groups the tokens by expert (one sort) and runs each expert that has tokens on its
+rows. Under tensor parallelism every rank holds every expert's share of the intermediate columns
+(``I / tp``) and the ranks' partial sums are added by one all-reduce, as a dense MLP's down projection
+does (the down bias is added on rank 0 only, before the sum).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,27 +30,67 @@ from torch import nn
 from serving.parallel.group import TPGroup
 
 
+@dataclass(frozen=True)
+class MoEOptions:
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's (all ranks)
+    scoring: str = "softmax_topk"  # or "topk_softmax"
+    renormalize: bool = False  # softmax_topk: the kept top-k rescaled to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # a key of ACTIVATIONS
+    swiglu_alpha: float = 1.702  # gpt_oss
+    swiglu_limit: float = 7.0  # gpt_oss
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.scoring not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"unknown MoE scoring {self.scoring!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MoE expert activation {self.activation!r}; supported: {sorted(ACTIVATIONS)}")
+
+
+def _silu_glu(gate: torch.Tensor, up: torch.Tensor, opts: MoEOptions) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _gpt_oss_glu(gate: torch.Tensor, up: torch.Tensor, opts: MoEOptions) -> torch.Tensor:
+    gate = gate.clamp(max=opts.swiglu_limit)
+    up = up.clamp(min=-opts.swiglu_limit, max=opts.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * opts.swiglu_alpha))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, MoEOptions], torch.Tensor]] = {
+    "silu": _silu_glu, "gpt_oss": _gpt_oss_glu}
+
+
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(self, hidden: int, opts: MoEOptions, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup()
-        if intermediate % self.tp.size:
-            raise ValueError(f"--tp-size {self.tp.size} does not divide moe_intermediate_size {intermediate}")
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
-        self.full_intermediate = intermediate
-        self.inter = intermediate // self.tp.size  # this rank's columns of each expert
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router (HF's ``mlp.gate``)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter))
+        if opts.intermediate % self.tp.size:
+            raise ValueError(f"--tp-size {self.tp.size} does not divide the experts' intermediate size "
+                             f"{opts.intermediate}")
+        self.opts = opts
+        self.inter = opts.intermediate // self.tp.size  # this rank's columns of each expert
+        self.num_experts, self.top_k = opts.num_experts, opts.top_k
+        self.gate = nn.Linear(hidden, opts.num_experts, bias=opts.router_bias)  # the router
+        e = opts.num_experts
+        self.w13 = nn.Parameter(torch.empty(e, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, self.inter))
+        self.b13 = nn.Parameter(torch.empty(e, 2 * self.inter)) if opts.expert_bias else None
+        self.b2 = nn.Parameter(torch.empty(e, hidden)) if opts.expert_bias else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        top, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
+        logits = self.gate(x)
+        if self.opts.scoring == "topk_softmax":
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), ids
+        top, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.opts.renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x.dtype), ids
 
@@ -52,27 +102,33 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host: the experts' row counts
         tokens = order // self.top_k
         w = weights.reshape(-1)[order]
+        act = ACTIVATIONS[self.opts.activation]
+        down_bias = self.b2 is not None and self.tp.rank == 0
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = tokens[start:start + n]
-            gate, up = F.linear(x[rows], self.w13[e]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e]) * w[start:start + n, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            h = F.linear(x[rows], self.w13[e], None if self.b13 is None else self.b13[e])
+            gate, up = h.split(self.inter, dim=-1)
+            y = F.linear(act(gate, up, self.opts), self.w2[e], self.b2[e] if down_bias else None)
+            out.index_add_(0, rows, (y * w[start:start + n, None]).to(out.dtype))
             start += n
         return self.tp.all_reduce(out) if self.tp.is_parallel else out
 
-    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
-        """HF's ``experts.{expert}.{proj}.weight`` (gate_proj / up_proj ``[I, H]``, down_proj ``[H, I]``),
-        this rank's columns of it."""
+    def load(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """Expert ``expert``'s ``part`` in HF's orientation (``[out, in]``): ``gate`` / ``up`` ``[I, H]``,
+        ``down`` ``[H, I]``, ``gate_bias`` / ``up_bias`` ``[I]``, ``down_bias`` ``[H]``; this rank's
+        columns of it."""
         lo, n = self.tp.rank * self.inter, self.inter
         with torch.no_grad():
-            if proj == "gate_proj":
-                self.w13[expert, :n].copy_(tensor[lo:lo + n])
-            elif proj == "up_proj":
-                self.w13[expert, n:].copy_(tensor[lo:lo + n])
-            elif proj == "down_proj":
+            if part in ("gate", "up"):
+                self.w13[expert, (0 if part == "gate" else n):][:n].copy_(tensor[lo:lo + n])
+            elif part == "down":
                 self.w2[expert].copy_(tensor[:, lo:lo + n])
+            elif part in ("gate_bias", "up_bias") and self.b13 is not None:
+                self.b13[expert, (0 if part == "gate_bias" else n):][:n].copy_(tensor[lo:lo + n])
+            elif part == "down_bias" and self.b2 is not None:
+                self.b2[expert].copy_(tensor)
             else:
-                raise ValueError(f"unknown expert projection {proj!r}")
+                raise ValueError(f"an expert has no {part!r} here")

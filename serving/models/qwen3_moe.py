@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from serving.models.llama import load_hf_weights
-from serving.models.moe import SparseMoE
+from serving.models.moe import MoEOptions, SparseMoE
 from serving.models.qwen3 import Qwen3ForCausalLM
 from serving.models.registry import register_model
 
@@ -28,10 +28,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if experts <= 0 or layer in (raw.get("mlp_only_layers") or []) or \
                 (layer + 1) % int(raw.get("decoder_sparse_step") or 1):
             return None
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Qwen3-MoE experts with hidden_act {raw['hidden_act']!r}: only silu is supported")
-        return SparseMoE(self.config.hidden_size, int(raw["moe_intermediate_size"]), experts,
-                         int(raw["num_experts_per_tok"]), bool(raw.get("norm_topk_prob", False)), self.tp)
+        opts = MoEOptions(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                          renormalize=bool(raw.get("norm_topk_prob", False)),
+                          activation=str(raw.get("hidden_act", "silu")))
+        return SparseMoE(self.config.hidden_size, opts, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """HF's per-expert tensors into each sparse layer's stacked weights; the rest as Qwen3's."""
@@ -47,6 +47,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 mlp = self.model.layers[layer].mlp
                 if not isinstance(mlp, SparseMoE) or expert >= mlp.num_experts:
                     raise ValueError(f"checkpoint tensor {name}: layer {layer} has no expert {expert}")
-                mlp.load_expert(expert, proj, tensor)
+                mlp.load(expert, proj.removesuffix("_proj"), tensor)
                 loaded.add(f"model.layers.{layer}.mlp.{'w2' if proj == 'down_proj' else 'w13'}")
         return load_hf_weights(self, self.plan, dense()) | loaded

@@ -48,7 +48,46 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling, cfg: ModelArchConfig) -> tor
     return torch.where(medium, smoothed, scaled)
 
 
-ROPE_TYPES: dict[str, InvFreqFn] = {"linear": _linear, "dynamic": _dynamic, "llama3": _llama3}
+def _yarn(inv_freq: torch.Tensor, s: RopeScaling, cfg: ModelArchConfig) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
+    divided by ``factor``, those turning more than ``beta_fast`` times kept, a linear ramp between
+    (over the frequency index; its ends rounded out with ``truncate``). The cos/sin scale is
+    :func:`attention_factor`."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    orig = s.original_max_position_embeddings or cfg.max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(cfg: ModelArchConfig) -> float:
+    """The factor cos and sin are scaled by: YaRN's ``attention_factor`` (given, else from ``factor``
+    and ``mscale`` / ``mscale_all_dim`` as HF computes it); 1 for the other variants."""
+    s = cfg.rope_scaling
+    if s is None or s.rope_type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+    if s.mscale and s.mscale_all_dim:
+        return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+    return _yarn_mscale(s.factor)
+
+
+ROPE_TYPES: dict[str, InvFreqFn] = {"linear": _linear, "dynamic": _dynamic, "llama3": _llama3, "yarn": _yarn}
 
 
 def inv_frequencies(cfg: ModelArchConfig) -> torch.Tensor:
@@ -75,6 +114,7 @@ class RotaryEmbedding:
     def __init__(self, cfg: ModelArchConfig) -> None:
         with torch.device("cpu"):  # also when the model is built under a meta-device context
             self.inv_freq = inv_frequencies(cfg)
+        self.scale = attention_factor(cfg)  # cos and sin are multiplied by it (YaRN)
         self.initial_len = cfg.max_position_embeddings
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -82,7 +122,9 @@ class RotaryEmbedding:
         pos = torch.arange(length, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, self.inv_freq.to(device))  # [L, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-        return emb.cos(), emb.sin()
+        if self.scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.scale, emb.sin() * self.scale
 
     def tables(self, device: torch.device, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole ``[L >= max_len, D]`` float32 cos and sin tables on ``device``."""

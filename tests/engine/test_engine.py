@@ -10,9 +10,9 @@ from serving.engine import Engine
 from serving.structs.sampling_params import InvalidRequest
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "llama_rope_scaled"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "llama_rope_scaled"])
 def tiny(request, tmp_path_factory):
-    arch = request.param if request.param in ("qwen2", "qwen3", "qwen3_moe") else "llama"
+    arch = request.param if request.param in ("qwen2", "qwen3", "qwen3_moe", "gpt_oss") else "llama"
     extra = {}
     if request.param == "llama_rope_scaled":
         extra = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

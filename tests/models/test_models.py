@@ -59,6 +59,10 @@ CASES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
         mlp_only_layers=[1], use_sliding_window=False)),
+    # sinks, alternating 4-token windows, YaRN, experts with biases and the clamped gated activation
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])),
     # every layer sparse (decoder_sparse_step 1), top 3 probabilities as they are
     "qwen3_moe_unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,

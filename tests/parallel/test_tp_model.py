@@ -19,6 +19,7 @@ PROMPTS = [list(range(3, 40)), [7, 8, 9], [100, 5, 6, 200, 9, 1, 2, 3, 4, 11, 12
     ("qwen2", 2, 4),  # replicated, two ranks per kv head
     ("qwen3", 2, 2),  # per-head q/k norms (replicated weights), head_dim 32
     ("qwen3_moe", 2, 2),  # every expert's intermediate split over the ranks, one all-reduce
+    ("gpt_oss", 2, 2),  # sinks by q head, expert biases once, windows
 ])
 def test_tiny_tp_matches_single_rank(tmp_path, arch, kv_heads, size) -> None:
     path = tiny_model(tmp_path / "m", arch=arch, num_key_value_heads=kv_heads, vocab_size=501)  # 501: padded vocab
