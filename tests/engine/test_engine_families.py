@@ -1,10 +1,11 @@
-"""Sliding-window models in the engine with the HiCache tiers (issue 43): a tiny random Gemma-3 (2
-sliding layers with an 8-token window to 1 full), GPT-OSS (an 8-token window with attention sinks,
-then a full layer with sinks; experts) and Mistral (every layer an 8-token window), prompts
-5-8 windows long, float32 on CPU. Every layer keeps its KV for every token (docs/models.md), so a
-prefix served from L1, from L2 (L1 too small to keep it), from L3 (LMDB, after a restart), through
-chunked-prefill boundaries inside a window, or to requests sharing a prefix that is still loading,
-gives HF's greedy tokens, the same as recomputing it."""
+"""Model families in the engine with the HiCache tiers (issues 43, 45), prompts 5-8 windows long,
+float32 on CPU: the sliding-window families, a tiny random Gemma-3 (2 sliding layers with an 8-token
+window to 1 full), GPT-OSS (an 8-token window with attention sinks, then a full layer with sinks;
+experts) and Mistral (every layer an 8-token window), whose every layer keeps its KV for every token
+(docs/models.md), and Qwen3 (q/k norms) and Qwen3-MoE (experts). A prefix served from L1, from L2 (L1
+too small to keep it), from L3 (LMDB, after a restart), from a second server through Mooncake,
+through chunked-prefill boundaries inside a window, or to requests sharing a prefix that is still
+loading, gives HF's greedy tokens, the same as recomputing it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from serving.engine import Engine
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gpt_oss", "mistral"])
+@pytest.fixture(scope="module", params=["gemma3", "gpt_oss", "mistral", "qwen3", "qwen3_moe"])
 def tiny(request, tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     ps, others = tier_prompts()  # 40-60 tokens each
