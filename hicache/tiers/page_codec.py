@@ -13,6 +13,9 @@ Value format (version 2), one value per page, independent of the host pool's lay
 ``flags`` bit 0 (``SLIDING_INVALID``): the page's sliding-window layers are stale, its full layers good (a
 hybrid SWA L1 had dropped that page's window KV before its backup: hicache/tiers/window_pages.py); a
 reader sets the L2 page's ``sliding_valid`` from it. Zero (every value before flags existed): all good.
+Bit 1 (``SLIDING_OMITTED``, with bit 0): the page was stored without its sliding layers at all (an L2 with
+a host window pool: hicache/tiers/storage_windows.py): the value is that of a model of the full layers only
+(``rows``, ``payload_nbytes`` and the payload say so), smaller by the sliding layers' share.
 
 ``encoding`` is the lower-tier encoding of the payload (0 raw, 1 fp8, 2 int8; it took two
 bytes of what was zero padding, so raw values keep the bytes they had before encodings existed);
@@ -45,6 +48,7 @@ MAGIC = b"HCKV"
 TRAILER_SIZE = 64
 _TRAILER = struct.Struct("<4sHHIIIIQQ16sHH4x")  # 60 bytes of fields, zero-padded to TRAILER_SIZE
 SLIDING_INVALID = 1  # flags bit: the payload's sliding-window layers are stale (a hybrid SWA L1 had dropped them)
+SLIDING_OMITTED = 2  # flags bit: the payload holds the full layers only (hicache/tiers/storage_windows.py)
 _DTYPE_CODES = {
     torch.float32: 1,
     torch.float16: 2,

@@ -15,6 +15,8 @@ prefix grows while it runs. Two data paths, chosen per call:
   (payload + trailer, one contiguous value) and hands that to the backend.
 - **staged** (any other pool or backend, e.g. Mooncake with its registered buffers): values
   land in a staging buffer of the reader thread and are scattered into the pool's layout.
+An L2 with a host window pool always takes the staged path: a page whose sliding part it did not keep is
+stored without it, a smaller value (:mod:`hicache.tiers.storage_windows`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from hicache.tiers.mooncake.store import MooncakeStore
 from hicache.tiers.native_copy import copy_and_hash
 from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
+from hicache.tiers.storage_windows import frame, is_short_page, land, windowed
 
 __all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
            "default_read_threads"]
@@ -166,7 +169,7 @@ class StorageTier:
 
     def _batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
         host_pool.wait_pending_writes()  # the pages' GPU backups must have landed
-        codec, slot, done = self.codec, self.slot, 0
+        slot, done, nbytes = self.slot, 0, 0
         batches = [(list(keys[lo : lo + self.batch_pages]), list(host_pages[lo : lo + self.batch_pages]))
                    for lo in range(0, len(keys), self.batch_pages)]
         # Double buffering: batch k+1 is framed (copy + checksum) on a helper thread while the
@@ -175,23 +178,24 @@ class StorageTier:
         prep = self._preparer.submit(self._frame, *batches[0], host_pool, bufs[0]) if batches else None
         for k, (ck, _) in enumerate(batches):
             buf = bufs[k % 2]
-            prep.result()
+            sizes = prep.result()
             if k + 1 < len(batches):
                 prep = self._preparer.submit(self._frame, *batches[k + 1], host_pool, bufs[(k + 1) % 2])
             n = len(ck)
-            res = self.backend.batch_set_from(ck, buf, [(i * slot, codec.value_nbytes) for i in range(n)])
+            res = self.backend.batch_set_from(ck, buf, [(i * slot, sizes[i]) for i in range(n)])
             ok = 0
             for r in res:
                 if not r:
                     break
                 ok += 1
             done += ok
+            nbytes += sum(sizes[:ok])
             if ok < n:
                 break
         if prep is not None:
             prep.result()  # never leave a framing job writing into a staging buffer
         with self._lock:
-            self._stats["bytes_written"] += done * codec.value_nbytes
+            self._stats["bytes_written"] += nbytes
             self._stats["stored"] += done
             self._stats["store_failed"] += len(keys) - done
         if done < len(keys):  # the cause (e.g. ENOSPC and where) comes from the backend, on this thread
@@ -201,16 +205,18 @@ class StorageTier:
                                f": {why}" if why else "")
         return done
 
-    def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> None:
-        """Lay out ``pages`` as values (payload + trailer) in ``buf``, one slot each."""
+    def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> list[int]:
+        """Lay out ``pages`` as values (payload + trailer) in ``buf``, one slot each; returns their sizes."""
         n, nb, slot = len(keys), self.codec.page_nbytes, self.slot
         rows = buf.array[: n * slot].reshape(n, slot)
+        if windowed(pool, self.codec):  # a page without its sliding part: a smaller value
+            return frame(self.codec, keys, pages, pool, rows, buf.tensor[: n * slot].view(n, slot))
         if pool.layout_name == "page_first" and pool.encoding == self.encoding.name:
             view = self._pool_view(pool)
             hashes = copy_and_hash([view[p] for p in pages], [rows[i, :nb] for i in range(n)])
             for i in range(n):
                 self.codec.pack_trailer_hashed(rows[i], nb, keys[i], hashes[i], _flags(pool, pages[i]))
-            return
+            return [self.codec.value_nbytes] * n
         else:
             kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X], decoded
             dst = buf.tensor[: n * slot].view(n, slot)[:, :nb]
@@ -220,6 +226,7 @@ class StorageTier:
                 dst.view(kv.dtype).view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
         for i in range(n):
             self.codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb], _flags(pool, pages[i]))
+        return [self.codec.value_nbytes] * n
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -243,7 +250,7 @@ class StorageTier:
     def _direct(self, pool: HostKVPool) -> bool:
         """A page's L2 bytes are its L3 payload: same layout order and same encoding."""
         return pool.layout_name == "page_first" and pool.encoding == self.encoding.name and \
-            getattr(self.backend, "direct_reads", False)
+            getattr(self.backend, "direct_reads", False) and not windowed(pool, self.codec)
 
     def _pool_view(self, pool: HostKVPool) -> np.ndarray:
         view = self._views.get(id(pool))
@@ -266,8 +273,8 @@ class StorageTier:
         sizes = self.backend.batch_get_pages(keys, dsts, trailers, copy=copy)
         ok = 0
         for i, size in enumerate(sizes):
-            if size < 0 and size != TOO_LARGE:  # missing / error: a plain miss
-                break
+            if size < 0 and size != TOO_LARGE or is_short_page(codec, size):  # missing / error / another
+                break  # server's page stored without its sliding part (storage_windows): a plain miss
             if size != codec.value_nbytes or i not in hashes or \
                     not codec.verify_hashed(trailers[i], keys[i], hashes[i]):  # wrong size, or corrupt
                 self._corrupt(keys[i])
@@ -287,8 +294,20 @@ class StorageTier:
             sizes = self.backend.batch_get_into(ck, buf, [(i * slot, slot) for i in range(n)])
             rows = buf.array[: n * slot].reshape(n, slot)
             ok = 0
+            if windowed(pool, codec):  # whole or short values, page by page (storage_windows)
+                for i, size in enumerate(sizes):
+                    if size < 0 and size != TOO_LARGE:
+                        break
+                    if not land(codec, ck[i], rows[i], size, pool, pages[lo + i]):
+                        self._corrupt(ck[i])
+                        break
+                    ok += 1
+                done += ok
+                if ok < n:
+                    break
+                continue
             for i, size in enumerate(sizes):
-                if size < 0 and size != TOO_LARGE:
+                if size < 0 and size != TOO_LARGE or is_short_page(codec, size):
                     break
                 if size != codec.value_nbytes or not codec.verify_parts(rows[i, nb : nb + TRAILER_SIZE], ck[i],
                                                                         rows[i, :nb]):

@@ -17,6 +17,11 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
   that has none (``adopt``): the same positions' window KV.
 - Under window-pool pressure (``make_room``) unlocked tree nodes lose their window pages alone, least
   recently used first (their full KV stays, matches then stop higher); only then are whole pages evicted.
+- An L2 with a host window pool (hicache/tiers/host_windows.py) is reclaimed the same way
+  (``make_host_room``, installed as its ``reclaim``: a backup short of host window pages calls it):
+  unlocked, unpinned, not loading tree nodes lose their host window pages alone, least recently used
+  first, never those on the path the last match looked at (it may be loading them next); L2 pages are
+  never evicted for host window room (a backup that still finds none keeps no sliding part).
 
 Concurrency contract: the scheduler thread only (as ReqCache, its owner).
 """
@@ -41,6 +46,9 @@ class RequestWindows:
         self.page_size = page_size
         self.window = window  # the largest window of the model's sliding layers
         self.host = host
+        self._matched: set[int] = set()  # ids of the nodes on the path the last usable_prefix walked
+        if host is not None and host.windows is not None:
+            host.windows.reclaim = self.make_host_room
 
     # -- running requests ---------------------------------------------------------------
     def first_needed(self, end: int) -> int:
@@ -86,7 +94,9 @@ class RequestWindows:
         n = matched // ps
         valid: list[bool] = []
         m, flags = self.windows.map, self.host.sliding_valid if self.host is not None else None
-        for nd in reversed(node.path_to_root()):
+        path = node.path_to_root()
+        self._matched = {id(nd) for nd in path}
+        for nd in reversed(path):
             if nd.parent is None:
                 continue  # the root
             k = len(nd.key) // ps
@@ -166,4 +176,22 @@ class RequestWindows:
             before = self.windows.num_free
             self.tree.evict_device(n - freed)
             freed += self.windows.num_free - before
+        return freed
+
+    def make_host_room(self, n: int) -> int:
+        """Free at least ``n`` host window pages if possible: unlocked tree nodes' (LRU), their L2 full layers
+        stay (see the module docstring); returns how many were freed."""
+        hw = self.host.windows if self.host is not None else None
+        if hw is None:
+            return 0
+        m, pins = hw.map, self.tree.pins
+        cands = [nd for nd in self.tree.nodes()
+                 if nd.host_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in self._matched
+                 and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)]
+        cands.sort(key=lambda nd: nd.last_access)
+        freed = 0
+        for nd in cands:
+            if freed >= n:
+                break
+            freed += hw.drop(nd.host_pages)
         return freed

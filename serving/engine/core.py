@@ -24,6 +24,7 @@ from hicache.hiradix.sessions import SessionTable
 from hicache.keys import namespace_for
 from hicache.tiers.host import HostKVPool, make_host_pool
 from hicache.tiers.host_state import HostStatePool
+from hicache.tiers.host_windows import host_window_split
 from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache.cache_controller import CacheController
@@ -176,11 +177,18 @@ class EngineCore:
         if warning is not None:
             log.warning("%s", warning)
         n = max(1, nbytes // page_bytes)
+        win_layers, win_pages = (), 0
+        if pool.windows is not None and not enc.lossy and self.tp is None:  # L2 keeps windows as L1 does
+            win_layers = pool.window_layers
+            n, win_pages = host_window_split(n, nbytes, page_bytes, len(win_layers) / pool.layout.num_layers,
+                                             self.config.scheduler.swa_full_tokens_ratio, cache.hicache_size > 0)
         t0 = time.perf_counter()
         host = make_host_pool(cache.hicache_mem_layout, pool.layout, n, cache.page_size, enc.name,
-                              background=self.tp is None, pin_memory=self.runner.device.type == "cuda")
-        log.info("L2 host pool: %d pages, %s, %s (%.2f GiB)%s in %.1f s", n, cache.hicache_mem_layout, enc.name,
-                 host.nbytes() / 2**30, " pinned" if host.pin else "", time.perf_counter() - t0)
+                              background=self.tp is None, pin_memory=self.runner.device.type == "cuda",
+                              window_layers=win_layers, window_pages=win_pages)
+        log.info("L2 host pool: %d pages, %s, %s (%.2f GiB)%s in %.1f s%s", n, cache.hicache_mem_layout, enc.name,
+                 host.nbytes() / 2**30, " pinned" if host.pin else "", time.perf_counter() - t0,
+                 f"; host window pool: {win_pages} pages" if win_pages else "")
         if host.growing:
             log.info("L2: %d of its %d pages pinned; the rest are pinned in the background and join L2 as they are",
                      host.allocator.available, n)

@@ -8,7 +8,11 @@ indexed by window pages: a page's full layers move from / to its logical page, i
 layers from / to its window page where it has one (``windows.map``). A backup of a page without
 one leaves its host page's sliding rows stale and says so (``host.sliding_valid``); a load fills
 the window pages of the pages that have one (the caller gives window pages only to pages whose
-host flag is valid and whose window KV a reader needs).
+host flag is valid and whose window KV a reader needs). An L2 with a host window pool
+(``host.windows``, hicache/tiers/host_windows.py) mirrors that: its pages hold the full layers, and a
+backup gives each page with an L1 window page a host window page (``HostWindows.take``: reclaiming
+under pressure; a page that gets none keeps no sliding part), into which its sliding layers go; a
+load reads a page's sliding layers from its host window page.
 
 - CUDA with a pinned host pool: one Triton kernel per move (``page_copy_triton``) reads the
   device pool and writes pinned host memory through its UVA address (or the reverse), in
@@ -78,6 +82,7 @@ class PageMover:
             self.win = flat(pool.win_buffer.view(storage_dtype(pool.win_buffer.dtype)))
             nl, full, sliding = pool.layout.num_layers, pool.full_layers, pool.window_layers
         self.layers = nl
+        self.hwin = host.windows  # an L2 with a host window pool: its rows of a buffer are the device's
         # host row -> (buffer 0: full / 1: window, its row there)
         self.row_of = [None] * (2 * nl)
         for b, layers in enumerate((full, sliding)):
@@ -88,7 +93,8 @@ class PageMover:
         self._full_idx = torch.tensor([kv * nl + i for kv in (0, 1) for i in full], dtype=torch.int64, device=dev)
         self._win_idx = torch.tensor([kv * nl + i for kv in (0, 1) for i in sliding], dtype=torch.int64, device=dev)
         self._bufs: dict[str, torch.Tensor] = {}
-        can = dev.type == "cuda" and host.buffer.is_pinned() and host.encoding == "raw"  # encoded: read/write_pages
+        can = dev.type == "cuda" and host.buffer.is_pinned() and host.encoding == "raw" and \
+            (self.hwin is None or self.hwin.buffer.is_pinned())  # encoded: read/write_pages
         self.use_kernel = can if use_kernel is None else (use_kernel and can)
         if self.use_kernel:
             self._main = torch.cuda.current_stream(dev)  # the model's stream (built on the scheduler thread)
@@ -103,6 +109,8 @@ class PageMover:
         hdim = host_page_dim(self.host)
         ids = torch.zeros(1, dtype=torch.int64, device=self.dev.device)
         saved = self.host.buffer.select(hdim, 0).clone()
+        hwin = self.hwin
+        saved_win = None if hwin is None else hwin.buffer.select(hwin.page_dim, 0).clone()
         every = [(0, 2 * self.layers)]
         self.move(True, (ids,) * 4, every)
         self.move(False, (ids,) * 4, every)
@@ -112,6 +120,8 @@ class PageMover:
                 self.move(False, (ids,) * 4, [(lo, hi), (self.layers + lo, self.layers + hi)], max_programs=1)
         torch.cuda.synchronize(self.dev.device)
         self.host.buffer.select(hdim, 0).copy_(saved)
+        if hwin is not None and saved_win is not None:
+            hwin.buffer.select(hwin.page_dim, 0).copy_(saved_win)
 
     # -- staging path (CPU, unpinned or encoded host) -----------------------------------
     def _staging(self, name: str, n: int, device: torch.device, pin: bool = False) -> torch.Tensor:
@@ -126,12 +136,17 @@ class PageMover:
     def _ids(self, pages: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(list(pages), dtype=torch.int64, device=device)
 
-    def _windowed(self, device_pages: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(indexes into ``device_pages`` of the pages with a window page, their window pages)."""
+    def _windowed(self, device_pages: Sequence[int], host_pages: Sequence[int] | None = None
+                  ) -> tuple[list[int], list[int]]:
+        """(indexes into ``device_pages`` of the pages with a window page, their window pages); with a host
+        window pool and ``host_pages``, only the pages whose host page has a host window page too."""
         if self.windows is None:
             return [], []
         m = self.windows.map
         idx = [i for i, p in enumerate(device_pages) if m[p] >= 0]
+        if self.hwin is not None and host_pages is not None:
+            hm = self.hwin.map
+            idx = [i for i in idx if hm[host_pages[i]] >= 0]
         return idx, [m[device_pages[i]] for i in idx]
 
     # -- kernel path ------------------------------------------------------------------
@@ -147,9 +162,13 @@ class PageMover:
         return runs
 
     def id_lists(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The kernel's page ids: ``device_pages`` then their window pages, and the host pages of each."""
-        idx, wins = self._windowed(device_pages)
-        return list(device_pages) + wins, list(host_pages) + [host_pages[i] for i in idx]
+        """The kernel's page ids: ``device_pages`` then their window pages, and the host pages of each (their
+        host window pages with a host window pool)."""
+        idx, wins = self._windowed(device_pages, host_pages)
+        hosts = [host_pages[i] for i in idx]
+        if self.hwin is not None:
+            hosts = [self.hwin.map[h] for h in hosts]
+        return list(device_pages) + wins, list(host_pages) + hosts
 
     def move(self, to_host: bool, ids: tuple[torch.Tensor, ...], host_rows: Sequence[tuple[int, int]],
              max_programs: int | None = None) -> None:
@@ -160,11 +179,14 @@ class PageMover:
 
         hdim, hb = host_page_dim(self.host), self.host.buffer
         bufs = (self.dev, self.win)
+        hbufs = (hb, hb if self.hwin is None else self.hwin.buffer)
         for lo, hi in host_rows:
             for b, h_lo, d_lo, n in self._runs(lo, hi):
                 d_ids, h_ids = ids[2 * b], ids[2 * b + 1]
                 if d_ids.numel() == 0:
                     continue
+                if self.hwin is not None:  # its own buffers' rows, in the device buffers' order
+                    hb, h_lo = hbufs[b], d_lo
                 h = hb[:, h_lo: h_lo + n] if hdim == 0 else hb[h_lo: h_lo + n]
                 d = bufs[b][d_lo: d_lo + n]
                 if to_host:
@@ -240,7 +262,11 @@ class PageMover:
             raise ValueError("device_pages and host_pages differ in length")
         if not device_pages:
             return
-        if self.windows is not None:  # which host pages get their sliding rows
+        if self.windows is not None and self.hwin is not None:  # host window pages for the windowed pages
+            m = self.windows.map
+            self.hwin.drop([hp for p, hp in zip(device_pages, host_pages, strict=True) if m[p] < 0])
+            self.hwin.take([hp for p, hp in zip(device_pages, host_pages, strict=True) if m[p] >= 0])
+        elif self.windows is not None:  # which host pages get their sliding rows
             m = self.windows.map
             for p, hp in zip(device_pages, host_pages, strict=True):
                 self.host.sliding_valid[hp] = 1 if m[p] >= 0 else 0
@@ -288,7 +314,7 @@ class PageMover:
             self.dev.index_copy_(1, self._ids(device_pages, dev), src)
             return
         self.dev.index_copy_(1, self._ids(device_pages, dev), src.index_select(0, self._full_idx))
-        idx, wins = self._windowed(device_pages)
+        idx, wins = self._windowed(device_pages, host_pages)
         if idx:
             part = src.index_select(0, self._win_idx).index_select(1, self._ids(idx, dev))
             self.win.index_copy_(1, self._ids(wins, dev), part)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.tiers import host as host_mod
+from hicache.tiers import host_base as host_mod  # the pool registers its buffer there
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HOLD_ENV, make_host_pool
 from hicache.tiers.host_pinning import ALIGN, HostPinner
