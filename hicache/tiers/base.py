@@ -25,6 +25,14 @@ Contract of every backend (the cache controller calls it from a background threa
 - ``set`` on an existing key may keep the old value (Mooncake does): equal keys mean
   equal values, so callers never rely on overwriting; a value found corrupt is deleted
   (``delete``) before it is written again.
+- **Shared or private**: :attr:`StorageBackend.shared` says whether other servers may read this
+  store's pages (True by default: a backend that does not say is treated as shared). Only a
+  private store's pages are deleted by the exclusive tiers when a hit moves them up to L2
+  (hicache/hiradix/exclusive.py); a shared one (Mooncake, an LMDB directory several servers use)
+  keeps every page it holds.
+- **Deletes are ordered with writes per key by the caller**: a ``batch_delete`` and a write of
+  the same key are never in flight at once (serving/cache/l3_promote.py's key guard), so a
+  backend needs no ordering of its own between them.
 """
 
 from __future__ import annotations
@@ -101,6 +109,9 @@ class StorageBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether other servers may read this store's pages (see the module docstring): a shared
+    # store's pages are never deleted because this server moved them up to L2.
+    shared: bool = True
 
     # ------------------------------------------------------------------ single key
     @abstractmethod
@@ -151,6 +162,10 @@ class StorageBackend(ABC):
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         same_len(keys, values)
         return [self.set(k, v) for k, v in zip(keys, values, strict=True)]
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` (absent ones are skipped); returns how many values were removed."""
+        return sum(bool(self.delete(k)) for k in keys)
 
     # ------------------------------------------------------------------ zero-copy batches
     def batch_get_into(

@@ -38,6 +38,9 @@ class LMDBConfig:
     # DEFAULT_SHARDS, fewer where that would make a shard smaller than MIN_SHARD_GB. A count given
     # that differs from an existing store's is refused (StorageOpenError), never migrated.
     shards: int = 0
+    # Other servers read this directory too (several processes on one host): the store declares
+    # itself shared (StorageBackend.shared), so the exclusive tiers never delete its pages.
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -101,20 +101,25 @@ class LMDBShard:
         return cause
 
     def delete(self, kb: bytes) -> bool:
+        return self.delete_many([kb]) == 1
+
+    def delete_many(self, kbs: list[bytes]) -> int:
+        """Remove ``kbs`` (absent ones skipped) in one write transaction; how many were removed
+        (0 on a failed commit, counted in ``errors``)."""
         with self._wlock:
             found = []
 
             def run(txn):
-                found.append(self.acct.delete_key(txn, kb))
+                found.clear()
+                found.extend(kb for kb in kbs if self.acct.delete_key(txn, kb))
                 self.acct.put_used(txn)
 
             if self._write(run) is not None:
                 self.acct.count("errors")
-                return False
-        if found and found[0]:
-            self.acct.count("deleted")
-            return True
-        return False
+                return 0
+        if found:
+            self.acct.count("deleted", len(found))
+        return len(found)
 
     def clear(self) -> None:
         with self._wlock:

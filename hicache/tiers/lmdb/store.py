@@ -113,6 +113,7 @@ class LMDBStore(StorageBackend):
         self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"hicache-lmdb-shard{i}") for i in range(n)] \
             if n > 1 else []
         self._cause = threading.local()
+        self.shared = config.shared  # (StorageBackend.shared) a private directory unless configured so
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | LMDBConfig) -> LMDBStore:
@@ -254,6 +255,18 @@ class LMDBStore(StorageBackend):
     def delete(self, key: str) -> bool:
         kb = key.encode()
         return self.shards[shard_of(kb, len(self.shards))].delete(kb)
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        """One write transaction per shard touched, each on its shard's writer thread (behind the
+        writes handed to it before)."""
+        parts: dict[int, list[bytes]] = {}
+        for k in keys:
+            kb = k.encode()
+            parts.setdefault(shard_of(kb, len(self.shards)), []).append(kb)
+        if len(self.shards) == 1:
+            return sum(self.shards[s].delete_many(kbs) for s, kbs in parts.items())
+        futures = [self._writers[s].submit(self.shards[s].delete_many, kbs) for s, kbs in parts.items()]
+        return sum(f.result() for f in futures)
 
     def clear(self) -> None:
         for shard in self.shards:
