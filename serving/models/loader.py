@@ -15,6 +15,7 @@ from torch import nn
 import serving.models  # noqa: F401 - registers the model classes
 from serving.models.config import ModelArchConfig
 from serving.models.fp8_checkpoint import dequantizing
+from serving.models.layered_load import layer_of, load_layered
 from serving.models.quant import quantize_model
 from serving.models.quant.auto import resolve_quantization
 from serving.models.registry import get_model_class
@@ -47,17 +48,27 @@ def _load_real(model: nn.Module, model_path: Path) -> None:
         raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:8]}")
 
 
+class DummyFill:
+    """Seeded random weights (norms scaling by 1) so outputs are finite; reads no files. One
+    generator for the whole model: filling the parameters in the model's order, whole or a group at
+    a time (serving/models/layered_load.py), gives the same values."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.gen = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+        self.norm_weight = getattr(model, "dummy_norm_weight", 1.0)  # Gemma's norms scale by 1 + w: 0 there
+
+    def __call__(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, p in params:
+                if name.endswith("norm.weight"):
+                    p.fill_(self.norm_weight)
+                else:
+                    p.normal_(0.0, DUMMY_STD, generator=self.gen)
+
+
 def _load_dummy(model: nn.Module, model_path: Path) -> None:
-    """Seeded random weights (norms scaling by 1) so outputs are finite; reads no files."""
     params = list(model.named_parameters())
-    gen = torch.Generator(device=params[0][1].device).manual_seed(DUMMY_SEED)
-    norm_weight = getattr(model, "dummy_norm_weight", 1.0)  # Gemma's norms scale by 1 + w: 0 there
-    with torch.no_grad():
-        for name, p in params:
-            if name.endswith("norm.weight"):
-                p.fill_(norm_weight)
-            else:
-                p.normal_(0.0, DUMMY_STD, generator=gen)
+    DummyFill(model, params[0][1].device)(params)
 
 
 LOAD_FORMATS: dict[str, Callable[[nn.Module, Path], None]] = {
@@ -96,11 +107,35 @@ def load_model(
     cls = get_model_class(cfg.architectures)
     with torch.device("meta"):
         model = cls(cfg, tp).to(dtype) if tp is not None else cls(cfg).to(dtype)
+    model.eval().requires_grad_(False)
+    pre = _gguf_int4(path, cfg, quantization, load_format, tp)
+    if quantization != "none":  # a layer at a time: never the whole model in its floating dtype
+        dev = torch.device(device)
+        if load_format == "dummy":
+            load_layered(model, dev, quantization, DummyFill(model, dev), None, pre)
+        else:
+            with ExitStack() as stack:
+                by_layer = _checkpoint_by_layer(path, stack)
+                load_layered(model, dev, quantization, None,
+                             lambda layer: dequantizing(path, by_layer.get(layer, {})), pre)
+        return model, cfg
     model = _empty_on(model, torch.device(device))
     fill(model, path)
-    model.eval().requires_grad_(False)
-    quantize_model(model, quantization, device, _gguf_int4(path, cfg, quantization, load_format, tp))
+    quantize_model(model, quantization, device, pre)
     return model, cfg
+
+
+def _checkpoint_by_layer(model_path: Path, stack: ExitStack) -> dict[int | None, dict[str, Any]]:
+    """The checkpoint's tensor names (-> their open file) by decoder layer (None: outside the layers)."""
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    out: dict[int | None, dict[str, Any]] = {}
+    for f in files:
+        st = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+        for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            out.setdefault(layer_of(name), {})[name] = st
+    return out
 
 
 def _empty_on(model: nn.Module, device: torch.device) -> nn.Module:

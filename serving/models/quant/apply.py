@@ -62,7 +62,8 @@ class QuantRowParallelLinear(nn.Module):
 
 
 def _check(method: QuantMethod, model: nn.Module, device: torch.device) -> None:
-    """Every refusal before anything is changed: the device, then each weight's shape."""
+    """Every refusal before anything is changed: the device, then each weight's shape (shapes only:
+    the model may still be on the meta device)."""
     method.check_device(device)
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head"):
@@ -76,6 +77,40 @@ def _head(method: QuantMethod) -> QuantMethod:
     return method if method.head_method is None else get_quant_method(method.head_method)
 
 
+def prepare(model: nn.Module, quantization: str, device: torch.device | str) -> QuantMethod:
+    """The method of ``quantization`` after every check of :func:`_check` (QuantizationError)."""
+    method = get_quant_method(quantization)
+    _check(method, model, torch.device(device))
+    return method
+
+
+def quantize_modules(root: nn.Module, method: QuantMethod, prefix: str = "",
+                     prequantized: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Replace the projections under ``root`` (named ``prefix`` in the model) with quantized ones;
+    the LM head is left to :func:`finish`."""
+    pre = prequantized or {}
+    with torch.no_grad():
+        for name, parent in list(root.named_modules()):
+            full = ".".join(p for p in (prefix, name) if p)
+            for child_name, child in list(parent.named_children()):
+                if child_name == "lm_head":
+                    continue  # used through logits_matmul
+                q = pre.get(f"{full}.{child_name}" if full else child_name)
+                if isinstance(child, RowParallelLinear):
+                    setattr(parent, child_name, QuantRowParallelLinear(method, child, q))
+                elif isinstance(child, nn.Linear):
+                    setattr(parent, child_name, QuantLinear(method, child.weight, child.bias, q))
+
+
+def finish(model: nn.Module, method: QuantMethod, quantization: str, prequantized: bool) -> None:
+    """The LM head's quantized matmul and the model's quantization tags."""
+    with torch.no_grad():
+        model.logits_matmul = QuantLinear(_head(method), model.lm_head_weight, None).matmul
+    model.quantization = quantization
+    # what the L3 namespace and PD peers compare: the method's tag, and where the codes came from
+    model.quant_tag = (method.kv_tag or quantization) + (":gguf" if prequantized else "")
+
+
 def quantize_model(model: nn.Module, quantization: str, device: torch.device | str,
                    prequantized: dict[str, dict[str, torch.Tensor]] | None = None) -> nn.Module:
     """Quantize ``model``'s projections and LM head in place with ``quantization`` (a registered
@@ -84,21 +119,7 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device | s
     if quantization == "none":
         model.quantization = model.quant_tag = "none"
         return model
-    method = get_quant_method(quantization)
-    _check(method, model, torch.device(device))
-    pre = prequantized or {}
-    with torch.no_grad():
-        model.logits_matmul = QuantLinear(_head(method), model.lm_head_weight, None).matmul
-        for prefix, parent in list(model.named_modules()):
-            for child_name, child in list(parent.named_children()):
-                if child_name == "lm_head":
-                    continue  # used through logits_matmul
-                q = pre.get(f"{prefix}.{child_name}" if prefix else child_name)
-                if isinstance(child, RowParallelLinear):
-                    setattr(parent, child_name, QuantRowParallelLinear(method, child, q))
-                elif isinstance(child, nn.Linear):
-                    setattr(parent, child_name, QuantLinear(method, child.weight, child.bias, q))
-    model.quantization = quantization
-    # what the L3 namespace and PD peers compare: the method's tag, and where the codes came from
-    model.quant_tag = (method.kv_tag or quantization) + (":gguf" if pre else "")
+    method = prepare(model, quantization, device)
+    quantize_modules(model, method, "", prequantized)
+    finish(model, method, quantization, bool(prequantized))
     return model

@@ -41,6 +41,13 @@ class QuantMethod:
     def check_shape(self, name: str, out_features: int, in_features: int) -> None:
         """Raise QuantizationError naming ``name`` when the kernel cannot take this weight."""
 
+    bits: int = 8  # bits a weight's code takes (the memory estimate before loading)
+
+    def weight_bytes(self, out_features: int, in_features: int) -> int:
+        """About how many bytes ``quantize`` keeps for a weight of this shape: the codes and a float32
+        scale per output channel (a method with more scales says so)."""
+        return out_features * in_features * self.bits // 8 + 4 * out_features
+
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """Tensors that replace the floating ``weight [out, in]``."""
         raise NotImplementedError

@@ -46,6 +46,10 @@ class Int4W4A8(QuantMethod):
     # L3 namespace: v1 (float activations, torch's int4 kernel) and v2 (8-bit activations) computed other KV
     kv_tag = "int4v3"
     devices = ("cpu",)
+    bits = 4
+
+    def weight_bytes(self, out_features: int, in_features: int) -> int:
+        return out_features * in_features // 2 + 8 * out_features * max(1, in_features // GROUP)  # + d, m a group
     description = f"int4 weights (groups of {GROUP}: scale + min) x 16-bit activations (per token and group)"
     head_method = "q8_0"
 
