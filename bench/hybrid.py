@@ -12,8 +12,8 @@ Per model:
    layer its window, + its state read and written, over 4.1 TB/s);
 2. memory: cached tokens per GB of L1 and of L2 for 8k-token sequences, computed from the model's
    own layouts and the engine's L1 pools: today's design (L1: every KV layer keeps every token, or
-   with ``--swa-full-tokens-ratio R`` the hybrid SWA L1, its window layers R of the tokens; L2: every
-   KV layer every token; a request's end leaves up to two state snapshots:
+   with ``--swa-full-tokens-ratio R`` the hybrid SWA L1, its window layers R of the tokens; L2 likewise:
+   every KV layer every token, or with R its host window pool's share; a request's end leaves up to two state snapshots:
    serving/cache/request_states.py), what the layer mix allows (full layers every token, window
    layers one window, one snapshot per end) and the same model with every layer full attention;
 3. ttft: a returning 8k-token turn (an 8,128-token first turn, then it + its answer + 63 user
@@ -74,8 +74,11 @@ def decode_and_memory(res: dict, args, model_dir: str, cfg: dict, sections: set[
     if "memory" in sections:
         pool = eng.core.runner.pool
         share = pool.window_pages / pool.num_pages if pool.windows is not None else 1.0
+        host = eng.core.host_pool  # its host window pool (hicache/tiers/host_windows.py), or every layer
+        l2_share = host.windows.num_pages / host.num_pages if host is not None and host.windows is not None \
+            else share if host is None and pool.windows is not None else 1.0
         res["memory"] = tokens_per_gb(lb, args.seq_len, snapshots_now=2 if lb["state_layers"] else 0,
-                                      l1_window_share=share)
+                                      l1_window_share=share, l2_window_share=l2_share)
     if "decode" in sections:
         for bs in (1, 64):
             prompts = rand_prompts(bs, args.decode_ctx, cfg["vocab_size"], seed=bs)

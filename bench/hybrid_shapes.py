@@ -82,20 +82,22 @@ def decode_roofline(wbytes: int, lb: dict, bs: int, ctx: int) -> dict:
     return {"step_bytes": step_bytes, "roofline_tok_s": bs / (step_bytes / HBM_BPS)}
 
 
-def tokens_per_gb(lb: dict, seq_len: int, snapshots_now: int, l1_window_share: float = 1.0) -> dict:
+def tokens_per_gb(lb: dict, seq_len: int, snapshots_now: int, l1_window_share: float = 1.0,
+                  l2_window_share: float = 1.0) -> dict:
     """Cached tokens per GB for sequences of ``seq_len`` tokens: today's L1 (full layers every token;
     window layers every token, or with a hybrid SWA L1 ``l1_window_share`` = its window pages per
-    logical page; ``snapshots_now`` state snapshots per sequence end) and L2 (every KV layer every
-    token, as its pages hold), what the layer mix allows (full layers every token, window layers one
-    window, one snapshot per end), and the all-full-attention model."""
+    logical page; ``snapshots_now`` state snapshots per sequence end) and L2 (likewise: window layers
+    every token, or with its host window pool ``l2_window_share`` = host window pages per L2 page),
+    what the layer mix allows (full layers every token, window layers one window, one snapshot per end),
+    and the all-full-attention model."""
     kvt, full, win = lb["kv_tok_layer"], lb["full_kv_layers"], lb["kv_layers"] - lb["full_kv_layers"]
     snaps = snapshots_now * lb["snapshot_bytes"]
     l1 = seq_len * (full + win * l1_window_share) * kvt + snaps
-    l2 = seq_len * lb["kv_layers"] * kvt + snaps
+    l2 = seq_len * (full + win * l2_window_share) * kvt + snaps
     mix = (seq_len * full * kvt + sum(min(w, seq_len) for w in lb["windows"]) * kvt + lb["snapshot_bytes"])
     allfull = seq_len * lb["num_layers"] * kvt  # every layer full attention, the same attention shape
     per_gb = {k: seq_len / (v / 1e9) for k, v in (("l1", l1), ("l2", l2), ("layer_mix", mix), ("all_full", allfull))}
-    return {"seq_len": seq_len, "l1_window_share": l1_window_share,
+    return {"seq_len": seq_len, "l1_window_share": l1_window_share, "l2_window_share": l2_window_share,
             "tokens_per_gb_now": per_gb["l1"], "tokens_per_gb_now_l2": per_gb["l2"],
             "tokens_per_gb_layer_mix": per_gb["layer_mix"], "tokens_per_gb_all_full": per_gb["all_full"],
             "now_vs_all_full": per_gb["l1"] / per_gb["all_full"],
