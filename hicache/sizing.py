@@ -222,8 +222,10 @@ def disk_free(path: str | os.PathLike[str], environ: Mapping[str, str] = os.envi
 
 
 def _allocated(path: Path) -> int:
+    """The bytes a store's files take on disk, its shard folders' (``shard-N``, a sharded LMDB) too."""
     try:
-        return sum(f.stat().st_blocks * 512 for f in path.iterdir() if f.is_file())
+        return sum(f.stat().st_blocks * 512 if f.is_file() else _allocated(f) if f.is_dir() else 0
+                   for f in path.iterdir())
     except OSError:
         return 0
 

@@ -49,6 +49,18 @@ def test_l3_capacity_against_the_disk(tmp_path):
     assert sizing.plan_l3("mooncake", {"global_segment_mb": 10**6}, disk)[1] is None  # not a disk tier
 
 
+def test_a_sharded_stores_own_files_count_as_free_for_it(tmp_path):
+    """A sharded LMDB (hicache/tiers/lmdb: ``shard-N`` folders) reopened: its shards' files are its own
+    room, as a single environment's are (the shard folders were counted as 0 bytes)."""
+    for i in range(2):
+        (tmp_path / f"shard-{i}").mkdir()
+        (tmp_path / f"shard-{i}" / "data.mdb").write_bytes(b"\1" * (10 << 20))  # 10 MiB each, allocated
+    (tmp_path / "shards").write_text("2")
+    disk = {sizing.DISK_FREE_ENV: str(10 / 1024)}  # 10 MiB free beside them
+    extra, warning = sizing.plan_l3("lmdb", {"path": str(tmp_path), "capacity_gb": 28 / 1024}, disk)
+    assert warning is None and extra["capacity_gb"] == 28 / 1024
+
+
 def test_explicit_l2_larger_than_the_host_is_one_line():
     line = assert_one_line(serve("--config", "configs/l3.yaml", "--hicache-size", "64", env=SMALL_HOST),
                            "--hicache-size 64 GiB", "1.0 GiB", "HICACHE_TEST_MEM_AVAILABLE_GB 3.0 GiB")
