@@ -135,7 +135,10 @@ class ModelRunner:
                  f"(--swa-full-tokens-ratio {sched.swa_full_tokens_ratio})" if win_layers else "")
         self.graphs: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
-        if self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
+        syncing = sorted({type(m).__name__ for m in self.model.modules() if getattr(m, "syncs_host", False)})
+        if syncing and self.device.type == "cuda" and not model.disable_cuda_graph:
+            log.info("CUDA graphs: off (%s read values back to the host in every forward)", ", ".join(syncing))
+        elif self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
             with timed("capturing CUDA graphs"):
                 self.graphs = self._decode_graphs(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
                 # state layers: decode graphs only (an extend's state plan is cut per batch on the host)

@@ -67,6 +67,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, MoEOptions], torch.
 
 
 class SparseMoE(nn.Module):
+    # the torch path reads the experts' token counts on the host: no CUDA graph can hold it
+    # (serving/model/model_runner.py runs such models eagerly)
+    syncs_host = True
+
     def __init__(self, hidden: int, opts: MoEOptions, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup()
