@@ -54,6 +54,8 @@ def make_engine(args, model_dir, l3_dir: str | None, **kw):
                 hicache_mem_layout="page_first", chunked_prefill_size=8192, max_running_requests=16)
     if args.eager:
         base.update(disable_cuda_graph=True, disable_overlap_schedule=True)
+    if getattr(args, "quantization", None):  # bench/models.py: every engine of a section quantized alike
+        base.update(quantization=args.quantization)
     if l3_dir is not None:
         base.update(hicache_storage_backend="lmdb", hicache_storage_prefetch_policy="wait_complete",
                     hicache_storage_prefetch_timeout_base=60.0, hicache_storage_prefetch_threshold=256,
