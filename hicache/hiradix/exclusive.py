@@ -14,8 +14,15 @@
   eviction finds them on L3 and dropping them there is the demotion. A victim whose write is in
   flight (pinned) waits in L2, as every pinned page does; one no write was asked for (more L2 demand
   in one step than the reserve covers) is dropped, counted in ``demotions_dropped_pages``.
-- L3 -> L2 -> L1: an L3 hit keeps its L3 copy (the page is hot; a shared store and a restart need it;
-  dropping it would be a delete on a store others read).
+- L3 -> L2 -> L1 (:meth:`ExclusiveTiers.enable_promotion`: a *private* L3, one no other server reads:
+  ``StorageBackend.shared`` is False): an L3 hit promotes the page. The nodes an L3 fetch adds to the
+  tree (their bytes landed in L2 and verified) are not marked stored, and their page ranges go to
+  :meth:`ExclusiveTiers.take_promoted` for the controller to delete from L3 -- unless the node is hot
+  (this hit is at least its ``write_through_threshold``-th: a node new to the tree has had none, so
+  only a threshold of 1 keeps every L3 copy), pinned, or backed up on purpose. Such a page is written
+  to L3 again like any other cold L2 page (:meth:`dirty_tail`) when it nears L2's eviction end: a
+  page promoted and evicted again is demoted back. A shared L3 (Mooncake, an LMDB directory several
+  servers use) keeps every L3 copy: other servers need the page.
 
 What is only on L1 or L2 is lost at a crash; a graceful shutdown persists L1 and L2 to L3 first
 (``backup_all``, then the controller's ``persist_all``). On a shared L3 (Mooncake) other servers see
@@ -56,11 +63,40 @@ class ExclusiveTiers:
         self.demote_to_l3 = False  # a storage controller writes dirty_tail's nodes to L3
         self.kept: set[TreeNode] = set()  # nodes backed up on purpose (backup_prefix / backup_all)
         self.demotions_dropped_pages = 0
+        self.promote_from_l3 = False  # an L3 hit deletes the L3 copy (a private L3: enable_promotion)
+        self._promoted: list[tuple[int, int]] = []  # path page ranges whose L3 copy goes (take_promoted)
+        self.l3_promoted_pages = 0  # pages an L3 hit brought up whose L3 copy the tree gave up
+        self.l3_kept_pages = 0  # pages an L3 hit brought up that keep their L3 copy (hot or pinned)
 
     def enable_demotion(self) -> None:
         """An L3 is there and its controller writes :meth:`dirty_tail`'s nodes (nothing else is
         written to L3 in this mode)."""
         self.demote_to_l3 = self.on
+
+    def enable_promotion(self, on: bool = True) -> None:
+        """The L3 is private: an L3 hit deletes the L3 copy of what it brought up (see the module
+        docstring); ``on=False`` stops that (a shutdown persists L2 to L3 first)."""
+        self.promote_from_l3 = on and self.on
+
+    def promotes(self, node: TreeNode, first_page: int) -> bool:
+        """``node`` (path pages ``first_page`` on) just got its pages from L3: whether its L3 copy
+        goes (recorded for :meth:`take_promoted`); False keeps it (hot, pinned, kept, or no promotion)."""
+        if not self.promote_from_l3:
+            return False
+        n = len(node.key) // self.shape.page_size
+        if node.hit_count + 1 >= self.policy.threshold or node in self.kept or \
+                self.pins.any_pinned(node.host_pages or ()):  # (this L3 hit counts as one)
+            self.l3_kept_pages += n
+            return False
+        self._promoted.append((first_page, first_page + n))
+        self.l3_promoted_pages += n
+        return True
+
+    def take_promoted(self) -> list[tuple[int, int]]:
+        """The path page ranges ``[lo, hi)`` (of the tokens given to the latest ``insert_host``
+        calls) whose L3 copy the tree no longer counts on: the caller deletes them from L3."""
+        out, self._promoted = self._promoted, []
+        return out
 
     def on_l3(self, node: TreeNode) -> bool:
         return node.storage_pages * self.shape.page_size >= len(node.key)

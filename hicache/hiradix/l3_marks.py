@@ -43,7 +43,8 @@ class L3Marks:
         nodes adopt the given pages as their L2 copy (in the exclusive mode they do not: the ids
         are returned); the rest becomes new L2-only nodes
         (``hit_count == 0``). Nodes that got pages from this call are marked as stored on
-        L3. If the tree no longer holds the first ``start_page`` pages, nothing is
+        L3, except new nodes the exclusive mode promotes (their L3 copy goes:
+        :meth:`ExclusiveTiers.promotes`). If the tree no longer holds the first ``start_page`` pages, nothing is
         inserted and every given id is returned. Emits no transfers. Raises
         ``ValueError`` without an L2 pool, with too few page ids or a bad ``start_page``.
         """
@@ -78,8 +79,9 @@ class L3Marks:
             if child is None:
                 hp = given_all[(pos - base) // ps :]
                 new = shape.add_child(node, tokens[pos:n], tick)
-                new.storage_pages = len(hp)
                 self.residency.set_host(new, hp)
+                promoted = self.exclusive is not None and self.exclusive.promotes(new, pos // ps)
+                new.storage_pages = 0 if promoted else len(hp)  # a promotion: the L3 copy goes
                 break
             child, end = shape.descend(child, tokens, pos, n)
             given = given_all[(pos - base) // ps : (end - base) // ps]

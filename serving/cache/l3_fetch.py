@@ -7,7 +7,8 @@ that only has ``batch_get`` (tensor parallel) -- as a job of ``batch_get`` calls
 module's fetch workers. :class:`Fetches` owns them: it starts them, finds the one already
 reading a prefix (a second request with the same prefix follows it instead of reading the
 same keys again), commits landed pages into the tree as they arrive and releases a fetch
-once no request holds it.
+once no request holds it. In the exclusive mode with a private L3, the keys of committed pages the
+tree promoted (hicache/hiradix/exclusive.py) go to ``on_promote`` (serving/cache/l3_promote.py).
 
 The concurrency contract is :class:`Fetches`'.
 """
@@ -77,6 +78,9 @@ class Fetches:
         # a hybrid SWA L1 (serving/cache/request_windows.py): window pages for an early load's chain
         # (before, after) -> None, before its transfers run; None: no window pool
         self.on_load: Callable[[MatchResult, MatchResult], None] | None = None
+        # a private L3 in the exclusive mode: the keys of committed pages whose L3 copy the tree gave up
+        # (an L3 hit promotes: serving/cache/l3_promote.py deletes them); None: no promotion
+        self.on_promote: Callable[[list[str]], None] | None = None
         self.active: list[FetchOp] = []
         self.draining: list[tuple[ReadJob, list[int]]] = []  # host pages a released fetch may still write
         self._unobserved: list[FetchOp] = []  # released before their read ended: reported once it has
@@ -145,6 +149,9 @@ class Fetches:
         given = op.host_pages[op.committed:loaded]
         dup = tree.insert_host(op.tokens[:upto], given, start_page=op.start_page + op.committed)
         tree.host.free(list(dup))
+        promoted = tree.exclusive.take_promoted()  # landed and verified: their L3 copies go
+        if promoted and self.on_promote is not None:
+            self.on_promote([k for lo, hi in promoted for k in op.keys[lo - op.start_page : hi - op.start_page]])
         dups = set(dup)
         op.new += [p not in dups for p in given]
         fresh, op.committed = loaded - op.committed, loaded

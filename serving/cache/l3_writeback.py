@@ -32,6 +32,10 @@ Concurrency contract (the class owns it):
   ``MAX_ATTEMPTS`` failed attempts in a row (a dead or full disk: pinning L2 for it forever would
   stop L2 itself) are the pages unpinned and counted in ``pages_dropped`` (the node is written
   again at its next backup or hit); ``write_retries`` counts the retries.
+- A private L3 in the exclusive mode (``guard``: serving/cache/l3_promote.py's KeyGuard): a write holds
+  its page keys from before its ``batch_exists`` until :meth:`poll` has marked them stored (or handed
+  the write back to retry), and waits there first for a promotion's delete of any of them; a delete
+  never starts on keys a write holds. So a write never finds a page that is being deleted.
 - A model with state layers: a node's L2 state snapshot not stored yet goes with the node's write
   (its L2 slot pinned in ``tree.state.pins`` until the write is done; read on the writer thread), under
   ``state_key`` of the node's last page key, once all of the node's pages are on L3; :meth:`poll`
@@ -54,6 +58,7 @@ from hicache.tiers.host import HostKVPool
 from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.storage import StorageTier
 from hicache.tiers.storage_state import StateStore
+from serving.cache.l3_promote import KeyGuard
 
 RETRY_S = 0.05  # backoff before a failed write's first retry; doubles per attempt
 MAX_ATTEMPTS = 8  # about 6 s of retries in all before a failing store's pages are given up
@@ -70,6 +75,7 @@ class _Write:
     attempts: int = 0  # store calls that failed it so far
     wrote: int = 0  # pages it wrote in failed attempts (for the tenant's ledger)
     retry_at: float = 0.0  # time.monotonic() before which it is not handed out again
+    keys: list[str] | None = None  # its page keys, held in the key guard from its store call until settled
 
 
 @dataclass(eq=False)
@@ -114,6 +120,8 @@ class WriteBack:
         self.max_waiting_pages = 0  # the backlog's high-water mark (how far behind the writers got)
         self._warn = RateLimitedLog(logging.getLogger("hicache.storage"))
         self.before_write = None  # test hook: called on a writer thread before each store call
+        # a private L3 in the exclusive mode: orders writes after deletes of the same keys (l3_promote.py)
+        self.guard: KeyGuard | None = None
 
     @property
     def in_flight(self) -> int:
@@ -201,12 +209,14 @@ class WriteBack:
         pages are all on L3."""
         if self.before_write is not None:
             self.before_write()
-        runs, last_keys = [], []
-        for w in writes:
-            chain = page_keys(w.tokens, self.page_size, self.namespace)
-            keys = chain[w.first : w.first + len(w.host_pages)]
-            last_keys.append(chain[-1] if chain else None)
-            runs.append((keys, self.tier.batch_exists(keys)))  # another server may have stored some
+        chains = [page_keys(w.tokens, self.page_size, self.namespace) for w in writes]
+        wkeys = [chain[w.first : w.first + len(w.host_pages)] for w, chain in zip(writes, chains, strict=True)]
+        last_keys = [chain[-1] if chain else None for chain in chains]
+        if self.guard is not None:  # a delete of these keys in flight ends first; none starts until settled
+            self.guard.begin_write([k for ks in wkeys for k in ks])
+            for w, ks in zip(writes, wkeys, strict=True):
+                w.keys = ks
+        runs = [(ks, self.tier.batch_exists(ks)) for ks in wkeys]  # another server may have stored some
         keys = [k for ks, present in runs for k in ks[present:]]
         pages = [p for w, (_, present) in zip(writes, runs, strict=True) for p in w.host_pages[present:]]
         t0 = time.monotonic()
@@ -252,6 +262,7 @@ class WriteBack:
             self.pages_written += wrote
             w.wrote += wrote
             if stored < len(w.host_pages) and w.attempts + 1 < MAX_ATTEMPTS:  # back to the backlog, still pinned
+                self._release_keys(w)
                 w.attempts += 1
                 w.retry_at = time.monotonic() + RETRY_S * 2 ** (w.attempts - 1)
                 retry.append(w)
@@ -262,6 +273,7 @@ class WriteBack:
                 self.tree.ledger.settle_storage(w.tenant, len(w.host_pages), w.tokens, w.wrote)
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
+            self._release_keys(w)  # after the mark: a delete of these keys may start now
             self.tree.unpin_host(w.host_pages)
             if w.state_slot is not None:
                 if state:  # the node ending there (split since, maybe) holds the snapshot
@@ -273,6 +285,11 @@ class WriteBack:
             self.write_retries += len(retry)
             self._backlog.extendleft(reversed(retry))
             self._waiting_pages += sum(len(w.host_pages) for w in retry)
+
+    def _release_keys(self, w: _Write) -> None:
+        if w.keys is not None and self.guard is not None:
+            self.guard.end_write(w.keys)
+        w.keys = None
 
     def _all_writes(self) -> list[_Write]:
         return [*self._backlog, *(w for j in self._jobs for w in j.writes)]

@@ -9,6 +9,10 @@ The tree decides, this controller moves, on background threads; it composes two 
   L1/L2 in L3 gets a lookup, then a fetch into host pages, committed into the tree as L2
   copies batch by batch as they land, and loaded on to L1 right away when L1 has free room
   (the prefetch policy says how long the request may wait for it).
+- :class:`serving.cache.l3_promote.Promotions` (the exclusive mode with a private L3: the backend's
+  ``shared`` is False): an L3 hit's pages, once landed and verified in L2, are deleted from L3 (unless
+  hot or pinned: hicache/hiradix/exclusive.py); a per-key guard orders those deletes with the
+  write-back's writes of the same keys.
 
 A model with state layers (the tree's ``state``, with an L2 state pool): its snapshots go to L3 with
 their nodes (a :class:`~hicache.tiers.storage_state.StateStore` on the same backend), and a lookup
@@ -30,6 +34,7 @@ from hicache.tiers.storage import StorageTier
 from hicache.tiers.storage_state import StateStore
 from serving.cache.cost_model import LoadPolicy
 from serving.cache.l3_prefetch import Prefetcher
+from serving.cache.l3_promote import KeyGuard, Promotions
 from serving.cache.l3_writeback import WriteBack
 from serving.cache.transfers import TransferRunner, TransferSink
 from serving.structs.request import Req
@@ -68,6 +73,16 @@ class StorageController:
                                      timeout_base_s, timeout_per_1k_tokens_s, load_policy, states)
         self.load_policy = self.prefetcher.load_policy
         tree.exclusive.enable_demotion()  # exclusive tiers: L3 takes the coldest L2 pages (poll)
+        # ... and an L3 hit promotes, on a private store only (StorageBackend.shared: others read a shared one;
+        # a tensor-parallel tier, without one backend, keeps its copies)
+        backend = getattr(tier, "backend", None)
+        self.promotions: Promotions | None = None
+        if tree.exclusive.on and backend is not None and not getattr(backend, "shared", True):
+            guard = KeyGuard()
+            self.promotions = Promotions(backend, guard)
+            self.writeback.guard = guard
+            self.prefetcher.fetches.on_promote = self.promotions.delete
+            tree.exclusive.enable_promotion()
 
     # -- write-back -----------------------------------------------------------------------
     def on_hit(self, node: TreeNode) -> None:
@@ -84,7 +99,8 @@ class StorageController:
         """Writes waiting or in flight, or fetches not settled: an idle engine loop keeps polling
         (:meth:`poll`) so their L2 pins are released and their progress marked without a step."""
         wb, f = self.writeback, self.prefetcher.fetches
-        return bool(wb.waiting or wb.in_flight or f.active or f.draining)
+        return bool(wb.waiting or wb.in_flight or f.active or f.draining or
+                    (self.promotions is not None and self.promotions.in_flight))
 
     def poll(self, wait: bool = False) -> None:
         """Record finished write-backs and free pages of finished cancelled fetches; in the exclusive
@@ -92,13 +108,16 @@ class StorageController:
         drops pages L3 holds)."""
         self.writeback.poll(wait)
         self.prefetcher.poll(wait)
+        if self.promotions is not None:
+            self.promotions.poll(wait)
         for node in self.tree.exclusive.dirty_tail():
             self.writeback.write(node)
 
     def persist_all(self) -> None:
         """Write every L2 page that is not in L3 yet (L1-only nodes are backed up to L2 first
         by the caller's flush), and every state snapshot of a node on L2 (copied down first);
-        waits for the writes."""
+        waits for the writes. No L3 hit promotes from here on (what it brings up stays on L3 too)."""
+        self.tree.exclusive.enable_promotion(False)
         if self.tree.state is not None and self.state_store is not None and self.tree.state.copy_down_all():
             self.transfers.flush()  # the snapshots' state_backups (they queue their nodes' writes)
         for node in self.tree.nodes():
@@ -133,6 +152,9 @@ class StorageController:
                   write_pages_in_flight=self.writeback.in_flight_pages,
                   write_pages_waiting_max=self.writeback.max_waiting_pages,
                   l2_backups_skipped_pages=self.tree.backups_skipped_pages,
+                  l2_demotions_dropped_pages=self.tree.exclusive.demotions_dropped_pages,
+                  l3_pages_promoted=self.tree.exclusive.l3_promoted_pages,
+                  l3_promoted_pages_deleted=0 if self.promotions is None else self.promotions.pages_deleted,
                   **(self.state_store.stats() if self.state_store is not None else {}),
                   **self.load_policy.stats())
         return st
@@ -143,6 +165,9 @@ class StorageController:
         self.prefetcher.check_integrity(reqs)
 
     def shutdown(self) -> None:
+        self.tree.exclusive.enable_promotion(False)  # fetches committed from here on keep their L3 copy
         self.writeback.shutdown()
         self.prefetcher.shutdown()
+        if self.promotions is not None:
+            self.promotions.shutdown()
         self.tier.close()

@@ -19,7 +19,8 @@ engine's L3 stats (``EngineCore.storage_stats()``) map key by key (``STORAGE_MET
 
 - ``hicache_storage_events_total{event}``: every L3 count: pages ``hits``, ``misses``,
   ``corrupt``, ``stored``, ``store_failed``, ``pages_written``, ``pages_prefetched``,
-  ``write_pages_dropped``, ``pages_loaded_early``, prefetches ``prefetches_revoked``, and the backend's own counts
+  ``write_pages_dropped``, ``pages_loaded_early``, prefetches ``prefetches_revoked``, the exclusive tiers'
+  ``l2_demotions_dropped_pages``, ``l3_pages_promoted``, ``l3_promoted_pages_deleted``, and the backend's own counts
   as ``backend_<name>`` (``backend_errors``, ``backend_evicted``, ``backend_timeouts`` ...);
 - ``hicache_storage_read_bytes_total`` / ``_written_bytes_total``, ``hicache_storage_read_seconds_total``
   / ``_write_seconds_total`` (time inside reads and writes);
@@ -97,6 +98,9 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "state_snapshots_fetched": _event("state snapshots prefetched from L3 into L2"),
     "write_pages_dropped": _event("pages whose write-back did not reach L3 (the store failed it)"),
     "l2_backups_skipped_pages": _event("L1 pages whose L2 backup found no room while L3 lacks them (skipped)"),
+    "l2_demotions_dropped_pages": _event("L2 pages evicted in the exclusive mode before their write to L3 (lost)"),
+    "l3_pages_promoted": _event("pages an L3 hit brought up whose L3 copy is given up (exclusive, private L3)"),
+    "l3_promoted_pages_deleted": _event("L3 copies of promoted pages deleted from the store"),
     "write_pages_waiting": StorageMetric("gauge", "storage_write_waiting_pages",
                                          "Pages waiting for an L3 writer (back-pressure)"),
     "write_pages_waiting_max": StorageMetric("gauge", "storage_write_waiting_max_pages",
@@ -126,6 +130,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "backend.capacity_bytes": StorageMetric("gauge", "storage_capacity_bytes", "L3 capacity"),
     "backend.entries": StorageMetric("gauge", "storage_entries", "Values held by L3", skip_negative=True),
     "backend.map_size": StorageMetric("gauge", "storage_map_size_bytes", "LMDB map size"),
+    "backend.shards": StorageMetric("gauge", "storage_shards", "LMDB environments the store is sharded into"),
     "backend.file_bytes": StorageMetric("gauge", "storage_file_size_bytes", "LMDB data file size",
                                         skip_negative=True),
     "backend.connected": StorageMetric("gauge", "storage_connected", "1 while the backend is connected"),

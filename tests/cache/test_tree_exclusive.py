@@ -99,3 +99,36 @@ def test_l3_takes_the_coldest_l2_pages_ahead_of_their_eviction():
     assert t.evict_host(2) == 2 and t.exclusive.demotions_dropped_pages == 0  # it was on L3: a demotion
     assert t.evict_host(2) == 2 and t.exclusive.demotions_dropped_pages == 2  # chains[1]: L3 lacked it
     t.check_integrity()
+
+
+def test_an_l3_hit_on_a_private_l3_promotes_the_page():
+    t = make(dev=4, host=8)
+    t.exclusive.enable_demotion()
+    t.exclusive.enable_promotion()
+    a = seq(20_000, 3)
+    put(t, a[: 1 * PS])  # page 0 on L1; pages 1, 2 come from L3 below it
+    assert t.insert_host(a, t.host.alloc(2), start_page=1) == []
+    node, _ = t.lookup(a)
+    assert node.storage_pages == 0 and t.exclusive.take_promoted() == [(1, 3)]  # the L3 copy goes
+    assert t.exclusive.take_promoted() == [] and t.exclusive.l3_promoted_pages == 2
+    t.check_integrity()
+    t.evict_device(1)  # L1 -> L2: now L2 is the only copy of all three pages
+    t.take_transfers()
+    assert node in t.exclusive.dirty_tail(8)  # demoted back to L3 as it nears L2's eviction end
+    t.mark_stored(a, 1, 3)
+    assert t.evict_host(8) >= 2 and t.exclusive.demotions_dropped_pages == 1  # page 0: L3 never had it
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("why", ["hot", "shared"])
+def test_an_l3_hit_keeps_its_l3_copy_when_hot_or_shared(why):
+    t = make(threshold=1 if why == "hot" else 3)
+    t.exclusive.enable_demotion()
+    if why == "hot":  # threshold 1: this hit makes every page hot
+        t.exclusive.enable_promotion()  # (a shared L3: the controller never enables promotion)
+    a = seq(30_000, 2)
+    assert t.insert_host(a, t.host.alloc(2)) == []
+    node, _ = t.lookup(a)
+    assert node.storage_pages == 2 and t.exclusive.take_promoted() == [] and t.exclusive.l3_promoted_pages == 0
+    assert t.exclusive.l3_kept_pages == (2 if why == "hot" else 0)
+    t.check_integrity()

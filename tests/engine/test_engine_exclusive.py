@@ -1,5 +1,7 @@
 """The exclusive tiers in the engine (tiny Llama, fp32 CPU, LMDB L3): greedy output from L1, L2, L3 and
-L3 after a restart equals cold recompute; pages demote L1 -> L2 -> L3 and are not duplicated."""
+L3 after a restart equals cold recompute; pages demote L1 -> L2 -> L3 and are not duplicated; an L3 hit
+on a private LMDB promotes the page (its L3 copy is deleted; demoted back when it goes cold again),
+a hot page or a shared store keeps its L3 copy."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import pytest
 
 from harness.engine_cases import GREEDY, ids_of, prompts
 from harness.model_utils import hf_greedy, tiny_model
+from hicache.keys import page_keys
 from serving.engine import Engine
+from serving.server.metrics import storage_families
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +21,12 @@ def tiny(tmp_path_factory):
     return path, ps, hf_greedy(path, ps, GREEDY["max_new_tokens"])
 
 
-def make(path, db) -> Engine:
+def make(path, db, threshold: int = 1000, **lmdb) -> Engine:
     return Engine(model_path=str(path), page_size=4, max_total_tokens=128, hicache_ratio=2.0,
-                  hicache_write_policy="exclusive", write_through_threshold=1000, max_running_requests=1,
+                  hicache_write_policy="exclusive", write_through_threshold=threshold, max_running_requests=1,
                   hicache_storage_backend="lmdb",
-                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
+                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1,
+                                                        **lmdb},
                   hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
                   hicache_storage_prefetch_timeout_base=5.0, hicache_storage_load_policy="always_load")
 
@@ -37,7 +42,8 @@ def one_by_one(eng: Engine, ps, ref) -> dict[str, int]:
         eng.core.storage.poll(wait=True)
         eng.check_integrity()
         tree = eng.core.tree
-        assert not [n for n in tree.nodes() if n.device_pages is not None and n.host_pages is not None]
+        assert tree.write_policy.threshold == 1 or \
+            not [n for n in tree.nodes() if n.device_pages is not None and n.host_pages is not None]
     return hits
 
 
@@ -60,4 +66,73 @@ def test_exclusive_tiers_serve_every_tier_and_a_restart(tiny, tmp_path):
     eng = make(path, db)
     hits = one_by_one(eng, ps, ref)
     assert hits["storage"] > 0, hits
+    eng.shutdown()
+
+
+def l3_run(eng: Engine, ps, ref) -> tuple[int, int, set[str]]:
+    """Each prompt alone (greedy checked, integrity after each): (tokens hit on L3, of those the pages
+    whose L3 copy is gone right after the hit, the keys gone)."""
+    storage, backend = eng.core.storage, eng.core.storage.tier.backend
+    hit = gone = 0
+    keys_gone: set[str] = set()
+    for p, want in zip(ps, ref, strict=True):
+        keys = page_keys(p[: len(p) - 1], 4, eng.core.kv_namespace)
+        before = [backend.exists(k) for k in keys]
+        out = eng.generate(input_ids=[p], sampling_params=GREEDY)
+        assert ids_of(out) == [want]
+        storage.poll(wait=True)
+        eng.check_integrity()
+        n = out[0]["meta_info"]["cached_tokens_details"]["storage"]
+        now_gone = {k for k, b in zip(keys, before, strict=True) if b and not backend.exists(k)}
+        if n:
+            assert eng.core.tree.lookup(p[: len(p) - 1])[1] >= n  # the promoted pages live on L1 / L2
+        hit, gone = hit + n, gone + len(now_gone)
+        keys_gone |= now_gone
+    return hit, gone, keys_gone
+
+
+def test_an_l3_hit_promotes_the_page_out_of_a_private_lmdb(tiny, tmp_path):
+    path, ps, ref = tiny
+    db = tmp_path / "l3"
+    eng = make(path, db)
+    backend = eng.core.storage.tier.backend
+    assert backend.shared is False and eng.core.tree.exclusive.promote_from_l3
+    one_by_one(eng, ps, ref)  # L1 overflows into L2, L2's cold end into L3
+    hit, gone, keys = l3_run(eng, ps, ref)
+    st = eng.core.storage_stats()
+    assert hit > 0 and gone == hit // 4, (hit, gone)  # each page an L3 hit brought up left L3
+    assert st["l3_pages_promoted"] >= gone and st["l3_promoted_pages_deleted"] >= gone
+    again = one_by_one(eng, ps, ref)  # the promoted pages go cold again: demoted back to L3
+    assert sum(again.values()) > 0
+    tree, lost, back = eng.core.tree, 0, 0
+    for p in ps:  # a promoted page is on L3 again, or still in the tree, or counted as dropped
+        held = tree.lookup(p[: len(p) - 1])[1] // 4
+        for i, k in enumerate(page_keys(p[: len(p) - 1], 4, eng.core.kv_namespace)):
+            if k in keys and i >= held:
+                on = backend.exists(k)
+                back, lost = back + on, lost + (not on)
+    st = eng.core.storage_stats()
+    assert back > 0 and lost <= st["l2_demotions_dropped_pages"], (back, lost)  # (a tiny L2's reserve is
+    assert st["write_pages_dropped"] == 0  # crossed in one step: what nobody wrote is dropped, and counted)
+    events = {s.labels["event"]: s.value for s in next(storage_families(st)).samples}  # /metrics' counters
+    assert events["l2_demotions_dropped_pages"] == st["l2_demotions_dropped_pages"] == \
+        eng.core.tree.exclusive.demotions_dropped_pages
+    assert events["l3_pages_promoted"] >= gone
+    eng.shutdown()
+    eng = make(path, db)  # a restart: every tier's pages again equal cold greedy
+    assert one_by_one(eng, ps, ref)["storage"] > 0
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("why", ["hot", "shared"])
+def test_a_hot_page_or_a_shared_store_keeps_its_l3_copy(tiny, tmp_path, why):
+    path, ps, ref = tiny
+    eng = make(path, tmp_path / "l3", threshold=1) if why == "hot" else \
+        make(path, tmp_path / "l3", shared=True)  # an LMDB directory other servers read
+    assert eng.core.tree.exclusive.promote_from_l3 == (why == "hot")
+    one_by_one(eng, ps, ref)
+    hit, gone, _ = l3_run(eng, ps, ref)
+    assert hit > 0 and gone == 0, (hit, gone)
+    st = eng.core.storage_stats()
+    assert st["l3_pages_promoted"] == 0 and st["l3_promoted_pages_deleted"] == 0
     eng.shutdown()
