@@ -12,65 +12,32 @@ wrong state."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from harness.engine_cases import ids_of, prompts
+from harness.engine_cases import ids_of
 from harness.lmdb_pages import open_store
-from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from harness.model_utils import hf_output_logprobs, tiny_model
 from harness.netns import run_mooncake_script
+from harness.state_cases import GREEDY, LOGPROB_TOL, NEW, STATE_FAMILIES, generate, hits, lmdb_l3, two_turns
 from hicache.keys import page_keys, state_key
 from serving.engine import Engine
 
 pytestmark = pytest.mark.slow
-NEW = 8
 PS = 4
-GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-LOGPROB_TOL = 2e-3
-FAMILIES = {"qwen3_5": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
-            "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(STATE_FAMILIES))
 def tiny(request, tmp_path_factory):
     """The model; 3 first turns (30-50 tokens), their second turns (first turn + answer + 5-12 tokens),
     and HF's greedy answers to both."""
-    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param, **FAMILIES[request.param])
-    first = prompts(3, 512, seed=15, lo=30, hi=50)
-    ref1 = hf_greedy(path, first, NEW)
-    rng = random.Random(16)
-    second = [p + a + [rng.randrange(1, 511) for _ in range(rng.randint(5, 12))]
-              for p, a in zip(first, ref1, strict=True)]
-    return path, first, ref1, second, hf_greedy(path, second, NEW)
-
-
-def hits(outs, tier: str) -> list[int]:
-    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
-
-
-def generate(eng: Engine, path, ps: list[list[int]], ref: list[list[int]]) -> list[dict]:
-    """One request at a time (each checked), HF's greedy tokens and log-probabilities within LOGPROB_TOL."""
-    outs = []
-    for p in ps:
-        (o,) = eng.generate(input_ids=[p], sampling_params=GREEDY, return_logprob=True)
-        eng.check_integrity()
-        outs.append(o)
-    assert ids_of(outs) == ref
-    got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    want = hf_output_logprobs(path, ps, ref)
-    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    assert worst < LOGPROB_TOL, worst
-    return outs
+    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param, **STATE_FAMILIES[request.param])
+    return (path, *two_turns(path, 3, seed=15))
 
 
 def _l3(path, db, **kw) -> Engine:
-    return Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, hicache_ratio=2.0,
-                  hicache_storage_backend="lmdb",
-                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
-                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
-                  hicache_storage_prefetch_timeout_base=30.0, hicache_storage_load_policy="always_load", **kw)
+    return Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, hicache_ratio=2.0, **lmdb_l3(db), **kw)
 
 
 def _first_turns(path, db, first, ref1) -> str:
@@ -97,7 +64,7 @@ def test_second_turns_come_from_l3_after_a_restart(tiny, tmp_path) -> None:
     _first_turns(path, db, first, ref1)
     eng = _l3(path, db)  # a restart: L1 and L2 empty, LMDB holds the pages and the snapshots
     try:
-        outs = generate(eng, path, second, ref2)
+        outs = generate(eng, path, second, ref2, one_at_a_time=True)
         assert hits(outs, "storage") == [_resume_at(p) for p in first], [o["meta_info"] for o in outs]
         st = eng.core.storage.stats()
         assert st["state_snapshots_fetched"] == len(first) and st["state_corrupt"] == 0, st
@@ -130,7 +97,7 @@ def test_a_damaged_snapshot_on_l3_is_a_miss(tiny, tmp_path, damage) -> None:
         store.close()
     eng = _l3(path, db)
     try:
-        outs = generate(eng, path, second, ref2)
+        outs = generate(eng, path, second, ref2, one_at_a_time=True)
         got = hits(outs, "storage")
         want = [(len(p) - 1) // PS * PS for p in first]  # the intact prompt capture of each first turn
         assert got == want, (got, want)

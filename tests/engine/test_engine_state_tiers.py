@@ -15,45 +15,17 @@ import random
 import pytest
 
 from harness.engine_cases import ids_of, prompts
-from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from harness.model_utils import hf_greedy, tiny_model
+from harness.state_cases import GREEDY, NEW, STATE_FAMILIES, generate, hits, two_turns
 from serving.engine import Engine
 
-NEW = 8
-GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-LOGPROB_TOL = 2e-3  # fp32, another summation order than HF's; a wrong state moves them by far more
-# Qwen3.5's own mix (3 Gated DeltaNet layers to 1 gated attention); Nemotron-H with 3 Mamba2 layers in 7
-FAMILIES = {"qwen3_5": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
-            "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
 
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(STATE_FAMILIES))
 def tiny(request, tmp_path_factory):
     """The model; 4 first turns (30-50 tokens); their second turns (first turn + its answer + 5-12 more
     tokens) and HF's greedy answers to both; 6 unrelated prompts to push the first ones out of L1."""
-    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param, **FAMILIES[request.param])
-    first = prompts(4, 512, seed=5, lo=30, hi=50)
-    ref1 = hf_greedy(path, first, NEW)
-    rng = random.Random(6)
-    second = [p + a + [rng.randrange(1, 511) for _ in range(rng.randint(5, 12))]
-              for p, a in zip(first, ref1, strict=True)]
-    others = prompts(6, 512, seed=7, lo=40, hi=60)
-    return path, first, ref1, second, hf_greedy(path, second, NEW), others
-
-
-def hits(outs, tier: str) -> list[int]:
-    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
-
-
-def generate(eng: Engine, path, ps: list[list[int]], ref: list[list[int]]) -> list[dict]:
-    """HF's greedy tokens, and their log-probabilities within LOGPROB_TOL of HF's (the tokens alone
-    would not notice a slightly wrong state in a tiny random model)."""
-    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    assert ids_of(outs) == ref
-    got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    want = hf_output_logprobs(path, ps, ref)
-    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    assert worst < LOGPROB_TOL, worst
-    return outs
+    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param, **STATE_FAMILIES[request.param])
+    return (path, *two_turns(path, 4, seed=5), prompts(6, 512, seed=7, lo=40, hi=60))
 
 
 def test_second_turns_resume_from_l1_snapshots(tiny) -> None:

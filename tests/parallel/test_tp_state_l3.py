@@ -10,65 +10,36 @@ depth (the shallower snapshot is used), never a wrong state."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from harness.engine_cases import ids_of, prompts
 from harness.lmdb_pages import open_store
-from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from harness.model_utils import tiny_model
+from harness.state_cases import NEW, STATE_FAMILIES, generate, lmdb_l3, two_turns
 from hicache.keys import page_keys, state_key
 from hicache.tiers.storage_state import part_key
 from serving.engine import Engine
 
 pytestmark = pytest.mark.slow
-NEW = 8
 PS = 4
-GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-LOGPROB_TOL = 2e-3
-FAMILIES = {"qwen3_5": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
-            "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(STATE_FAMILIES))
 def tiny(request, tmp_path_factory):
     """The model (vocab 501: padded over 2 ranks); 3 first turns, their second turns, HF's answers to both."""
     path = tiny_model(tmp_path_factory.mktemp(f"tp-l3-{request.param}"), request.param, vocab_size=501,
-                      **FAMILIES[request.param])
-    first = prompts(3, 500, seed=25, lo=30, hi=50)
-    ref1 = hf_greedy(path, first, NEW)
-    rng = random.Random(26)
-    second = [p + a + [rng.randrange(1, 500) for _ in range(rng.randint(5, 12))]
-              for p, a in zip(first, ref1, strict=True)]
-    return path, first, ref1, second, hf_greedy(path, second, NEW)
+                      **STATE_FAMILIES[request.param])
+    return (path, *two_turns(path, 3, seed=25, vocab=500))
 
 
 def _engine(path, db) -> Engine:
     return Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, hicache_ratio=2.0, tp_size=2,
-                  hicache_storage_backend="lmdb",
-                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1},
-                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
-                  hicache_storage_prefetch_timeout_base=30.0, hicache_storage_load_policy="always_load")
-
-
-def _generate(eng: Engine, path, ps: list[list[int]], ref: list[list[int]]) -> list[dict]:
-    outs = []
-    for p in ps:
-        (o,) = eng.generate(input_ids=[p], sampling_params=GREEDY, return_logprob=True)
-        eng.check_integrity()
-        outs.append(o)
-    assert ids_of(outs) == ref
-    got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    want = hf_output_logprobs(path, ps, ref)
-    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    assert worst < LOGPROB_TOL, worst
-    return outs
+                  **lmdb_l3(db))
 
 
 def _first_turns(path, db, first, ref1) -> str:
     eng = _engine(path, db)
     try:
-        _generate(eng, path, first, ref1)
+        generate(eng, path, first, ref1, one_at_a_time=True)
         ns = eng.core.kv_namespace
     finally:
         eng.shutdown()  # persists every rank's pages and snapshot parts
@@ -97,7 +68,7 @@ def test_tp2_second_turns_come_from_l3_after_a_restart(tiny, tmp_path) -> None:
         store.close()
     eng = _engine(path, db)  # a restart: L1 and L2 empty on every rank
     try:
-        outs = _generate(eng, path, second, ref2)
+        outs = generate(eng, path, second, ref2, one_at_a_time=True)
         assert _storage_hits(outs) == [_resume_at(p) for p in first], [o["meta_info"] for o in outs]
         st = eng.core.storage.stats()
         assert st["state_snapshots_fetched"] == len(first) and st["state_corrupt"] == 0, st
@@ -123,7 +94,7 @@ def test_tp2_a_damaged_part_is_a_miss(tiny, tmp_path) -> None:
         store.close()
     eng = _engine(path, db)
     try:
-        outs = _generate(eng, path, second, ref2)
+        outs = generate(eng, path, second, ref2, one_at_a_time=True)
         assert _storage_hits(outs) == [(len(p) - 1) // PS * PS for p in first], [o["meta_info"] for o in outs]
         assert eng.core.storage.stats()["state_corrupt"] == len(first)
     finally:

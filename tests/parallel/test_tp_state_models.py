@@ -8,50 +8,23 @@ tolerance of HF's, which a rank resuming from a wrong or stale state would not."
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from harness.engine_cases import ids_of, prompts
-from harness.model_utils import hf_greedy, hf_output_logprobs, tiny_model
+from harness.model_utils import tiny_model
+from harness.state_cases import GREEDY, NEW, STATE_FAMILIES, generate, hits, two_turns
 from serving.engine import Engine
 from serving.parallel.shard import TPShapeError
 from serving.parallel.state_shard import DeltaNetShard, Mamba2Shard
 
-NEW = 8
-GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-LOGPROB_TOL = 2e-3
-FAMILIES = {"qwen3_5": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
-            "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
 
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(STATE_FAMILIES))
 def tiny(request, tmp_path_factory):
     """The model (vocab 501: padded over 2 ranks); 3 first turns; their second turns; HF's answers;
     6 unrelated prompts to push the first ones out of L1."""
     path = tiny_model(tmp_path_factory.mktemp(f"tp-{request.param}"), request.param, vocab_size=501,
-                      **FAMILIES[request.param])
-    first = prompts(3, 500, seed=5, lo=30, hi=50)
-    ref1 = hf_greedy(path, first, NEW)
-    rng = random.Random(6)
-    second = [p + a + [rng.randrange(1, 500) for _ in range(rng.randint(5, 12))]
-              for p, a in zip(first, ref1, strict=True)]
-    others = prompts(6, 500, seed=7, lo=40, hi=60)
-    return path, first, ref1, second, hf_greedy(path, second, NEW), others
-
-
-def hits(outs, tier: str) -> list[int]:
-    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
-
-
-def generate(eng: Engine, path, ps: list[list[int]], ref: list[list[int]]) -> list[dict]:
-    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    assert ids_of(outs) == ref
-    got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    want = hf_output_logprobs(path, ps, ref)
-    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    assert worst < LOGPROB_TOL, worst
-    return outs
+                      **STATE_FAMILIES[request.param])
+    return (path, *two_turns(path, 3, seed=5, vocab=500), prompts(6, 500, seed=7, lo=40, hi=60))
 
 
 def test_tp2_cold_and_second_turns_from_l1(tiny) -> None:
