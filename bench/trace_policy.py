@@ -20,7 +20,10 @@ server that runs each request at its own pace. With ``concurrency`` 1 the order 
 After every tree call the transfers are drained as the engine does; every L1 -> L2 backup is
 written on to L3 at once (what a write-back that keeps up does). With ``write_policy="exclusive"``
 no backup is written and no hit retries a write: after each drain the coldest L2 nodes L3 lacks
-(``tree.exclusive.dirty_tail()``, as StorageController.poll) are written at once instead. L3 is modelled as an LRU of
+(``tree.exclusive.dirty_tail()``, as StorageController.poll) are written at once instead, and an L3 hit
+promotes (unless ``l3_shared``): the pages the tree gives up the L3 copy of (``tree.exclusive.
+take_promoted()``, as serving/cache/l3_fetch.py) are deleted from L3 at once (the engine's key guard
+orders a delete and a write of one key; here both are instant and in order). L3 is modelled as an LRU of
 page keys (a key chains the page's tokens onto its parent's, as hicache.keys does) with
 ``l3_tokens`` of room, stamped on write and read like the LMDB store. Tier capacities are in
 tokens. Hits per tier are counted as the engine counts them (``Req.kv.cached_by_tier``).
@@ -56,6 +59,8 @@ class PolicyConfig:
     concurrency: int = 1  # requests in flight (see the module docstring for when each one ends)
     max_new_tokens: int = 1  # output tokens per request (capped by the trace's output_length)
     l3_evict_to: float = 1.0  # a full L3 evicts down to this fraction of l3_tokens (LMDB: low / high watermark)
+    l3_shared: bool = False  # the L3 is shared (Mooncake): an exclusive L3 hit keeps its L3 copy (no promotion)
+    write_through_threshold: int = 2  # hits that make a node hot (write_through_selective; exclusive: keeps copies)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.l1_tokens < self.page_size:
@@ -84,6 +89,7 @@ class L3Model:
         self._keys: OrderedDict[int, None] = OrderedDict()
         self.pages_written = 0
         self.pages_read = 0
+        self.pages_deleted = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -101,6 +107,11 @@ class L3Model:
         for k in keys:
             self._keys.move_to_end(k)
             self.pages_read += 1
+
+    def delete(self, keys: Iterable[int]) -> None:
+        for k in keys:
+            if self._keys.pop(k, False) is None:
+                self.pages_deleted += 1
 
     def write(self, keys: Iterable[int]) -> None:
         d = self._keys
@@ -158,11 +169,13 @@ class PolicyReplay:
         self._held = 0  # L1 pages of the requests in flight
         self.host = PageAllocator(cfg.l2_tokens // ps) if cfg.l2_tokens >= ps else None
         self.tree = HiRadixTree(ps, self.device, self.host, write_policy=cfg.write_policy,
+                                write_through_threshold=cfg.write_through_threshold,
                                 eviction_policy=cfg.eviction_policy)
         with_l3 = cfg.l3_tokens >= ps and self.host is not None
         self.l3 = L3Model(cfg.l3_tokens // ps, cfg.l3_evict_to) if with_l3 else None
         if self.l3 is not None:
             self.tree.exclusive.enable_demotion()  # StorageController does so (a no-op unless exclusive)
+            self.tree.exclusive.enable_promotion(not cfg.l3_shared)  # ... and for a private store this
         self.counts = Counts()
         self._running: list[tuple[float, int, _Running]] = []  # heap by end time
         self._now = 0.0
@@ -295,6 +308,11 @@ class PolicyReplay:
         dup = tree.insert_host(prompt[: (cached + n) * ps], pages, start_page=cached)
         if dup:
             host.free(list(dup))
+        promoted = tree.exclusive.take_promoted()  # Fetches.commit -> Promotions.delete, done at once
+        if promoted:
+            t0 = _clock()
+            self.l3.delete(k for lo, hi in promoted for k in keys[lo - cached : hi - cached])
+            self.model_s += _clock() - t0
         tree.unlock(node)
         return n - len(dup)
 
@@ -345,6 +363,8 @@ class PolicyReplay:
             "l3_pages_written": self.l3.pages_written if self.l3 is not None else 0,
             "l2_backups_skipped_pages": self.tree.backups_skipped_pages,
             "l2_demotions_dropped_pages": self.tree.exclusive.demotions_dropped_pages,
+            "l3_pages_promoted": self.tree.exclusive.l3_promoted_pages,
+            "l3_pages_deleted": self.l3.pages_deleted if self.l3 is not None else 0,
         }
         return out
 

@@ -61,7 +61,7 @@ def parse_setup(s: str) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------- policy
 def policy_setup(reqs, blocks: BlockTokens, l1: int, l2: int, l3: int, args) -> dict[str, Any]:  # noqa: ANN001
     cfg = PolicyConfig(l1, l2, l3, args.page_size, args.write_policy, "lru", args.prefetch_threshold,
-                       args.concurrency, 1)
+                       args.concurrency, 1, write_through_threshold=args.write_through_threshold)
     rep = PolicyReplay(cfg)
     for r in reqs:
         rep.request(blocks.tokens(r))
@@ -99,7 +99,8 @@ def run_policy(args) -> dict[str, Any]:  # noqa: ANN001
                   r["lru_bound"], r["vs_bound"], r["vs_bound_at_largest"], r["distinct_tokens"],
                   r["vs_bound_at_distinct"], r["bookkeeping_us_per_request"]] for n, r in results.items()])
     return {"mode": "policy", "trace": str(args.trace), "requests": len(reqs), "page_size": args.page_size,
-            "block_tokens": args.block_tokens, "write_policy": args.write_policy, "concurrency": args.concurrency,
+            "block_tokens": args.block_tokens, "write_policy": args.write_policy,
+            "write_through_threshold": args.write_through_threshold, "concurrency": args.concurrency,
             "slice": {"start": args.start, "count": args.count, "busiest": args.busiest}, "setups": results}
 
 
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--page-size", type=int, default=16, help="policy")
     p.add_argument("--write-policy", default="write_through", help="policy")
     p.add_argument("--prefetch-threshold", type=int, default=256, help="policy: tokens")
+    p.add_argument("--write-through-threshold", type=int, default=2,
+                   help="policy: hits that make a node hot (write_through_selective; exclusive: keeps its copies)")
     p.add_argument("--url", help="live: a running server (instead of --serve)")
     p.add_argument("--serve", action="store_true", help="live: start a server per setup")
     p.add_argument("--server-args", default="", help="live: flags for every started server")
