@@ -16,6 +16,12 @@ The torch path groups the tokens by expert (one sort) and runs each expert that 
 rows. Under tensor parallelism every rank holds every expert's share of the intermediate columns
 (``I / tp``) and the ranks' partial sums are added by one all-reduce, as a dense MLP's down projection
 does (the down bias is added on rank 0 only, before the sum).
+
+On CUDA the experts run in the fused Triton kernels of serving/kernels/triton_moe.py (tokens aligned
+into expert blocks on the GPU, grouped GEMMs, the routing weights applied in the kernel): nothing is
+read back to the host, so ``syncs_host`` is False there and the model's decode and extend steps are
+captured in CUDA graphs. ``FUSED_KERNEL`` picks the path (None: on CUDA; True / False: always / never,
+for A/B runs and the interpreter tests on a CPU).
 """
 
 from __future__ import annotations
@@ -66,10 +72,20 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, MoEOptions], torch.
     "silu": _silu_glu, "gpt_oss": _gpt_oss_glu}
 
 
+FUSED_KERNEL: bool | None = None  # None: the fused Triton kernels on CUDA, the torch path elsewhere
+
+
 class SparseMoE(nn.Module):
-    # the torch path reads the experts' token counts on the host: no CUDA graph can hold it
-    # (serving/model/model_runner.py runs such models eagerly)
-    syncs_host = True
+    @property
+    def syncs_host(self) -> bool:
+        """The torch path reads the experts' token counts on the host: no CUDA graph can hold it
+        (serving/model/model_runner.py runs such models eagerly); the fused kernels read nothing back."""
+        return not self._fused(self.w13)
+
+    def _fused(self, t: torch.Tensor) -> bool:
+        from_kernel = t.is_cuda if FUSED_KERNEL is None else FUSED_KERNEL
+        return from_kernel and self.opts.activation in ("silu", "gpt_oss")  # the kernel's activations
+
 
     def __init__(self, hidden: int, opts: MoEOptions, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -100,6 +116,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self._fused(x):
+            from serving.kernels.triton_moe import fused_moe  # triton: a GPU-side import
+
+            out = fused_moe(x, weights, ids, self.w13, self.w2, self.b13, self.b2 if self.tp.rank == 0 else None,
+                            self.opts.activation, self.opts.swiglu_alpha, self.opts.swiglu_limit)
+            return self.tp.all_reduce(out) if self.tp.is_parallel else out
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
