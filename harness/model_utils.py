@@ -35,6 +35,13 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"])),
+    # MLA (no q_lora_rank: V2-Lite's shape), a dense layer then two MoE layers (group-limited routing,
+    # scaled weights, 2 shared experts)
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+        topk_group=2, routed_scaling_factor=1.5)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
@@ -59,8 +66,9 @@ def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **
     """Save a tiny random checkpoint (HF format) into ``path``: ``arch`` one of ``TINY_FAMILIES``
     (llama, qwen2, qwen3 (head_dim 32), qwen3_moe (8 experts, top 2, a sparse then a dense layer);
     the sliding-window families mistral, every layer an 8-token window, gemma3, 2 sliding layers
-    (window 8) to 1 full, and gpt_oss (sinks, an 8-token window then a full layer, 4 experts); the
-    hybrids qwen3_5, a Gated DeltaNet + gated-attention stack, and nemotron_h, Mamba2 + attention + MLP blocks).
+    (window 8) to 1 full, and gpt_oss (sinks, an 8-token window then a full layer, 4 experts); deepseek_v2
+    (MLA without q_lora_rank, a dense layer then 2 MoE layers with shared experts); the hybrids
+    qwen3_5, a Gated DeltaNet + gated-attention stack, and nemotron_h, Mamba2 + attention + MLP blocks).
 
     Weights are drawn with a large ``initializer_range`` so greedy decoding has clear
     winners (random models with tiny weights produce near-ties that make token

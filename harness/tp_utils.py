@@ -16,7 +16,7 @@ def greedy(path: str, prompts: list[list[int]], steps: int, rank: int = 0, size:
     our model sharded as rank ``rank`` of ``size``."""
     import torch
 
-    from hicache.tiers.device import DeviceKVPool, KVLayout
+    from hicache.tiers.device import DeviceKVPool
     from serving.kernels.attention import get_attention_backend
     from serving.models.loader import load_model
     from serving.parallel.group import destroy_tp_group, init_tp_group
@@ -27,7 +27,7 @@ def greedy(path: str, prompts: list[list[int]], steps: int, rank: int = 0, size:
     try:
         model, cfg = load_model(path, tp=tp)
         plan = model.plan
-        layout = KVLayout(cfg.num_hidden_layers, plan.num_kv_heads, cfg.head_dim, torch.float32)
+        layout = cfg.kv_layout(torch.float32, kv_heads=plan.num_kv_heads)  # MLA: the latent
         pool = DeviceKVPool(layout, 256, PAGE_SIZE, "cpu")
         attn = get_attention_backend("torch")
         pages, nxt, lens = [], 1, []

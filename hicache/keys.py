@@ -30,7 +30,9 @@ def _layout_desc(layout: Any) -> str:
     if isinstance(layout, str):
         return layout
     dtype = str(layout.dtype).removeprefix("torch.")
-    return f"L{layout.num_layers}.H{layout.num_kv_heads}.D{layout.head_dim}.{dtype}"
+    fmt = getattr(layout, "format", "mha")  # MLA's latent pages: never another layout's
+    return f"L{layout.num_layers}.H{layout.num_kv_heads}.D{layout.head_dim}.{dtype}" + \
+        ("" if fmt == "mha" else f".{fmt}")
 
 
 def namespace_for(
@@ -43,7 +45,7 @@ def namespace_for(
     """The namespace of a model's pages: ``model|layout|tp<rank>[|ps<n>][|salt:<digest>]``.
 
     ``layout_desc``: a string, or a :class:`hicache.tiers.device.KVLayout` (layers, kv
-    heads, head dim, dtype). ``cache_salt`` isolates tenants: it is hashed, never stored
+    heads, head dim, dtype; an MLA layout adds ``.mla``). ``cache_salt`` isolates tenants: it is hashed, never stored
     in clear. The page size is optional (keys of different page sizes never coincide
     anyway since the hashed token runs differ in length) but makes stores easier to
     tell apart. Raises ``ValueError`` on an empty model id or a negative rank.

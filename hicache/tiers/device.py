@@ -12,12 +12,26 @@ from hicache.tiers.window_pages import WindowedPageAllocator, WindowPages
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of the KV cache of one model: what a page holds."""
+    """Shape of the KV cache of one model: what a page holds.
+
+    ``format``: ``"mha"``, per-head K and V; ``"mla"``, a multi-head latent attention model's latent
+    (DeepSeek: the normed ``kv_lora_rank`` vector and the rope'd key part, one row per token), held once:
+    one "kv head" whose K plane stores the row's first half and whose V plane its second (:meth:`latent`),
+    so the pool, L2 pages and L3 payloads carry the latent and nothing else. The format is part of the
+    L3 namespace (hicache.keys), so a latent page never matches another layout's."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    format: str = "mha"
+
+    @staticmethod
+    def latent(num_layers: int, width: int, dtype: torch.dtype) -> KVLayout:
+        """An MLA layout of ``width`` (even) latent elements per token and layer."""
+        if width % 2:
+            raise ValueError(f"an MLA latent of {width} elements: the cache splits it in two halves, it must be even")
+        return KVLayout(num_layers, 1, width // 2, dtype, "mla")
 
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -98,7 +98,13 @@ class ModelRunner:
                 quantization=model.quantization)
         self.model.eval()
         backend = model.attention_backend
-        if backend == "auto" and self.device.type != "cuda":
+        if self.arch.is_mla:  # MLA's attention over the latent is torch code (serving/models/mla.py)
+            if backend not in ("auto", "torch"):
+                raise ValueError(f"--attention-backend {backend}: a multi-head latent attention model "
+                                 f"({self.arch.architectures[0]}) runs the torch backend only for now; "
+                                 "use --attention-backend torch (or auto)")
+            backend = "torch"
+        elif backend == "auto" and self.device.type != "cuda":
             with timed("building / loading the C++ CPU kernels"):
                 backend = "cpu" if cpu_ext.extension() else "torch"
         elif backend == "auto":
@@ -108,7 +114,7 @@ class ModelRunner:
         self.context_len = model.context_length or self.arch.max_position_embeddings
         self.kv_heads = self.model.plan.num_kv_heads  # this rank's (all of them without TP)
         self.layer_stack = self.model.layer_stack  # L1 holds KV for its KV layers (full and sliding) only
-        layout = KVLayout(len(self.layer_stack.kv_layers), self.kv_heads, self.arch.head_dim, self.kv_dtype)
+        layout = self.arch.kv_layout(self.kv_dtype, len(self.layer_stack.kv_layers), self.kv_heads)  # MLA: the latent
         enc = round_trip_encoding(self.kv_dtype, kv_round_trip, "raw")
         self.attn.kv_round_trip = enc.round_trip if enc.lossy else None
         # L1 for the state layers' recurrent state (before the KV pages: a GPU budget counts it as used)

@@ -91,7 +91,8 @@ class ModelArchConfig:
             intermediate_size=int(raw["intermediate_size"]),
             num_hidden_layers=_num_layers(raw),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            # MLA (DeepSeek): the cached latent is one kv head, shared by every q head (and TP rank)
+            num_key_value_heads=1 if _is_mla(raw) else int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             vocab_size=int(raw["vocab_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -141,9 +142,22 @@ class ModelArchConfig:
             return self
         return replace(self, rope_theta=params.theta, rope_scaling=params.scaling)
 
-    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
-        """The KV-cache layout of this model for a cache of ``dtype``."""
-        return KVLayout(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype)
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``): L1 caches the latent."""
+        return _is_mla(self.raw)
+
+    def kv_layout(self, dtype: torch.dtype, num_layers: int | None = None, kv_heads: int | None = None) -> KVLayout:
+        """The KV-cache layout of this model for a cache of ``dtype`` (``num_layers`` KV layers, ``kv_heads``
+        a rank's kv heads; default: all). MLA: the latent, ``kv_lora_rank + qk_rope_head_dim`` per token."""
+        n = self.num_hidden_layers if num_layers is None else num_layers
+        if self.is_mla:
+            return KVLayout.latent(n, int(self.raw["kv_lora_rank"]) + int(self.raw["qk_rope_head_dim"]), dtype)
+        return KVLayout(n, self.num_key_value_heads if kv_heads is None else kv_heads, self.head_dim, dtype)
+
+
+def _is_mla(raw: Mapping[str, Any]) -> bool:
+    return raw.get("kv_lora_rank") is not None and raw.get("qk_rope_head_dim") is not None
 
 
 def _num_layers(raw: Mapping[str, Any]) -> int:

@@ -2,10 +2,13 @@
 and sums their outputs weighted by the router's scores. The families differ in two small strategies
 (:class:`MoEOptions`):
 
-- **scoring**: ``softmax_topk`` (Qwen3-MoE: softmax over every expert in float32, the top-k kept and,
-  with ``renormalize``, rescaled to sum to 1) or ``topk_softmax`` (GPT-OSS: the top-k logits, a
-  softmax over those k); then cast to the activations' dtype, as HF does. ``router_bias``: the router
-  has a bias (GPT-OSS);
+- **scoring** (``SCORINGS``): ``softmax_topk`` (Qwen3-MoE: softmax over every expert in float32, the
+  top-k kept and, with ``renormalize``, rescaled to sum to 1) or ``topk_softmax`` (GPT-OSS: the top-k
+  logits, a softmax over those k), then cast to the activations' dtype, as HF does; ``deepseek``
+  (DeepSeek-V2: float32 router logits, softmax over every expert, the top-k of all (``n_group`` 1, HF's
+  ``greedy``) or of the ``topk_group`` groups with the highest best expert (``group_limited_greedy``),
+  then rescaled to sum to 1 with ``renormalize`` (DeepSeek's ``norm_topk_prob``), else multiplied by
+  ``routed_scaling``; float32 weights, as HF's). ``router_bias``: the router has a bias (GPT-OSS);
 - **activation** (``ACTIVATIONS``): ``silu`` (SwiGLU: ``silu(gate) * up``) or ``gpt_oss``
   (``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``); experts may
   have biases (``expert_bias``: GPT-OSS).
@@ -41,8 +44,11 @@ class MoEOptions:
     num_experts: int
     top_k: int
     intermediate: int  # each expert's (all ranks)
-    scoring: str = "softmax_topk"  # or "topk_softmax"
-    renormalize: bool = False  # softmax_topk: the kept top-k rescaled to sum to 1
+    scoring: str = "softmax_topk"  # a key of SCORINGS
+    renormalize: bool = False  # softmax_topk, deepseek: the kept top-k rescaled to sum to 1
+    n_group: int = 1  # deepseek: the experts in n_group groups, the top-k drawn from the best topk_group
+    topk_group: int = 1
+    routed_scaling: float = 1.0  # deepseek: the weights' factor (when not renormalized)
     router_bias: bool = False
     expert_bias: bool = False
     activation: str = "silu"  # a key of ACTIVATIONS
@@ -52,8 +58,12 @@ class MoEOptions:
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
-        if self.scoring not in ("softmax_topk", "topk_softmax"):
-            raise ValueError(f"unknown MoE scoring {self.scoring!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"unknown MoE scoring {self.scoring!r}; supported: {sorted(SCORINGS)}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group or \
+                self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"MoE groups: {self.num_experts} experts in n_group {self.n_group}, top "
+                             f"{self.top_k} of topk_group {self.topk_group} groups cannot be routed")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unsupported MoE expert activation {self.activation!r}; supported: {sorted(ACTIVATIONS)}")
 
@@ -71,6 +81,37 @@ def _gpt_oss_glu(gate: torch.Tensor, up: torch.Tensor, opts: MoEOptions) -> torc
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, MoEOptions], torch.Tensor]] = {
     "silu": _silu_glu, "gpt_oss": _gpt_oss_glu}
 
+Routed = tuple[torch.Tensor, torch.Tensor]  # (weights [T, k], expert ids [T, k])
+
+
+def _softmax_topk(gate: nn.Linear, x: torch.Tensor, opts: MoEOptions) -> Routed:
+    top, ids = torch.topk(F.softmax(gate(x), dim=-1, dtype=torch.float32), opts.top_k, dim=-1)
+    if opts.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(x.dtype), ids
+
+
+def _topk_softmax(gate: nn.Linear, x: torch.Tensor, opts: MoEOptions) -> Routed:
+    top, ids = torch.topk(gate(x), opts.top_k, dim=-1)
+    return F.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), ids
+
+
+def _deepseek(gate: nn.Linear, x: torch.Tensor, opts: MoEOptions) -> Routed:
+    scores = F.linear(x.float(), gate.weight.float()).softmax(dim=-1)  # [T, E] float32
+    if opts.n_group > 1:  # group-limited: only the topk_group groups with the best single expert
+        groups = scores.view(scores.shape[0], opts.n_group, -1)
+        best = torch.topk(groups.amax(dim=-1), opts.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        scores = groups.masked_fill(~keep[..., None], 0.0).view_as(scores)
+    top, ids = torch.topk(scores, opts.top_k, dim=-1)
+    if opts.renormalize and opts.top_k > 1:
+        return top / (top.sum(dim=-1, keepdim=True) + 1e-20), ids
+    return top * opts.routed_scaling, ids
+
+
+SCORINGS: dict[str, Callable[[nn.Linear, torch.Tensor, MoEOptions], Routed]] = {
+    "softmax_topk": _softmax_topk, "topk_softmax": _topk_softmax, "deepseek": _deepseek}
+
 
 FUSED_KERNEL: bool | None = None  # None: the fused Triton kernels on CUDA, the torch path elsewhere
 
@@ -85,7 +126,6 @@ class SparseMoE(nn.Module):
     def _fused(self, t: torch.Tensor) -> bool:
         from_kernel = t.is_cuda if FUSED_KERNEL is None else FUSED_KERNEL
         return from_kernel and self.opts.activation in ("silu", "gpt_oss")  # the kernel's activations
-
 
     def __init__(self, hidden: int, opts: MoEOptions, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -104,15 +144,8 @@ class SparseMoE(nn.Module):
         self.b2 = nn.Parameter(torch.empty(e, hidden)) if opts.expert_bias else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
-        logits = self.gate(x)
-        if self.opts.scoring == "topk_softmax":
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            return F.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), ids
-        top, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.opts.renormalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(x.dtype), ids
+        """``(weights [T, k], expert ids [T, k])`` by the options' scoring (``SCORINGS``)."""
+        return SCORINGS[self.opts.scoring](self.gate, x, self.opts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -13,7 +13,9 @@ command, before the next command (serving/parallel/window_map.py), so every rank
 read and move the same window pages. L3 reads and writes (rank 0's
 background threads) are mirrored by :class:`TPStorageTier`: every rank moves its own part of
 the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as read, written
-or present only when every rank's part is; a state model's snapshots likewise, per rank
+or present only when every rank's part is; a part stored under rank 0's key (kv head 0 replicated,
+and an MLA model's latent, the same on every rank: one L3 entry per page) is written by rank 0
+alone and read by every rank; a state model's snapshots likewise, per rank
 (serving/parallel/state_l3.py).
 
 Faults: a monitor thread watches the followers; one that exits takes the engine down with a
@@ -230,9 +232,16 @@ class TPLeader:
                 self._die(f"tensor-parallel rank {r} did not answer {what} in {limit:.0f} s")
         return out
 
-    def mirrored(self, make: Callable[[int], Any], local: Callable[[], int]) -> int:
-        """Send ``make(rank)`` to every follower, run ``local()``, return the smallest count."""
-        futures = [c.call(make(r)) for r, c in enumerate(self._rpcs, start=1)]
+    def shares_rank0_key(self, rank: int) -> bool:
+        """Rank ``rank``'s part of a page is stored under rank 0's key: the same bytes (kv head 0, an
+        MLA model's latent), so rank 0's write stores it."""
+        return self.plans[rank].kv_head_start == 0
+
+    def mirrored(self, make: Callable[[int], Any], local: Callable[[], int], writes: bool = False) -> int:
+        """Send ``make(rank)`` to every follower, run ``local()``, return the smallest count;
+        ``writes``: not to the followers whose part rank 0 writes (:meth:`shares_rank0_key`)."""
+        futures = [c.call(make(r)) for r, c in enumerate(self._rpcs, start=1)
+                   if not (writes and self.shares_rank0_key(r))]
         done = local()
         return min([done, *(int(n) for n in self._answers(futures, "an L3 request"))])
 
@@ -311,6 +320,8 @@ class TPStorageTier:
         for r in range(1, self._leader.size):
             if n == 0:
                 break
+            if self._leader.shares_rank0_key(r):
+                continue  # rank 0's keys, just asked
             n = min(n, self._tier.batch_exists(self._leader.rank_keys(keys[:n], r)))
         return n
 
@@ -322,4 +333,4 @@ class TPStorageTier:
     def batch_set(self, keys: Sequence[str], host_pool: Any, host_pages: Sequence[int]) -> int:
         ld, pages = self._leader, list(host_pages)
         return ld.mirrored(lambda r: msg.L3Set(ld.seq, ld.rank_keys(keys, r), pages),
-                           lambda: self._tier.batch_set(keys, host_pool, host_pages))
+                           lambda: self._tier.batch_set(keys, host_pool, host_pages), writes=True)

@@ -63,6 +63,21 @@ CASES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"])),
+    # MLA with q_lora_rank (V2's shape), YaRN (mscale_all_dim: the softmax scale too), greedy routing over
+    # every expert, shared experts, the first layer dense
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=2.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 32})),
+    # V2-Lite's shape (no q_lora_rank), a latent of 30 + 8 (19 per cache plane), group-limited routing
+    # (4 groups, the best 2), every layer sparse, 2 shared experts
+    "deepseek_v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=30, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+        first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.0)),
     # every layer sparse (decoder_sparse_step 1), top 3 probabilities as they are
     "qwen3_moe_unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
@@ -88,7 +103,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     cfg_name, model_name, extra = CASES[request.param]
     cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**COMMON, **extra, attn_implementation="eager")).eval()
+    hf = model_cls(cfg_cls(**{**COMMON, **extra}, attn_implementation="eager")).eval()
     _randomize(hf)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)

@@ -20,6 +20,7 @@ PROMPTS = [list(range(3, 40)), [7, 8, 9], [100, 5, 6, 200, 9, 1, 2, 3, 4, 11, 12
     ("qwen3", 2, 2),  # per-head q/k norms (replicated weights), head_dim 32
     ("qwen3_moe", 2, 2),  # every expert's intermediate split over the ranks, one all-reduce
     ("gpt_oss", 2, 2),  # sinks by q head, expert biases once, windows
+    ("deepseek_v2", 4, 2),  # MLA: q heads split, the latent replicated; shared experts split
 ])
 def test_tiny_tp_matches_single_rank(tmp_path, arch, kv_heads, size) -> None:
     path = tiny_model(tmp_path / "m", arch=arch, num_key_value_heads=kv_heads, vocab_size=501)  # 501: padded vocab
