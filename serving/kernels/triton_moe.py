@@ -1,12 +1,13 @@
 """A fused mixture-of-experts on CUDA (serving/models/moe.py's ``SparseMoE`` on the GPU), in three
 launches plus a sum, none of which reads anything back to the host (a CUDA graph holds it):
 
-1. **align** (:func:`align`, one program): the ``[T, k]`` expert ids into expert-contiguous blocks of
-   ``block_m`` rows. Each expert's rows (flat ids ``t * k + j``, in token order) start at a multiple
-   of ``block_m`` and are padded up to one; a padding slot holds ``N = T * k``, which no kernel reads
-   or writes. ``block_expert[b]`` is block ``b``'s expert, ``E`` for the blocks past the last expert's
-   (they exit at once). The buffers' sizes depend on ``T``, ``k``, ``E`` and ``block_m`` only: the
-   worst case ``N + min(E, N) * (block_m - 1)`` rows;
+1. **align** (:func:`align`; one program up to ``SINGLE_PROGRAM_ROWS`` rows, else one per chunk of
+   rows with the experts' offsets summed in torch between two launches): the ``[T, k]`` expert ids into
+   expert-contiguous blocks of ``block_m`` rows. Each expert's rows (flat ids ``t * k + j``, in token
+   order) start at a multiple of ``block_m`` and are padded up to one; a padding slot holds
+   ``N = T * k``, which no kernel reads or writes. ``block_expert[b]`` is block ``b``'s expert, ``E``
+   for the blocks past the last expert's (they exit at once). The buffers' sizes depend on ``T``,
+   ``k``, ``E`` and ``block_m`` only: the worst case ``N + min(E, N) * (block_m - 1)`` rows;
 2. **gate/up** (a grouped GEMM over the blocks, ``w13 [E, 2I, H]``): each program computes a tile of
    gate columns and the matching up columns of one block's rows (the token's hidden row, gathered),
    adds the expert's bias (``b13``) when there is one and writes the activated product to ``act [N, I]``
@@ -29,6 +30,7 @@ import triton.language as tl
 from serving.kernels.triton_common import next_pow2
 
 ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # the kernel's ACT per moe.py activation
+SINGLE_PROGRAM_ROWS = 1024  # align in one program up to this many rows (decode), in chunks above (prefill)
 
 
 def pick_block_m(tokens: int, top_k: int, experts: int) -> int:
@@ -74,19 +76,56 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, num_blocks,
         tl.store(block_expert_ptr + blocks, tl.sum(before.to(tl.int32), 1), mask=blocks < num_blocks)
 
 
-def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_ids [rows] int32, block_expert [blocks] int32)`` of ``ids [T, k]`` (module docstring)."""
+@triton.jit
+def _chunk_count_kernel(ids_ptr, chunk_counts_ptr, N, E: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_P2)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+    hit = (v[:, None] == experts[None, :]).to(tl.int32)
+    tl.store(chunk_counts_ptr + c * E + experts, tl.sum(hit, 0), mask=experts < E)
+
+
+@triton.jit
+def _chunk_place_kernel(ids_ptr, base_ptr, sorted_ptr, N, E: tl.constexpr, E_P2: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_P2)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+    hit = (v[:, None] == experts[None, :]).to(tl.int32)
+    base = tl.load(base_ptr + c * E + experts, mask=experts < E, other=0)  # expert start + earlier chunks' rows
+    pos = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + base[None, :]), 1)
+    tl.store(sorted_ptr + pos, offs, mask=offs < N)
+
+
+def align(ids: torch.Tensor, experts: int, block_m: int,
+          single: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_ids [rows] int32, block_expert [blocks] int32)`` of ``ids [T, k]`` (module docstring).
+    ``single``: one program (default up to ``SINGLE_PROGRAM_ROWS`` rows) or one per chunk."""
     tokens, top_k = ids.shape
     n = tokens * top_k
     rows, blocks = align_sizes(tokens, top_k, experts, block_m)
     sorted_ids = torch.full((rows,), n, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty((blocks,), dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1)
     e_p2 = next_pow2(experts, 2)
-    _align_kernel[(1,)](
-        ids.reshape(-1), sorted_ids, block_expert, n, blocks, E=experts, E_P2=e_p2, BLOCK_M=block_m,
-        CHUNK=max(16, min(256, 4096 // e_p2)), BB=max(16, min(256, 4096 // e_p2)), num_warps=4,
-    )  # fmt: skip
-    return sorted_ids, block_expert
+    if n <= SINGLE_PROGRAM_ROWS if single is None else single:
+        block_expert = torch.empty((blocks,), dtype=torch.int32, device=ids.device)
+        _align_kernel[(1,)](
+            flat, sorted_ids, block_expert, n, blocks, E=experts, E_P2=e_p2, BLOCK_M=block_m,
+            CHUNK=max(16, min(1024, 16384 // e_p2)), BB=max(16, min(1024, 16384 // e_p2)), num_warps=8,
+        )  # fmt: skip
+        return sorted_ids, block_expert
+    chunk = max(16, min(256, 4096 // e_p2))
+    chunks = triton.cdiv(n, chunk)
+    chunk_counts = torch.empty((chunks, experts), dtype=torch.int32, device=ids.device)
+    _chunk_count_kernel[(chunks,)](flat, chunk_counts, n, E=experts, E_P2=e_p2, CHUNK=chunk, num_warps=4)
+    padded = (chunk_counts.sum(0) + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # [E] int64
+    base = (chunk_counts.cumsum(0) - chunk_counts + (ends - padded)).to(torch.int32)  # [chunks, E]
+    _chunk_place_kernel[(chunks,)](flat, base, sorted_ids, n, E=experts, E_P2=e_p2, CHUNK=chunk, num_warps=4)
+    firsts = torch.arange(blocks, dtype=ends.dtype, device=ids.device) * block_m
+    return sorted_ids, torch.searchsorted(ends, firsts, right=True).to(torch.int32)
 
 
 @triton.jit

@@ -97,13 +97,15 @@ def test_moe_in_triton_interpreter() -> None:
 
 
 @pytest.mark.parametrize("experts", [4, 8])
-@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("tokens", [1, 5, 37, 300])  # 300 x 3: several chunks of 256 rows
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_kernel_align(kernels: ModuleType, block_m: int, top_k: int, tokens: int, experts: int) -> None:
+@pytest.mark.parametrize("single", [True, False], ids=["one_program", "chunks"])
+def test_kernel_align(kernels: ModuleType, single: bool, block_m: int, top_k: int, tokens: int, experts: int) -> None:
+    """One program (decode) or one per chunk of rows (prefill): the same blocks."""
     _, ids = routing(tokens, top_k, experts, seed=tokens * 10 + experts)
     n = tokens * top_k
-    sorted_ids, block_expert = kernels.align(ids, experts, block_m)
+    sorted_ids, block_expert = kernels.align(ids, experts, block_m, single=single)
     assert (sorted_ids.numel(), block_expert.numel()) == kernels.align_sizes(tokens, top_k, experts, block_m)
     flat, s, be = ids.reshape(-1).tolist(), sorted_ids.tolist(), block_expert.tolist()
     assert sorted(r for r in s if r != n) == list(range(n))  # every row once; the rest padding
@@ -143,6 +145,19 @@ def test_kernel_routed_by_the_router(kernels: ModuleType, monkeypatch: pytest.Mo
         routed = moe.route(x)
         torch.testing.assert_close(run_path(moe, x, (routed[0].float(), routed[1]), True, monkeypatch),
                                    run_path(moe, x, routed, False, monkeypatch), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+def test_kernel_chunked_align_equals_torch_path(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                activation: str) -> None:
+    """A prefill's many rows: the chunked alignment (here forced) feeds the GEMMs the same blocks."""
+    monkeypatch.setattr(kernels, "SINGLE_PROGRAM_ROWS", 0)
+    tokens, top_k, experts = 200, 2, 8  # 400 rows: two chunks
+    moe = make_moe(experts, top_k, activation, True, 9)
+    x = torch.randn((tokens, HIDDEN), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    routed = routing(tokens, top_k, experts, 9)
+    ref = run_path(moe, x, routed, False, monkeypatch)
+    torch.testing.assert_close(run_path(moe, x, routed, True, monkeypatch), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
