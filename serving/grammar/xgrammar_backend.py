@@ -54,6 +54,8 @@ def parse_grammar(kind: str, text: str) -> xgr.Grammar:
             return xgr.Grammar.from_regex(text)
         if kind == "ebnf":
             return xgr.Grammar.from_ebnf(text)
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(text)
     except GrammarError:
         raise
     except RecursionError:

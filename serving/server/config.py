@@ -48,6 +48,12 @@ class ServerConfig:
     # loopback, --host and the machine's host name), comma-separated; "*.example.com" takes its
     # subdomains, "*" any name (serving/server/trusted_hosts.py: the DNS rebinding guard)
     allowed_hosts: str | None = None
+    # SGLang's flag: the format chat answers' tool calls are parsed from (qwen25, llama3, mistral,
+    # deepseekv3, gpt-oss: serving/parsing/tool_registry.py); unset: tool calls stay text
+    tool_call_parser: str | None = None
+    # SGLang's flag: how a chat answer's reasoning is split off into reasoning_content (qwen3,
+    # deepseek-r1, gpt-oss: serving/parsing/reasoning_registry.py); unset: it stays in the content
+    reasoning_parser: str | None = None
     max_request_bytes: int = 8 * 2**20  # larger request bodies get HTTP 413
     session_idle_timeout_s: float = 1800.0  # sessions unused this long are closed by the engine loop
     # open sessions (/open_session) on this server, and per --api-keys-file tenant: 429 past them
@@ -127,6 +133,11 @@ class ServerConfig:
             raise ValueError(f"max_pin_ttl_s must be in (0, 86400], got {self.max_pin_ttl_s:g}")
         if not 0 < self.max_pinned_l2_fraction <= 1:
             raise ValueError(f"max_pinned_l2_fraction must be in (0, 1], got {self.max_pinned_l2_fraction:g}")
+        from serving.parsing.reasoning_registry import reasoning_parser
+        from serving.parsing.tool_registry import tool_parser
+
+        tool_parser(self.tool_call_parser)  # ValueError naming the known names
+        reasoning_parser(self.reasoning_parser)
         if self.allowed_hosts is not None:
             from serving.server.trusted_hosts import parse_allowed_hosts
 

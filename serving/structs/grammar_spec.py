@@ -1,12 +1,14 @@
 """What a request asks its output to match: ``(kind, text)`` from SGLang sampling params
-(``json_schema`` / ``regex`` / ``ebnf``, at most one) or from OpenAI's ``response_format``."""
+(``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``, at most one) or from OpenAI's
+``response_format``. A structural tag is xgrammar's (``{"type": "structural_tag", "format": ...}``);
+SGLang's older form (``structures`` of begin / schema / end, and ``triggers``) becomes that."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format {"type": "json_object"}: any JSON object
 
 
@@ -24,20 +26,21 @@ def normalize_grammar_params(d: dict[str, Any]) -> str | None:
     dict becomes its JSON text); returns an error message or None."""
     given = [k for k in GRAMMAR_KINDS if d.get(k) is not None]
     if len(given) > 1:
-        return f"give at most one of json_schema, regex, ebnf (got {', '.join(given)})"
+        return f"give at most one of json_schema, regex, ebnf, structural_tag (got {', '.join(given)})"
     if not given:
         return None
     kind = given[0]
     value = d[kind]
-    if kind == "json_schema" and isinstance(value, dict | bool):
+    if kind in ("json_schema", "structural_tag") and isinstance(value, dict | bool):
         try:
             d[kind] = value = json.dumps(value)
         except RecursionError:
-            return "json_schema is nested too deeply"
+            return f"{kind} is nested too deeply"
         except (TypeError, ValueError) as e:
-            return f"json_schema is not valid JSON: {e}"
+            return f"{kind} is not valid JSON: {e}"
     if not isinstance(value, str) or not value.strip():
-        what = "a JSON schema (a string or an object)" if kind == "json_schema" else "a non-empty string"
+        what = {"json_schema": "a JSON schema (a string or an object)",
+                "structural_tag": "a structural tag (a string or an object)"}.get(kind, "a non-empty string")
         return f"{kind} must be {what}"
     return None
 
@@ -47,6 +50,8 @@ def response_format_params(response_format: dict[str, Any] | None) -> dict[str, 
     if response_format is None:
         return {}
     kind = response_format.get("type")
+    if kind == "structural_tag":
+        return {"structural_tag": structural_tag(response_format)}
     extra = sorted(set(response_format) - {"type", "json_schema"})
     if extra:
         raise ValueError(f"response_format: unknown field(s) {', '.join(extra)}")
@@ -67,4 +72,34 @@ def response_format_params(response_format: dict[str, Any] | None) -> dict[str, 
         if not isinstance(schema, dict):
             raise ValueError("response_format.json_schema.schema must be a JSON schema object")
         return {"json_schema": json.dumps(schema)}
-    raise ValueError(f'response_format: type must be "text", "json_object" or "json_schema", got {kind!r}')
+    raise ValueError(f'response_format: type must be "text", "json_object", "json_schema" or "structural_tag", '
+                     f"got {kind!r}")
+
+
+def structural_tag(spec: dict[str, Any]) -> str:
+    """``response_format`` of type ``structural_tag`` as xgrammar's structural tag (JSON text):
+    its ``format`` as given, or SGLang's older ``structures`` + ``triggers`` as triggered tags."""
+    if "format" in spec:
+        extra = sorted(set(spec) - {"type", "format"})
+        if extra:
+            raise ValueError(f"response_format: unknown field(s) {', '.join(extra)} beside format")
+        if not isinstance(spec["format"], dict):
+            raise ValueError("response_format.format must be an object")
+        return json.dumps({"type": "structural_tag", "format": spec["format"]})
+    extra = sorted(set(spec) - {"type", "structures", "triggers"})
+    if extra:
+        raise ValueError(f"response_format: unknown field(s) {', '.join(extra)}")
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError('response_format: type "structural_tag" needs "format", or "structures" (a non-empty list)')
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("response_format.triggers: must be a non-empty list of non-empty strings")
+    tags = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or set(s) - {"begin", "schema", "end"} or not isinstance(s.get("begin"), str) \
+                or not isinstance(s.get("end"), str) or not isinstance(s.get("schema"), dict | bool):
+            raise ValueError(f"response_format.structures[{i}]: must be {{begin: str, schema: object, end: str}}")
+        tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                     "content": {"type": "json_schema", "json_schema": s["schema"]}})
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})

@@ -29,10 +29,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     # structured output (serving.grammar), at most one: a JSON schema (its JSON text), a regex,
-    # an EBNF grammar (xgrammar dialect, root rule "root")
+    # an EBNF grammar (xgrammar dialect, root rule "root"), an xgrammar structural tag (JSON text)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,10 +56,11 @@ class SamplingParams:
         _check(len(self.stop) <= 16, "at most 16 stop strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
-        _check(all(v is None or (isinstance(v, str) and v) for v in (self.json_schema, self.regex, self.ebnf)),
-               "json_schema, regex and ebnf must be non-empty strings")
-        _check(sum(v is not None for v in (self.json_schema, self.regex, self.ebnf)) <= 1,
-               "give at most one of json_schema, regex, ebnf")
+        grammars = (self.json_schema, self.regex, self.ebnf, self.structural_tag)
+        _check(all(v is None or (isinstance(v, str) and v) for v in grammars),
+               "json_schema, regex, ebnf and structural_tag must be non-empty strings")
+        _check(sum(v is not None for v in grammars) <= 1,
+               "give at most one of json_schema, regex, ebnf, structural_tag")
 
     @property
     def greedy(self) -> bool:
