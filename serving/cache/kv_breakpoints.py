@@ -23,9 +23,11 @@ pin leases (serving/cache/kv_control.py), per tenant.
   reason, naming the bound that refused it; ``released_breakpoints`` counts the ones that gave
   way). The counting and the bounds are KVControl's (:meth:`KVControl.room_for`); nothing is
   counted here.
-- Accounting (Anthropic's usage): ``created`` = tokens of newly pinned prefixes that were not
-  served from the cache (only what was pinned: a lease that covers part of its prefix counts
-  that part), by TTL in ``created_by_ttl``; counted per tenant in the ledger's request counters
+- Accounting (Anthropic's usage): ``created`` = tokens up to a new breakpoint that this request
+  wrote into the cache (those the tree holds after it ran, on L1 or L2, in whole pages) and did not
+  read from it, pinned or not: a breakpoint that could not be pinned (no L2, a quota) still counts
+  what the request left in the cache, so a later turn never reads what no turn created; by TTL in
+  ``created_by_ttl``; counted per tenant in the ledger's request counters
   (``prompt_cache_read_tokens``, ``prompt_cache_creation_tokens``: /metrics).
 
 Concurrency contract: engine loop thread only (it is a part of KVControl).
@@ -111,17 +113,21 @@ class Breakpoints:
                                                (list((input_ids or tokens)[:n]), cache_salt, request_salt))
             except ControlError as e:
                 missed.append({"tokens": n, "pinned_tokens": 0, "reason": str(e)})
+                written = self._cached(tokens, n)  # in the cache unpinned (no L2, say): written all the same
+                if written:
+                    made.append((written, ttl))
                 continue
             released += gave_way
             lease = ctl.leases[lease_id]
             in_use.add(lease_id)
             key = prefix_key(tokens, n)
             self.points.setdefault(tenant, {})[(n, key)] = _Point(lease_id, n, key, now)
-            made.append((lease.tokens, ttl))
+            made.append((max(lease.tokens, self._cached(tokens, n)), ttl))
             if lease.tokens < n:
                 missed.append({"tokens": n, "pinned_tokens": lease.tokens,
                                "reason": f"only {lease.tokens} of its {n} tokens were on L2 or had L2 room"})
         created_end = max((t for t, _ in made), default=0)
+        pinned_end = max((ctl.leases[p.lease_id].tokens for p in self._matching(tenant, tokens)), default=0)
         base = max(read, existing)
         by_ttl: dict[float, int] = {}
         prev = 0
@@ -136,8 +142,13 @@ class Breakpoints:
         c["prompt_cache_read_tokens"] = c.get("prompt_cache_read_tokens", 0) + read
         c["prompt_cache_creation_tokens"] = c.get("prompt_cache_creation_tokens", 0) + created
         return {"created_tokens": created, "created_by_ttl": sorted(by_ttl.items()),
-                "pinned_tokens": max(created_end, existing), "refreshed_tokens": existing, "not_pinned": missed,
+                "pinned_tokens": max(pinned_end, existing), "refreshed_tokens": existing, "not_pinned": missed,
                 "released_breakpoints": released, "tenant_pinned_pages": ctl.pinned_pages_of(tenant)}
+
+    def _cached(self, tokens: list[int], n: int) -> int:
+        """How many of the first ``n`` tokens (whole pages) the tree holds now, on L1 or L2."""
+        ps = self.control.page_size
+        return min(n, self.control.tree.peek_prefix_len(tokens[:n])) // ps * ps
 
     def _pin(self, tokens: list[int], tenant: str | None, ttl: float, in_use: set[str],
              origin: tuple[list[int], str | None, str | None]) -> tuple[str, int]:
