@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from hicache.config import CacheConfig
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine.core import EngineCore
+from serving.engine.offline_stream import StreamState
 from serving.model.logprob_meta import LogprobOptions, sglang_meta
 from serving.model.logprobs import LogprobState
 from serving.structs.request import Req
@@ -82,7 +85,12 @@ def output_dict(core: EngineCore, r: Req) -> dict[str, Any]:
 
 
 class Engine:
-    """Runs the scheduler in the caller's thread; ``generate`` blocks until done."""
+    """Runs the scheduler in the caller's thread; ``generate`` blocks until done (``stream=True``:
+    steps as its iterator is read), ``async_generate`` steps in the event loop's thread.
+
+    Concurrency contract: one thread uses an Engine (its core is not thread-safe); concurrent
+    ``async_generate`` calls are fine, as coroutines of one event loop.
+    """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:
@@ -101,14 +109,61 @@ class Engine:
         logprob_start_len: int | list[int] | None = None,
         top_logprobs_num: int | list[int] | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """``cache_salt`` (vLLM's name): requests with the same salt share cached prefixes,
         requests with different salts (or none) share nothing (hicache.salt). The logprob
         arguments are ``sgl.Engine.generate``'s (a value, or a list with one per prompt); the
-        answers carry them in ``meta_info`` as /generate does (serving/model/logprob_meta.py)."""
+        answers carry them in ``meta_info`` as /generate does (serving/model/logprob_meta.py).
+        ``stream=True`` (one prompt): an iterator of incremental chunks (serving/engine/offline_stream.py)
+        whose ``text`` and ``output_ids`` concatenate to the non-streamed answer's; the scheduler steps
+        as the iterator is read."""
+        job = self._submit(prompt, sampling_params, input_ids, session_id, cache_salt, return_logprob,
+                           logprob_start_len, top_logprobs_num, token_ids_logprob, stream)
+        if stream:
+            return self._stream(job)
+        reqs = job[0]
+        while not all(r.finished for r in reqs):
+            self._step()
+        return self._answers(job)
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """``generate`` for asyncio, as ``sgl.Engine.async_generate``: awaited, the answer; with
+        ``stream=True`` an async iterator of the same chunks as ``generate``'s stream. Concurrent
+        calls share the scheduler's batches: each waiting call steps the one engine in turn, in the
+        event loop's thread (a step runs the model there: the loop waits for it), yielding to the
+        others between steps."""
+        job = self._submit(prompt, sampling_params, input_ids, kwargs.pop("session_id", None),
+                           kwargs.pop("cache_salt", None), kwargs.pop("return_logprob", False),
+                           kwargs.pop("logprob_start_len", None), kwargs.pop("top_logprobs_num", None),
+                           kwargs.pop("token_ids_logprob", None), stream)
+        if kwargs:
+            raise TypeError(f"unknown argument(s) {sorted(kwargs)}")
+        if stream:
+            return self._astream(job)
+        reqs = job[0]
+        while not all(r.finished for r in reqs):
+            self._step()
+            await asyncio.sleep(0)  # the other calls' turn
+        return self._answers(job)
+
+    # -- the parts of generate ------------------------------------------------------------------
+    def _submit(self, prompt: Any, sampling_params: Any, input_ids: Any, session_id: str | None,
+                cache_salt: str | None, return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
+                token_ids_logprob: Any, stream: bool) -> tuple[list[Req], list[LogprobOptions | None], bool]:
+        """Check and add the requests; (requests, their logprob options, whether one prompt was given)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
+        if stream and not single:
+            raise InvalidRequest("stream=True takes one prompt (as sgl.Engine): iterate one stream per prompt")
         if prompt is not None:
             items: list[dict[str, Any]] = [{"text": p} for p in ([prompt] if single else prompt)]
         else:
@@ -126,11 +181,16 @@ class Engine:
                 r.logprob = LogprobState.from_request(opts.wire(), r.input_ids, self.core.runner.arch.vocab_size)
         for r in reqs:
             self.core.add(r)
-        while not all(r.finished for r in reqs):
-            before = self.core.scheduler.stats.forward_passes
-            self.core.step()
-            if self.core.scheduler.stats.forward_passes == before:
-                time.sleep(IDLE_WAIT_S)  # waiting for a copy or the store: leave them the GIL
+        return reqs, lp_opts, single
+
+    def _step(self) -> None:
+        before = self.core.scheduler.stats.forward_passes
+        self.core.step()
+        if self.core.scheduler.stats.forward_passes == before:
+            time.sleep(IDLE_WAIT_S)  # waiting for a copy or the store: leave them the GIL
+
+    def _answers(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> Any:
+        reqs, lp_opts, single = job
         outs = [output_dict(self.core, r) for r in reqs]
         for out, r, opts in zip(outs, reqs, lp_opts, strict=True):
             if opts is not None:
@@ -138,14 +198,50 @@ class Engine:
                 out["meta_info"].update(sglang_meta(lp, opts, self.core.tokenizer, with_text=True))
         return outs[0] if single else outs
 
+    def _next_chunk(self, state: StreamState, opts: LogprobOptions | None) -> dict[str, Any] | None:
+        tok = self.core.tokenizer
+        decode = None if tok is None else (lambda ids: tok.decode(ids, state.req.sampling.skip_special_tokens))
+        out = output_dict(self.core, state.req)
+        chunk = state.chunk(out, decode)
+        if chunk is not None and opts is not None:  # this chunk's logprobs: those of its new tokens
+            lp = state.req.logprob.take_new(state.req.output_ids) or {}
+            chunk["meta_info"].update(sglang_meta(lp, opts, tok, with_text=True))
+        return chunk
+
+    def _stream(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> Iterator[dict[str, Any]]:
+        (req,), (opts,), _ = job
+        state = StreamState(req)
+        while True:
+            done = req.finished
+            chunk = self._next_chunk(state, opts)
+            if chunk is not None:
+                yield chunk
+            if done:
+                return
+            self._step()
+
+    async def _astream(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> AsyncIterator[dict[str, Any]]:
+        (req,), (opts,), _ = job
+        state = StreamState(req)
+        while True:
+            done = req.finished
+            chunk = self._next_chunk(state, opts)
+            if chunk is not None:
+                yield chunk
+            if done:
+                return
+            self._step()
+            await asyncio.sleep(0)
+
     def open_session(self, session_id: str | None = None) -> str:
         return self.core.open_session(session_id)
 
     def close_session(self, session_id: str) -> None:
         self.core.close_session(session_id)
 
-    def flush_cache(self) -> bool:
-        return self.core.flush_cache()
+    def flush_cache(self, clear_storage: bool = False) -> bool:
+        """Drop the cached prefixes (False while requests run); ``clear_storage``: L3's pages too."""
+        return self.core.flush_cache(clear_storage=clear_storage)
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
