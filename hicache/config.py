@@ -47,6 +47,8 @@ class CacheConfig:
     hicache_write_policy: str = choice("write_through", _write_policies)
     write_through_threshold: int = 2  # hits before write_through_selective backs a node up
     load_back_threshold: int = 1  # pages; smaller L2 hits are recomputed instead of loaded
+    # SGLang's flag: no request reuses a cached prefix (each computes its whole prompt); not with L2 / L3
+    disable_radix_cache: bool = False
     eviction_policy: str = choice("lru", _eviction_policies)  # which cached pages go first when a tier is full
     # L3 (storage) tier: unset disables it. Needs L2 (an hicache_ratio of 2 is used when
     # neither L2 size is given). SGLang's flag names.
@@ -85,6 +87,10 @@ class CacheConfig:
             raise ValueError("hicache_storage_read_threads and hicache_storage_write_queue_pages must be >= 1")
         if self.hicache_storage_write_rate_mb_s < 0:
             raise ValueError("hicache_storage_write_rate_mb_s must be >= 0")
+        if self.disable_radix_cache and self.host_enabled:
+            raise ValueError("disable_radix_cache turns prefix reuse off, which L2 and L3 are for: drop it, or "
+                             "--hicache-ratio / --hicache-size / --hicache-storage-backend / "
+                             "--enable-hierarchical-cache")
         lossy = {e for e in (self.hicache_l2_encoding, self.hicache_l3_encoding) if e != "raw"}
         if len(lossy) > 1:
             raise ValueError(f"hicache_l2_encoding {self.hicache_l2_encoding!r} and hicache_l3_encoding "

@@ -109,6 +109,7 @@ class KVControlCall:
 @dataclass
 class FlushCache:
     call_id: int
+    clear_storage: bool = False  # also remove every page of L3 (/flush_cache?clear_storage=true)
     deadline: float = 0.0  # time.monotonic() after which the caller no longer waits (0: none)
 
 

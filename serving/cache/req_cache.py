@@ -65,6 +65,7 @@ class ReqCache:
         self._l1_waits: dict[str, float] = {}  # rid -> when it first waited for L1 room
         self._refuse: set[str] = set()  # admitted this step only to be put back (see the class docstring)
         self._state_start: dict[str, int] = {}  # rid -> the L1 snapshot its working slot starts from
+        self.reuse_prefixes = True  # False: --disable-radix-cache (no request matches a cached prefix)
 
     # -- moving data -----------------------------------------------------------------
     def flush_transfers(self) -> None:
@@ -168,7 +169,7 @@ class ReqCache:
         return None if self.windows is None else self.windows.windows.map
 
     def _match(self, req: Req) -> MatchResult:
-        tokens = self._matchable(req)
+        tokens = self._matchable(req) if self.reuse_prefixes else []
         if self.windows is not None:  # resume only where the window before has its window KV
             tokens = tokens[: self.windows.usable_prefix(tokens)]
         m = self.tree.match_prefix(tokens)

@@ -124,6 +124,20 @@ class StorageController:
             self.writeback.write(node)  # never dropped: over the cap, it waits for a writer
         self.writeback.poll(wait=True)
 
+    def clear(self) -> None:
+        """Remove every page of the store (a /flush_cache with ``clear_storage``, the tree flushed
+        first and no write in flight: :meth:`poll` waited). The nodes a flush kept (pinned) forget
+        their L3 copies and are written again. Waits on the store: an operator's call."""
+        backend = getattr(self.tier, "backend", None)
+        if backend is None:
+            raise ValueError("clearing L3 is not supported with tensor parallelism (each rank's tier)")
+        backend.clear()
+        for node in self.tree.nodes():
+            node.storage_pages = 0
+        if not self.tree.exclusive.on:
+            for node in self.tree.nodes():
+                self.writeback.write(node)
+
     # -- prefetch (the request cache drives ``prefetcher`` for waiting requests) -----------------
     def in_flight_host_pages(self, reqs: list[Req]) -> int:
         return self.prefetcher.in_flight_host_pages(reqs)

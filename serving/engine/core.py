@@ -145,6 +145,7 @@ class EngineCore:
                 self.storage.prefetcher.fetches.on_load = windows.on_early_load
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
                                   self.runner.state_pool, windows)
+        self.req_cache.reuse_prefixes = not cache.disable_radix_cache
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
         self.eos_ids = eos_token_ids(config.model.model_path, self.tokenizer)
         self.grammar = make_grammar_runner(config.scheduler, self.tokenizer, self.runner.arch.vocab_size,
@@ -291,12 +292,20 @@ class EngineCore:
         self.tree.close_session(session_id)
 
     # -- maintenance ----------------------------------------------------------------------
-    def flush_cache(self, keep: Collection[int] = ()) -> bool:
+    def flush_cache(self, keep: Collection[int] = (), clear_storage: bool = False) -> bool:
         """Drop the cache (False while requests run or wait). ``keep``: L2 pages of the KV
-        control's pin leases, whose nodes stay on L2 (``HiRadixTree.reset``)."""
+        control's pin leases, whose nodes stay on L2 (``HiRadixTree.reset``). ``clear_storage``:
+        L3 too, every page of this server's store (:meth:`StorageController.clear`: it waits for the
+        writes in flight, an operator's call); ValueError without L3."""
         if self.scheduler.has_work:
             return False
+        if clear_storage and self.storage is None:
+            raise ValueError("this server has no L3 tier to clear (--hicache-storage-backend)")
+        if clear_storage:
+            self.storage.poll(wait=True)  # the writes in flight land first: none lands after the clear
         self.tree.reset(keep)
+        if clear_storage:
+            self.storage.clear()
         return True
 
     @property

@@ -86,9 +86,9 @@ class Dispatch:
             return True
         if isinstance(msg, m.FlushCache):  # pin leases and breakpoints keep their pages (kv_control.py)
             self.control.expire()
-            if not core.flush_cache(keep=self.control.held_pages()):
+            if not core.flush_cache(keep=self.control.held_pages(), clear_storage=msg.clear_storage):
                 return False
-            return self.control.flushed()  # {"kept_leases", "kept_breakpoints", "kept_pinned_pages"}
+            return {**self.control.flushed(), "cleared_storage": msg.clear_storage}  # kept_leases, ...
         if isinstance(msg, m.KVControlCall):
             return self.control.call(msg.op, msg.args, msg.tenant)
         if isinstance(msg, m.CheckIntegrity):

@@ -10,6 +10,11 @@ the effective one: the config file's value under ``--config``, else the dataclas
 The API key may also come from the environment, ``HICACHE_API_KEY`` (a flag shows in ``ps``):
 ``--api-key`` wins over the variable, the variable over the config file.
 
+SGLang's launch-line flags that are not config fields (``--enable-hierarchical-cache``,
+``--trust-remote-code``, ...) are serving/launch/sglang_compat.py's: each is mapped onto the config,
+or accepted with one line saying it changes nothing here, or refused in one line.
+``python -m serving.launch_server ARGS`` is ``hicache serve ARGS`` (SGLang's spelling).
+
 Every configuration error is one line and exit status 2, before anything loads: the values
 (the dataclasses), then what needs the file system or the model's config.json
 (serving.server.preflight).
@@ -29,7 +34,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache.config_fields import field_choices, field_docs
-from serving.server.config import SECTIONS, ConfigError, field_types, load_config, read_config_file
+from serving.launch import sglang_compat
+from serving.server.config import (
+    SECTIONS,
+    ConfigError,
+    field_types,
+    load_config,
+    read_chat_template,
+    read_config_file,
+)
 
 _SCALARS = (str, int, float)
 API_KEY_ENV = "HICACHE_API_KEY"
@@ -61,7 +74,7 @@ def _flag_type(tp: Any) -> Any:
     return None
 
 
-FLAG_ALIASES = {"tp_size": ("--tensor-parallel-size",), "dp_size": ("--data-parallel-size",)}  # SGLang/vLLM
+FLAG_ALIASES = {"tp_size": ("--tensor-parallel-size", "--tp"), "dp_size": ("--data-parallel-size", "--dp")}  # SGLang
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -159,6 +172,7 @@ def build_parser(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPa
                     "effective ones (the file's value where it sets one).")
     values, source = _file_values(argv[argv.index("serve") + 1:]) if command == "serve" else ({}, None)
     dests = add_serve_args(serve, values, source)
+    sglang_compat.add_args(serve)  # SGLang's launch-line flags that are not config fields
     serve.set_defaults(command_parser=serve)
     convert_parser = sub.add_parser("convert", help="convert a GGUF file into a HF model folder")
     convert_parser.set_defaults(command_parser=convert_parser)
@@ -197,7 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
     try:
-        cfg = load_config(args.config, serve_overrides(args, dests))
+        overrides = serve_overrides(args, dests)
+        notes = sglang_compat.apply(args, overrides)  # ConfigError for a refused one
+        cfg = load_config(args.config, overrides)
+        if cfg.server.chat_template:
+            read_chat_template(cfg.server.chat_template)  # a file that cannot be read: one line, here
         if cfg.engine.model.tp_size > 1 and cfg.server.disaggregation_mode != "null":
             raise ConfigError("--tp-size > 1 with --disaggregation-mode: PD disaggregation with tensor "
                               "parallelism is not supported (allowed: --tp-size 1)")
@@ -207,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hicache serve: {e}", file=sys.stderr)
         return 2
+    for note in notes:  # one line per SGLang flag: what it did, or why it changes nothing here
+        print(f"hicache serve: {note}", file=sys.stderr, flush=True)
     if cfg.server.dp_size > 1:  # N replicas behind the router, started from this same command line
         from serving.launch.dp import run_dp
 

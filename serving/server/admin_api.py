@@ -118,10 +118,29 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 
 @router.post("/flush_cache")
-async def flush_cache(request: Request) -> dict[str, Any]:
+async def flush_cache(request: Request, clear_storage: bool = False) -> dict[str, Any]:
     """SGLang's answer plus what the flush kept (pin leases and breakpoints keep their pages:
-    ``kept_leases``, ``kept_breakpoints``, ``kept_pinned_pages``, serving/cache/kv_control.py)."""
-    kept = await get_ctx(request).client.call(m.FlushCache)
+    ``kept_leases``, ``kept_breakpoints``, ``kept_pinned_pages``, serving/cache/kv_control.py).
+    ``?clear_storage=true``: L3 too (every page of this server's store; 400 without L3). As SGLang's,
+    a plain flush leaves L3 as it is: another server sharing the store may still read it."""
+    return await _flush(request, clear_storage)
+
+
+@router.post("/hicache/storage-backend/clear")
+@router.post("/clear_hicache_storage_backend")
+async def clear_hicache_storage(request: Request) -> dict[str, Any]:
+    """SGLang's routes that clear the L3 store: here a flush of every tier (the tree must forget the
+    pages it had on L3), i.e. ``/flush_cache?clear_storage=true``."""
+    return await _flush(request, True)
+
+
+async def _flush(request: Request, clear_storage: bool) -> dict[str, Any]:
+    ctx = get_ctx(request)
+    if clear_storage and not ctx.engine_config.cache.storage_enabled:
+        raise APIError(400, "this server has no L3 tier to clear (--hicache-storage-backend)", param="clear_storage")
+    if clear_storage and ctx.engine_config.model.tp_size > 1:
+        raise APIError(400, "clearing L3 is not supported with tensor parallelism", param="clear_storage")
+    kept = await ctx.client.call(m.FlushCache, clear_storage=clear_storage)
     if not kept:
         raise APIError(400, "cannot flush the cache while requests are running or waiting")
     return {"success": True, "message": "Cache flushed.", **kept}

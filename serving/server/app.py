@@ -36,7 +36,7 @@ TENANT_HEADER = b"x-hicache-tenant"  # with the admin key: act as that tenant (A
 # configured they need the admin key, the server's --api-key (APIKeyMiddleware); /get_load stays
 # open to every key (a router balances on it; it shows counts only).
 ADMIN_PATHS = frozenset({"/drain", "/undrain", "/flush_cache", "/get_server_info", "/server_info", "/metrics",
-                         "/cache_events"})
+                         "/cache_events", "/hicache/storage-backend/clear", "/clear_hicache_storage_backend"})
 ADMIN_PREFIXES = ("/debug/",)
 
 

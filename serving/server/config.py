@@ -16,6 +16,7 @@ never silently read as a number).
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,9 @@ class ServerConfig:
     # loopback, --host and the machine's host name), comma-separated; "*.example.com" takes its
     # subdomains, "*" any name (serving/server/trusted_hosts.py: the DNS rebinding guard)
     allowed_hosts: str | None = None
+    # SGLang's flag: the chat template to render chats with instead of the tokenizer's: a Jinja file
+    # (.jinja, or a .json with a "chat_template" key) or the template text itself
+    chat_template: str | None = None
     # SGLang's flag: the format chat answers' tool calls are parsed from (qwen25, llama3, mistral,
     # deepseekv3, gpt-oss: serving/parsing/tool_registry.py); unset: tool calls stay text
     tool_call_parser: str | None = None
@@ -274,3 +278,28 @@ def load_config(
             break  # let validation name the bad section
         sections[name] = {**current, **values}
     return build_config(sections, str(path) if path is not None else "config")
+
+
+def read_chat_template(value: str) -> str:
+    """The Jinja text ``--chat-template`` names: a file (``.jinja``, or ``.json`` with a
+    ``chat_template`` key, as SGLang takes them) or the template text itself; ConfigError (one line)
+    otherwise. SGLang's built-in template names are not known here: give the file."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"--chat-template {value}: cannot read it ({e.strerror}); give a .jinja file, a .json "
+                          "with a \"chat_template\" key, or the template text (SGLang's built-in template names "
+                          "are not known here)") from None
+    if path.suffix == ".json":
+        try:
+            text = json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"--chat-template {value}: a .json needs a \"chat_template\" string") from None
+        if not isinstance(text, str):
+            raise ConfigError(f"--chat-template {value}: a .json needs a \"chat_template\" string")
+    if not text.strip():
+        raise ConfigError(f"--chat-template {value}: the file is empty")
+    return text

@@ -24,7 +24,7 @@ import uvicorn
 from edge.http_protocol import REASONS, ReadTimeouts, protocol_class
 from serving import ipc as m
 from serving.server.app import create_app
-from serving.server.config import AppConfig
+from serving.server.config import AppConfig, read_chat_template
 from serving.server.context import ServerContext
 from serving.server.drain import drain
 from serving.server.engine_client import EngineClient, EngineStartError
@@ -141,6 +141,8 @@ def run_server(cfg: AppConfig) -> int:
         model = cfg.engine.model
         tok_path = model.tokenizer_path or model.model_path
         tokenizer = Tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        if tokenizer is not None and cfg.server.chat_template:  # --chat-template (hicache serve checked it)
+            tokenizer.hf.chat_template = read_chat_template(cfg.server.chat_template)
         info = client.wait_ready()
         log.info(
             "engine ready: %s, context %d, %d KV pages of %d tokens",
