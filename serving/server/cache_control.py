@@ -16,8 +16,9 @@ same field on the OpenAI and native routes (engine side: serving/cache/kv_breakp
   ``cache_control`` with the same shape pins the whole prompt. Neither SGLang nor vLLM has a
   field for this (SGLang's pinning was reverted), so Anthropic's spelling is reused.
 - Accounting (:func:`anthropic_usage`): ``cache_read_input_tokens`` = prompt tokens served from
-  the cache (any tier), ``cache_creation_input_tokens`` = tokens of newly pinned prefixes not
-  served from it (only what was pinned), by TTL in Anthropic's ``cache_creation``
+  the cache (any tier), ``cache_creation_input_tokens`` = tokens up to a new breakpoint that the
+  request wrote into the cache and did not read from it, pinned or not (kv_breakpoints.py), by TTL
+  in Anthropic's ``cache_creation``
   (``ephemeral_5m_input_tokens``, ``ephemeral_1h_input_tokens``), ``input_tokens`` the rest
   (the three sum to the prompt). HiCache's ``cache_control`` object in the usage says what
   became of the breakpoints: ``pinned_tokens`` (the prompt's prefix pinned now, by this request
