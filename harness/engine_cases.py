@@ -19,3 +19,35 @@ def tier_prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 def ids_of(outs):
     return [o["output_ids"] for o in outs]
+
+
+def generate_checked(eng, prompts: list[list[int]], params: dict) -> list[dict]:  # noqa: ANN001 (an Engine)
+    """``eng.generate`` with ``check_integrity()`` after every engine step (the offline engine's step hook)."""
+    core = eng.core
+    step = core.step
+
+    def checked():  # noqa: ANN202
+        out = step()
+        core.check_integrity()
+        return out
+
+    core.step = checked
+    try:
+        return eng.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        core.step = step
+
+
+
+def hits(outs: list[dict], tier: str) -> list[int]:
+    """Each output's cached tokens from ``tier`` (device, host, storage)."""
+    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
+
+
+def lmdb_l3(db, **extra) -> dict:  # noqa: ANN001 (a path)
+    """An Engine's options for a small LMDB L3 at ``db`` that prefetches whole matches (wait_complete)."""
+    return dict(hicache_storage_backend="lmdb",
+                hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1,
+                                                      **extra},
+                hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
+                hicache_storage_prefetch_timeout_base=30.0, hicache_storage_load_policy="always_load")

@@ -1,6 +1,6 @@
 """What the state-model tests share (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba2; issue 43):
-their tiny configs, two-turn conversations with HF's greedy answers, a generate checked against HF's
-tokens and log-probabilities, and an engine's LMDB L3 options."""
+their tiny configs, two-turn conversations with HF's greedy answers, and a generate checked against
+HF's tokens and log-probabilities."""
 
 from __future__ import annotations
 
@@ -30,10 +30,6 @@ def two_turns(path: Path, n: int, seed: int, vocab: int = 512) -> tuple[list, li
     return first, ref1, second, hf_greedy(path, second, NEW)
 
 
-def hits(outs: list[dict], tier: str) -> list[int]:
-    return [o["meta_info"]["cached_tokens_details"][tier] for o in outs]
-
-
 def generate(eng: Any, path: Path, ps: list[list[int]], ref: list[list[int]],
              one_at_a_time: bool = False) -> list[dict]:
     """HF's greedy tokens, and their log-probabilities within LOGPROB_TOL of HF's (the tokens alone would
@@ -53,12 +49,3 @@ def generate(eng: Any, path: Path, ps: list[list[int]], ref: list[list[int]],
     worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     assert worst < LOGPROB_TOL, worst
     return outs
-
-
-def lmdb_l3(db: Path, **extra: Any) -> dict[str, Any]:
-    """An Engine's options for a small LMDB L3 at ``db`` that prefetches whole matches (wait_complete)."""
-    return dict(hicache_storage_backend="lmdb",
-                hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 0.05, "initial_map_mb": 1,
-                                                      **extra},
-                hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=8,
-                hicache_storage_prefetch_timeout_base=30.0, hicache_storage_load_policy="always_load")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine_cases import ids_of
+from harness.engine_cases import hits, ids_of, lmdb_l3
 from harness.lmdb_pages import open_store
 from harness.model_utils import hf_output_logprobs, tiny_model
 from harness.netns import run_mooncake_script
-from harness.state_cases import GREEDY, LOGPROB_TOL, NEW, STATE_FAMILIES, generate, hits, lmdb_l3, two_turns
+from harness.state_cases import GREEDY, LOGPROB_TOL, NEW, STATE_FAMILIES, generate, two_turns
 from hicache.keys import page_keys, state_key
 from serving.engine import Engine
 

@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from harness.engine_cases import ids_of, prompts
+from harness.engine_cases import hits, ids_of, prompts
 from harness.model_utils import hf_greedy, tiny_model
-from harness.state_cases import GREEDY, NEW, STATE_FAMILIES, generate, hits, two_turns
+from harness.state_cases import GREEDY, NEW, STATE_FAMILIES, generate, two_turns
 from serving.engine import Engine
 
 

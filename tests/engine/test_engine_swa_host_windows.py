@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine_cases import ids_of, tier_prompts
+from harness.engine_cases import generate_checked, ids_of, tier_prompts
 from harness.model_utils import hf_greedy, tiny_model
 from serving.engine import Engine
 
@@ -24,23 +24,6 @@ def tiny(request, tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     ps, others = tier_prompts()
     return request.param, path, ps, others, hf_greedy(path, ps, GREEDY["max_new_tokens"])
-
-
-def _stepped(eng: Engine, prompts: list[list[int]], params: dict) -> list[list[int]]:
-    """Generate with check_integrity() after every engine step."""
-    core = eng.core
-    step = core.step
-
-    def checked():
-        out = step()
-        core.check_integrity()
-        return out
-
-    core.step = checked
-    try:
-        return ids_of(eng.generate(input_ids=prompts, sampling_params=params))
-    finally:
-        core.step = step
 
 
 def _engine(path, tmp_path=None, **kw) -> Engine:
@@ -68,8 +51,8 @@ def test_l2_and_l3_hits_are_exact_with_a_small_host_window_pool(tiny, tmp_path) 
     try:
         host = eng.core.host_pool
         assert host.windows is not None and host.num_pages == 256 and host.windows.num_pages == 26
-        assert _stepped(eng, ps, GREEDY) == ref
-        _stepped(eng, others, GREEDY)  # pushes ps out of L1
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
+        ids_of(generate_checked(eng, others, GREEDY))  # pushes ps out of L1
         held, kept = _host_pages(eng)
         assert kept <= host.windows.num_pages < held // 2, (held, kept)  # most L2 pages keep no sliding part
         outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
@@ -132,12 +115,12 @@ def test_host_window_pressure_drops_window_parts_before_pages(tiny) -> None:
     try:
         hw = eng.core.host_pool.windows
         assert hw.num_pages == 15 and eng.core.host_pool.num_pages == 153
-        assert _stepped(eng, ps, GREEDY) == ref
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
         _backup_all(eng)
         first, _ = _host_pages(eng)
         newest = eng.core.tree.lookup(ps[-1])[0]
         assert first > 0 and any(hw.has(p) for p in newest.host_pages)
-        _stepped(eng, others, GREEDY)
+        ids_of(generate_checked(eng, others, GREEDY))
         _backup_all(eng)
         held, kept = _host_pages(eng)
         tree = eng.core.tree
@@ -162,12 +145,12 @@ def test_a_server_without_the_window_pool_reads_short_values_as_misses(tiny, tmp
     _, path, ps, _, ref = tiny
     eng = _engine(path, tmp_path)
     try:
-        assert _stepped(eng, ps, GREEDY) == ref
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
     finally:
         eng.shutdown()
     off = _engine(path, tmp_path, disable_hybrid_swa_memory=True)
     try:
-        assert _stepped(off, ps, GREEDY) == ref
+        assert ids_of(generate_checked(off, ps, GREEDY)) == ref
         assert off.core.storage_stats()["corrupt"] == 0
     finally:
         off.shutdown()

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from harness.engine_cases import ids_of, tier_prompts
+from harness.engine_cases import generate_checked, ids_of, tier_prompts
 from harness.model_utils import hf_greedy, tiny_model
 from serving.engine import Engine
 
@@ -27,23 +27,6 @@ def tiny(request, tmp_path_factory):
     return path, ps, hf_greedy(path, ps, GREEDY["max_new_tokens"])
 
 
-def _stepped(eng: Engine, prompts: list[list[int]], params: dict) -> list[list[int]]:
-    """Generate with check_integrity() after every engine step (the offline engine's step hook)."""
-    core = eng.core
-    step = core.step
-
-    def checked():
-        out = step()
-        core.check_integrity()
-        return out
-
-    core.step = checked
-    try:
-        return ids_of(eng.generate(input_ids=prompts, sampling_params=params))
-    finally:
-        core.step = step
-
-
 def test_a_long_decode_keeps_about_one_window(tiny) -> None:
     """One request decodes 60 tokens past a 47-token prompt: the tree then holds all its full pages but
     window pages only for the window before its prompt's end and before its own end (today: every page)."""
@@ -54,7 +37,7 @@ def test_a_long_decode_keeps_about_one_window(tiny) -> None:
     try:
         pool = eng.core.runner.pool
         assert pool.window_pages == 205 and pool.num_pages == 256  # --swa-full-tokens-ratio 0.8
-        assert _stepped(eng, ps[:1], long) == ref
+        assert ids_of(generate_checked(eng, ps[:1], long)) == ref
         cached = eng.core.tree.cached_pages("device")
         held = pool.windows.allocator.num_used
         assert cached >= (len(ps[0]) + 59) // PS
@@ -75,7 +58,7 @@ def test_match_is_cut_where_window_pages_were_evicted(tiny) -> None:
     path, ps, ref = tiny
     eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True)
     try:
-        assert _stepped(eng, ps, GREEDY) == ref
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
         windows = eng.core.req_cache.windows
         held = windows.windows.allocator.num_used
         assert held > 0 and windows.make_room(held) == held  # every window page the tree holds goes (alone)
@@ -107,7 +90,7 @@ def test_small_window_pool_concurrent_shared_prefix_chunked(tiny) -> None:
                  chunked_prefill_size=7, max_running_requests=4)
     try:
         assert eng.core.runner.pool.window_pages == 40
-        assert _stepped(eng, sharing, GREEDY) == ref
+        assert ids_of(generate_checked(eng, sharing, GREEDY)) == ref
         outs = eng.generate(input_ids=sharing[::-1], sampling_params=GREEDY)
         assert ids_of(outs) == ref[::-1]
         assert sum(o["meta_info"]["cached_tokens_details"]["device"] for o in outs) > 0
@@ -134,7 +117,7 @@ def test_prefixes_come_back_from_l2_and_from_l3_after_a_restart(tiny, tmp_path) 
     eng = engine()
     try:
         assert eng.core.runner.pool.windows is not None  # the window pool is on
-        assert _stepped(eng, ps, GREEDY) == ref
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
         eng.generate(input_ids=others, sampling_params=GREEDY)  # pushes ps out of L1
         outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
         assert ids_of(outs) == ref
@@ -171,6 +154,6 @@ def test_a_prompt_longer_than_the_window_pool_runs_in_chunks_that_fit(tiny) -> N
 
         probe = Req("probe", prompt, SamplingParams())
         assert eng.core.req_cache.chunk(probe, 120) <= (26 - 2 * PER_WINDOW - 1) * PS  # the cut
-        assert _stepped(eng, [prompt], GREEDY) == ref
+        assert ids_of(generate_checked(eng, [prompt], GREEDY)) == ref
     finally:
         eng.shutdown()

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine_cases import ids_of, tier_prompts
+from harness.engine_cases import generate_checked, hits, ids_of, lmdb_l3, tier_prompts
 from harness.model_utils import hf_greedy, tiny_model
 from hicache.keys import page_keys, tp_shard_key
 from hicache.tiers.lmdb.store import LMDBStore
 from serving.engine import Engine
-from tests.engine.test_engine_mla import GREEDY, LMDB, PS, hits, l3_engine, steps
+
+GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+PS = 4
+LMDB = {"capacity_gb": 0.05, "initial_map_mb": 1}
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +24,10 @@ def tiny(tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp("tp-dsv2"), "deepseek_v2")
     ps, _ = tier_prompts()
     return path, ps, hf_greedy(path, ps, GREEDY["max_new_tokens"])
+
+
+def l3_engine(path, db, **kw) -> Engine:
+    return Engine(model_path=str(path), page_size=PS, max_total_tokens=256, hicache_ratio=2.0, **lmdb_l3(db), **kw)
 
 
 def entries(db) -> int:
@@ -52,7 +59,7 @@ def persist(path, db, ps, ref, **kw) -> tuple[str, list[str]]:
     sent = sent_to_rank1(eng) if kw.get("tp_size") else []
     try:
         for _ in range(2):
-            assert ids_of(steps(eng, ps)) == ref
+            assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
         return eng.core.storage.writeback.namespace, sent
     finally:
         eng.shutdown()
@@ -73,7 +80,7 @@ def test_tp2_equals_tp1_with_one_l3_entry_per_page(tiny, tmp_path) -> None:
     eng = l3_engine(path, tmp_path / "tp2", tp_size=2, max_running_requests=1)  # a restart: L1, L2 empty
     sent = sent_to_rank1(eng)
     try:
-        outs = steps(eng, ps)
+        outs = generate_checked(eng, ps, GREEDY)
         assert ids_of(outs) == ref
         assert all(h > 0 for h in hits(outs, "storage")), hits(outs, "storage")
         assert "L3Get" in sent  # every rank reads the page (into its own L2)
@@ -81,7 +88,7 @@ def test_tp2_equals_tp1_with_one_l3_entry_per_page(tiny, tmp_path) -> None:
         eng.shutdown()
     eng = l3_engine(path, tmp_path / "tp2", max_running_requests=1)  # TP=1 reads TP=2's pages
     try:
-        outs = steps(eng, ps)
+        outs = generate_checked(eng, ps, GREEDY)
         assert ids_of(outs) == ref
         assert all(h > 0 for h in hits(outs, "storage")), hits(outs, "storage")
     finally:
@@ -94,9 +101,9 @@ def test_tp2_l2_hits_equal_hf(tiny) -> None:
     eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=160, hicache_ratio=4.0,
                  write_through_threshold=1, max_running_requests=2, tp_size=2)
     try:
-        assert ids_of(steps(eng, ps)) == ref
-        steps(eng, others)  # pushes ps out of L1
-        again = steps(eng, ps)
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
+        generate_checked(eng, others, GREEDY)  # pushes ps out of L1
+        again = generate_checked(eng, ps, GREEDY)
         assert ids_of(again) == ref and sum(hits(again, "host")) > 0, [o["meta_info"] for o in again]
     finally:
         eng.shutdown()

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from harness.engine_cases import lmdb_l3
 from harness.lmdb_pages import open_store
 from harness.model_utils import tiny_model
-from harness.state_cases import NEW, STATE_FAMILIES, generate, lmdb_l3, two_turns
+from harness.state_cases import NEW, STATE_FAMILIES, generate, two_turns
 from hicache.keys import page_keys, state_key
 from hicache.tiers.storage_state import part_key
 from serving.engine import Engine

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine_cases import ids_of, prompts
+from harness.engine_cases import hits, ids_of, prompts
 from harness.model_utils import tiny_model
-from harness.state_cases import GREEDY, NEW, STATE_FAMILIES, generate, hits, two_turns
+from harness.state_cases import GREEDY, NEW, STATE_FAMILIES, generate, two_turns
 from serving.engine import Engine
 from serving.parallel.shard import TPShapeError
 from serving.parallel.state_shard import DeltaNetShard, Mamba2Shard

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from harness.engine_cases import GREEDY, ids_of, tier_prompts
+from harness.engine_cases import GREEDY, generate_checked, ids_of, tier_prompts
 from harness.model_utils import hf_greedy, tiny_model
 from serving.engine import Engine
 
@@ -28,23 +28,6 @@ def gemma(tmp_path_factory):
     path = tiny_model(tmp_path_factory.mktemp("tp-swa-gemma3"), "gemma3")
     ps, others = tier_prompts()
     return path, ps, others, hf_greedy(path, ps, GREEDY["max_new_tokens"])
-
-
-def _stepped(eng: Engine, prompts: list[list[int]]) -> list[dict]:
-    """Generate with check_integrity() after every engine step."""
-    core = eng.core
-    step = core.step
-
-    def checked():
-        out = step()
-        core.check_integrity()
-        return out
-
-    core.step = checked
-    try:
-        return eng.generate(input_ids=prompts, sampling_params=GREEDY)
-    finally:
-        core.step = step
 
 
 def test_tp2_small_window_pool_concurrent_chunked(gemma) -> None:
@@ -61,9 +44,9 @@ def test_tp2_small_window_pool_concurrent_chunked(gemma) -> None:
     try:
         pool = eng.core.runner.pool
         assert pool.windows is not None and pool.window_pages == 40  # on under TP
-        assert ids_of(_stepped(eng, sharing)) == ref
+        assert ids_of(generate_checked(eng, sharing, GREEDY)) == ref
         assert pool.windows.allocator.num_used < eng.core.tree.cached_pages("device")
-        outs = _stepped(eng, sharing[::-1])
+        outs = generate_checked(eng, sharing[::-1], GREEDY)
         assert ids_of(outs) == ref[::-1]
         assert sum(o["meta_info"]["cached_tokens_details"]["device"] for o in outs) > 0
     finally:
@@ -87,9 +70,9 @@ def test_tp2_window_pool_from_l2_and_l3_equals_pool_off(gemma, tmp_path) -> None
         eng = engine(db, **kw)
         try:
             assert (eng.core.runner.pool.windows is not None) == bool(kw)
-            assert ids_of(_stepped(eng, ps)) == ref
+            assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
             eng.generate(input_ids=others, sampling_params=GREEDY)  # pushes ps out of L1
-            outs = _stepped(eng, ps)
+            outs = generate_checked(eng, ps, GREEDY)
             assert ids_of(outs) == ref, db
             assert sum(o["meta_info"]["cached_tokens_details"]["host"] for o in outs) > 0, \
                 [o["meta_info"] for o in outs]
@@ -99,7 +82,7 @@ def test_tp2_window_pool_from_l2_and_l3_equals_pool_off(gemma, tmp_path) -> None
             eng.shutdown()
         eng = engine(db, **kw)  # a restart: L1 and L2 empty on every rank
         try:
-            outs = _stepped(eng, ps)
+            outs = generate_checked(eng, ps, GREEDY)
             assert ids_of(outs) == ref, db
             assert all(o["meta_info"]["cached_tokens_details"]["storage"] > 0 for o in outs), \
                 [o["meta_info"] for o in outs]
