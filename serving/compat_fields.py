@@ -21,7 +21,6 @@ SAMPLING: Mapping[str, tuple[Any, ...]] = {
     "min_new_tokens": (0,),
     "n": (1,),  # /generate handles n itself (serving.server.native_api); the engine never sees it
     "beam_width": (1,),
-    "structural_tag": (),
     "spaces_between_special_tokens": (True,),
     "no_stop_trim": (False,),
     "stream_interval": ANY,  # how often a stream is flushed, not what it says
@@ -144,9 +143,7 @@ CHAT: Mapping[str, tuple[Any, ...]] = {
     "thinking": (),
     "task": (),
     "continue_final_message": (False,),
-    "separate_reasoning": ANY,  # no reasoning parser here: nothing to separate
     "stream_reasoning": ANY,
-    "chat_template_kwargs": ({},),
     "max_dynamic_patch": (),
     "min_dynamic_patch": (),
     "use_audio_in_video": (False,),

@@ -81,10 +81,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """``template_kwargs``: the template's own variables (SGLang's ``chat_template_kwargs``,
+        e.g. ``enable_thinking``)."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequest("this model has no chat template; use /v1/completions or /generate")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **template_kwargs)
 
     def hf_full(self) -> Any:
         """The HF tokenizer itself (built on first call when ``hf`` is the light one)."""

@@ -17,7 +17,9 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 def _tag(parser: ToolParser, tool: dict[str, Any]) -> dict[str, Any]:
     s = parser.structure(tool["name"])
     schema = tool.get("parameters") or ANY_OBJECT
-    return {"type": "tag", "begin": s.begin, "content": {"type": "json_schema", "json_schema": schema}, "end": s.end}
+    # at most one whitespace character in a row: a small model otherwise pads the JSON with runs of it
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    return {"type": "tag", "begin": s.begin, "content": content, "end": s.end}
 
 
 def forced_calls(parser: ToolParser, tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:

@@ -4,7 +4,9 @@ The same engine path as chat completions: ``system`` and ``messages`` go through
 template; ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` map onto
 SGLang sampling params; HiCache's ``session_id`` is accepted as on the other routes. ``tools``
 and ``tool_use`` / ``tool_result`` blocks are rendered as text (serving/server/anthropic_tools.py);
-the answer is one text block. Usage follows Anthropic: ``cache_control`` breakpoints pin
+the answer is one text block, or, with ``--tool-call-parser`` / ``--reasoning-parser``,
+``thinking``, ``text`` and ``tool_use`` blocks (serving/server/anthropic_blocks.py).
+Usage follows Anthropic: ``cache_control`` breakpoints pin
 prefixes, best-effort (serving/server/cache_control.py; /v1/messages/count_tokens checks them
 the same way); ``cache_read_input_tokens`` are the prompt tokens served from the cache (any tier),
 ``cache_creation_input_tokens`` those written into newly pinned prefixes, ``input_tokens`` the
@@ -29,7 +31,9 @@ from starlette.concurrency import run_in_threadpool
 from hicache.prompt_form import anthropic_chat
 from serving.compat_fields import ANY
 from serving.server import cache_control
-from serving.server.anthropic_tools import TOOL_CHOICES, Block, TextBlock, Tool, check_roles
+from serving.server.anthropic_blocks import content_blocks, parsed_events
+from serving.server.anthropic_tools import Block, TextBlock, Tool, anthropic_tool_request, check_roles
+from serving.server.chat_output import ToolRequest, grammar_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -75,8 +79,8 @@ def _check_messages(messages: list[Message]) -> None:
 
 
 class MessagesRequest(StrictModel):
-    neutral_fields = {"tool_choice": TOOL_CHOICES,
-                      "thinking": ({"type": "disabled"},), "service_tier": ("auto", "standard_only"),
+    # thinking: with --reasoning-parser the reasoning comes back as thinking blocks
+    neutral_fields = {"thinking": ANY, "service_tier": ("auto", "standard_only"),
                       "container": (), "mcp_servers": ((), []), "output_config": ({},), "speed": ("standard",),
                       "diagnostics": ANY, "inference_geo": ANY, "user_profile_id": ANY,
                       "workspace_id": ANY}
@@ -94,13 +98,18 @@ class MessagesRequest(StrictModel):
     session_id: str | None = None  # HiCache's session (as on the other routes)
     cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last message
     tools: list[Tool] | None = None  # rendered before the system text (serving/server/anthropic_tools.py)
+    tool_choice: dict[str, Any] | None = None  # auto | any | tool (name) | none; disable_parallel_tool_use
 
     @model_validator(mode="after")
     def _checks(self) -> MessagesRequest:
         if self.stop_sequences is not None and not all(self.stop_sequences):
             raise ValueError("stop_sequences: must be non-empty strings")
         _check_messages(self.messages)
+        self.tool_request()  # validates tool_choice
         return self
+
+    def tool_request(self) -> ToolRequest:
+        return anthropic_tool_request(self.tools, self.tool_choice)
 
     def template_messages(self) -> list[dict[str, Any]]:
         system = self.system if isinstance(self.system, str) or self.system is None else [
@@ -115,7 +124,7 @@ class MessagesRequest(StrictModel):
 
 
 class CountTokensRequest(StrictModel):
-    neutral_fields = {"tool_choice": TOOL_CHOICES, "thinking": ({"type": "disabled"},)}
+    neutral_fields = {"tool_choice": ANY, "thinking": ANY}  # neither changes a count
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Content | None = None
@@ -161,16 +170,30 @@ async def messages(request: Request) -> Any:
     body = await parse_body(request, MessagesRequest, ctx.server.max_request_bytes, ctx.server.max_json_depth)
     model = ctx.check_model(body.model)
     ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
-    req = ctx.make_request(ids, body.sampling_params(), body.session_id)
+    tools = body.tool_request()
+    parser = output_parser(ctx, tools, True, ids)
+    params = {**body.sampling_params(), **grammar_params(parser, tools)}
+    if parser.keeps_special_tokens:
+        params["skip_special_tokens"] = False
+    req = ctx.make_request(ids, params, body.session_id)
     bps = await cache_control.breakpoints_for(ctx, body, ids)
     req.capture_at = [b.end for b in bps] or None  # a state model keeps its state there
     head = {"id": f"msg_{req.rid}", "type": "message", "role": "assistant", "model": model}
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
         pins = await cache_control.apply(ctx, ids, bps, st)
-        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason)
-        return {**head, "content": [{"type": "text", "text": text}], **stop_fields(st), "usage": usage(st, pins)}
+        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, not parser.keeps_special_tokens)
+        if not parser.active:
+            return {**head, "content": [{"type": "text", "text": text}], **stop_fields(st), "usage": usage(st, pins)}
+        blocks = content_blocks(parser.parse(strip_eos(ctx, parser, text)))
+        stop = stop_fields(st)
+        if any(b["type"] == "tool_use" for b in blocks) and stop["stop_reason"] == "end_turn":
+            stop["stop_reason"] = "tool_use"
+        return {**head, "content": blocks, **stop, "usage": usage(st, pins)}
     [handle] = await submit_all(ctx.client, [req])
+    if parser.active:
+        return StreamingResponse(parsed_events(ctx, parser, body.stop_sequences or [], handle, head, (ids, bps)),
+                                 media_type="text/event-stream")
     return StreamingResponse(_events(ctx, body, handle, head, (ids, bps)), media_type="text/event-stream")
 
 

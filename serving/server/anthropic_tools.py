@@ -12,8 +12,9 @@ content blocks, rendered into the prompt as text (serving/server/anthropic_api.p
   at them, and SmolLM2's has none.
 - ``tool_use`` (assistant) and ``tool_result`` (user) blocks in the history are rendered as
   ``<tool_call>{"name", "arguments"}</tool_call>`` and ``<tool_response>...</tool_response>``
-  (hicache/prompt_form.py, the one owner of how a body becomes the template's messages). The
-  model's answer stays one text block: no tool call is parsed out of it (``stop_reason`` is never ``tool_use``).
+  (hicache/prompt_form.py, the one owner of how a body becomes the template's messages). Calls
+  in the answer are parsed with ``--tool-call-parser`` (``tool_use`` blocks, ``stop_reason``
+  ``tool_use``); ``tool_choice`` ``any`` / ``tool`` are forced (serving/server/chat_output.py).
 
 Stateless: the models are frozen pydantic values, the functions pure.
 """
@@ -25,11 +26,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from hicache.prompt_form import anthropic_tool_line, anthropic_tools_text, before_system, block_text
+from serving.server.chat_output import ToolRequest, check_choice
 from serving.server.protocol import StrictModel
-
-# ``tool_choice`` values that change nothing here (no tool call is parsed): any or a named tool is a 400
-TOOL_CHOICES = ({"type": "none"}, {"type": "auto"}, {"type": "auto", "disable_parallel_tool_use": True},
-                {"type": "auto", "disable_parallel_tool_use": False})
 
 
 class TextBlock(StrictModel):
@@ -103,3 +101,19 @@ def check_roles(role: str, blocks: list[Any], where: str) -> None:
             raise ValueError(f"{where}.content[{i}]: tool_use blocks belong to assistant messages")
         if isinstance(b, ToolResultBlock) and role != "user":
             raise ValueError(f"{where}.content[{i}]: tool_result blocks belong to user messages")
+
+
+_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def anthropic_tool_request(tools: list[Tool] | None, choice: dict[str, Any] | None) -> ToolRequest:
+    """``tool_choice`` (``auto`` / ``any`` / ``tool`` + ``name`` / ``none``) in OpenAI's terms; ValueError."""
+    defs = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in tools or []]
+    choice = choice or {"type": "auto"}
+    kind = _CHOICES.get(choice.get("type"))  # type: ignore[arg-type]
+    extra = set(choice) - {"type", "name", "disable_parallel_tool_use"}
+    if kind is None or extra:
+        raise ValueError('tool_choice: must be {"type": "auto" | "any" | "tool" | "none"} (a tool: with "name")')
+    name = choice.get("name") if kind == "function" else None
+    check_choice(defs, kind, name, "tool_choice")
+    return ToolRequest(defs, kind, name, not choice.get("disable_parallel_tool_use", False))

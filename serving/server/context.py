@@ -84,11 +84,12 @@ class ServerContext:
         tokenizer's BOS where it adds one (Tokenizer.prompt_ids); a chat template's text is encoded as is."""
         return self.tokenizer.prompt_ids(self.encode(text))
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """``template_kwargs``: SGLang's ``chat_template_kwargs`` (the template's own variables)."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; chat needs one")
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(messages, **(template_kwargs or {}))
         except InvalidRequest as e:
             raise APIError(400, str(e)) from None
         except Exception as e:  # a template that raises on these messages (e.g. role order)

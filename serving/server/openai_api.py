@@ -17,7 +17,9 @@ from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
 from serving.model.logprob_meta import LogprobOptions
+from serving.parsing.output import OutputParser, OutputStream, Piece
 from serving.server import cache_control
+from serving.server.chat_output import call_id, grammar_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
@@ -104,14 +106,19 @@ async def chat_completions(request: Request) -> Any:
     model = ctx.check_model(body.model)
     n = check_n(body.n)
     # the chat template and the tokenizer run off the event loop: a huge prompt delays only itself
-    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
+    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages(), body.chat_template_kwargs)
+    tools = body.tool_request()
+    parser = output_parser(ctx, tools, body.separate_reasoning, ids)
     max_tokens = body.requested_max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(ids))
     top = body.top_logprobs or 0
     opts = LogprobOptions(None, top) if body.logprobs else None
-    req = ctx.make_request(ids, body.sampling_params(max_tokens), body.session_id, param_name=name,
+    params = {**body.sampling_params(max_tokens), **grammar_params(parser, tools)}
+    if parser.keeps_special_tokens:  # the format's markers are special tokens
+        params["skip_special_tokens"] = False
+    req = ctx.make_request(ids, params, body.session_id, param_name=name,
                            bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt,
                            logprobs=opts.wire() if opts else None)
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
@@ -129,11 +136,8 @@ async def chat_completions(request: Request) -> Any:
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant",
-                                "content": final_text(ctx.tokenizer, st.output_ids, st.finish_reason,
-                                                      _skip_special(body))},
+                    **_message(ctx, parser, st, _skip_special(body) and not parser.keeps_special_tokens),
                     "logprobs": chat_logprobs(st.logprobs, ctx.tokenizer, top) if opts else None,
-                    **finish_fields(st),
                 }
                 for i, st in enumerate(states)
             ],
@@ -141,19 +145,23 @@ async def chat_completions(request: Request) -> Any:
         }
     handles = await submit_all(ctx.client, reqs)
     return StreamingResponse(
-        sse_stream(_chat_chunks(ctx, body, handles, head, warm, opts, (ids, bps) if bps else None)),
+        sse_stream(_chat_chunks(ctx, body, handles, head, warm, opts, parser, (ids, bps) if bps else None)),
         media_type="text/event-stream"
     )
 
 
 async def _chat_chunks(
     ctx: ServerContext, body: ChatCompletionRequest, handles: list[Any], head: dict[str, Any],
-    warm: list[ReqState] | None, opts: LogprobOptions | None,
+    warm: list[ReqState] | None, opts: LogprobOptions | None, parser: OutputParser,
     pin: tuple[list[int], list[cache_control.Breakpoint]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks; with ``pin`` (``cache_control``, n = 1) the prompt is pinned once the request
-    finished and the chunk with the finish_reason carries ``meta_info.cache_control``."""
-    texts = [TextStream(ctx.tokenizer, _stop(body), _skip_special(body)) for _ in handles]
+    finished and the chunk with the finish_reason carries ``meta_info.cache_control``. With a
+    parser, reasoning comes as ``delta.reasoning_content`` and each call as ``delta.tool_calls``
+    (index, id and name, then its arguments)."""
+    skip = _skip_special(body) and not parser.keeps_special_tokens
+    texts = [TextStream(ctx.tokenizer, _stop(body), skip) for _ in handles]
+    outs = [OutputStream(parser) for _ in handles]
     sent_lp = [0] * len(handles)
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
@@ -172,10 +180,18 @@ async def _chat_chunks(
         yield chunk(i, {"role": "assistant", "content": ""}, h.state)
     async for i, st in merged_updates(handles):
         delta = texts[i].update(st)
-        if delta:
-            yield chunk(i, {"content": delta}, st)
+        if not parser.active:
+            if delta:
+                yield chunk(i, {"content": delta}, st)
+        elif delta or st.finished:
+            text = strip_eos(ctx, parser, texts[i].text) if st.finished else texts[i].text
+            for d in _deltas(outs[i].update(text, st.finished)):
+                yield chunk(i, d, st)
         if st.finished:
-            last = chunk(i, {}, st, finish_fields(st))
+            fin = finish_fields(st)
+            if outs[i].sent_calls and fin["finish_reason"] == "stop":
+                fin["finish_reason"] = "tool_calls"
+            last = chunk(i, {}, st, fin)
             if pin is not None:
                 pins = await cache_control.apply(ctx, pin[0], pin[1], st, body.cache_salt)
                 last["meta_info"] = {"cache_control": cache_control.meta(st, pins)}
@@ -183,6 +199,39 @@ async def _chat_chunks(
     if body.include_usage:
         yield {**head, "object": "chat.completion.chunk", "choices": [],
                "usage": usage([h.state for h in handles], warm)}
+
+
+def _message(ctx: ServerContext, parser: OutputParser, st: ReqState, skip: bool) -> dict[str, Any]:
+    """A finished choice's ``message`` and finish fields, reasoning and calls parsed out."""
+    text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, skip)
+    fin = finish_fields(st)
+    if not parser.active:
+        return {"message": {"role": "assistant", "content": text}, **fin}
+    out = parser.parse(strip_eos(ctx, parser, text))
+    msg: dict[str, Any] = {"role": "assistant", "content": out.content}
+    if parser.reasoning is not None:
+        msg["reasoning_content"] = out.reasoning or None
+    if out.calls:
+        msg["tool_calls"] = [{"id": call_id(), "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}} for c in out.calls]
+        msg["content"] = out.content if out.content.strip() else None
+        if fin["finish_reason"] == "stop":
+            fin["finish_reason"] = "tool_calls"
+    return {"message": msg, **fin}
+
+
+def _deltas(pieces: list[Piece]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in pieces:
+        if p.kind == "reasoning":
+            out.append({"reasoning_content": p.text})
+        elif p.kind == "content":
+            out.append({"content": p.text})
+        elif p.call is not None:
+            out.append({"tool_calls": [{"index": p.index, "id": call_id(), "type": "function",
+                                        "function": {"name": p.call.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": p.index, "function": {"arguments": p.call.arguments}}]})
+    return out
 
 
 # -- completions ----------------------------------------------------------------------------

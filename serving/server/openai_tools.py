@@ -2,9 +2,10 @@
 ``tool_calls`` and ``role: "tool"`` messages, rendered into the prompt as text the same way as
 Anthropic's tools (serving/server/anthropic_tools.py): the tools are one JSON line each in a text
 block before the system text, a call is ``<tool_call>{"name", "arguments"}</tool_call>`` in the
-assistant's turn, a tool's answer a user turn ``<tool_response>...</tool_response>``. No tool call
-is parsed out of the answer (``finish_reason`` is never ``tool_calls``); ``tool_choice`` may be
-``none`` or ``auto``. Stateless: frozen pydantic values and pure functions.
+assistant's turn, a tool's answer a user turn ``<tool_response>...</tool_response>``. Calls in the
+answer are parsed with the server's ``--tool-call-parser`` (serving/server/chat_output.py);
+``tool_choice``: ``auto``, ``none``, ``required`` or ``{"type": "function", "function": {"name"}}``.
+Stateless: frozen pydantic values and pure functions.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class FunctionDef(StrictModel):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted: no constrained tool call is generated
+    strict: bool | None = None  # accepted: forced calls (tool_choice required / named) always validate
 
     @field_validator("parameters")
     @classmethod
@@ -62,3 +63,17 @@ def check_tool_fields(role: str, tool_calls: list[ToolCall] | None, tool_call_id
         raise ValueError("tool_calls: only assistant messages carry them")
     if (role == "tool") != (tool_call_id is not None):
         raise ValueError("tool_call_id: a tool message needs one, and only a tool message has one")
+
+
+def openai_tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
+    """``tool_choice`` -> (auto | none | required | function, the function's name); ValueError."""
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise ValueError(f'tool_choice: must be "auto", "none", "required" or a function, got {choice!r}')
+        return choice, None
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError('tool_choice: an object must be {"type": "function", "function": {"name": ...}}')
+    return "function", fn["name"]

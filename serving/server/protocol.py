@@ -5,7 +5,7 @@ Fields that OpenAI's API reference or SGLang (0.5.x ``GenerateReqInput``, ``Samp
 its OpenAI routes) define but HiCache does not implement are accepted at their neutral value
 and a 400 naming them otherwise: each model's ``neutral_fields`` table (serving.compat_fields).
 Fields accepted and ignored with any value are those that cannot change the answer
-(``user``, ``parallel_tool_calls``, ``ChatMessage.name``, labels, tracing, routing hints).
+(``user``, ``ChatMessage.name``, labels, tracing, routing hints).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hicache.prompt_form import openai_chat, openai_message
 from serving import compat_fields
 from serving.model.logprob_meta import MAX_TOP_LOGPROBS
-from serving.server.openai_tools import FunctionTool, ToolCall, check_tool_fields
+from serving.server.chat_output import ToolRequest, check_choice
+from serving.server.openai_tools import FunctionTool, ToolCall, check_tool_fields, openai_tool_choice
 from serving.structs.grammar_spec import response_format_params
 
 Strict = ConfigDict(extra="forbid", strict=True)
@@ -170,9 +171,11 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[FunctionTool] | None = None  # rendered as text, no call parsed (serving/server/openai_tools.py)
-    tool_choice: str | None = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored (no tool call is parsed)
+    tools: list[FunctionTool] | None = None  # rendered as text; calls parsed (serving/server/chat_output.py)
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    separate_reasoning: bool = True  # SGLang's: reasoning_content split off (with --reasoning-parser)
+    chat_template_kwargs: dict[str, Any] | None = None  # SGLang's: the chat template's variables
     cache_control: dict[str, Any] | None = None  # pins the prompt (serving/server/cache_control.py)
 
     @model_validator(mode="after")
@@ -181,13 +184,22 @@ class ChatCompletionRequest(OpenAISampling):
             raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError('tool_choice: only "none" or "auto" (no tool call is parsed from the answer)')
+        request = self.tool_request()  # validates tool_choice
+        if request.forced and self.grammar_params():
+            raise ValueError("tool_choice: a required or named call cannot be combined with response_format, "
+                             "regex or ebnf")
         self.bootstrap(0, 1)  # validates
         return self
 
+    def tool_request(self) -> ToolRequest:
+        tools = [t.function.model_dump() for t in self.tools or []]
+        choice, name = openai_tool_choice(self.tool_choice)
+        check_choice(tools, choice, name, "tool_choice")
+        return ToolRequest(tools, choice, name, self.parallel_tool_calls is not False)
+
     def template_messages(self) -> list[dict[str, Any]]:
-        return openai_chat([m.model_dump() for m in self.messages], [t.model_dump() for t in self.tools or []])
+        tools = self.tools if self.tool_request().renders else None  # tool_choice none: not shown
+        return openai_chat([m.model_dump() for m in self.messages], [t.model_dump() for t in tools or []])
 
     @property
     def requested_max_tokens(self) -> int | None:
