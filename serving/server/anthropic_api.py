@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from hicache.prompt_form import anthropic_chat
 from serving.compat_fields import ANY
 from serving.server import cache_control
-from serving.server.anthropic_blocks import content_blocks, parsed_events
+from serving.server.anthropic_blocks import Shapes, content_blocks, parsed_events
 from serving.server.anthropic_tools import Block, TextBlock, Tool, anthropic_tool_request, check_roles
 from serving.server.chat_output import ToolRequest, grammar_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
@@ -192,8 +192,9 @@ async def messages(request: Request) -> Any:
         return {**head, "content": blocks, **stop, "usage": usage(st, pins)}
     [handle] = await submit_all(ctx.client, [req])
     if parser.active:
-        return StreamingResponse(parsed_events(ctx, parser, body.stop_sequences or [], handle, head, (ids, bps)),
-                                 media_type="text/event-stream")
+        shapes = Shapes(stop_fields, error_body, usage)
+        return StreamingResponse(parsed_events(ctx, parser, body.stop_sequences or [], handle, head, (ids, bps),
+                                               shapes), media_type="text/event-stream")
     return StreamingResponse(_events(ctx, body, handle, head, (ids, bps)), media_type="text/event-stream")
 
 

@@ -7,7 +7,8 @@ was made and the answer ended on its own. One stream per request."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from serving.parsing.output import Output, OutputParser, OutputStream, Piece
@@ -40,10 +41,17 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
-def _stop(st: ReqState, used: bool) -> dict[str, Any]:
-    from serving.server.anthropic_api import stop_fields  # the route owns the stop rules
+@dataclass(frozen=True)
+class Shapes:
+    """The route's own answer shapes (serving/server/anthropic_api.py owns them)."""
 
-    stop = stop_fields(st)
+    stop_fields: Callable[[ReqState], dict[str, Any]]
+    error_body: Callable[[int, str], dict[str, Any]]
+    usage: Callable[..., dict[str, Any]]
+
+
+def _stop(shapes: Shapes, st: ReqState, used: bool) -> dict[str, Any]:
+    stop = shapes.stop_fields(st)
     if used and stop["stop_reason"] == "end_turn":
         stop["stop_reason"] = "tool_use"
     return stop
@@ -90,10 +98,9 @@ class _Blocks:
 
 
 async def parsed_events(ctx: ServerContext, parser: OutputParser, stop: list[str], handle: ReqHandle,
-                        head: dict[str, Any], prompt: tuple[list[int], list[cache_control.Breakpoint]]
-                        ) -> AsyncIterator[str]:
-    from serving.server.anthropic_api import error_body, usage
-
+                        head: dict[str, Any], prompt: tuple[list[int], list[cache_control.Breakpoint]],
+                        shapes: Shapes) -> AsyncIterator[str]:
+    usage = shapes.usage
     text = TextStream(ctx.tokenizer, stop, not parser.keeps_special_tokens)
     out, blocks = OutputStream(parser), _Blocks()
     try:
@@ -113,9 +120,9 @@ async def parsed_events(ctx: ServerContext, parser: OutputParser, stop: list[str
         for e in blocks.close():
             yield e
         pins = await cache_control.apply(ctx, *prompt, st)
-        yield _event("message_delta", {"delta": _stop(st, blocks.used), "usage": usage(st, pins)})
+        yield _event("message_delta", {"delta": _stop(shapes, st, blocks.used), "usage": usage(st, pins)})
         yield _event("message_stop", {})
     except APIError as e:
-        yield _event("error", {"error": error_body(e.status, e.message)["error"]})
+        yield _event("error", {"error": shapes.error_body(e.status, e.message)["error"]})
     finally:
         handle.close()
