@@ -102,7 +102,7 @@ class _Core:
         self.tree, self.storage = None, None
         self.config = SimpleNamespace(cache=SimpleNamespace(page_size=1))
 
-    def flush_cache(self, keep: set[int] | None = None) -> bool:  # keep: the pinned L2 pages (EngineCore's)
+    def flush_cache(self, keep: set[int] | None = None, clear_storage: bool = False) -> bool:  # EngineCore's
         self.flushes += 1
         return True
 
