@@ -45,7 +45,9 @@ class CacheConfig:
     # when pages are copied down: to L2 on a node's first hit, after write_through_threshold hits, on eviction
     # (L3 takes every L2 page), or exclusive (a page in one tier unless hot; L2 eviction demotes to L3)
     hicache_write_policy: str = choice("write_through", _write_policies)
-    write_through_threshold: int = 2  # hits before write_through_selective backs a node up
+    # hits before write_through_selective backs a node up; in the exclusive mode, hits that make a node hot
+    # (its L2 copy kept while on L1, its L3 copy kept on an L3 hit)
+    write_through_threshold: int = 2
     load_back_threshold: int = 1  # pages; smaller L2 hits are recomputed instead of loaded
     # SGLang's flag: no request reuses a cached prefix (each computes its whole prompt); not with L2 / L3
     disable_radix_cache: bool = False

@@ -162,6 +162,7 @@ class StorageController:
                   prefetches_revoked=self.prefetches_revoked,
                   **self.prefetcher.stats(),
                   write_pages_dropped=self.writeback.pages_dropped,
+                  write_retries=self.writeback.write_retries,
                   write_pages_waiting=self.writeback.waiting_pages,
                   write_pages_in_flight=self.writeback.in_flight_pages,
                   write_pages_waiting_max=self.writeback.max_waiting_pages,

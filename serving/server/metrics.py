@@ -19,9 +19,10 @@ engine's L3 stats (``EngineCore.storage_stats()``) map key by key (``STORAGE_MET
 
 - ``hicache_storage_events_total{event}``: every L3 count: pages ``hits``, ``misses``,
   ``corrupt``, ``stored``, ``store_failed``, ``pages_written``, ``pages_prefetched``,
-  ``write_pages_dropped``, ``pages_loaded_early``, prefetches ``prefetches_revoked``, the exclusive tiers'
-  ``l2_demotions_dropped_pages``, ``l3_pages_promoted``, ``l3_promoted_pages_deleted``, and the backend's own counts
-  as ``backend_<name>`` (``backend_errors``, ``backend_evicted``, ``backend_timeouts`` ...);
+  ``write_pages_dropped``, ``write_retries``, ``pages_loaded_early``, prefetches ``prefetches_revoked``,
+  the exclusive tiers' ``l2_demotions_dropped_pages``, ``l3_pages_promoted``, ``l3_promoted_pages_deleted``,
+  and the backend's own counts as ``backend_<name>``
+  (``backend_errors``, ``backend_evicted``, ``backend_timeouts`` ...);
 - ``hicache_storage_read_bytes_total`` / ``_written_bytes_total``, ``hicache_storage_read_seconds_total``
   / ``_write_seconds_total`` (time inside reads and writes);
 - gauges ``hicache_storage_used_bytes``, ``hicache_storage_capacity_bytes``, ``hicache_storage_entries``,
@@ -97,6 +98,7 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "state_corrupt": _event("state snapshots L3 returned that failed their check (deleted, treated as misses)"),
     "state_snapshots_fetched": _event("state snapshots prefetched from L3 into L2"),
     "write_pages_dropped": _event("pages whose write-back did not reach L3 (the store failed it)"),
+    "write_retries": _event("pages of failed L3 writes handed back, still pinned, to be written again"),
     "l2_backups_skipped_pages": _event("L1 pages whose L2 backup found no room while L3 lacks them (skipped)"),
     "l2_demotions_dropped_pages": _event("L2 pages evicted in the exclusive mode before their write to L3 (lost)"),
     "l3_pages_promoted": _event("pages an L3 hit brought up whose L3 copy is given up (exclusive, private L3)"),

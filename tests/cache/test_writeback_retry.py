@@ -106,6 +106,7 @@ def test_writes_the_store_fails_for_a_while_are_retried_not_dropped(model, tmp_p
         assert missing(eng, paths) == 0
         assert wb.pages_dropped == 0 and eng.core.storage_stats()["write_pages_dropped"] == 0
         assert wb.write_retries >= 5 and eng.core.tree.host_pinned == 0
+        assert eng.core.storage_stats()["write_retries"] == wb.write_retries  # in /metrics' storage events
     finally:
         eng.shutdown()
 

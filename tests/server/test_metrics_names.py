@@ -84,7 +84,7 @@ def test_names_follow_prometheus_rules(storage_stats: dict[str, float]) -> None:
     events = {s.labels["event"]: s.value for s in fams["hicache_storage_events"].samples
               if s.name.endswith("_total")}
     for event in ("hits", "misses", "corrupt", "stored", "store_failed", "pages_written", "pages_prefetched",
-                  "prefetches_revoked", "write_pages_dropped", "backend_errors", "backend_evicted",
+                  "prefetches_revoked", "write_pages_dropped", "write_retries", "backend_errors", "backend_evicted",
                   "backend_timeouts", "backend_reconnects"):
         assert event in events, event
     assert events["stored"] == storage_stats["stored"] > 0
