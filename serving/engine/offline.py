@@ -208,30 +208,26 @@ class Engine:
             chunk["meta_info"].update(sglang_meta(lp, opts, tok, with_text=True))
         return chunk
 
-    def _stream(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> Iterator[dict[str, Any]]:
+    def _turns(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> Iterator[dict[str, Any] | None]:
+        """A stream's turns: each its new chunk (None when nothing is new), an engine step between
+        turns; it ends after the request's final chunk."""
         (req,), (opts,), _ = job
         state = StreamState(req)
         while True:
             done = req.finished
-            chunk = self._next_chunk(state, opts)
-            if chunk is not None:
-                yield chunk
+            yield self._next_chunk(state, opts)
             if done:
                 return
             self._step()
 
+    def _stream(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> Iterator[dict[str, Any]]:
+        yield from (chunk for chunk in self._turns(job) if chunk is not None)
+
     async def _astream(self, job: tuple[list[Req], list[LogprobOptions | None], bool]) -> AsyncIterator[dict[str, Any]]:
-        (req,), (opts,), _ = job
-        state = StreamState(req)
-        while True:
-            done = req.finished
-            chunk = self._next_chunk(state, opts)
+        for chunk in self._turns(job):
             if chunk is not None:
                 yield chunk
-            if done:
-                return
-            self._step()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # other coroutines (concurrent async_generate calls) run between steps
 
     def open_session(self, session_id: str | None = None) -> str:
         return self.core.open_session(session_id)
