@@ -77,7 +77,9 @@ class HostKVPool(ABC):
         if self.window_layers:
             self.windows = HostWindows(num_pages, window_pages, 2 * len(self.window_layers), self.row_elems,
                                        self._buffer_dtype(), self.page_dim == 0, self.pin)
-        if self.pin or hold:  # pageable, pinned in place chunk by chunk
+        # every layer sliding (the window pool holds all the KV): the main buffer is empty, nothing to pin
+        full_bytes = torch.Size(self._shape()).numel() > 0
+        if (self.pin or hold) and full_bytes:  # pageable, pinned in place chunk by chunk
             # its own whole OS pages (registering it pins nothing else); each chunk zeroed as pinned
             self.buffer = aligned_empty(self._shape(), self._buffer_dtype())
             rows = self.buffer.shape[0] if self.page_dim == 1 else 1

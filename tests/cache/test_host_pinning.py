@@ -72,3 +72,19 @@ def test_the_pinner_keeps_its_cuts_inside_any_buffer(rows):
     assert got and all(base <= a < b <= end for a, b in got), (hex(base), [(hex(a), hex(b)) for a, b in got])
     assert pinner.ready_pages() == 96
     pinner.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_pool_whose_every_layer_slides_pins_its_window_pool_only(monkeypatch, tmp_path, layout):
+    """A model whose every layer slides (Mistral with a window) keeps no full-attention layer in L2's main
+    buffer: zero bytes to pin there (it failed to allocate on the H200: ``count (0) must not be 0``); its
+    window pool holds the KV, and every page is usable at once."""
+    monkeypatch.setenv(HOLD_ENV, str(tmp_path / "no-hold"))  # the CPU path of pinning in place, not held
+    pool = make_host_pool(layout, LAYOUT, 64, 4, window_layers=(0, 1), window_pages=16)
+    try:
+        assert pool.buffer.numel() == 0 and pool.windows is not None
+        pages = pool.allocator.alloc(16)
+        assert pages is not None and len(pages) == 16
+        pool.check_integrity()
+    finally:
+        pool.release()
