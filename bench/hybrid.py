@@ -200,6 +200,8 @@ def run_model(name: str, args, sections: set[str]) -> dict:
     res: dict = {"shape": {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                 "num_attention_heads", "num_key_value_heads", "head_dim",
                                                 "vocab_size") if k in cfg}}
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f"hybrid-{name}-", dir=args.workdir)
     model_dir = write_model_dir(os.path.join(work, "model"), cfg)
     res["state_backend"] = backend_for(torch.empty(0, device=args.device))

@@ -144,6 +144,8 @@ def run_model(name: str, args) -> dict:
     cfg = config(name, args.small)
     res: dict = {"shape": {k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "vocab_size")}}
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f"models-{name}-", dir=args.workdir)
     model_dir = write_model_dir(os.path.join(work, "model"), cfg)
     t0 = time.perf_counter()

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
 GEMMA3_270M = ROOT / "models" / "gemma-3-270m"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _without_fla(name: str, *args: object) -> object:
+    """``name(*args)`` of this module in a child Python where ``import fla`` fails; JSON in and out."""
+    code = ("import json, sys; sys.modules['fla'] = None; from harness import model_utils; "
+            "a = json.load(sys.stdin); print(json.dumps(getattr(model_utils, a['name'])(*a['args'])))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps({"name": name, "args": list(args)}),
+                         capture_output=True, text=True, cwd=ROOT, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} without fla failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def smollm2_path() -> Path:
@@ -99,7 +114,13 @@ def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: HF transformers greedy generation, one prompt at a time, fp32."""
+    """Reference: HF transformers greedy generation, one prompt at a time, fp32, on the CPU.
+
+    Where fla-core is installed (the GPU machine), transformers binds its linear-attention layers to
+    fla's Triton kernels when the modeling module is imported, and those refuse CPU tensors: the
+    reference then runs in a child process that cannot import fla (HF's own torch path)."""
+    if importlib.util.find_spec("fla") is not None:
+        return _without_fla("hf_greedy", str(path), prompts, max_new_tokens)
     import torch
     from transformers import AutoModelForCausalLM
 
