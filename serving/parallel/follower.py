@@ -23,6 +23,7 @@ import torch
 
 from serving.config import EngineConfig
 from serving.parallel import messages as msg
+from serving.parallel.faults import write_error
 from serving.parallel.rpc import serve_rpc
 from serving.parallel.window_map import map_digest
 
@@ -55,7 +56,8 @@ class _Progress:
 
 
 def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection,
-                  rpc: Connection) -> None:
+                  rpc: Connection, err_path: str | None = None) -> None:
+    """Rank ``rank``'s process; ``err_path``: where its traceback goes if it fails (rank 0's message)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     # a signal to the process group is rank 0's to handle: it persists the cache (every rank's part)
     # and then stops us; we exit on our own when its pipe closes
@@ -65,6 +67,7 @@ def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: C
         _run(config, rank, size, init, cmds, rpc)
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)
+        write_error(err_path)
         sys.stderr.flush()
         os._exit(1)
 

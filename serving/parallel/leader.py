@@ -31,6 +31,7 @@ engine only per follower pipe (serving/parallel/rpc.py: requests run concurrentl
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -39,6 +40,8 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait
@@ -48,6 +51,7 @@ import torch
 
 from serving.config import EngineConfig
 from serving.parallel import messages as msg
+from serving.parallel.faults import RankDied, claim_group, death_reason, error_path
 from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
 from serving.parallel.rank import cpu_threads_per_rank
 from serving.parallel.rpc import RpcClient
@@ -60,10 +64,6 @@ log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
 
 
-class RankDied(RuntimeError):
-    """A tensor-parallel rank died; the offline engine cannot run another forward pass."""
-
-
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """``config`` for ``rank``: on CUDA rank r uses the r-th GPU after the configured one."""
     from serving.model.model_runner import resolve_device
@@ -71,6 +71,12 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     dev = resolve_device(config.model.device)
     name = f"cuda:{(dev.index or 0) + rank}" if dev.type == "cuda" else dev.type
     return dataclasses.replace(config, model=dataclasses.replace(config.model, device=name))
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    leader = ref()
+    if leader is not None:
+        leader.shutdown()
 
 
 class TPLeader:
@@ -112,6 +118,9 @@ class TPLeader:
             torch.set_num_threads(cpu_threads_per_rank(self.size))
         else:
             torch.cuda.set_device(device)
+        self._stopping = False
+        self.dead: str | None = None  # why the engine stopped (a rank died), when it did not exit
+        claim_group(self)  # the process's default group, before any rank starts (serving/parallel/faults.py)
         self._dir = tempfile.mkdtemp(prefix="hicache-tp-")
         init = f"file://{self._dir}/init"
         ctx = mp.get_context("spawn")
@@ -120,17 +129,18 @@ class TPLeader:
             rx, tx = ctx.Pipe(duplex=False)
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=follower_main, name=f"hicache-tp{r}", daemon=True,
-                            args=(rank_config(config, r), r, self.size, init, rx, theirs))
+                            args=(rank_config(config, r), r, self.size, init, rx, theirs, error_path(self._dir, r)))
             p.start()
             rx.close()
             theirs.close()
             self._cmds.append(tx)
             self._rpcs.append(RpcClient(mine, r))
             self.procs.append(p)
-        self._stopping = False
         self._exit_on_death = exit_on_death
-        self.dead: str | None = None  # why the engine stopped (a rank died), when it did not exit
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
+        # an engine never shut down still stops its ranks when the interpreter exits (they ignore the
+        # SIGTERM multiprocessing would send them, so its exit would wait for them for ever)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         self.group: TPGroup = init_tp_group(0, self.size, init, device, config.model.dist_timeout)
         self.seq = 0  # commands sent
         self._state_ops: list[tuple[str, int, int]] = []  # L1 state slot writes not sent yet (see setup)
@@ -197,9 +207,13 @@ class TPLeader:
                 (batch.state_slots_list, batch.snap_slots_list, batch.snap_offsets_list)
             self._send(msg.Forward(i64.numpy(), i32.numpy(), t, b, width, batch.page_size,
                                    batch.prefix_lens_list, batch.extend_lens_list, rows, placeholders, state))
-            if placeholders:
-                self.group.broadcast(batch.input_ids)
-            return forward(batch)
+            try:
+                if placeholders:
+                    self.group.broadcast(batch.input_ids)
+                return forward(batch)
+            except RuntimeError as e:
+                self._collective_failed(e)
+                raise
 
         return tp_forward
 
@@ -207,7 +221,11 @@ class TPLeader:
         def tp_execute(transfers: list) -> Any:
             if transfers:
                 self._send(msg.Moves([(t.kind, list(t.src_pages), list(t.dst_pages)) for t in transfers]))
-            return execute(transfers)
+            try:
+                return execute(transfers)
+            except RuntimeError as e:
+                self._collective_failed(e)
+                raise
 
         return tp_execute
 
@@ -266,20 +284,44 @@ class TPLeader:
         r, p = sentinels[ready[0]]
         p.join(1)
         try:
-            self._die(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+            self._die(death_reason(r, p, error_path(self._dir, r)))
         except RankDied:
             pass  # the offline engine: its next call raises it
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _collective_failed(self, e: RuntimeError) -> None:
+        """Rank 0's part failed (a collective's "Connection reset by peer", ...): if a follower is gone,
+        raise :class:`RankDied` naming it and why (its exit code, its traceback) instead."""
+        if isinstance(e, RankDied):
+            return
+        # a peer's socket closes as it exits: the monitor thread (which may reap it first, so that
+        # is_alive() here still says True for a moment) or this loop names it; 5 s of neither: not a death
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if self.dead is not None:
+                raise RankDied(self.dead)
+            for r, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    self._die(death_reason(r, p, error_path(self._dir, r)))  # raises RankDied (or exits)
+            time.sleep(0.05)
 
     def _die(self, why: str) -> None:
         log.error("%s: the engine stops (every rank is needed for every forward pass)", why)
         print(f"hicache engine: {why}; stopping", file=sys.stderr, flush=True)
+        if self._exit_on_death:
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            os._exit(EXIT_RANK_DIED)
+        if self.dead is None:  # the first death names the engine's end (the others are killed for it)
+            self.dead = why
         for p in self.procs:
             if p.is_alive():
                 p.kill()
-        if self._exit_on_death:
-            os._exit(EXIT_RANK_DIED)
-        self.dead = why
-        raise RankDied(why)
+        raise RankDied(self.dead)
 
     def shutdown(self) -> None:
         if self._stopping:
