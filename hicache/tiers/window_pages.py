@@ -27,6 +27,17 @@ from collections.abc import Callable, Iterable
 from hicache.tiers.allocator import PageAllocator
 
 
+def pages_per_window(window: int, page_size: int) -> int:
+    """Pages a window of ``window`` tokens can overlap (it may start inside a page)."""
+    return -(-(window - 1) // page_size) + 1
+
+
+def min_window_pages(window: int, page_size: int) -> int:
+    """The smallest window pool one request can run in: the two windows it keeps once it decodes past its
+    prompt (before its position and before its prompt's end) and the page it computes into."""
+    return 2 * pages_per_window(window, page_size) + 1
+
+
 class WindowPages:
     """The map logical page -> window page (-1: its sliding layers' KV is not on L1)."""
 

@@ -139,9 +139,9 @@ class ReqCache:
             return Admission(Answer.WAIT)  # its L3 prefetch is still worth waiting for (prefetch policy)
         self._finish_prefetch(req)
         kv, first = req.kv, not req.kv.admitted
-        self._lock_prefix(req, self._match(req))
-        n = self.chunk(req, min(req.seq_len - kv.kv_len, budget))
-        if not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n):
+        locked = self._lock_prefix(req, self._match(req))
+        n = self.chunk(req, min(req.seq_len - kv.kv_len, budget)) if locked else 0
+        if not locked or not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n):
             self.release(req)
             if first:
                 kv.admitted = False
@@ -176,13 +176,16 @@ class ReqCache:
         self.flush_transfers()  # write-through backups of hit nodes run now, before anyone reads them
         return m
 
-    def _lock_prefix(self, req: Req, match: MatchResult) -> None:
+    def _lock_prefix(self, req: Req, match: MatchResult) -> bool:
         """Lock the matched prefix (loading its L2 part back to L1) and take its pages
         as the request's first pages. Loads run in the background: the request waits
-        until :meth:`poll_load` sees every load that fills its pages done."""
+        until :meth:`poll_load` sees every load that fills its pages done. False (nothing
+        locked): a hybrid SWA L1 has no window pages for the load's last window now."""
         kv, m = req.kv, match
         state = match.state
         if match.host_hit_tokens > 0 or (state is not None and state.device_slot is None):
+            if self.windows is not None and not self.windows.room_for_load(match.host_hit_tokens // self.page_size):
+                return False
             m = self.tree.load_back(match)
             if m is not match and self.windows is not None:  # the loaded run's last window: window pages
                 done = len(match.device_pages)
@@ -214,6 +217,7 @@ class ReqCache:
             storage = min(kv.storage_hit_tokens, kv.kv_len)
             device = min(match.device_hit_tokens, kv.kv_len - storage)
             kv.cached_by_tier = {"device": device, "host": kv.kv_len - device - storage, "storage": storage}
+        return True
 
     def _wait_for_l1(self, req: Req, match: MatchResult) -> bool:
         """Whether ``req`` should wait for L1 room rather than recompute its L2 hit now."""

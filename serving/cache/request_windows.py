@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.host import HostKVPool
-from hicache.tiers.window_pages import WindowPages
+from hicache.tiers.window_pages import WindowPages, pages_per_window
 from serving.structs.request import Req
 
 
@@ -67,8 +67,7 @@ class RequestWindows:
         windows it keeps (before its position and before its prompt's end), must fit the window pool
         even when nothing else holds it; a longer chunk would never find room (it would wait forever)."""
         ps = self.page_size
-        per_window = -(-(self.window - 1) // ps) + 1
-        pages = max(1, self.windows.num_pages - 2 * per_window - 1)
+        pages = max(1, self.windows.num_pages - 2 * pages_per_window(self.window, ps) - 1)
         return max(1, pages * ps - req.kv.kv_len % ps)
 
     def prompt_end(self, req: Req) -> int:
@@ -159,12 +158,22 @@ class RequestWindows:
                 self.windows.move(p, t)
 
     # -- eviction -----------------------------------------------------------------------
-    def make_room(self, n: int) -> int:
-        """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, their full KV stays), then
-        whole L1 pages (tree eviction); returns how many were freed."""
+    def room_for_load(self, loaded_pages: int) -> bool:
+        """Before an L2 -> L1 load of ``loaded_pages`` pages is started: free window pages for its last
+        window (``for_load`` takes at most one window's), dropping only unlocked tree nodes' window pages
+        off the path the match just walked and never whole pages (the match must stay as it is); False:
+        not now (the admission answers NO_ROOM; running requests free theirs)."""
+        need = min(loaded_pages, pages_per_window(self.window, self.page_size))
+        short = need - self.windows.num_free
+        if short > 0:
+            self._drop_windows(short, self._matched)
+        return self.windows.num_free >= need
+
+    def _drop_windows(self, n: int, keep: set[int]) -> int:
+        """Unlocked tree nodes (not in ``keep``, by id) lose their window pages, LRU, until ``n`` are freed."""
         m = self.windows.map
         cands = [nd for nd in self.tree.nodes()
-                 if nd.device_pages is not None and not nd.lock_ref and not nd.loading
+                 if nd.device_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in keep
                  and any(m[p] >= 0 for p in nd.device_pages)]
         cands.sort(key=lambda nd: nd.last_access)
         freed = 0
@@ -172,6 +181,12 @@ class RequestWindows:
             if freed >= n:
                 break
             freed += self.windows.drop(nd.device_pages)
+        return freed
+
+    def make_room(self, n: int) -> int:
+        """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, their full KV stays), then
+        whole L1 pages (tree eviction); returns how many were freed."""
+        freed = self._drop_windows(n, set())
         if freed < n:
             before = self.windows.num_free
             self.tree.evict_device(n - freed)

@@ -11,6 +11,7 @@ from hicache import sizing
 from hicache.tiers.device import DeviceKVPool, KVLayout
 from hicache.tiers.kv_codec import round_trip_encoding
 from hicache.tiers.state_pool import DeviceStatePool, verify_scratch_slots
+from hicache.tiers.window_pages import min_window_pages
 from serving.config import ModelConfig, SchedulerConfig
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
@@ -57,6 +58,18 @@ def swa_pages(num_pages: int, layers: int, window_layers: int, sched: SchedulerC
     else:
         logical = max(1, int(num_pages * layers / ((layers - window_layers) + r * window_layers)))
     return logical, max(1, math.ceil(logical * r - 1e-9))
+
+
+def check_window_pool(win_pages: int, window: int, page_size: int, sched: SchedulerConfig) -> None:
+    """A window pool smaller than one request needs would leave every request waiting for window pages
+    for ever: refused, with the sizes and the flags that change them."""
+    need = min_window_pages(window, page_size)
+    if win_pages < need:
+        raise sizing.TierSizeError(
+            f"L1 window pool: {win_pages} pages of {page_size} tokens (--swa-full-tokens-ratio "
+            f"{sched.swa_full_tokens_ratio} of L1's pages) hold less than one request needs: {need} pages (the two "
+            f"windows of {window} tokens it keeps and the page it computes into); raise --swa-full-tokens-ratio or "
+            "--max-total-tokens, or keep one pool (--disable-hybrid-swa-memory)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -135,6 +148,7 @@ class ModelRunner:
         win_pages = 0
         if win_layers:
             num_pages, win_pages = swa_pages(num_pages, layout.num_layers, len(win_layers), sched, page_size)
+            check_window_pool(win_pages, max(w for w in self.layer_stack.windows if w is not None), page_size, sched)
         self.pool = DeviceKVPool(layout, num_pages, page_size, self.device, win_layers, win_pages)
         log.info("L1 KV pool: %d pages x %d tokens (%.2f GiB)%s", num_pages, page_size, self.pool.nbytes() / 2**30,
                  f"; the {len(win_layers)} sliding layers' window pool: {win_pages} pages "

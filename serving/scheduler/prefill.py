@@ -12,7 +12,8 @@ of running requests come on top of it. A step fills it in this order:
    touching it (``ReqCache.uncached_len``).
 2. **Partly prefilled requests continue** (in admission order, once their L2 load is in), with the
    rest of the budget: the long prompt keeps at least half of every pass, so short requests arriving
-   at every step at most halve its prefill rate.
+   at every step at most halve its prefill rate. One that finds no pages for its chunk retracts the
+   requests admitted after it, youngest first (as a decode step does), so the oldest always progresses.
 3. **New requests** in the policy's order take what the continuing ones left (only when they left
    some: their prefill ended in this pass), the last of them possibly in chunks. So one prompt runs in
    chunks at a time, as in SGLang; a long request that waits is not started beside another's chunks.
@@ -62,14 +63,30 @@ class PrefillPlanner:
         room = budget - held
         chunks: list[tuple[Req, int]] = []
         for r in going:
+            if r not in s.running:  # retracted below to make room for an older one
+                continue
             n = s.cache.chunk(r, min(r.seq_len - r.kv.kv_len, room))
-            if n <= 0 or not s.cache.reserve(r, r.kv.kv_len + n):
+            if n <= 0 or not self._reserve(r, n):
                 continue
             chunks.append((r, n))
             room -= n
         picked = {id(r) for r in beside}
         rest = [r for r in order if id(r) not in picked] if room > 0 else []
         return chunks + self._admit(beside + rest, room + held)
+
+    def _reserve(self, r: Req, n: int) -> bool:
+        """Pages (and a hybrid SWA L1's window pages) for ``n`` more tokens of ``r``, retracting requests
+        admitted after it that are still prefilling (youngest first) while it finds no room, as a decode
+        step does; with none it waits. Without this, requests in chunks that each hold part of a pool (a small window pool: the
+        two windows each keeps) could all wait for one another, no pass ever running."""
+        s = self.s
+        while not s.cache.reserve(r, r.kv.kv_len + n):
+            # only those still prefilling: this step's decode rows are reserved already (they finish and free)
+            younger = [v for v in s.running[s.running.index(r) + 1:] if v.prefilling]
+            if not younger:
+                return False
+            s._retract(younger[-1])
+        return True
 
     def _order(self) -> list[Req]:
         s = self.s

@@ -157,3 +157,71 @@ def test_a_prompt_longer_than_the_window_pool_runs_in_chunks_that_fit(tiny) -> N
         assert ids_of(generate_checked(eng, [prompt], GREEDY)) == ref
     finally:
         eng.shutdown()
+
+
+def test_a_window_pool_smaller_than_one_request_needs_is_refused(tiny) -> None:
+    """Two windows and a page (2 x 3 + 1 = 7 pages of 4 tokens for an 8-token window): one page less and
+    a request that decodes past its prompt would wait for window pages for ever."""
+    path = tiny[0]
+    with pytest.raises(ValueError, match=r"window pool: 6 pages .* less than one request needs: 7 pages"):
+        Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True,
+               swa_full_tokens_ratio=6 / 256)
+
+
+def _within(seconds: float, run):  # noqa: ANN001, ANN202
+    """``run()`` in a thread; its result, or AssertionError if it is still running after ``seconds``
+    (a stalled engine: no pass ever runs)."""
+    import threading
+
+    box: list = []
+
+    def target() -> None:
+        try:
+            box.append(run())
+        except BaseException as e:  # noqa: BLE001 (raised below, in the test's thread)
+            box.append(e)
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: the engine stalled"
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def test_prompts_in_chunks_never_wait_for_one_another_in_the_smallest_window_pool(tiny) -> None:
+    """10 prompts, 4 running, a window pool of one request's need: each prompt's chunks take window pages
+    while the others hold theirs; before, every running request waited for window pages for ever (no pass
+    ran: the engine hung). A chunk that finds no room now retracts younger prefilling requests."""
+    path, ps, ref = tiny
+    _, others = tier_prompts()
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True,
+                 swa_full_tokens_ratio=7 / 256, max_running_requests=4)
+    try:
+        outs = _within(240, lambda: generate_checked(eng, ps + others, GREEDY))
+        assert ids_of(outs)[:len(ps)] == ref
+        assert eng.core.scheduler.stats.retractions > 0
+    finally:
+        eng.shutdown()
+
+
+def test_the_smallest_window_pool_serves_concurrent_chunked_prompts_and_l2_returns(tiny) -> None:
+    """The window pool at exactly one request's need, 10 prompts 4 at a time in 8-token chunks, then 4 of
+    them back from L2: requests in chunks that each held part of the pool used to wait for one another
+    for ever (a chunk now retracts younger prefilling requests, as decode does), and an L2 load that found
+    no window pages for its last window raised; now every answer is HF's."""
+    path, ps, ref = tiny
+    _, others = tier_prompts()
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, enable_hybrid_swa_memory=True,
+                 swa_full_tokens_ratio=7 / 256, chunked_prefill_size=8, max_running_requests=4, hicache_ratio=4.0,
+                 hicache_write_policy="write_through", write_through_threshold=1)
+    try:
+        assert eng.core.runner.pool.window_pages == 7
+        first = _within(240, lambda: generate_checked(eng, ps + others, GREEDY))  # 10 prompts, 4 at a time
+        assert ids_of(first)[:len(ps)] == ref
+        eng.core.tree.evict_device(eng.core.tree.cached_pages("device"))  # everything to L2
+        again = _within(240, lambda: generate_checked(eng, ps, GREEDY))
+        assert ids_of(again) == ref
+        assert sum(o["meta_info"]["cached_tokens_details"]["host"] for o in again) > 0
+    finally:
+        eng.shutdown()
