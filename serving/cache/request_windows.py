@@ -158,30 +158,33 @@ class RequestWindows:
                 self.windows.move(p, t)
 
     # -- eviction -----------------------------------------------------------------------
-    def room_for_load(self, loaded_pages: int) -> bool:
-        """Before an L2 -> L1 load of ``loaded_pages`` pages is started: free window pages for its last
-        window (``for_load`` takes at most one window's), dropping only unlocked tree nodes' window pages
-        off the path the match just walked and never whole pages (the match must stay as it is); False:
-        not now (the admission answers NO_ROOM; running requests free theirs)."""
+    def room_for_load(self, device_pages: Sequence[int], loaded_pages: int) -> bool:
+        """Before an L2 -> L1 load of ``loaded_pages`` pages after a match's L1 pages ``device_pages`` is
+        started: free window pages for its last window (``for_load`` takes at most one window's), dropping
+        unlocked tree nodes' window pages but never whole pages (the match must stay as it is) nor those of
+        the match's own L1 pages in that last window; False: not now (the admission answers NO_ROOM)."""
         need = min(loaded_pages, pages_per_window(self.window, self.page_size))
         short = need - self.windows.num_free
         if short > 0:
-            self._drop_windows(short, self._matched)
+            first = self.first_needed((len(device_pages) + loaded_pages) * self.page_size)
+            self._drop_windows(short, set(device_pages[first:]))
         return self.windows.num_free >= need
 
     def _drop_windows(self, n: int, keep: set[int]) -> int:
-        """Unlocked tree nodes (not in ``keep``, by id) lose their window pages, LRU, until ``n`` are freed."""
+        """Unlocked tree nodes lose their window pages (all but the pages in ``keep``), LRU, until ``n``
+        are freed."""
         m = self.windows.map
         cands = [nd for nd in self.tree.nodes()
-                 if nd.device_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in keep
-                 and any(m[p] >= 0 for p in nd.device_pages)]
+                 if nd.device_pages is not None and not nd.lock_ref and not nd.loading
+                 and any(m[p] >= 0 and p not in keep for p in nd.device_pages)]
         cands.sort(key=lambda nd: nd.last_access)
-        freed = 0
+        victims, count = [], 0
         for nd in cands:
-            if freed >= n:
+            if count >= n:
                 break
-            freed += self.windows.drop(nd.device_pages)
-        return freed
+            victims.append(nd)
+            count += sum(1 for p in nd.device_pages if m[p] >= 0 and p not in keep)
+        return sum(self.windows.drop([p for p in nd.device_pages if p not in keep]) for nd in victims)
 
     def make_room(self, n: int) -> int:
         """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, their full KV stays), then

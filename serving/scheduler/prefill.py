@@ -77,15 +77,15 @@ class PrefillPlanner:
     def _reserve(self, r: Req, n: int) -> bool:
         """Pages (and a hybrid SWA L1's window pages) for ``n`` more tokens of ``r``, retracting requests
         admitted after it that are still prefilling (youngest first) while it finds no room, as a decode
-        step does; with none it waits. Without this, requests in chunks that each hold part of a pool (a small window pool: the
-        two windows each keeps) could all wait for one another, no pass ever running."""
+        step does; with none it waits. Without this, requests in chunks that each hold part of a pool (a
+        small window pool: the two windows each keeps) could all wait for one another, no pass running."""
         s = self.s
         while not s.cache.reserve(r, r.kv.kv_len + n):
             # only those still prefilling: this step's decode rows are reserved already (they finish and free)
             younger = [v for v in s.running[s.running.index(r) + 1:] if v.prefilling]
             if not younger:
                 return False
-            s._retract(younger[-1])
+            s.retract(younger[-1])
         return True
 
     def _order(self) -> list[Req]:

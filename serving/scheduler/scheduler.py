@@ -323,14 +323,14 @@ class Scheduler:
                     self._finished_outside_step.append(r)
                     break
                 victim = self.running[-1]
-                self._retract(victim)
+                self.retract(victim)
                 if victim is r:
                     break
             else:
                 ready.append(r)
         return ready
 
-    def _retract(self, r: Req) -> None:
+    def retract(self, r: Req) -> None:
         """Preempt: cache what it computed, free its pages, requeue it at the front."""
         self.running.remove(r)
         self.cache.release(r)
