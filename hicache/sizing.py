@@ -209,6 +209,25 @@ def plan_l2(hicache_ratio: float, hicache_size: float, effective_ratio: float, l
     return fit("L2", req, mem.budget(share), mem.explain(share), min_bytes)
 
 
+def plan_l2_state(slots: int, min_slots: int, slot_bytes: int, l2_kv_bytes: int, share: int = 1,
+                  mem: HostMemory | None = None) -> tuple[int, str | None]:
+    """(L2 state slots, the clamp warning or None): ``slots`` (derived from L2's page ratio) as far as they fit
+    beside L2's ``l2_kv_bytes`` in the host's memory (L2's pages are committed as they are pinned or
+    touched, so they are counted as taken); fewer than ``min_slots`` (one per L1 state slot: a demoted
+    snapshot needs one) is a TierSizeError."""
+    mem = mem or HostMemory.probe()
+    room = max(0, mem.budget(share) - l2_kv_bytes)
+    fits = room // max(1, slot_bytes)
+    if fits >= slots:
+        return slots, None
+    what = f"{gib(slot_bytes)} each beside L2's {gib(l2_kv_bytes)} of KV: {mem.explain(share)}"
+    if fits < min_slots:
+        raise TierSizeError(f"L2 state pool: {min_slots} slots (one per L1 state slot) of {what}; lower "
+                            "--hicache-size / --hicache-ratio or --max-mamba-cache-size")
+    return fits, (f"L2 state pool: {slots} slots of {what}; clamped to {fits} (lower --hicache-size / "
+                  "--hicache-ratio to keep more L2 room for state)")
+
+
 # -- L3 ---------------------------------------------------------------------------------------
 def disk_free(path: str | os.PathLike[str], environ: Mapping[str, str] = os.environ) -> int:
     """Free bytes on the file system that holds ``path`` (or would: its nearest existing ancestor)."""

@@ -197,9 +197,14 @@ class EngineCore:
 
     def _make_host_state_pool(self, device_slots: int) -> HostStatePool:
         """L2 state snapshots: as many slots, relative to L1's, as L2 has pages relative to L1's
-        (``--hicache-ratio``, at least L1's count: a demoted snapshot needs a slot)."""
+        (``--hicache-ratio``, at least L1's count: a demoted snapshot needs a slot), as far as the host's
+        memory holds them beside L2's KV (hicache.sizing.plan_l2_state: clamped with a warning)."""
         ratio = self.host_pool.num_pages / max(1, self.runner.pool.num_pages)
-        n = max(device_slots, round(device_slots * ratio))
+        n, warning = sizing.plan_l2_state(max(device_slots, round(device_slots * ratio)), device_slots,
+                                          self.runner.state_pool.layout.bytes_per_slot(), self.host_pool.nbytes(),
+                                          share=self.config.model.tp_size)
+        if warning is not None:  # (a pool past the host's memory got the process killed: Qwen3.5 9B, 32 GB L2)
+            log.warning("%s", warning)
         host = HostStatePool(self.runner.state_pool.layout, n, pin_memory=self.runner.device.type == "cuda")
         log.info("L2 state pool: %d slots (%.2f GiB)", n, host.nbytes() / 2**30)
         return host

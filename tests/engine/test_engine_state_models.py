@@ -111,3 +111,33 @@ def test_the_default_state_pool_of_the_9b_shape_stays_within_the_kv_ratio(tmp_pa
     slots = state_slots_for(64, slot_bytes, kv_bytes, 0.9)
     assert 4 * 64 + 8 > slots >= 4, slots
     assert slots * slot_bytes <= max(0.9 * kv_bytes, STATE_FLOOR_BYTES), (slots, slot_bytes, kv_bytes)
+
+
+def test_the_l2_state_pool_fits_beside_l2_in_the_hosts_memory(tiny, monkeypatch) -> None:
+    """L2's state slots follow L2's page ratio (4 x L1's 40 here) only as far as the host's memory holds them
+    beside L2's KV: clamped with a warning, and an error when not even one per L1 slot fits (before, the pool
+    was allocated whatever the host had: on the H200 host Qwen3.5's 9B shape with a 32 GB L2 asked 28 GB more
+    and the process was killed)."""
+    from hicache.sizing import MEM_AVAILABLE_ENV, MEM_TOTAL_ENV, GiB
+
+    path, ps, ref = tiny
+    kw = dict(model_path=str(path), page_size=4, max_total_tokens=256, hicache_ratio=4.0, max_mamba_cache_size=40)
+    eng = Engine(**kw)
+    try:
+        slot, kv, want = (eng.core.host_state_pool.bytes_per_slot, eng.core.host_pool.nbytes(),
+                          eng.core.host_state_pool.num_slots)
+    finally:
+        eng.shutdown()
+    assert want == 160
+    monkeypatch.setenv(MEM_TOTAL_ENV, "4")  # headroom: 2 GiB
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, str(2 + (kv + 100 * slot) / GiB))
+    eng = Engine(**kw)
+    try:
+        assert 90 <= eng.core.host_state_pool.num_slots <= 100
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, str(2 + (kv + 20 * slot) / GiB))
+    with pytest.raises(ValueError, match=r"L2 state pool: 40 slots \(one per L1 state slot\)"):
+        Engine(**kw)
