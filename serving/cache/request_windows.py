@@ -178,13 +178,12 @@ class RequestWindows:
                  if nd.device_pages is not None and not nd.lock_ref and not nd.loading
                  and any(m[p] >= 0 and p not in keep for p in nd.device_pages)]
         cands.sort(key=lambda nd: nd.last_access)
-        victims, count = [], 0
+        freed = 0
         for nd in cands:
-            if count >= n:
+            if freed >= n:
                 break
-            victims.append(nd)
-            count += sum(1 for p in nd.device_pages if m[p] >= 0 and p not in keep)
-        return sum(self.windows.drop([p for p in nd.device_pages if p not in keep]) for nd in victims)
+            freed += self.windows.drop([p for p in nd.device_pages if p not in keep])
+        return freed
 
     def make_room(self, n: int) -> int:
         """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, their full KV stays), then

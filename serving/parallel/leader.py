@@ -92,7 +92,9 @@ class TPLeader:
     at most ``--dist-timeout``; ``_answers`` waits for each follower's answer at most
     ``2 * dist_timeout + 10`` s, then takes the engine down (``_die``). The ``tp-monitor`` thread
     only waits for a follower to exit and then takes the engine down (unless ``_stopping``, set
-    by ``shutdown`` before the followers are told to stop). No lock of its own: ``_cmds`` is
+    by ``shutdown`` before the followers are told to stop). ``dead`` is written by whichever of the
+    monitor and the scheduler thread (a collective that failed: ``_collective_failed``) names a dead
+    rank first; both only set it from None to a reason, and readers raise it. No lock of its own: ``_cmds`` is
     used by the scheduler thread only, the rest is fixed at construction.
     """
 
