@@ -223,6 +223,11 @@ class HostKVPool(ABC):
             rows = kv.index_select(0, self.window_rows)[:, have]
             self.windows.write(torch.tensor([wins[i] for i in have], dtype=torch.long), rows)
 
+    def page_rows(self, page: int) -> torch.Tensor:
+        """Page ``page``'s rows in ``buffer`` (the full layers' only, with a host window pool) as a
+        ``[rows, row_elems]`` view, for one-copy writes (an L3 read landing a page)."""
+        return self.buffer.select(self.page_dim, page)
+
     def page_bytes(self, page: int) -> bytes:
         """One page as bytes, layers included (what goes to L3 as one value)."""
         self.wait_pending_writes()

@@ -133,6 +133,10 @@ class HostWindows:
         return self.buffer.index_select(self.page_dim, wins) if not self.page_first else \
             self.buffer.index_select(0, wins).transpose(0, 1)
 
+    def page_rows(self, win: int) -> torch.Tensor:
+        """Host window page ``win``'s rows as a ``[rows, X]`` view (written in place by L3 reads)."""
+        return self.buffer[win] if self.page_first else self.buffer[:, win]
+
     def write(self, wins: torch.Tensor, rows: torch.Tensor) -> None:
         """Host window pages ``wins`` := ``rows`` (``[rows, n, X]``)."""
         if self.page_first:

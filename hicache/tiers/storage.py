@@ -16,7 +16,8 @@ prefix grows while it runs. Two data paths, chosen per call:
 - **staged** (any other pool or backend, e.g. Mooncake with its registered buffers): values
   land in a staging buffer of the reader thread and are scattered into the pool's layout.
 An L2 with a host window pool always takes the staged path: a page whose sliding part it did not keep is
-stored without it, a smaller value (:mod:`hicache.tiers.storage_windows`).
+stored without it, a smaller value (:mod:`hicache.tiers.storage_windows`); over LMDB its reads still run on
+every reader thread in the direct path's small groups, each value landed with one copy per part.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class StorageTier:
                 on_done(job)
 
         job = ReadJob(len(keys), self.fetch_batch_pages(host_pool), run_group, finished)
-        return job.submit(self._readers if direct else self._staged_readers)
+        return job.submit(self._readers if direct or self._windowed_direct(host_pool) else self._staged_readers)
 
     def batch_set(self, keys: Sequence[str], host_pool: HostKVPool, host_pages: Sequence[int]) -> int:
         """Store host pages ``host_pages`` under ``keys`` (same length), in order. Returns how
@@ -244,13 +245,19 @@ class StorageTier:
     def fetch_batch_pages(self, pool: HostKVPool) -> int:
         """Pages of one reader task into ``pool`` (a read job's group): on the direct path
         about ``READ_GROUP_BYTES`` (at most 8 pages); staged, one staging buffer."""
-        return self.read_group if self._direct(pool) else self.batch_pages
+        return self.read_group if self._direct(pool) or self._windowed_direct(pool) else self.batch_pages
 
     # ------------------------------------------------------------------ direct path
     def _direct(self, pool: HostKVPool) -> bool:
         """A page's L2 bytes are its L3 payload: same layout order and same encoding."""
         return pool.layout_name == "page_first" and pool.encoding == self.encoding.name and \
             getattr(self.backend, "direct_reads", False) and not windowed(pool, self.codec)
+
+    def _windowed_direct(self, pool: HostKVPool) -> bool:
+        """An L2 with a host window pool over a backend whose reads are plain copies (LMDB): staged values,
+        landed page by page, but on every reader thread in small groups as the direct path reads (a staged
+        backend such as Mooncake keeps its two staged readers)."""
+        return getattr(self.backend, "direct_reads", False) and windowed(pool, self.codec)
 
     def _pool_view(self, pool: HostKVPool) -> np.ndarray:
         view = self._views.get(id(pool))

@@ -72,19 +72,19 @@ def land(codec: PageCodec, key: str, row: np.ndarray, size: int, pool: HostKVPoo
     trailer = row[nb: nb + TRAILER_SIZE]
     if not c.verify_parts(trailer, key, row[:nb]):
         return False
-    dtype = pool.buffer.dtype
-    data = torch.from_numpy(row[:nb]).view(dtype).view(-1, pool.row_elems)
-    kv = torch.zeros((2 * pool.layout.num_layers, 1, pool.row_elems), dtype=dtype)
+    data = torch.from_numpy(row[:nb]).view(pool.buffer.dtype).view(-1, pool.row_elems)
     keep = c is codec and not c.flags_of(trailer) & SLIDING_INVALID
-    if c is codec:
-        kv[:, 0] = data
-    else:
-        kv[pool.full_rows, 0] = data
     windows = pool.windows
     assert windows is not None
-    if keep:
-        windows.take_free(page)
-    else:
+    win = windows.take_free(page) if keep else -1
+    if not keep:
         windows.drop([page])
-    pool.write_pages(torch.tensor([page], dtype=torch.long), kv)
+    pool.wait_pending_writes()
+    # one copy per part, straight into the page's rows (a whole value holds every layer in device order)
+    if c is codec:
+        pool.page_rows(page).copy_(data.index_select(0, pool.full_rows))
+        if win >= 0:
+            windows.page_rows(win).copy_(data.index_select(0, pool.window_rows))
+    else:
+        pool.page_rows(page).copy_(data)
     return True
