@@ -125,6 +125,8 @@ class HostKVPool(ABC):
         if self.pinner is not None:
             self._unpin()  # pinner.close(), once
             self.pinner = None
+        if self.windows is not None:
+            self.windows.release()
         self.buffer = torch.empty(0, dtype=self.buffer.dtype)
 
     def add_pending_write(self, event: torch.cuda.Event) -> None:

@@ -70,6 +70,47 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[:nbytes].view(dtype).view(shape)
 
 
+class PinnedTensors:
+    """Host tensors each in memory of its own (:func:`aligned_empty`), zeroed by torch's threads and then
+    page-locked whole (``cudaHostRegister``, portable | mapped) when ``pin``; plain zeros otherwise.
+
+    Not torch's ``pin_memory=True``: its caching host allocator rounds every allocation up to a power of
+    two and keeps it pinned after the tensor is freed (measured on the H200 host: Qwen3.5's 28 GB L2 state
+    pool, 48 tensors of 1.15 GB, pinned 48 GiB, and a restarted engine beside it was killed for memory).
+
+    Contract: :meth:`zeros` and :meth:`close` are the owner's (one thread at a time); :meth:`close`
+    unregisters every tensor made so far (idempotent) and must run before they are freed: owners call it
+    from their ``release`` and from a ``weakref.finalize`` on themselves (run before their attributes go).
+    """
+
+    def __init__(self, pin: bool, register: Register | None = None,
+                 unregister: Callable[[int], None] | None = None) -> None:
+        """``register`` / ``unregister``: CUDA's by default (a test passes its own)."""
+        self.pin = pin
+        self._register = register or cuda_register
+        self._unregister = unregister or cuda_unregister
+        self._registered: list[int] = []
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if not self.pin:
+            return torch.zeros(shape, dtype=dtype)
+        t = aligned_empty(shape, dtype)
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            t.zero_()  # fault the pages in outside the driver (registering absent pages is ~6x slower)
+            self._register(t.data_ptr(), -(-nbytes // ALIGN) * ALIGN)  # whole ALIGN blocks, all the tensor's own
+            self._registered.append(t.data_ptr())
+        return t
+
+    def close(self) -> None:
+        ptrs, self._registered = self._registered, []
+        for ptr in ptrs:
+            try:
+                self._unregister(ptr)
+            except Exception as e:  # already gone with the context: nothing left to give back
+                log.warning("unpinning failed: %s", e)
+
+
 def no_register(ptr: int, size: int) -> None:
     """Stands in for cudaHostRegister where nothing is pinned (the CPU test hold)."""
 

@@ -38,6 +38,10 @@ class HostStatePool:
         self.layout = layout
         self.num_slots = num_slots
 
+    def release(self) -> None:
+        """Unpin and drop the slots (shutdown, once nothing copies any more)."""
+        self.slots.release()
+
     @property
     def buffers(self) -> list[list[torch.Tensor]]:
         return self.slots.buffers

@@ -24,11 +24,13 @@ Contract:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from hicache.tiers.allocator import PageAllocator
+from hicache.tiers.host_pinning import PinnedTensors
 from hicache.tiers.window_pages import WindowPages
 
 
@@ -56,7 +58,9 @@ class HostWindows:
         self._pages = WindowPages(num_host_pages, max(1, num_pages))
         self.page_first = page_first
         shape = (max(1, num_pages), rows, row_elems) if page_first else (rows, max(1, num_pages), row_elems)
-        self.buffer = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self._pinned = PinnedTensors(pin)  # exact size, unpinned on release (not torch's pin_memory)
+        self._unpin = weakref.finalize(self, self._pinned.close)
+        self.buffer = self._pinned.zeros(shape, dtype)
         self.page_dim = 0 if page_first else 1
         self.valid = _Valid(self)
         self._lock = threading.Lock()
@@ -143,6 +147,11 @@ class HostWindows:
             self.buffer.index_copy_(0, wins, rows.transpose(0, 1).contiguous())
         else:
             self.buffer.index_copy_(1, wins, rows)
+
+    def release(self) -> None:
+        """Unpin and drop the buffer (the owning pool's release: nothing copies any more)."""
+        self._unpin()
+        self.buffer = torch.empty(0, dtype=self.buffer.dtype)
 
     def check_integrity(self, allocated: Callable[[int], bool]) -> None:
         with self._lock:

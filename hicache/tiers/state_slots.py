@@ -9,11 +9,13 @@ payload bytes) and keeps its own error type for a full pool.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from hicache.tiers.allocator import PageAllocator
+from hicache.tiers.host_pinning import PinnedTensors
 from hicache.tiers.state_layout import StateLayout
 
 
@@ -39,10 +41,17 @@ class StateSlots:
         self.num_slots = num_slots
         self.extra = extra
         self.name = name
+        # pinned host memory through PinnedTensors (exact sizes, unpinned on release), not torch's pin_memory
+        self._pinned = PinnedTensors(pin_memory)
+        self._unpin = weakref.finalize(self, self._pinned.close)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return self._pinned.zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
         self.buffers: list[list[torch.Tensor]] = [
-            [torch.zeros((num_slots + extra, *t.shape), dtype=t.dtype, device=device, pin_memory=pin_memory)
-             for t in layer]
-            for layer in layout.layers
+            [zeros((num_slots + extra, *t.shape), t.dtype) for t in layer] for layer in layout.layers
         ]
         self.free_list = PageAllocator(num_slots)
 
@@ -51,7 +60,8 @@ class StateSlots:
         return [buf for layer in self.buffers for buf in layer]
 
     def release(self) -> None:
-        """Drop the buffers (shutdown: their memory goes back once nothing else holds them)."""
+        """Unpin and drop the buffers (shutdown: their memory goes back once nothing else holds them)."""
+        self._unpin()
         self.buffers = []
 
     # -- slots ---------------------------------------------------------------------------------

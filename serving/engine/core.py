@@ -366,6 +366,8 @@ class EngineCore:
                 self.tp.shutdown()
             if self.host_pool is not None:  # pinned pages go back to the host (nothing copies any more)
                 self.host_pool.release()
+            if self.host_state_pool is not None:
+                self.host_state_pool.release()
 
     def release(self) -> None:
         """After :meth:`shutdown`: drop every reference this engine holds (the model, L1 and its
