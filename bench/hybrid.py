@@ -125,8 +125,15 @@ def ttft_section(res: dict, args, model_dir: str, cfg: dict, work: str) -> None:
     details: dict[str, list] = {}
 
     def hit(name: str, prompt: list[int]) -> float:
+        storage = eng.core.storage if name == "l3" else None
+        before = storage.stats() if storage is not None else {}
         dt, out = timed(eng, prompt)
         details.setdefault(name, []).append(out["meta_info"]["cached_tokens_details"])
+        res.setdefault("ttft_times_s", {}).setdefault(name, []).append(round(dt, 4))
+        if storage is not None:  # the hit's own L3 read: seconds inside the tier and bytes
+            after = storage.stats()
+            res.setdefault("ttft_l3_reads", []).append(
+                {k: round(after.get(k, 0) - before.get(k, 0), 4) for k in ("read_s", "bytes_read", "hits")})
         return dt
 
     warm = rand_prompts(2, ctx - 64, vocab, seed=46), rand_prompts(2, 63, vocab, seed=47)

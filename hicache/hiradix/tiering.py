@@ -260,6 +260,17 @@ class Tiering:
         self.backup(nodes, protect=path[-1] if path else self.shape.root, keep=True)
         return self.residency.cached_pages("host") - before
 
+    def demote(self, nodes: list[TreeNode], protect: TreeNode | None = None) -> int:
+        """Give unlocked L1 nodes without an L2 copy one before a part of their L1 KV is dropped (a hybrid SWA
+        L1's window pages), L2 room made as for any backup but never on ``protect``'s path; emits backup
+        transfers; returns pages backed up."""
+        nodes = [n for n in nodes if n.device_pages is not None and n.host_pages is None and not n.removed]
+        if self.host is None or not nodes:
+            return 0
+        before = self.residency.cached_pages("host")
+        self.backup(nodes, protect=protect if protect is not None else self.shape.root)
+        return self.residency.cached_pages("host") - before
+
     def backup(self, nodes: list[TreeNode], protect: TreeNode, keep: bool = False) -> None:
         """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped.
         ``keep``: a copy asked for on purpose, which the exclusive mode keeps beside the L1 one."""

@@ -314,6 +314,10 @@ class HiRadixTree:
         """Give the L1 nodes on ``tokens``' path an L2 copy now (see :meth:`Tiering.backup_prefix`)."""
         return self.tiering.backup_prefix(tokens)
 
+    def demote(self, nodes: list[TreeNode], protect: TreeNode | None = None) -> int:
+        """L2 copies for L1 nodes about to lose part of their L1 KV (see :meth:`Tiering.demote`)."""
+        return self.tiering.demote(nodes, protect)
+
     def take_transfers(self) -> list[Transfer]:
         """Drain the outbox (see the ordering contract in the module docstring)."""
         return self.tiering.take()

@@ -185,7 +185,7 @@ class ReqCache:
         state = match.state
         if match.host_hit_tokens > 0 or (state is not None and state.device_slot is None):
             if self.windows is not None and not self.windows.room_for_load(
-                    match.device_pages, match.host_hit_tokens // self.page_size):
+                    match.device_pages, match.host_hit_tokens // self.page_size, match.last_host_node):
                 return False
             m = self.tree.load_back(match)
             if m is not match and self.windows is not None:  # the loaded run's last window: window pages

@@ -16,7 +16,9 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
 - At release, a request page that duplicated a tree page hands its window page to the tree page when
   that has none (``adopt``): the same positions' window KV.
 - Under window-pool pressure (``make_room``) unlocked tree nodes lose their window pages alone, least
-  recently used first (their full KV stays, matches then stop higher); only then are whole pages evicted.
+  recently used first (their full KV stays, matches on L1 then stop higher); only then are whole pages
+  evicted. Demote before drop: a victim without an L2 copy is backed up first (full and window KV, the
+  tree making L2 room as for any backup), so a match from L2 still resumes at its end.
 - An L2 with a host window pool (hicache/tiers/host_windows.py) is reclaimed the same way
   (``make_host_room``, installed as its ``reclaim``: a backup short of host window pages calls it):
   unlocked, unpinned, not loading tree nodes lose their host window pages alone, least recently used
@@ -28,9 +30,9 @@ Concurrency contract: the scheduler thread only (as ReqCache, its owner).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hicache.hiradix import HiRadixTree, MatchResult
+from hicache.hiradix import HiRadixTree, MatchResult, TreeNode
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.window_pages import WindowPages, pages_per_window
 from serving.structs.request import Req
@@ -40,8 +42,11 @@ class RequestWindows:
     """The window pages' policy for requests and the tree (see the module docstring)."""
 
     def __init__(self, windows: WindowPages, tree: HiRadixTree, page_size: int, window: int,
-                 host: HostKVPool | None) -> None:
+                 host: HostKVPool | None, flush: Callable[[], None] | None = None) -> None:
+        """``flush``: runs the tree's queued moves (TransferRunner.flush); None: window pages are dropped
+        without demoting them first."""
         self.windows = windows
+        self._flush = flush
         self.tree = tree
         self.page_size = page_size
         self.window = window  # the largest window of the model's sliding layers
@@ -125,19 +130,22 @@ class RequestWindows:
         return list(loaded[lo - prefix_pages:])
 
     def on_early_load(self, before: MatchResult, after: MatchResult) -> None:
-        """An L3 prefetch's early L2 -> L1 load (``before`` -> ``after``, serving/cache/l3_fetch.py): where the
-        request will resume is not known yet, so every loaded page whose L2 sliding part is valid gets a
-        window page, as far as the window pool has free ones (no eviction: the load itself evicts nothing)."""
+        """An L3 prefetch's early L2 -> L1 load (``before`` -> ``after``, serving/cache/l3_fetch.py): the
+        loaded pages of the last window before the load's end (where the fetch's request resumes) whose L2
+        sliding part is valid get window pages, as far as the window pool has free ones (no eviction: the load
+        itself evicts nothing). Only that window: a load's whole run would hold every window page of a small
+        pool, and requests computing would wait for room no one gives back."""
         flags = self.host.sliding_valid if self.host is not None else None
         if flags is None:
             return
-        want: list[int] = []
+        chain: list[tuple[int, int]] = []  # (L1, L2) pages of the loaded run, deepest node first
         nd, top = after.last_device_node, before.last_device_node
         while nd is not None and nd is not top:
             if nd.device_pages is not None and nd.host_pages is not None:
-                want += [d for d, h in zip(nd.device_pages, nd.host_pages, strict=False) if flags[h]]
+                chain = list(zip(nd.device_pages, nd.host_pages, strict=False)) + chain
             nd = nd.parent
-        want = want[: self.windows.num_free]
+        last = chain[-pages_per_window(self.window, self.page_size):]
+        want = [d for d, h in last if flags[h]][: self.windows.num_free]
         self.windows.assign(want)
 
     def adopt(self, tokens: Sequence[int], own: Sequence[int], dup: Sequence[int]) -> None:
@@ -158,36 +166,42 @@ class RequestWindows:
                 self.windows.move(p, t)
 
     # -- eviction -----------------------------------------------------------------------
-    def room_for_load(self, device_pages: Sequence[int], loaded_pages: int) -> bool:
+    def room_for_load(self, device_pages: Sequence[int], loaded_pages: int, protect: TreeNode | None = None) -> bool:
         """Before an L2 -> L1 load of ``loaded_pages`` pages after a match's L1 pages ``device_pages`` is
         started: free window pages for its last window (``for_load`` takes at most one window's), dropping
         unlocked tree nodes' window pages but never whole pages (the match must stay as it is) nor those of
-        the match's own L1 pages in that last window; False: not now (the admission answers NO_ROOM)."""
+        the match's own L1 pages in that last window (``protect``: the match's last node, whose path a demotion's
+        L2 room never comes from); False: not now (the admission answers NO_ROOM)."""
         need = min(loaded_pages, pages_per_window(self.window, self.page_size))
         short = need - self.windows.num_free
         if short > 0:
             first = self.first_needed((len(device_pages) + loaded_pages) * self.page_size)
-            self._drop_windows(short, set(device_pages[first:]))
+            self._drop_windows(short, set(device_pages[first:]), protect)
         return self.windows.num_free >= need
 
-    def _drop_windows(self, n: int, keep: set[int]) -> int:
+    def _drop_windows(self, n: int, keep: set[int], protect: TreeNode | None = None) -> int:
         """Unlocked tree nodes lose their window pages (all but the pages in ``keep``), LRU, until ``n``
-        are freed."""
+        are freed. Demoted first: those without an L2 copy get one (their window KV with it; the tree may
+        evict L2-only leaves for the room, never on ``protect``'s path), copied before the drop."""
         m = self.windows.map
         cands = [nd for nd in self.tree.nodes()
                  if nd.device_pages is not None and not nd.lock_ref and not nd.loading
                  and any(m[p] >= 0 and p not in keep for p in nd.device_pages)]
         cands.sort(key=lambda nd: nd.last_access)
-        freed = 0
+        victims, count = [], 0
         for nd in cands:
-            if freed >= n:
+            if count >= n:
                 break
-            freed += self.windows.drop([p for p in nd.device_pages if p not in keep])
-        return freed
+            victims.append(nd)
+            count += sum(1 for p in nd.device_pages if m[p] >= 0 and p not in keep)
+        if self._flush is not None and self.host is not None and \
+                self.tree.demote([nd for nd in victims if nd.host_pages is None], protect):
+            self._flush()  # the backups read the window pages: copied before they are freed
+        return sum(self.windows.drop([p for p in nd.device_pages if p not in keep]) for nd in victims)
 
     def make_room(self, n: int) -> int:
-        """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, their full KV stays), then
-        whole L1 pages (tree eviction); returns how many were freed."""
+        """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, demoted to L2 before, their full
+        KV stays on L1), then whole L1 pages (tree eviction); returns how many were freed."""
         freed = self._drop_windows(n, set())
         if freed < n:
             before = self.windows.num_free
