@@ -42,7 +42,7 @@ from hicache.tiers.mooncake.store import MooncakeStore
 from hicache.tiers.native_copy import copy_and_hash
 from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
-from hicache.tiers.storage_windows import frame, is_short_page, land, windowed
+from hicache.tiers.storage_windows import frame, is_short_page, land, read_direct, reads_direct, windowed
 
 __all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
            "default_read_threads"]
@@ -134,7 +134,8 @@ class StorageTier:
         self._check(keys, host_pool, host_pages)
         keys, pages = list(keys), list(host_pages)
         direct = self._direct(host_pool)
-        view = self._pool_view(host_pool) if direct else None
+        short_direct = not direct and reads_direct(host_pool, self.codec, self.backend)
+        view = self._pool_view(host_pool) if direct or short_direct else None
 
         def run_group(lo: int, hi: int) -> int:
             self._read_clock.enter()
@@ -142,6 +143,8 @@ class StorageTier:
                 host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
                 if direct:
                     return self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
+                if short_direct:
+                    return self._read_windowed(keys[lo:hi], view, pages[lo:hi], host_pool)
                 return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
             finally:
                 self._read_clock.leave()
@@ -254,10 +257,20 @@ class StorageTier:
             getattr(self.backend, "direct_reads", False) and not windowed(pool, self.codec)
 
     def _windowed_direct(self, pool: HostKVPool) -> bool:
-        """An L2 with a host window pool over a backend whose reads are plain copies (LMDB): staged values,
-        landed page by page, but on every reader thread in small groups as the direct path reads (a staged
-        backend such as Mooncake keeps its two staged readers)."""
+        """An L2 with a host window pool over a backend whose reads are plain copies (LMDB): on every reader
+        thread in small groups as the direct path reads (a staged backend such as Mooncake keeps its two
+        staged readers); short values straight into their pages where :func:`reads_direct` says so."""
         return getattr(self.backend, "direct_reads", False) and windowed(pool, self.codec)
+
+    def _read_windowed(self, keys: list[str], view: np.ndarray, pages: list[int], pool: HostKVPool) -> int:
+        """:func:`read_direct` for one group (on a reader thread); leading verified count."""
+        def whole(i: int) -> bool:
+            return self._get_staged([keys[i]], pool, [pages[i]]) == 1
+
+        ok, corrupt = read_direct(self.backend, self.codec, keys, pages, pool, view, whole)
+        if corrupt is not None:
+            self._corrupt(corrupt)
+        return ok
 
     def _pool_view(self, pool: HostKVPool) -> np.ndarray:
         view = self._views.get(id(pool))

@@ -10,18 +10,27 @@ one is free (``HostWindows.take_free``: the reader threads never reclaim), else 
 kept; a short value's page keeps none. An L2 without a host window pool reads a short value as a miss (not
 corrupt: it is another server's good page), which :func:`is_short_page` recognises by its size.
 
+Over a backend with direct reads (LMDB) and a ``page_first`` L2 (:func:`reads_direct`), a group's short values
+(most pages: only each sequence end's last window keeps its sliding part) are copied and hashed straight into
+their L2 pages in one GIL-free call (:func:`read_direct`), as the tier's direct path reads whole pages; a
+reader that needs the GIL once per page waits behind a busy scheduler thread for up to the interpreter's
+switch interval each time (the H200's Gemma-3 12B L3 hit: 0.26 s for 508 pages on 8 readers).
+
 These helpers run on the tier's reader / framing threads; the pages they name are the caller's (pinned).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from hicache.tiers.base import TOO_LARGE, StorageBackend
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
+from hicache.tiers.native_copy import copy_and_hash
 from hicache.tiers.page_codec import SLIDING_INVALID, SLIDING_OMITTED, TRAILER_SIZE, PageCodec
 
 
@@ -88,3 +97,45 @@ def land(codec: PageCodec, key: str, row: np.ndarray, size: int, pool: HostKVPoo
     else:
         pool.page_rows(page).copy_(data)
     return True
+
+
+def reads_direct(pool: HostKVPool, codec: PageCodec, backend: StorageBackend) -> bool:
+    """Whether :func:`read_direct` serves reads into ``pool``: a ``page_first`` L2 with a host window pool and
+    some full layers (a short value is then exactly its page's bytes) over a direct-reads backend."""
+    return windowed(pool, codec) and pool.layout_name == "page_first" and bool(pool.full_layers) and \
+        getattr(backend, "direct_reads", False)
+
+
+def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], pages: list[int], pool: HostKVPool,
+                view: np.ndarray, whole: Callable[[int], bool]) -> tuple[int, str | None]:
+    """Read ``keys`` into L2 pages ``pages`` (``view``: the pool's ``[pages, bytes]`` view): short values
+    copied and hashed into their pages in one call and checked against their trailers, each whole value
+    through ``whole(i)`` (the staged read and :func:`land`; False: it was not landed and the tier has dealt
+    with it). Returns (how many leading pages landed, the key of a corrupt value or None)."""
+    short = short_codec(codec.layout, codec.page_size, len(pool.full_layers))
+    trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
+    dsts = [view[p] for p in pages]
+    hashes: dict[int, int] = {}
+
+    def copy(srcs: list[np.ndarray], idx: list[int]) -> None:
+        hashes.update(zip(idx, copy_and_hash(srcs, [dsts[i] for i in idx]), strict=True))
+
+    pool.wait_pending_writes()
+    sizes = backend.batch_get_pages(keys, dsts, trailers, copy=copy)
+    windows = pool.windows
+    assert windows is not None
+    ok = 0
+    for i, size in enumerate(sizes):
+        if size < 0 and size != TOO_LARGE:
+            break  # missing, or the store failed
+        if size == short.value_nbytes and i in hashes:
+            if not short.verify_hashed(trailers[i], keys[i], hashes[i]):
+                return ok, keys[i]
+            windows.drop([pages[i]])
+        elif size == codec.value_nbytes:
+            if not whole(i):
+                break
+        else:
+            return ok, keys[i]  # no page of this model's size: corrupt
+        ok += 1
+    return ok, None

@@ -1,0 +1,54 @@
+"""L3 reads into an L2 with a host window pool (hicache/tiers/storage_windows.py) over LMDB: short values (no
+sliding part) copied and hashed straight into their L2 pages in one call per group, whole values (a kept
+sliding part) through the staged read, both checked against their trailers; a corrupt value in the middle
+ends the read there and is deleted. Every L2 layout and thread count gives the stored bytes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.lmdb_pages import PS, keys_for, open_store
+from hicache.tiers.device import KVLayout
+from hicache.tiers.host import make_host_pool
+from hicache.tiers.storage import StorageTier
+from hicache.tiers.storage_windows import reads_direct
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # layers 0, 1 slide
+WINDOWS = dict(window_layers=(0, 1), window_pages=16)
+
+
+def _source(n: int, whole: list[int]):
+    src = make_host_pool("page_first", LAYOUT, n, PS, **WINDOWS)
+    pages = src.allocator.alloc(n)
+    src.windows.take([pages[i] for i in whole])
+    g = torch.Generator().manual_seed(5)
+    src.write_pages(torch.tensor(pages), torch.randn((6, n, src.row_elems), generator=g).to(LAYOUT.dtype))
+    return src, pages
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_short_and_whole_values_land_and_a_corrupt_one_ends_the_read(tmp_path, layout, threads):
+    n, whole = 24, [3, 4, 5, 17, 18]  # the pages whose sliding part was kept (sequence ends' last windows)
+    src, pages = _source(n, whole)
+    store = open_store(tmp_path / "db", capacity_gb=0.05, initial_map_mb=1)
+    tier = StorageTier(store, LAYOUT, PS, read_threads=threads)
+    keys = keys_for(n, salt=9)
+    assert tier.batch_set(keys, src, pages) == n
+    bad = 20  # a short value after the second run of whole ones
+    raw = bytearray(store.get(keys[bad]))
+    raw[len(raw) // 2] ^= 0x01
+    assert store.set(keys[bad], bytes(raw))
+    dst = make_host_pool(layout, LAYOUT, n + 8, PS, **WINDOWS)
+    assert reads_direct(dst, tier.codec, store) == (layout == "page_first")
+    into = dst.allocator.alloc(n)
+    assert tier.start_read(keys, dst, into).result() == bad
+    got = dst.read_pages(torch.tensor(into[:bad]))
+    want = src.read_pages(torch.tensor(pages[:bad]))
+    assert torch.equal(got, want)  # the full layers everywhere, the sliding rows of the whole pages
+    assert [i for i in range(bad) if dst.windows.has(into[i])] == [i for i in whole if i < bad]
+    st = tier.stats()
+    assert st["corrupt"] == 1 and st["hits"] == bad
+    assert tier.batch_exists(keys[bad:]) == 0  # the corrupt value was deleted
+    tier.close()
