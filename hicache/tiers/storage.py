@@ -42,7 +42,7 @@ from hicache.tiers.mooncake.store import MooncakeStore
 from hicache.tiers.native_copy import copy_and_hash
 from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
-from hicache.tiers.storage_windows import frame, is_short_page, land, read_direct, reads_direct, windowed
+from hicache.tiers.storage_windows import frame, is_short_page, land, read_direct, reads_direct, short_codec, windowed
 
 __all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
            "default_read_threads"]
@@ -248,7 +248,12 @@ class StorageTier:
     def fetch_batch_pages(self, pool: HostKVPool) -> int:
         """Pages of one reader task into ``pool`` (a read job's group): on the direct path
         about ``READ_GROUP_BYTES`` (at most 8 pages); staged, one staging buffer."""
-        return self.read_group if self._direct(pool) or self._windowed_direct(pool) else self.batch_pages
+        if self._direct(pool):
+            return self.read_group
+        if reads_direct(pool, self.codec, self.backend):  # most values short: groups of about as many bytes
+            short = short_codec(self.codec.layout, self.page_size, len(pool.full_layers)).page_nbytes
+            return max(1, min(32, READ_GROUP_BYTES // short))
+        return self.read_group if self._windowed_direct(pool) else self.batch_pages
 
     # ------------------------------------------------------------------ direct path
     def _direct(self, pool: HostKVPool) -> bool:
