@@ -53,6 +53,7 @@ from bench.hybrid_shapes import (  # noqa: E402
     weight_bytes,
     write_model_dir,
 )
+from hicache.tiers.storage import default_read_threads  # noqa: E402
 
 MODELS = {"qwen3_5": qwen3_5_config, "gemma3": gemma3_config}
 SECTIONS = ("decode", "memory", "ttft", "multiturn")
@@ -262,7 +263,8 @@ def main() -> None:
     args = p.parse_args()
     s = args.small
     args.__dict__.update(
-        dtype="bfloat16" if args.device == "cuda" else "float32", eager=False, read_threads=8, l3_gb=1.0 if s else 40.0,
+        dtype="bfloat16" if args.device == "cuda" else "float32", eager=False, l3_gb=1.0 if s else 40.0,
+        read_threads=default_read_threads(),  # the engine's own default (one per CPU, at most 16)
         engine_init_s=[], decode_ctx=64 if s else 1024, decode_steps=8 if s else 32, decode_tokens=8192 if s else 80000,
         seq_len=8192, ttft_ctx=256 if s else 8192, prompts=2 if s else 3, l2_gb=0.25 if s else 32.0,
         conversations=4 if s else 16, turns=3, context=128 if s else 4096, mt_l1_tokens=2048 if s else 16384,

@@ -70,6 +70,14 @@ def frame(codec: PageCodec, keys: list[str], pages: list[int], pool: HostKVPool,
     return sizes
 
 
+def _gather(data: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst := data[rows]``, in one copy where ``dst`` is contiguous (a ``page_first`` page)."""
+    if dst.is_contiguous():
+        torch.index_select(data, 0, rows, out=dst)
+    else:
+        dst.copy_(data.index_select(0, rows))
+
+
 def land(codec: PageCodec, key: str, row: np.ndarray, size: int, pool: HostKVPool, page: int) -> bool:
     """Verify the value of ``size`` bytes at ``row`` and write it into host page ``page`` (see the module
     docstring); False: not a good value for ``key``."""
@@ -91,9 +99,9 @@ def land(codec: PageCodec, key: str, row: np.ndarray, size: int, pool: HostKVPoo
     pool.wait_pending_writes()
     # one copy per part, straight into the page's rows (a whole value holds every layer in device order)
     if c is codec:
-        pool.page_rows(page).copy_(data.index_select(0, pool.full_rows))
+        _gather(data, pool.full_rows, pool.page_rows(page))
         if win >= 0:
-            windows.page_rows(win).copy_(data.index_select(0, pool.window_rows))
+            _gather(data, pool.window_rows, windows.page_rows(win))
     else:
         pool.page_rows(page).copy_(data)
     return True

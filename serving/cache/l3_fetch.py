@@ -78,6 +78,8 @@ class Fetches:
         # a hybrid SWA L1 (serving/cache/request_windows.py): window pages for an early load's chain
         # (before, after) -> None, before its transfers run; None: no window pool
         self.on_load: Callable[[MatchResult, MatchResult], None] | None = None
+        # ... and whether an early load may run now (its last window's window pages can be had); None: always
+        self.can_load: Callable[[], bool] | None = None
         # a private L3 in the exclusive mode: the keys of committed pages whose L3 copy the tree gave up
         # (an L3 hit promotes: serving/cache/l3_promote.py deletes them); None: no promotion
         self.on_promote: Callable[[list[str]], None] | None = None
@@ -161,7 +163,8 @@ class Fetches:
             tree.unlock(op.node)
             op.node = node
         if to_l1 and tree.device.num_free >= fresh and \
-                self._l2_only(node) <= tree.device.num_free:  # never evict L1 for an early load
+                self._l2_only(node) <= tree.device.num_free and \
+                (self.can_load is None or self.can_load()):  # never evict L1 for an early load
             m = tree.match_prefix(op.tokens[:upto])
             loaded_m = tree.load_back(m)  # no eviction: L1 has the room
             if loaded_m is not m and self.on_load is not None:

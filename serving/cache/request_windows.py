@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 from hicache.hiradix import HiRadixTree, MatchResult, TreeNode
 from hicache.tiers.host import HostKVPool
-from hicache.tiers.window_pages import WindowPages, pages_per_window
+from hicache.tiers.window_pages import WindowPages, min_window_pages, pages_per_window
 from serving.structs.request import Req
 
 
@@ -129,12 +129,22 @@ class RequestWindows:
         lo = max(prefix_pages, self.first_needed(end * self.page_size))
         return list(loaded[lo - prefix_pages:])
 
+    def early_load_ok(self) -> bool:
+        """Whether an L3 prefetch may load its landed run on to L1 now (serving/cache/l3_fetch.py): only while
+        its last window's window pages can be had beside one request's need (see :meth:`on_early_load`); else
+        the run stays on L2 and its request's admission loads it back with its window (``room_for_load``). An
+        L1 run without window pages at its end would cut every match there (recomputed)."""
+        return self.windows.num_free - min_window_pages(self.window, self.page_size) >= \
+            pages_per_window(self.window, self.page_size)
+
     def on_early_load(self, before: MatchResult, after: MatchResult) -> None:
         """An L3 prefetch's early L2 -> L1 load (``before`` -> ``after``, serving/cache/l3_fetch.py): the
         loaded pages of the last window before the load's end (where the fetch's request resumes) whose L2
         sliding part is valid get window pages, as far as the window pool has free ones (no eviction: the load
-        itself evicts nothing). Only that window: a load's whole run would hold every window page of a small
-        pool, and requests computing would wait for room no one gives back."""
+        itself evicts nothing), leaving one request's need (``min_window_pages``) free. Only that window, and
+        that reserve: a fetch's early-loaded nodes stay locked until its request is admitted, and requests that
+        found no window pages to compute into waited for one another for ever (4 restarted prompts, a pool of
+        7 window pages)."""
         flags = self.host.sliding_valid if self.host is not None else None
         if flags is None:
             return
@@ -145,7 +155,10 @@ class RequestWindows:
                 chain = list(zip(nd.device_pages, nd.host_pages, strict=False)) + chain
             nd = nd.parent
         last = chain[-pages_per_window(self.window, self.page_size):]
-        want = [d for d, h in last if flags[h]][: self.windows.num_free]
+        # never below what one request needs to run: early-loaded nodes stay locked by their fetch until its
+        # request is admitted, and requests that found no window pages would wait for one another for ever
+        spare = self.windows.num_free - min_window_pages(self.window, self.page_size)
+        want = [d for d, h in last if flags[h]][: max(0, spare)]
         self.windows.assign(want)
 
     def adopt(self, tokens: Sequence[int], own: Sequence[int], dup: Sequence[int]) -> None:

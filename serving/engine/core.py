@@ -143,6 +143,7 @@ class EngineCore:
             windows = RequestWindows(pool.windows, self.tree, cache.page_size, window, self.host_pool, transfers.flush)
             if self.storage is not None:  # an L3 prefetch's early loads on to L1 bring their windows too
                 self.storage.prefetcher.fetches.on_load = windows.on_early_load
+                self.storage.prefetcher.fetches.can_load = windows.early_load_ok
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
                                   self.runner.state_pool, windows)
         self.req_cache.reuse_prefixes = not cache.disable_radix_cache

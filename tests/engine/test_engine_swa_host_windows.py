@@ -161,3 +161,28 @@ def test_a_server_without_the_window_pool_reads_short_values_as_misses(tiny, tmp
         assert off.core.storage_stats()["corrupt"] == 0
     finally:
         off.shutdown()
+
+
+def test_an_early_load_leaves_one_requests_window_pages_free(tiny) -> None:
+    """An L3 prefetch's early L2 -> L1 load gives window pages to its run's last window, never below one
+    request's need (``min_window_pages``): the fetch keeps those nodes locked until its request is admitted,
+    and 4 restarted prompts whose fetches took all 7 window pages waited for one another for ever."""
+    from hicache.tiers.window_pages import min_window_pages
+
+    _, path, ps, _, _, _ = tiny
+    eng = _engine(path)
+    try:
+        generate_checked(eng, ps[:1], GREEDY)
+        _backup_all(eng)  # the prompt's last window now has its sliding part on L2
+        rw = eng.core.req_cache.windows
+        pool = rw.windows
+        pool.drop(range(len(pool.map)))  # as after a restart: no window page on L1
+        tree = eng.core.tree
+        after = tree.match_prefix(ps[0])
+        assert after.device_hit_tokens > 0 and pool.num_free == pool.num_pages == 7
+        rw.on_early_load(tree.match_prefix([]), after)
+        need = min_window_pages(rw.window, PS)
+        assert pool.num_free >= need, (pool.num_free, need)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
