@@ -70,6 +70,16 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[:nbytes].view(dtype).view(shape)
 
 
+def unregister_all(ptrs: list[int], unregister: Callable[[int], None]) -> None:
+    """Unregister every range in ``ptrs``; a failure is logged, not raised (the context may be gone already,
+    and with it the registration: nothing left to give back)."""
+    for ptr in ptrs:
+        try:
+            unregister(ptr)
+        except Exception as e:  # noqa: BLE001
+            log.warning("unpinning failed: %s", e)
+
+
 class PinnedTensors:
     """Host tensors each in memory of its own (:func:`aligned_empty`), zeroed by torch's threads and then
     page-locked whole (``cudaHostRegister``, portable | mapped) when ``pin``; plain zeros otherwise.
@@ -104,11 +114,7 @@ class PinnedTensors:
 
     def close(self) -> None:
         ptrs, self._registered = self._registered, []
-        for ptr in ptrs:
-            try:
-                self._unregister(ptr)
-            except Exception as e:  # already gone with the context: nothing left to give back
-                log.warning("unpinning failed: %s", e)
+        unregister_all(ptrs, self._unregister)
 
 
 def no_register(ptr: int, size: int) -> None:
@@ -243,8 +249,4 @@ class HostPinner:
         self.join()
         with self._lock:
             ptrs, self._registered = self._registered, []
-        for ptr in ptrs:
-            try:
-                self._unregister(ptr)
-            except Exception as e:  # already gone with the context: nothing left to give back
-                log.warning("L2: unpinning failed: %s", e)
+        unregister_all(ptrs, self._unregister)
