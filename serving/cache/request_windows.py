@@ -210,7 +210,8 @@ class RequestWindows:
         if self._flush is not None and self.host is not None and \
                 self.tree.demote([nd for nd in victims if nd.host_pages is None], protect):
             self._flush()  # the backups read the window pages: copied before they are freed
-        return sum(self.windows.drop([p for p in nd.device_pages if p not in keep]) for nd in victims)
+        return sum(self.windows.drop([p for p in nd.device_pages if p not in keep])
+                   for nd in victims if nd.device_pages is not None)
 
     def make_room(self, n: int) -> int:
         """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, demoted to L2 before, their full
