@@ -36,6 +36,15 @@ def _check_pool(name: str, alloc, ids: set[int], in_use: int) -> None:
     assert not bad, f"{name}: tree holds pages not allocated in the pool: {sorted(bad)[:8]}"
 
 
+def check_states(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) -> None:
+    """The state snapshots' half of the tree's check (``*_in_use``: working slots callers hold)."""
+    if tree.state is not None:
+        tree.state.check_integrity(device_in_use, host_in_use)
+        return
+    assert device_in_use == host_in_use == 0, "state slots in use but no state pools"
+    assert all(nd.snap is None for nd in tree.nodes()), "a snapshot in a tree without state pools"
+
+
 def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) -> None:
     ps = tree.page_size
     root = tree.root

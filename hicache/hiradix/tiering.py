@@ -244,9 +244,7 @@ class Tiering:
         if self.host is None:
             return 0
         nodes = [n for n in self.shape.nodes() if n.device_pages is not None and n.host_pages is None]
-        before = self.residency.cached_pages("host")
-        self.backup(nodes, protect=self.shape.root, keep=True)
-        return self.residency.cached_pages("host") - before
+        return self.backup(nodes, protect=self.shape.root, keep=True)
 
     def backup_prefix(self, tokens: list[int]) -> int:
         """Give the L1 nodes on ``tokens``' path an L2 copy now (and so, with L3, a write-back),
@@ -256,9 +254,7 @@ class Tiering:
             return 0
         path, _ = self.shape.match_path(tokens)
         nodes = [n for n in path if n.device_pages is not None and n.host_pages is None]
-        before = self.residency.cached_pages("host")
-        self.backup(nodes, protect=path[-1] if path else self.shape.root, keep=True)
-        return self.residency.cached_pages("host") - before
+        return self.backup(nodes, protect=path[-1] if path else self.shape.root, keep=True)
 
     def demote(self, nodes: list[TreeNode], protect: TreeNode | None = None) -> int:
         """Give unlocked L1 nodes without an L2 copy one before a part of their L1 KV is dropped (a hybrid SWA
@@ -267,13 +263,12 @@ class Tiering:
         nodes = [n for n in nodes if n.device_pages is not None and n.host_pages is None and not n.removed]
         if self.host is None or not nodes:
             return 0
-        before = self.residency.cached_pages("host")
-        self.backup(nodes, protect=protect if protect is not None else self.shape.root)
-        return self.residency.cached_pages("host") - before
+        return self.backup(nodes, protect=protect if protect is not None else self.shape.root)
 
-    def backup(self, nodes: list[TreeNode], protect: TreeNode, keep: bool = False) -> None:
-        """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped.
-        ``keep``: a copy asked for on purpose, which the exclusive mode keeps beside the L1 one."""
+    def backup(self, nodes: list[TreeNode], protect: TreeNode, keep: bool = False) -> int:
+        """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped; returns
+        pages backed up. ``keep``: a copy asked for on purpose, which the exclusive mode keeps beside the
+        L1 one."""
         self.residency.lock(protect)  # evict_host must not drop the path being matched
         src: list[int] = []
         dst: list[int] = []
@@ -293,6 +288,7 @@ class Tiering:
         self.residency.unlock(protect)
         if src:
             self._outbox.append(Transfer("backup", src, dst, tuple(done)))
+        return len(src)
 
     def on_l3(self, node: TreeNode) -> bool:
         """Whether all of ``node``'s pages are known to be on L3 (``storage_pages``, a hint: L3

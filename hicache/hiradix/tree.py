@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING
 from hicache.config import CacheConfig
 from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.exclusive import ExclusiveTiers
-from hicache.hiradix.integrity import check_tree
+from hicache.hiradix.integrity import check_states, check_tree
 from hicache.hiradix.l3_marks import L3Marks
 from hicache.hiradix.match import MatchResult, Transfer
 from hicache.hiradix.matcher import Matcher
@@ -397,8 +397,4 @@ class HiRadixTree:
         the tree.
         """
         check_tree(self, device_in_use, host_in_use)
-        if self.state is not None:
-            self.state.check_integrity(state_device_in_use, state_host_in_use)
-        else:
-            assert state_device_in_use == state_host_in_use == 0, "state slots in use but no state pools"
-            assert all(nd.snap is None for nd in self.nodes()), "a snapshot in a tree without state pools"
+        check_states(self, state_device_in_use, state_host_in_use)

@@ -143,8 +143,9 @@ class StorageTier:
                 host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
                 if direct:
                     return self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
-                if short_direct:
-                    return self._read_windowed(keys[lo:hi], view, pages[lo:hi], host_pool)
+                if short_direct:  # a whole value through the staged read
+                    return read_direct(self.backend, self.codec, keys[lo:hi], pages[lo:hi], host_pool, view, lambda i: (
+                        self._get_staged([keys[lo + i]], host_pool, [pages[lo + i]]) == 1), self._corrupt)
                 return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
             finally:
                 self._read_clock.leave()
@@ -266,16 +267,6 @@ class StorageTier:
         thread in small groups as the direct path reads (a staged backend such as Mooncake keeps its two
         staged readers); short values straight into their pages where :func:`reads_direct` says so."""
         return getattr(self.backend, "direct_reads", False) and windowed(pool, self.codec)
-
-    def _read_windowed(self, keys: list[str], view: np.ndarray, pages: list[int], pool: HostKVPool) -> int:
-        """:func:`read_direct` for one group (on a reader thread); leading verified count."""
-        def whole(i: int) -> bool:
-            return self._get_staged([keys[i]], pool, [pages[i]]) == 1
-
-        ok, corrupt = read_direct(self.backend, self.codec, keys, pages, pool, view, whole)
-        if corrupt is not None:
-            self._corrupt(corrupt)
-        return ok
 
     def _pool_view(self, pool: HostKVPool) -> np.ndarray:
         view = self._views.get(id(pool))

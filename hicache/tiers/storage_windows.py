@@ -115,11 +115,11 @@ def reads_direct(pool: HostKVPool, codec: PageCodec, backend: StorageBackend) ->
 
 
 def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], pages: list[int], pool: HostKVPool,
-                view: np.ndarray, whole: Callable[[int], bool]) -> tuple[int, str | None]:
+                view: np.ndarray, whole: Callable[[int], bool], corrupt: Callable[[str], None]) -> int:
     """Read ``keys`` into L2 pages ``pages`` (``view``: the pool's ``[pages, bytes]`` view): short values
     copied and hashed into their pages in one call and checked against their trailers, each whole value
     through ``whole(i)`` (the staged read and :func:`land`; False: it was not landed and the tier has dealt
-    with it). Returns (how many leading pages landed, the key of a corrupt value or None)."""
+    with it); ``corrupt(key)`` for a bad value, where the read ends. Returns how many leading pages landed."""
     short = short_codec(codec.layout, codec.page_size, len(pool.full_layers))
     trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
     dsts = [view[p] for p in pages]
@@ -136,14 +136,13 @@ def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], page
     for i, size in enumerate(sizes):
         if size < 0 and size != TOO_LARGE:
             break  # missing, or the store failed
-        if size == short.value_nbytes and i in hashes:
-            if not short.verify_hashed(trailers[i], keys[i], hashes[i]):
-                return ok, keys[i]
+        if size == short.value_nbytes and i in hashes and short.verify_hashed(trailers[i], keys[i], hashes[i]):
             windows.drop([pages[i]])
         elif size == codec.value_nbytes:
             if not whole(i):
                 break
-        else:
-            return ok, keys[i]  # no page of this model's size: corrupt
+        else:  # a bad checksum, or no page of this model's size
+            corrupt(keys[i])
+            break
         ok += 1
-    return ok, None
+    return ok
