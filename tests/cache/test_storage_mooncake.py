@@ -298,6 +298,24 @@ def test_reads_never_queue_behind_a_write(cluster):
     assert st["backend.errors"] == 0 and st["backend.timeouts"] == 0, st
 
 
+def _settled_set(c: Client, first: int, n: int, attempts: int = 5) -> int:
+    """Pages stored by ``set``, retried while the cluster settles after a master restart.
+
+    The module's clients from earlier tests re-mount their segments on the new master a few
+    seconds after it starts, each on its own ping; a put the master places on a segment in
+    the middle of that fails for those keys (seen once in CI: 2 of 4 stored). That is the
+    store being a cache, and the backend reports it (False, an error, a reconnect); a put
+    on a key already stored keeps it, so the retry re-sends only what is missing."""
+    stored = 0
+    for _ in range(attempts):
+        assert c("wait_connected", within=20)["connected"]
+        stored = c("set", first=first, n=n)["stored"]
+        if stored == n:
+            break
+        time.sleep(1.0)
+    return stored
+
+
 def test_master_down_gives_fast_misses_and_reconnects(cluster):
     _, master, spawn = cluster
     a = spawn("faults")
@@ -324,10 +342,10 @@ def test_master_down_gives_fast_misses_and_reconnects(cluster):
     assert a("wait_connected", within=20)["connected"]
     assert b("wait_connected", within=20)["connected"]
     # the restarted master knows nothing: write again, then both read
-    assert a("set", first=200, n=8)["stored"] == 8
+    assert _settled_set(a, first=200, n=8) == 8
     r = b("get", first=200, n=8)
     assert r["loaded"] == 8 and r["equal"]
-    assert b("set", first=300, n=4)["stored"] == 4
+    assert _settled_set(b, first=300, n=4) == 4
     r = a("get", first=300, n=4)
     assert r["loaded"] == 4 and r["equal"]
     assert a("stats")["backend.reconnects"] >= 1
