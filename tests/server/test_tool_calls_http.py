@@ -2,7 +2,8 @@
 Anthropic SDKs: a tiny random model never writes a call on its own, so ``tool_choice`` required /
 named force real calls through the model (constrained decoding of the parser's own format), and
 their arguments validate against the tools' schemas; plain and streamed; a tool loop whose
-cached tokens rise; ``tool_choice`` none / auto; bad tool definitions are 400s naming the field."""
+cached tokens rise; ``tool_choice`` none / auto; bad tool definitions are 400s naming the field;
+LangChain's ``ChatOpenAI(...).bind_tools(...)`` invoked, streamed and in a loop."""
 
 from __future__ import annotations
 
@@ -168,3 +169,27 @@ def test_anthropic_any_and_named_tool_use(server: ServerProcess) -> None:
     [use] = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and use.name == "get_time"
     jsonschema.validate(use.input, CLOCK)
+
+
+def test_langchain_bind_tools_invoke_stream_and_loop(server: ServerProcess) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model="tiny", temperature=0, max_tokens=100,
+                     max_retries=0, stream_usage=True)
+    bound = llm.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False)
+    history = [HumanMessage(ASK[0]["content"])]
+    msg = bound.invoke(history)
+    [call] = msg.tool_calls
+    jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+    assert msg.response_metadata["finish_reason"] == "tool_calls" and call["id"].startswith("call_")
+    streamed = None
+    for chunk in bound.stream(history):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+    # the loop: the call and its result go back; the answer reads the earlier turn from the cache
+    history += [msg, ToolMessage('{"result": "sunny, 21 C"}', tool_call_id=call["id"])]
+    answer = llm.bind_tools(TOOLS).invoke(history)
+    assert answer.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+    cached = answer.usage_metadata["input_token_details"]["cache_read"]
+    assert cached >= msg.usage_metadata["input_tokens"] - 16, (cached, msg.usage_metadata)  # a page at most
