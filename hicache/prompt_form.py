@@ -16,8 +16,8 @@ The forms:
   then the messages; ``tool_use`` / ``tool_result`` blocks as ``<tool_call>`` /
   ``<tool_response>`` (Anthropic caches tools, then system, then messages: a breakpoint on the
   last tool ends where the tools' block ends).
-- Ollama (``ollama_chat``, ``ollama_generate``): the messages as they are; a non-raw generate is
-  ``system`` then the prompt as the user's message.
+- Ollama (``ollama_chat``, ``ollama_generate``): chat as OpenAI's (Ollama's tools, tool messages
+  and calls take its forms); a non-raw generate is ``system`` then the prompt as the user's message.
 
 Tools are written as text, one JSON object a line after a fixed header (the chat template's own
 ``tools=`` puts them where no breakpoint could end at them, and SmolLM2's template has none);
@@ -147,9 +147,10 @@ def anthropic_chat(system: Any, messages: Any, tools: Any = None) -> list[Messag
 
 
 # ------------------------------------------------------------------------------- Ollama
-def ollama_chat(messages: Any) -> list[Message]:
-    """/api/chat's ``messages`` (a system message is one of them)."""
-    return [{"role": m.get("role"), "content": content_text(m.get("content"))} for m in _dicts(messages)]
+def ollama_chat(messages: Any, tools: Any = None) -> list[Message]:
+    """/api/chat's ``messages`` (a system message is one of them) and ``tools``: the same forms as
+    OpenAI's (a ``tool`` message, an assistant's ``tool_calls`` with arguments as an object)."""
+    return openai_chat(messages, tools)
 
 
 def ollama_generate(prompt: Any, system: Any = None) -> list[Message]:

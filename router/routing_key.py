@@ -173,7 +173,7 @@ def clip_body(path: str, body: dict[str, Any], max_chars: int) -> dict[str, Any]
 CHAT_PATHS = {
     "/v1/chat/completions": lambda b: openai_chat(b.get("messages"), b.get("tools")),
     "/v1/messages": lambda b: anthropic_chat(b.get("system"), b.get("messages"), b.get("tools")),  # Anthropic
-    "/api/chat": lambda b: ollama_chat(b.get("messages")),  # Ollama
+    "/api/chat": lambda b: ollama_chat(b.get("messages"), b.get("tools")),  # Ollama
     # Ollama's /api/generate goes through the chat template unless it is raw
     "/api/generate": lambda b: None if b.get("raw") else ollama_generate(b.get("prompt"), b.get("system")),
 }

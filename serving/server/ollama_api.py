@@ -10,7 +10,8 @@ the last one with ``done: true`` and the counts; ``prompt_eval_count`` counts th
 computed, so a prompt served from the cache shows a small one (as Ollama's own cache does).
 A model name may carry Ollama's ``:latest`` tag. Errors are ``{"error": "..."}``. As Ollama does,
 a body is read as JSON whatever its ``Content-Type`` (its clients send none, ``curl -d`` a form
-type); browsers stay out through the Origin and Host checks (app.py, trusted_hosts.py).
+type); browsers stay out through the Origin and Host checks (app.py, trusted_hosts.py). Tools,
+tool calls and ``think`` (with ``--tool-call-parser`` / ``--reasoning-parser``): ollama_tools.py.
 """
 
 from __future__ import annotations
@@ -29,9 +30,21 @@ from starlette.concurrency import run_in_threadpool
 
 from hicache.prompt_form import ollama_chat, ollama_generate
 from serving import compat_fields
+from serving.parsing.output import OutputParser, OutputStream
+from serving.server.chat_output import grammar_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
+from serving.server.ollama_tools import (
+    OllamaToolCall,
+    Think,
+    message,
+    message_deltas,
+    separates_thinking,
+    template_kwargs,
+    tool_request,
+)
+from serving.server.openai_tools import FunctionTool
 from serving.server.protocol import StrictModel
 from serving.server.req_handle import ReqHandle, ReqState, run_all, submit_all
 from serving.server.text import TextStream, final_text
@@ -82,9 +95,12 @@ class Options(StrictModel):
 
 
 class OllamaMessage(StrictModel):
-    neutral_fields = {"images": ((), []), "tool_calls": ((), []), "thinking": ("",), "tool_name": ()}
-    role: Literal["system", "user", "assistant"]
+    neutral_fields = {"images": ((), [])}
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    tool_calls: list[OllamaToolCall] | None = None  # an assistant's earlier calls
+    thinking: str | None = None  # an assistant's earlier reasoning: not shown to the model again
+    tool_name: str | None = None  # on a tool's answer: which tool answered
 
 
 class _Base(StrictModel):
@@ -94,6 +110,7 @@ class _Base(StrictModel):
     format: Literal["", "json"] | dict[str, Any] | None = None
     keep_alive: Any = None  # how long Ollama keeps a model loaded: nothing to unload here
     session_id: str | None = None  # HiCache's session (as on the other routes)
+    think: Think = None  # ollama_tools.py
 
     def grammar(self) -> dict[str, Any]:
         if not self.format:
@@ -108,16 +125,18 @@ class _Base(StrictModel):
 
 
 class ChatRequest(_Base):
-    neutral_fields = {"tools": ((), []), "think": (False,), "logprobs": (False,), "top_logprobs": (0,)}
+    neutral_fields = {"logprobs": (False,), "top_logprobs": (0,)}
     messages: Annotated[list[OllamaMessage], Field(min_length=1)]
+    tools: list[FunctionTool] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages the chat template sees (hicache/prompt_form.py, as the router's key)."""
-        return ollama_chat([x.model_dump() for x in self.messages])
+        tools = [t.model_dump() for t in self.tools] if self.tools else None
+        return ollama_chat([x.model_dump(exclude_none=True) for x in self.messages], tools)
 
 
 class GenerateRequest(_Base):
-    neutral_fields = {"images": ((), []), "think": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    neutral_fields = {"images": ((), []), "logprobs": (False,), "top_logprobs": (0,),
                       "context": ((), []), "suffix": ("",), "template": ("",), "width": (), "height": (),
                       "steps": ()}
     prompt: str = ""
@@ -162,31 +181,59 @@ def _final(st: ReqState, t0: float) -> dict[str, Any]:
             "eval_duration": max(total - prompt_ns, 0)}
 
 
-async def _run(request: Request, ctx: ServerContext, body: _Base, ids: list[int], key: str,
-               wrap: Callable[[str], Any]) -> Any:
+def _chat_answer(msg: dict[str, Any]) -> dict[str, Any]:
+    return {"message": msg}
+
+
+def _generate_answer(msg: dict[str, Any]) -> dict[str, Any]:
+    return {"response": msg["content"], **({"thinking": msg["thinking"]} if "thinking" in msg else {})}
+
+
+async def _run(request: Request, ctx: ServerContext, body: _Base, ids: list[int],
+               answer: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """Run the request; ``answer`` shapes an assistant message (ollama_tools.py) as the route's
+    fields (chat: ``message``; generate: ``response`` and ``thinking``)."""
     opts = body.options or Options()
-    params = {**opts.sampling_params(ctx.default_max_tokens(len(ids))), **body.grammar()}
+    tools = tool_request(body.tools) if isinstance(body, ChatRequest) else None
+    parser = output_parser(ctx, tools, separates_thinking(body.think), ids)
+    params = {**opts.sampling_params(ctx.default_max_tokens(len(ids))), **body.grammar(),
+              **grammar_params(parser, tools)}
+    if parser.keeps_special_tokens:  # the format's markers are special tokens
+        params["skip_special_tokens"] = False
     req = ctx.make_request(ids, params, body.session_id, param_name="num_predict")
     t0 = time.monotonic()
     if not body.stream:
         [st] = await unless_disconnected(request, run_all(ctx.client, [req]))
-        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason)
-        return {"model": body.model, "created_at": _now(), key: wrap(text), **_final(st, t0)}
+        text = final_text(ctx.tokenizer, st.output_ids, st.finish_reason, not parser.keeps_special_tokens)
+        msg = message(parser, strip_eos(ctx, parser, text))
+        return {"model": body.model, "created_at": _now(), **answer(msg), **_final(st, t0)}
     [handle] = await submit_all(ctx.client, [req])
-    return StreamingResponse(_lines(ctx, body, handle, key, wrap, opts.stop or [], t0),
+    return StreamingResponse(_lines(ctx, body, handle, answer, parser, opts.stop or [], t0),
                              media_type="application/x-ndjson")
 
 
-async def _lines(ctx: ServerContext, body: _Base, handle: ReqHandle, key: str, wrap: Callable[[str], Any],
-                 stop: list[str], t0: float) -> AsyncIterator[str]:
-    text = TextStream(ctx.tokenizer, stop)
+async def _lines(ctx: ServerContext, body: _Base, handle: ReqHandle, answer: Callable[[dict[str, Any]], Any],
+                 parser: OutputParser, stop: list[str], t0: float) -> AsyncIterator[str]:
+    text = TextStream(ctx.tokenizer, stop, not parser.keeps_special_tokens)
+    out = OutputStream(parser)
+
+    def line(msg: dict[str, Any], **rest: Any) -> str:
+        return json.dumps({"model": body.model, "created_at": _now(), **answer(msg), **rest}) + "\n"
+
     try:
         async for st in handle.updates():
             delta = text.update(st)
-            if delta:
-                yield json.dumps({"model": body.model, "created_at": _now(), key: wrap(delta), "done": False}) + "\n"
+            if not parser.active:
+                msgs = [{"role": "assistant", "content": delta}] if delta else []
+            elif delta or st.finished:
+                full = strip_eos(ctx, parser, text.text) if st.finished else text.text
+                msgs = message_deltas(out.update(full, st.finished))
+            else:
+                msgs = []
+            for m in msgs:
+                yield line(m, done=False)
             if st.finished:
-                yield json.dumps({"model": body.model, "created_at": _now(), key: wrap(""), **_final(st, t0)}) + "\n"
+                yield line({"role": "assistant", "content": ""}, **_final(st, t0))
     except APIError as e:
         yield json.dumps({"error": e.message}) + "\n"
     finally:
@@ -199,8 +246,8 @@ async def chat(request: Request) -> Any:
     ctx = get_ctx(request)
     body = await _body(request, ChatRequest)
     _model(ctx, body.model)
-    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
-    return await _run(request, ctx, body, ids, "message", lambda t: {"role": "assistant", "content": t})
+    ids = await run_in_threadpool(ctx.chat_ids, body.template_messages(), template_kwargs(body.think))
+    return await _run(request, ctx, body, ids, _chat_answer)
 
 
 @router.post("/api/generate")
@@ -214,8 +261,8 @@ async def generate(request: Request) -> Any:
     if body.raw:
         ids = await run_in_threadpool(ctx.prompt_ids, body.prompt)
     else:
-        ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
-    return await _run(request, ctx, body, ids, "response", lambda t: t)
+        ids = await run_in_threadpool(ctx.chat_ids, body.template_messages(), template_kwargs(body.think))
+    return await _run(request, ctx, body, ids, _generate_answer)
 
 
 def quantization_level(info: dict[str, Any]) -> str:

@@ -120,7 +120,7 @@ BAD = [
     ("/v1/messages", {"model": "tiny", "max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}],
                       "stream": True}, 400, "max_tokens"),
     ("/v1/messages", [1, 2], 400, "object"),
-    ("/api/chat", {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "format": {"type": 5}}, 400,
      "json_schema"),
     ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
