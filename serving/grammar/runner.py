@@ -10,6 +10,10 @@ grammar, or one over the time budget: status 400 with a message naming the probl
 request that leaves (finished, aborted) calls ``release``: the last request waiting for a
 compile cancels it.
 
+A grammar may wait for a token (``grammar_after_token_id``: a reasoning parser's end marker):
+until the request samples it, its rows are not masked, ``accept`` only watches for it and nothing
+is jumped or drafted; from the token after it on, the grammar constrains as any other.
+
 Per step:
 
 1. ``begin_masks(reqs)`` (before the forward pass): the rows that will be sampled and have a
@@ -81,10 +85,16 @@ class GrammarState:
     matcher: Matcher | None = None
     failure: dict[str, Any] | None = None  # the request's finish reason when the compile failed
     released: bool = False
+    after: int | None = None  # the token the grammar waits for (None: it constrains now)
 
     @property
     def ready(self) -> bool:
         return self.matcher is not None
+
+    @property
+    def waiting(self) -> bool:
+        """The grammar does not constrain yet: its request has not sampled ``after``."""
+        return self.after is not None
 
 
 @dataclass
@@ -164,7 +174,7 @@ class GrammarRunner:
         job = self.cache.get_or_start(spec, lambda: compiles.submit(kind, text))
         assert isinstance(job, CompileJob)
         job.waiters += 1
-        return GrammarState(kind, text, job)
+        return GrammarState(kind, text, job, after=getattr(params, "grammar_after_token_id", None))
 
     def poll(self, st: GrammarState) -> bool:
         """True once ``st`` is settled: ready (its matcher made), or failed (``st.failure``)."""
@@ -208,7 +218,7 @@ class GrammarRunner:
     # -- per step --------------------------------------------------------------------------
     def begin_masks(self, reqs: Sequence[Any]) -> MaskJob | None:
         """Start filling the masks of the constrained ``reqs`` (the rows about to be sampled)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.waiting]
         if not rows or self.backend is None:
             return None
         if self._job is not None:  # a step that failed before joining its job
@@ -234,6 +244,10 @@ class GrammarRunner:
     def accept(self, r: Any, tok: int) -> dict[str, Any] | None:
         """Advance ``r``'s matcher by ``tok``; a finish reason when the request must end."""
         st: GrammarState = r.grammar
+        if st.waiting:
+            if tok == st.after:
+                st.after = None  # the grammar constrains from the next token on
+            return None
         if self._job is not None and not self._job.future.done():
             self._job.future.result()
         m = st.matcher
@@ -250,7 +264,7 @@ class GrammarRunner:
         does not only when it has ``min_jump_tokens`` tokens or more. The look-ahead stops at
         ``jump_max_tokens``, at the request's remaining tokens and after ``jump_max_s``."""
         st: GrammarState | None = r.grammar
-        if not self.enable_jump_forward or st is None or st.matcher is None or r.finished:
+        if not self.enable_jump_forward or st is None or st.matcher is None or st.waiting or r.finished:
             return
         assert self.backend is not None
         t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from serving.compat_fields import ANY
 from serving.server import cache_control
 from serving.server.anthropic_blocks import Shapes, content_blocks, parsed_events
 from serving.server.anthropic_tools import Block, TextBlock, Tool, anthropic_tool_request, check_roles
-from serving.server.chat_output import ToolRequest, grammar_params, output_parser, strip_eos
+from serving.server.chat_output import ToolRequest, answer_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -172,9 +172,7 @@ async def messages(request: Request) -> Any:
     ids = await run_in_threadpool(ctx.chat_ids, body.template_messages())
     tools = body.tool_request()
     parser = output_parser(ctx, tools, True, ids)
-    params = {**body.sampling_params(), **grammar_params(parser, tools)}
-    if parser.keeps_special_tokens:
-        params["skip_special_tokens"] = False
+    params = answer_params(ctx, parser, tools, body.sampling_params())
     req = ctx.make_request(ids, params, body.session_id)
     bps = await cache_control.breakpoints_for(ctx, body, ids)
     req.capture_at = [b.end for b in bps] or None  # a state model keeps its state there

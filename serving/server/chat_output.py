@@ -5,7 +5,11 @@ as it asks: tool calls are parsed only when the request gives tools and ``tool_c
 ``none``; reasoning is split off unless ``separate_reasoning`` is false. ``tool_choice``
 ``required`` or a named function is constrained decoding: a structural tag of the parser's own
 call format around the tools' parameter schemas (serving/parsing/tool_grammar.py), so the calls
-are there and their arguments validate. Stateless functions; the parsers are shared, read-only.
+are there and their arguments validate. A grammar (``response_format``, a forced call) applies to
+the answer after the reasoning: when the prompt leaves the answer inside the reasoning (the parser's
+``forced``) and its end marker is one token, the grammar waits for that token
+(``grammar_after_token_id``); a model that opens the reasoning itself is constrained from its
+first token. Stateless functions; the parsers are shared, read-only.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from serving.parsing.tool_grammar import forced_calls
 from serving.parsing.tool_registry import tool_parser
 from serving.server.context import ServerContext
 from serving.server.errors import APIError
+from serving.structs.grammar_spec import GRAMMAR_KINDS
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,27 @@ def output_parser(ctx: ServerContext, tools: ToolRequest | None, separate_reason
     return OutputParser(rp, forced, tp)
 
 
-def grammar_params(parser: OutputParser, tools: ToolRequest | None) -> dict[str, Any]:
+def _forced_call_params(parser: OutputParser, tools: ToolRequest | None) -> dict[str, Any]:
     """The sampling params that force the calls (``structural_tag``), or none."""
     if tools is None or not tools.forced or parser.tools is None:
         return {}
     name = tools.name if tools.choice == "function" else None
     return {"structural_tag": forced_calls(parser.tools, tools.tools, name, tools.parallel)}
+
+
+def answer_params(ctx: ServerContext, parser: OutputParser, tools: ToolRequest | None,
+                  params: dict[str, Any]) -> dict[str, Any]:
+    """The request's sampling ``params`` with what its parser needs: the structural tag that forces
+    calls, special tokens kept where the format's markers are special tokens, and a grammar that
+    waits for the end of the reasoning the prompt left open."""
+    out = {**params, **_forced_call_params(parser, tools)}
+    if parser.keeps_special_tokens:
+        out["skip_special_tokens"] = False
+    if parser.reasoning is not None and parser.forced and any(out.get(k) is not None for k in GRAMMAR_KINDS):
+        ids = ctx.tokenizer.encode(parser.reasoning.end) if ctx.tokenizer is not None else []
+        if len(ids) == 1:
+            out["grammar_after_token_id"] = ids[0]
+    return out
 
 
 def strip_eos(ctx: ServerContext, parser: OutputParser, text: str) -> str:

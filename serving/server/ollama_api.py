@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from hicache.prompt_form import ollama_chat, ollama_generate
 from serving import compat_fields
 from serving.parsing.output import OutputParser, OutputStream
-from serving.server.chat_output import grammar_params, output_parser, strip_eos
+from serving.server.chat_output import answer_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -196,10 +196,8 @@ async def _run(request: Request, ctx: ServerContext, body: _Base, ids: list[int]
     opts = body.options or Options()
     tools = tool_request(body.tools) if isinstance(body, ChatRequest) else None
     parser = output_parser(ctx, tools, separates_thinking(body.think), ids)
-    params = {**opts.sampling_params(ctx.default_max_tokens(len(ids))), **body.grammar(),
-              **grammar_params(parser, tools)}
-    if parser.keeps_special_tokens:  # the format's markers are special tokens
-        params["skip_special_tokens"] = False
+    params = answer_params(ctx, parser, tools,
+                           {**opts.sampling_params(ctx.default_max_tokens(len(ids))), **body.grammar()})
     req = ctx.make_request(ids, params, body.session_id, param_name="num_predict")
     t0 = time.monotonic()
     if not body.stream:

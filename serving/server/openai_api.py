@@ -19,7 +19,7 @@ from serving import ipc as m
 from serving.model.logprob_meta import LogprobOptions
 from serving.parsing.output import OutputParser, OutputStream, Piece
 from serving.server import cache_control
-from serving.server.chat_output import call_id, grammar_params, output_parser, strip_eos
+from serving.server.chat_output import answer_params, call_id, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.fanout import check_n, choices, scoring, trim_scoring, warm_prefix
@@ -115,9 +115,7 @@ async def chat_completions(request: Request) -> Any:
         max_tokens = ctx.default_max_tokens(len(ids))
     top = body.top_logprobs or 0
     opts = LogprobOptions(None, top) if body.logprobs else None
-    params = {**body.sampling_params(max_tokens), **grammar_params(parser, tools)}
-    if parser.keeps_special_tokens:  # the format's markers are special tokens
-        params["skip_special_tokens"] = False
+    params = answer_params(ctx, parser, tools, body.sampling_params(max_tokens))
     req = ctx.make_request(ids, params, body.session_id, param_name=name,
                            bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt,
                            logprobs=opts.wire() if opts else None)

@@ -133,7 +133,7 @@ class SpeculativeWorker:
                 self.stats.auto_off += st.auto_off - off
                 continue
             if r.grammar is not None:
-                drafts = self._grammar_filter(r, drafts)
+                drafts = [] if r.grammar.waiting else self._grammar_filter(r, drafts)
             drafts = drafts[: self._room(r)]
             if states is not None:
                 drafts = drafts[: states.verify_room()]

@@ -34,6 +34,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # the grammar constrains only what follows this token (a reasoning parser's end marker, e.g.
+    # ``</think>``, when the prompt leaves the answer inside the reasoning); before it, tokens are free
+    grammar_after_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,9 @@ class SamplingParams:
                "json_schema, regex, ebnf and structural_tag must be non-empty strings")
         _check(sum(v is not None for v in grammars) <= 1,
                "give at most one of json_schema, regex, ebnf, structural_tag")
+        after = self.grammar_after_token_id
+        _check(after is None or (isinstance(after, int) and not isinstance(after, bool) and after >= 0),
+               "grammar_after_token_id must be a token id (an integer >= 0)")
 
     @property
     def greedy(self) -> bool:

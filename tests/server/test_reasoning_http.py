@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
@@ -145,3 +146,23 @@ def test_ollama_thinking_and_tool_calls(server: ServerProcess) -> None:
     again = c.chat(model="tiny", messages=history, tools=TOOLS, think=False, options={"temperature": 0})
     assert again.message.tool_calls and again.prompt_eval_count < r.prompt_eval_count, (
         again.prompt_eval_count, r.prompt_eval_count)
+
+
+def test_a_grammar_applies_to_the_answer_after_the_reasoning(client: openai.OpenAI, server: ServerProcess) -> None:
+    zone = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "zone", "schema": zone}}
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=48, temperature=0, response_format=fmt)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == REASONING, msg  # free: the model's own thinking
+    jsonschema.validate(json.loads(msg.content), zone)
+    # thinking off: the prompt closed the reasoning, the grammar constrains from the first token
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=48, temperature=0, response_format=fmt,
+                                       extra_body=NO_THINKING)
+    assert not r.choices[0].message.reasoning_content
+    jsonschema.validate(json.loads(r.choices[0].message.content), zone)
+    # Ollama's format, thinking
+    o = ollama.Client(host=server.url).chat(model="tiny", messages=ASK, format=zone,
+                                            options={"temperature": 0, "num_predict": 48})
+    assert o.message.thinking == REASONING
+    jsonschema.validate(json.loads(o.message.content), zone)
