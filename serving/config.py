@@ -16,7 +16,7 @@ QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")  # none, auto + serving.
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto" + serving.model.model_runner.DTYPES
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FORMATS
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS
-GRAMMAR_BACKENDS = ("xgrammar", "none")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # serving.speculative.ALGORITHMS
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # serving.scheduler.schedule_policy.SCHEDULE_POLICIES
 
@@ -88,7 +88,7 @@ class SchedulerConfig:
     # keep the sliding layers' KV for every cached token, as the full layers' (SGLang's name; the default now)
     disable_hybrid_swa_memory: bool = False
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (HTTP 429)
-    grammar_backend: str = choice("xgrammar", GRAMMAR_BACKENDS)  # structured output (json_schema / regex / ebnf)
+    grammar_backend: str = choice("xgrammar", GRAMMAR_BACKENDS)  # structured output: xgrammar, llguidance or none
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
     # Grammar budgets (serving/grammar/compile_pool.py). A grammar compiles off the scheduler thread
     # while its request waits in the queue; past the time budget its trial compile (in a worker process)

@@ -18,12 +18,19 @@ def _xgrammar(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Gramm
     return XGrammarBackend(tokenizer, vocab_size, stop_ids)
 
 
+def _llguidance(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> GrammarBackend:
+    from serving.grammar.llguidance_backend import LLGuidanceBackend
+
+    return LLGuidanceBackend(tokenizer, vocab_size, stop_ids)
+
+
 def register_grammar_backend(name: str, factory: Callable[[Any, int, Sequence[int]], GrammarBackend]) -> None:
     _FACTORIES[name] = factory
 
 
 register_grammar_backend("xgrammar", _xgrammar)
-GRAMMAR_BACKENDS = ("xgrammar", "none")  # the names the config accepts
+register_grammar_backend("llguidance", _llguidance)
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")  # the names the config accepts
 
 
 def grammar_backend_factory(name: str) -> Callable[[Any, int, Sequence[int]], GrammarBackend]:

@@ -20,11 +20,11 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
 from serving.grammar.base import GrammarBackend, GrammarError, Matcher
+from serving.grammar.bitmask import bit_count, single_set_bit
 
 _LOG_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
 _CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false:\s*")
@@ -200,20 +200,3 @@ class XGrammarBackend(GrammarBackend):
         m.tokens.fill_next_token_bitmask(self._scratch, 0)
         return single_set_bit(self._scratch[0], self.vocab_size)
 
-
-def bit_count(row: torch.Tensor) -> int:
-    """How many tokens a (short) bitmask row allows."""
-    return sum(int(w).bit_count() for w in row.numpy().view(np.uint32))
-
-
-def single_set_bit(row: torch.Tensor, vocab_size: int) -> int | None:
-    """The one token a bitmask row allows, or None when it allows zero or several."""
-    words = row.numpy().view(np.uint32)
-    nz = np.flatnonzero(words)
-    if len(nz) != 1:
-        return None
-    w = int(words[nz[0]])
-    if w & (w - 1):
-        return None
-    tok = int(nz[0]) * 32 + w.bit_length() - 1
-    return tok if tok < vocab_size else None

@@ -121,7 +121,7 @@ def test_backend_errors_name_the_problem(backend, kind: str, text: str, words: s
 
 
 def test_backend_forced_tokens_and_masks(backend) -> None:
-    from serving.grammar.xgrammar_backend import single_set_bit
+    from serving.grammar.bitmask import single_set_bit
 
     m = backend.new_matcher(backend.compile(backend.parse("ebnf", 'root ::= "ab" ("c" | "d")')))
     for ch in "ab":  # the forced "ab" may be split several ways: no single token yet
