@@ -31,7 +31,7 @@ from serving.lang.api import (
     user_begin,
     user_end,
 )
-from serving.lang.backends import EngineBackend, OpenAI, RuntimeEndpoint
+from serving.lang.backends import Anthropic, EngineBackend, OpenAI, RuntimeEndpoint
 from serving.lang.chat_template import ChatTemplate
 from serving.lang.choices import (
     ChoicesMethod,
@@ -45,9 +45,9 @@ from serving.lang.program import SglFunction, function, get_default_backend, set
 from serving.lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
-    "BackendError", "ChatTemplate", "ChoicesMethod", "EngineBackend", "LangError", "OpenAI", "ProgramState",
-    "ProgramStateGroup", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin", "assistant_end",
-    "function", "gen", "gen_int", "gen_string", "get_default_backend", "greedy_token_selection", "select",
-    "set_default_backend", "sum_logprob", "system", "system_begin", "system_end", "token_length_normalized",
-    "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
+    "Anthropic", "BackendError", "ChatTemplate", "ChoicesMethod", "EngineBackend", "LangError", "OpenAI",
+    "ProgramState", "ProgramStateGroup", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin",
+    "assistant_end", "function", "gen", "gen_int", "gen_string", "get_default_backend", "greedy_token_selection",
+    "select", "set_default_backend", "sum_logprob", "system", "system_begin", "system_end",
+    "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
 ]

@@ -42,6 +42,16 @@ class Backend:
         return None
 
 
+def status_message(e: Any) -> str:
+    """The message of an SDK's status error (OpenAI's and Anthropic's bodies: ``{"error":
+    {"message": ...}}``), or the error's text."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    return str(e)
+
+
 def sampling_for_server(params: dict[str, Any]) -> dict[str, Any]:
     """SGLang sampling params as /generate takes them (stop as given, None dropped)."""
     return {k: v for k, v in params.items() if v is not None}

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from serving.lang import chat_template as ct
-from serving.lang.backends.base import Backend
+from serving.lang.backends.base import Backend, status_message
 from serving.lang.choices import ChoiceLogprobs
 from serving.lang.errors import BackendError
 
@@ -52,7 +52,7 @@ class OpenAI(Backend):
         except openai.APIConnectionError as e:
             raise BackendError(f"cannot reach the server at {self.client.base_url} ({e})") from None
         except openai.APIStatusError as e:
-            raise BackendError(f"the server answered {e.status_code}: {_message(e)}", e.status_code) from None
+            raise BackendError(f"the server answered {e.status_code}: {status_message(e)}", e.status_code) from None
 
     def _kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kw: dict[str, Any] = {"model": self.model_name}
@@ -138,10 +138,3 @@ def _meta(r: Any) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "cached_tokens": getattr(details, "cached_tokens", None) or 0}
 
-
-def _message(e: Any) -> str:
-    body = getattr(e, "body", None)
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
-    return str(e)
