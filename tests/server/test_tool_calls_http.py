@@ -1,14 +1,13 @@
-"""Tool calls through a real server (``--tool-call-parser qwen25``) with the real OpenAI and
-Anthropic SDKs: a tiny random model never writes a call on its own, so ``tool_choice`` required /
-named force real calls through the model (constrained decoding of the parser's own format), and
-their arguments validate against the tools' schemas; plain and streamed; a tool loop whose
-cached tokens rise; ``tool_choice`` none / auto; bad tool definitions are 400s naming the field;
-LangChain's ``ChatOpenAI(...).bind_tools(...)`` invoked, streamed and in a loop."""
+"""Tool calls through a real server (``--tool-call-parser qwen25``) serving SmolLM2 (real weights)
+with the real OpenAI and Anthropic SDKs: ``tool_choice`` required / named force real calls through
+the model (constrained decoding of the parser's own format, which SmolLM2 does not write on its
+own), and their arguments validate against the tools' schemas; plain and streamed; a tool loop
+whose cached tokens rise; ``tool_choice`` none / auto; bad tool definitions are 400s naming the
+field; LangChain's ``ChatOpenAI(...).bind_tools(...)`` invoked, streamed and in a loop."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -16,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from harness.model_utils import smollm2_path
 from harness.server_utils import ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next th
 
 
 @pytest.fixture(scope="module")
-def server(lang_model: Path) -> ServerProcess:
-    args = ["--model-path", str(lang_model), "--max-total-tokens", "4096", "--context-length", "512",
+def server() -> ServerProcess:
+    args = ["--model-path", str(smollm2_path()), "--max-total-tokens", "4096", "--context-length", "1024",
             "--tool-call-parser", "qwen25", "--served-model-name", "tiny"]
     with running_server(args) as s:
         yield s
