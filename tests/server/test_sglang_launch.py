@@ -3,7 +3,8 @@ realistic SGLang HiCache line (``--enable-hierarchical-cache``, ``--trust-remote
 ``--hicache-storage-backend file`` ...) starts and answers, each flag's one line is in the log;
 ``--disable-radix-cache`` really reports no cached tokens; a refused flag and an unknown flag fail in
 one line; ``/flush_cache?clear_storage=true`` (and SGLang's ``/clear_hicache_storage_backend``)
-empties the LMDB L3: a repeated prompt then gets no storage hits, where a plain flush leaves them."""
+empties the LMDB L3: a repeated prompt then gets no storage hits, where a plain flush leaves them;
+a list of SGLang launch lines as its docs write them each becomes a config or fails in one line."""
 
 from __future__ import annotations
 
@@ -132,3 +133,49 @@ def test_refused_and_unknown_flags_fail_in_one_line(tiny_chat_model, args, line)
     assert out.returncode == 2, out
     assert line in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+# SGLang launch lines as its docs write them (HiCache's pages, the server-arguments page, PD, tools):
+# each becomes a config (with one line per compatibility flag) or fails with its one line.
+LINES = [
+    ("--enable-hierarchical-cache --hicache-ratio 2 --hicache-size 0 --hicache-write-policy write_through "
+     "--page-size 64", None, ["--enable-hierarchical-cache: turns L2 on"]),
+    ("--enable-hierarchical-cache --page-size 64 --hicache-storage-backend mooncake --hicache-mem-layout "
+     "page_first --hicache-io-backend direct --hicache-storage-prefetch-policy timeout", None,
+     ["--enable-hierarchical-cache: L2 (host memory) on", "--hicache-io-backend: accepted, no effect here"]),
+    ("--enable-hierarchical-cache --hicache-storage-backend file --hicache-write-policy write_back", None,
+     ["--hicache-storage-backend file: mapped to the embedded LMDB store"]),
+    ("--enable-hierarchical-cache --hicache-storage-backend hf3fs",
+     "hicache_storage_backend must be one of lmdb, mooncake", []),
+    ("--tool-call-parser qwen25 --reasoning-parser qwen3 --grammar-backend llguidance", None, []),
+    ("--mem-fraction-static 0.85 --context-length 2048 --max-running-requests 64 --chunked-prefill-size 4096 "
+     "--schedule-policy lpm --random-seed 1 --log-level warning --host 127.0.0.1 --port 30000", None, []),
+    ("--attention-backend triton --disable-cuda-graph --cuda-graph-max-bs 32 --kv-cache-dtype fp8_e4m3 "
+     "--dtype bfloat16 --enable-torch-compile", None, ["--enable-torch-compile: accepted, no effect here"]),
+    ("--speculative-algorithm NGRAM --speculative-num-draft-tokens 8", None, []),
+    ("--tp 2 --dp 2 --trust-remote-code", None, ["--trust-remote-code: accepted, no effect here"]),
+    ("--disaggregation-mode prefill --disaggregation-transfer-backend nixl", None, []),
+    ("--enable-lora --lora-paths a=b", "--enable-lora is not supported here: LoRA adapters are not supported", []),
+    ("--nnodes 2 --node-rank 1", "--nnodes is not supported here: one node only", []),
+]
+
+
+@pytest.mark.parametrize(("line", "error", "notes"), LINES)
+def test_sglang_launch_lines_map_or_fail_in_one_line(tiny_chat_model, line: str, error: str | None,
+                                                     notes: list[str]) -> None:
+    import shlex
+
+    from serving.launch import cli, sglang_compat
+    from serving.server.config import ConfigError
+
+    args, dests = cli.parse(["serve", "--model-path", str(tiny_chat_model), *shlex.split(line)])
+    overrides = cli.serve_overrides(args, dests, {})
+    try:
+        got = sglang_compat.apply(args, overrides)
+        cli.load_config(args.config, overrides)
+    except ConfigError as e:
+        assert error is not None and error in str(e) and "\n" not in str(e), e
+        return
+    assert error is None, f"expected {error!r}"
+    for note in notes:
+        assert any(n.startswith(note) for n in got), (note, got)
