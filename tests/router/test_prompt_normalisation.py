@@ -50,6 +50,11 @@ AGREE: dict[str, tuple[str, dict[str, Any]]] = {
         {"role": "user", "content": "What time is it?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_time", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "12:00"}]}]}),
+    "ollama-tools": ("/api/chat", {"model": "m", "tools": [OPENAI_TOOL], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": "", "thinking": "A clock.", "tool_calls": [
+            {"function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "tool_name": "get_time", "content": "12:00"}]}),
 }
 
 
