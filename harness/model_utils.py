@@ -57,6 +57,13 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
         qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=2, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
         topk_group=2, routed_scaling_factor=1.5)),
+    # DeepSeek-V3: the same MLA shape with q_lora_rank, V3's noaux_tc router (its correction bias drawn
+    # at random below), a dense layer then two MoE layers
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
@@ -82,7 +89,8 @@ def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **
     (llama, qwen2, qwen3 (head_dim 32), qwen3_moe (8 experts, top 2, a sparse then a dense layer);
     the sliding-window families mistral, every layer an 8-token window, gemma3, 2 sliding layers
     (window 8) to 1 full, and gpt_oss (sinks, an 8-token window then a full layer, 4 experts); deepseek_v2
-    (MLA without q_lora_rank, a dense layer then 2 MoE layers with shared experts); the hybrids
+    (MLA without q_lora_rank, a dense layer then 2 MoE layers with shared experts), deepseek_v3 (the same
+    with q_lora_rank and V3's noaux_tc router); the hybrids
     qwen3_5, a Gated DeltaNet + gated-attention stack, and nemotron_h, Mamba2 + attention + MLP blocks).
 
     Weights are drawn with a large ``initializer_range`` so greedy decoding has clear
@@ -104,6 +112,10 @@ def tiny_model(path: Path, arch: str = "llama", with_tokenizer: bool = False, **
     kw.update(overrides)
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**kw)).float()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # HF starts it at 0: the choice would be the scores'
+                buf.normal_(0.0, 0.5)
     model.save_pretrained(path)
     if with_tokenizer:
         src = smollm2_path()

@@ -2,6 +2,7 @@
 
 from serving.models import (  # noqa: F401 - import registers the classes
     deepseek_v2,
+    deepseek_v3,
     gemma3,
     gpt_oss,
     llama,

@@ -12,7 +12,7 @@ times ``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts: on
 
 ``norm_topk_prob`` (off in every released V2 checkpoint): as DeepSeek's own code, the top-k weights
 rescaled to sum to 1 and not scaled (HF transformers 5 ignores the flag). ``topk_method`` ``noaux_tc``
-(DeepSeek-V3's sigmoid router with a bias) is refused.
+is DeepSeek-V3's sigmoid router with a bias (serving/models/deepseek_v3.py).
 
 HF names: attention as mla.py's; ``mlp.gate.weight`` (the router), ``mlp.experts.<e>.{gate,up,down}_proj``
 (per expert), ``mlp.shared_experts.{gate,up,down}_proj``.
@@ -62,7 +62,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     fused_cpu_layers = False  # serving.kernels.cpu_decoder computes Llama blocks, not MLA
 
     def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None = None) -> None:
-        _check_config(cfg)
+        self.check_config(cfg)
         super().__init__(cfg, tp)
         for layer in self.model.layers:  # Llama's GQA attention built by the backbone, replaced
             layer.self_attn = MLAttention(cfg, self.plan, self.tp)
@@ -76,6 +76,21 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if inter % size:
             raise TPShapeError(f"--tp-size {size} does not divide the model's moe_intermediate_size {inter}")
 
+    @staticmethod
+    def check_config(cfg: ModelArchConfig) -> None:
+        _check_config(cfg)
+
+    def moe_options(self, experts: int, inter: int) -> MoEOptions:
+        """The routed experts' options: softmax scoring, greedy or group-limited (``topk_method``)."""
+        raw = self.config.raw
+        grouped = (raw.get("topk_method") or "greedy") == "group_limited_greedy"
+        return MoEOptions(experts, int(raw["num_experts_per_tok"]), inter, scoring="deepseek",
+                          renormalize=bool(raw.get("norm_topk_prob", False)),
+                          n_group=int(raw.get("n_group") or 1) if grouped else 1,
+                          topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
+                          routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
+                          activation=str(raw.get("hidden_act", "silu")))
+
     def sparse_mlp(self, layer: int) -> nn.Module | None:
         raw = self.config.raw
         experts = int(raw.get("n_routed_experts") or 0)
@@ -83,14 +98,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 layer % int(raw.get("moe_layer_freq") or 1):
             return None
         inter = int(raw["moe_intermediate_size"])
-        method = raw.get("topk_method") or "greedy"
-        grouped = method == "group_limited_greedy"
-        opts = MoEOptions(experts, int(raw["num_experts_per_tok"]), inter, scoring="deepseek",
-                          renormalize=bool(raw.get("norm_topk_prob", False)),
-                          n_group=int(raw.get("n_group") or 1) if grouped else 1,
-                          topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
-                          routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
-                          activation=str(raw.get("hidden_act", "silu")))
+        opts = self.moe_options(experts, inter)
         n_shared = int(raw.get("n_shared_experts") or 0)
         shared = None
         if n_shared:
@@ -136,13 +144,14 @@ def _load_shared(moe: nn.Module, proj: str, tensor: Any, tp: TPGroup, name: str)
     return name.rsplit(".", 2)[0] + ".gate_up_proj.weight"
 
 
-def _check_config(cfg: ModelArchConfig) -> None:
+def _check_config(cfg: ModelArchConfig, topk_methods: tuple[str, ...] = TOPK_METHODS) -> None:
     raw = cfg.raw
     if not cfg.is_mla:
-        raise ValueError("a DeepSeek-V2 config.json needs kv_lora_rank and qk_rope_head_dim")
+        raise ValueError("a DeepSeek config.json needs kv_lora_rank and qk_rope_head_dim")
     method = raw.get("topk_method") or "greedy"
-    if int(raw.get("n_routed_experts") or 0) and method not in TOPK_METHODS:
-        raise ValueError(f"DeepSeek topk_method {method!r} is not supported; supported: {list(TOPK_METHODS)}")
+    if int(raw.get("n_routed_experts") or 0) and topk_methods and method not in topk_methods:
+        raise ValueError(f"DeepSeek topk_method {method!r} is not supported by {raw.get('architectures')}; "
+                         f"supported: {list(topk_methods)}")
     rank, rope = int(raw["kv_lora_rank"]), int(raw["qk_rope_head_dim"])
     if rope % 2 or rank % 2:
         raise ValueError(f"kv_lora_rank {rank} and qk_rope_head_dim {rope} must be even (RoPE rotates pairs; "

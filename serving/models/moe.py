@@ -8,7 +8,11 @@ and sums their outputs weighted by the router's scores. The families differ in t
   (DeepSeek-V2: float32 router logits, softmax over every expert, the top-k of all (``n_group`` 1, HF's
   ``greedy``) or of the ``topk_group`` groups with the highest best expert (``group_limited_greedy``),
   then rescaled to sum to 1 with ``renormalize`` (DeepSeek's ``norm_topk_prob``), else multiplied by
-  ``routed_scaling``; float32 weights, as HF's). ``router_bias``: the router has a bias (GPT-OSS);
+  ``routed_scaling``; float32 weights, as HF's); ``noaux_tc`` (DeepSeek-V3: a float32 sigmoid per
+  expert, the choice made on the scores plus the router's ``e_score_correction_bias``, groups ranked
+  by the sum of their two best, the top-k of the ``topk_group`` best groups, weighted by the scores
+  without the bias, rescaled to sum to 1 with ``renormalize``, then times ``routed_scaling``).
+  ``router_bias``: the router has a bias (GPT-OSS);
 - **activation** (``ACTIVATIONS``): ``silu`` (SwiGLU: ``silu(gate) * up``) or ``gpt_oss``
   (``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``); experts may
   have biases (``expert_bias``: GPT-OSS).
@@ -46,9 +50,9 @@ class MoEOptions:
     intermediate: int  # each expert's (all ranks)
     scoring: str = "softmax_topk"  # a key of SCORINGS
     renormalize: bool = False  # softmax_topk, deepseek: the kept top-k rescaled to sum to 1
-    n_group: int = 1  # deepseek: the experts in n_group groups, the top-k drawn from the best topk_group
+    n_group: int = 1  # deepseek, noaux_tc: the experts in n_group groups, the top-k from the best topk_group
     topk_group: int = 1
-    routed_scaling: float = 1.0  # deepseek: the weights' factor (when not renormalized)
+    routed_scaling: float = 1.0  # deepseek: the weights' factor (when not renormalized); noaux_tc: always
     router_bias: bool = False
     expert_bias: bool = False
     activation: str = "silu"  # a key of ACTIVATIONS
@@ -109,8 +113,24 @@ def _deepseek(gate: nn.Linear, x: torch.Tensor, opts: MoEOptions) -> Routed:
     return top * opts.routed_scaling, ids
 
 
+def _noaux_tc(gate: nn.Linear, x: torch.Tensor, opts: MoEOptions) -> Routed:
+    scores = F.linear(x.float(), gate.weight.float()).sigmoid()  # [T, E] float32
+    choice = scores + gate.e_score_correction_bias.float()
+    groups = choice.view(choice.shape[0], opts.n_group, -1)
+    if opts.n_group > 1:  # a group's rank: the sum of its two best experts
+        rank = torch.topk(groups, min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = torch.topk(rank, opts.topk_group, dim=-1).indices
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    ids = torch.topk(choice, opts.top_k, dim=-1).indices
+    top = scores.gather(1, ids)
+    if opts.renormalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * opts.routed_scaling, ids
+
+
 SCORINGS: dict[str, Callable[[nn.Linear, torch.Tensor, MoEOptions], Routed]] = {
-    "softmax_topk": _softmax_topk, "topk_softmax": _topk_softmax, "deepseek": _deepseek}
+    "softmax_topk": _softmax_topk, "topk_softmax": _topk_softmax, "deepseek": _deepseek, "noaux_tc": _noaux_tc}
 
 
 FUSED_KERNEL: bool | None = None  # None: the fused Triton kernels on CUDA, the torch path elsewhere
@@ -137,6 +157,8 @@ class SparseMoE(nn.Module):
         self.inter = opts.intermediate // self.tp.size  # this rank's columns of each expert
         self.num_experts, self.top_k = opts.num_experts, opts.top_k
         self.gate = nn.Linear(hidden, opts.num_experts, bias=opts.router_bias)  # the router
+        if opts.scoring == "noaux_tc":  # the choice's per-expert bias (a checkpoint tensor, not trained)
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(opts.num_experts))
         e = opts.num_experts
         self.w13 = nn.Parameter(torch.empty(e, 2 * self.inter, hidden))
         self.w2 = nn.Parameter(torch.empty(e, hidden, self.inter))

@@ -1,6 +1,7 @@
-"""DeepSeek-V2 (MLA + MoE) in the engine with the HiCache tiers (issue 45), float32 on CPU: a tiny
-random checkpoint (no q_lora_rank, as V2-Lite; a dense layer then two MoE layers with group-limited
-routing and shared experts). Greedy tokens equal HF's cold and with the prefix served from L1, from
+"""DeepSeek-V2 and V3 (MLA + MoE) in the engine with the HiCache tiers (issue 45), float32 on CPU:
+tiny random checkpoints (V2: no q_lora_rank, as V2-Lite, group-limited routing; V3: q_lora_rank and
+V3's noaux_tc router with a random correction bias; each a dense layer then two MoE layers with
+shared experts). Greedy tokens equal HF's cold and with the prefix served from L1, from
 L2 and from L3 (LMDB, after a restart); every tier holds the latent once per token (kv_lora_rank +
 qk_rope_head_dim elements per layer), under a namespace of its own."""
 
@@ -20,9 +21,9 @@ PS = 4
 LMDB = {"capacity_gb": 0.05, "initial_map_mb": 1}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tiny_model(tmp_path_factory.mktemp("dsv2"), "deepseek_v2")
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def tiny(request, tmp_path_factory):
+    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     ps, others = tier_prompts()  # 40-60 tokens each
     return path, ps, others, hf_greedy(path, ps, GREEDY["max_new_tokens"])
 

@@ -78,6 +78,12 @@ CASES = {
         v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
         first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
         routed_scaling_factor=1.0)),
+    # V3's router (noaux_tc: sigmoid, a correction bias for the choice, groups by their two best, normalized
+    # then scaled), MLA with q_lora_rank, the first layer dense
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
     # every layer sparse (decoder_sparse_step 1), top 3 probabilities as they are
     "qwen3_moe_unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
@@ -89,6 +95,9 @@ def _randomize(model: torch.nn.Module) -> None:
     """Non-trivial values everywhere (HF inits norms at 1 and biases at 0, which would hide bugs)."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if "correction_bias" in name:  # DeepSeek-V3's router bias: enough to change the choice
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
