@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.kv_encodings:
         from bench.multiturn_kv import compare_encodings
 
-        return compare_encodings(args, make_workload(args))
+        return compare_encodings(args, make_workload(args), run_setup)
     system, turns = make_workload(args)
     working_set = args.users * (args.system_tokens + args.turns * (args.user_tokens + args.output_tokens))
     print(f"KV working set {working_set} tokens = {working_set / args.l1_tokens:.1f}x L1 ({args.l1_tokens})")

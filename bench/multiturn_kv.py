@@ -23,7 +23,6 @@ import math
 from typing import Any
 
 from bench.common import print_table, write_json
-from bench.multiturn import run_setup
 
 # Fixed text of the agreement and perplexity rows (public domain: Dickens, A Tale of Two Cities, ch. 1).
 FIXED_TEXT = (
@@ -102,7 +101,8 @@ def _agreement(mine: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[s
             "ppl_fixed_text": ppl, "ppl_delta_fixed_text": ppl / math.exp(-base[0]["mean_logprob"]) - 1}
 
 
-def compare_encodings(args, workload) -> dict:  # noqa: ANN001
+def compare_encodings(args, workload, run_setup) -> dict:  # noqa: ANN001
+    """``run_setup``: bench/multiturn.py's (passed in: that module imports this one)."""
     system, turns = workload
     encodings = args.kv_encodings.split(",")
     l3_cfg = {"capacity_gb": args.l3_mb / 1024, "initial_map_mb": 4}

@@ -30,6 +30,14 @@ _TOKEN_LIMIT = 1 << _SHIFT
 MAX_SALT_CHARS = 256
 
 
+def salt_error(salt: object) -> str | None:
+    """What is wrong with a request's ``cache_salt`` (None: fine, or no salt): the one rule the
+    HTTP routes (a 400) and the engine (an invalid request) both apply."""
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS):
+        return f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters"
+    return None
+
+
 def salt_tags(salt: str | None) -> tuple[int, ...]:
     """The per-position tags of ``salt`` (empty for None: unsalted)."""
     if salt is None:

@@ -110,14 +110,6 @@ class TreeNode:
     def on_device(self) -> bool:
         return self.device_pages is not None
 
-    @property
-    def on_host(self) -> bool:
-        return self.host_pages is not None
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None and not self.removed
-
     def path_to_root(self) -> list[TreeNode]:
         """Nodes from this one up to (excluding) the root, deepest first."""
         out = []

@@ -96,7 +96,7 @@ class ReqCache:
         limit = req.logprob.cache_limit(self.page_size) if req.logprob is not None else None
         return req.fill_ids[: end if limit is None else min(end, limit)]
 
-    def peek_prefix_len(self, req: Req) -> int:
+    def admission_key(self, req: Req) -> int:
         """The admission order's key (``lpm``): cached prefix tokens, those on L1 counting twice
         (SGLang's lpm ranks by the L1 prefix: a request that runs on its L1 pages goes before
         one that must load them, whose load would evict them first)."""
@@ -111,7 +111,7 @@ class ReqCache:
 
     def uncached_len(self, req: Req) -> int:
         """Prompt tokens a forward pass would compute were ``req`` admitted now: those past its prefix
-        cached on L1 or L2 (read-only, as :meth:`peek_prefix_len`; the scheduler's short-request test)."""
+        cached on L1 or L2 (read-only, as :meth:`admission_key`; the scheduler's short-request test)."""
         return req.seq_len - self.tree.peek_prefix_len(self._matchable(req))
 
     def advance_prefetches(self, waiting: list[Req]) -> None:

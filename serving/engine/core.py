@@ -250,9 +250,9 @@ class EngineCore:
             SamplingParams.from_dict(sampling_params)
         if session_id is not None and session_id not in self.sessions:
             raise KeyError(f"unknown session_id {session_id!r}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
-                                       or len(cache_salt) > salt.MAX_SALT_CHARS):
-            raise InvalidRequest(f"cache_salt must be a non-empty string of at most {salt.MAX_SALT_CHARS} characters")
+        error = salt.salt_error(cache_salt)
+        if error is not None:
+            raise InvalidRequest(error)
         req = Req(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=params, session_id=session_id,
                   salt_tags=salt.salt_tags(cache_salt), tenant=tenant)
         self.ledger.register(req.salt_tags, tenant)

@@ -90,14 +90,6 @@ class Select(Expr):
         return f"select({self.name!r})"
 
 
-@dataclass(eq=False)
-class VarRef(Expr):
-    """A variable of another state (``forks[0]["x"]`` read lazily): its value when appended."""
-
-    state: Any
-    name: str
-
-
 def to_expr(x: Any) -> Expr:
     if isinstance(x, Expr):
         return x

@@ -13,8 +13,6 @@ import torch
 
 from hicache.tiers.device import KVLayout
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -65,7 +63,6 @@ class ModelArchConfig:
     mlp_bias: bool
     eos_token_id: tuple[int, ...]
     bos_token_id: int | None
-    torch_dtype: str | None
     # transformers 5's rope_parameters with a dict per layer type (Gemma-3: sliding_attention and
     # full_attention each their own base and scaling); rope_theta / rope_scaling are then full_attention's
     rope_by_layer_type: tuple[tuple[str, RopeParams], ...] = ()
@@ -83,7 +80,6 @@ class ModelArchConfig:
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         bos = raw.get("bos_token_id")
-        dtype = raw.get("torch_dtype") or raw.get("dtype")
         return ModelArchConfig(
             architectures=tuple(raw.get("architectures") or ()),
             model_type=str(raw.get("model_type", "")),
@@ -104,7 +100,6 @@ class ModelArchConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             eos_token_id=eos_ids,
             bos_token_id=None if bos is None else int(bos),
-            torch_dtype=str(dtype).removeprefix("torch.") if dtype else None,
             rope_by_layer_type=tuple(by_type.items()),
             raw=MappingProxyType(dict(raw)),
         )
@@ -125,11 +120,6 @@ class ModelArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    @property
-    def checkpoint_dtype(self) -> torch.dtype | None:
-        """The dtype the checkpoint was saved in, when config.json says so."""
-        return _DTYPES.get(self.torch_dtype or "")
 
     def for_layer_type(self, layer_type: str) -> ModelArchConfig:
         """This config with ``rope_theta`` / ``rope_scaling`` those of ``layer_type``'s layers

@@ -92,7 +92,7 @@ class PrefillPlanner:
         s = self.s
         s.cache.advance_prefetches(s.waiting)
         ready = [r for r in s.waiting if r.grammar is None or r.grammar.ready]  # the rest still compile
-        return s.policy.order(ready, lambda r: s.cache.peek_prefix_len(r)) if ready else []
+        return s.policy.order(ready, lambda r: s.cache.admission_key(r)) if ready else []
 
     def _beside(self, order: list[Req], budget: int) -> tuple[list[Req], int]:
         """The waiting requests that run beside the prompts in chunks, and the tokens they hold back."""

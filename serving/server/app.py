@@ -8,11 +8,12 @@ import contextlib
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from edge.host_policy import same_origin
+from hicache.tenants import TenantTable
 from serving.server import (
     admin_api,
     anthropic_api,
@@ -27,7 +28,7 @@ from serving.server import (
 from serving.server.access_log import AccessLogMiddleware
 from serving.server.context import ServerContext
 from serving.server.http_io import asgi_refuse
-from serving.server.tenants import CURRENT, TenantTable
+from serving.server.tenants import CURRENT
 from serving.server.trusted_hosts import HostPolicy, TrustedHostMiddleware
 
 OPEN_PATHS = frozenset({"/health"})
@@ -133,17 +134,9 @@ class SameOriginMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         origin = headers.get(b"origin")
-        if origin is None or _same_origin(origin, headers.get(b"host", b"")):
+        if origin is None or same_origin(origin, headers.get(b"host", b"")):
             return await self.app(scope, receive, send)
         await asgi_refuse(send, 403, f"cross-origin request refused (Origin: {origin.decode('latin-1')[:200]})")
-
-
-def _same_origin(origin: bytes, host: bytes) -> bool:
-    try:
-        netloc = urlsplit(origin.decode("latin-1")).netloc
-    except ValueError:
-        return False
-    return bool(netloc) and netloc.lower() == host.decode("latin-1").lower()
 
 
 def create_app(ctx: ServerContext) -> FastAPI:

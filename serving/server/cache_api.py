@@ -29,6 +29,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from hicache.tenants import effective_salt
 from serving import ipc as m
 from serving.scheduler.prompt_check import PromptError, check_prompt
 from serving.server.context import ServerContext, check_salt, get_ctx
@@ -36,7 +37,7 @@ from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import ChatMessage, StrictModel
 from serving.server.req_handle import run_all
-from serving.server.tenants import CURRENT, effective_salt
+from serving.server.tenants import CURRENT
 
 router = APIRouter()
 MAX_TTL_S = 24 * 3600.0

@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from hicache.tenants import effective_salt
 from serving import ipc as m
 from serving.cache.kv_breakpoints import MAX_BREAKPOINTS
 from serving.server.anthropic_tools import system_text, tools_text
@@ -44,7 +45,7 @@ from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import read_json
 from serving.server.req_handle import ReqState
-from serving.server.tenants import CURRENT, effective_salt
+from serving.server.tenants import CURRENT
 
 router = APIRouter()
 TTLS_S = {"5m": 300.0, "1h": 3600.0}

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from hicache import salt
+from hicache.tenants import TenantTable, effective_salt
 from serving import ipc as m
 from serving.config import EngineConfig
 from serving.scheduler.prompt_check import PromptError, check_budget, check_prompt
@@ -20,7 +21,7 @@ from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError, quoted
 from serving.server.metrics import ServerMetrics
 from serving.server.session_ids import check_session_id
-from serving.server.tenants import CURRENT, TenantTable, effective_salt
+from serving.server.tenants import CURRENT
 from serving.structs.sampling_params import InvalidRequest, SamplingParams
 from serving.tokenizer import Tokenizer, TooManyTokens
 
@@ -146,9 +147,9 @@ class ServerContext:
 
 
 def check_salt(cache_salt: str | None) -> None:
-    if cache_salt is not None and (not cache_salt or len(cache_salt) > salt.MAX_SALT_CHARS):
-        raise APIError(400, f"cache_salt must be a non-empty string of at most {salt.MAX_SALT_CHARS} characters",
-                       param="cache_salt")
+    error = salt.salt_error(cache_salt)
+    if error is not None:
+        raise APIError(400, error, param="cache_salt")
 
 
 def get_ctx(request: Request) -> ServerContext:

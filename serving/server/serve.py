@@ -22,6 +22,7 @@ from types import FrameType
 import uvicorn
 
 from edge.http_protocol import REASONS, ReadTimeouts, protocol_class
+from hicache.tenants import load_tenants
 from serving import ipc as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig, read_chat_template
@@ -31,7 +32,6 @@ from serving.server.engine_client import EngineClient, EngineStartError
 from serving.server.errors import error_body
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
-from serving.server.tenants import load_tenants
 from serving.tokenizer import Tokenizer, has_tokenizer
 
 READY_MESSAGE = "The server is fired up and ready to roll!"

@@ -22,9 +22,9 @@ import yaml
 from harness.server_utils import ROOT, ServerProcess, running_server
 from hicache import salt
 from hicache.keys import page_keys
+from hicache.tenants import effective_salt, parse_tenants
 from hicache.tiers.storage import make_storage
 from serving.engine.debug_hooks import HOLD_ENV
-from serving.server.tenants import effective_salt, parse_tenants
 
 ADMIN = "admin-key-0001"
 KEYS = {
