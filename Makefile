@@ -51,7 +51,7 @@ test: setup
 	$(PY) -m pytest -q -m serial --durations=15
 
 lint: setup
-	$(VENV)/bin/ruff check hicache edge serving router bench tests harness
+	$(VENV)/bin/ruff check hicache common edge serving router bench tests harness
 
 clean-venv:
 	rm -rf $(VENV)

@@ -23,8 +23,8 @@ from typing import Any
 
 import psutil
 
+from common.tenants import parse_tenants
 from hicache.keys import page_keys
-from hicache.tenants import parse_tenants
 from router.approx_tree import token_key
 from router.cache_view import L1, L2, CacheView, WorkerCache
 from router.config import RouterConfig

@@ -1,5 +1,6 @@
-"""The import graph of ``hicache/``, ``edge/``, ``serving/`` and ``router/``, from their ASTs: what the layering
-tests (``tests/layout/test_layering.py``, ``tests/layout/test_private_access.py``) check their rules on.
+"""The import graph of ``hicache/``, ``common/``, ``edge/``, ``serving/`` and ``router/``, from their ASTs:
+what the layering tests (``tests/layout/test_layering.py``, ``tests/layout/test_private_access.py``) check
+their rules on.
 
 Every import statement counts, lazy ones inside functions included; ``from x import y`` resolves
 to the module ``x.y`` where that is a module, else to ``x``; a module of ours named in a string
@@ -16,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hicache", "edge", "serving", "router")
+PACKAGES = ("hicache", "common", "edge", "serving", "router")
 
 
 def within(module: str, prefixes: tuple[str, ...]) -> bool:

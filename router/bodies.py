@@ -6,7 +6,7 @@ parsed with a depth limit, as on the workers (serving/server/http_io.py).
 read), a body whose bytes pass it (chunked, or longer than declared) a 413 as soon as they do;
 nothing is forwarded to a worker either way. The routes then get the body from memory.
 :func:`json_body` parses a body, 400 for invalid JSON or nesting deeper than ``max_json_depth``
-(hicache/json_depth.py: checked before parsing, so a 100k-deep body never reaches the recursive
+(common/json_depth.py: checked before parsing, so a 100k-deep body never reaches the recursive
 parser). Errors are in the shape of the path's API (router/errors.py).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hicache.json_depth import too_deep
+from common.json_depth import too_deep
 from router.errors import error
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from common.json_depth import DEFAULT_MAX_DEPTH
 from hicache.config_fields import check_choices, choice
-from hicache.json_depth import DEFAULT_MAX_DEPTH
 from router.pd_config import check_pd
 from router.urls import check_not_self, check_url
 

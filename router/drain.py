@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from hicache.tenants import effective_salt
+from common.tenants import effective_salt
 from router.policies import RouteRequest
 from router.tenancy import salted_ids, scope_prefix, session_key
 

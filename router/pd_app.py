@@ -27,7 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from hicache.json_depth import too_deep
+from common.json_depth import too_deep
 from router.bodies import json_object, too_deep_message
 from router.errors import error
 from router.pd import PDForwarder

@@ -2,7 +2,7 @@
 
 With a tokenizer (``tokenizer_path``, or the workers' tokenizer folder when it exists on this
 machine), the router reproduces what the worker will prefill: the chat messages in their one
-normal form (hicache/prompt_form.py, which the worker's API faces use too) through the chat
+normal form (common/prompt_form.py, which the worker's API faces use too) through the chat
 template, then ``encode`` without special tokens (serving/tokenizer.py does the same), so keys
 are on token ids and the exact cache view can compute page keys. Without one, the key is the
 request's text (messages joined by role), and token ids sent by the client are used as they are.
@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any
 
-from hicache.prompt_form import (
+from common.prompt_form import (
     anthropic_chat,
     anthropic_tool_line,
     block_text,
@@ -48,7 +48,7 @@ def load_tokenizer(path: str | None) -> Any:
     ):
         return None
     try:
-        from hicache.tokenizer_load import load_tokenizer  # the worker's loader: the same ids and template
+        from common.tokenizer_load import load_tokenizer  # the worker's loader: the same ids and template
 
         return load_tokenizer(path)
     except Exception as e:  # no transformers, or a folder it cannot read: route on text
@@ -168,7 +168,7 @@ def clip_body(path: str, body: dict[str, Any], max_chars: int) -> dict[str, Any]
     return out
 
 
-# chat routes: the body's messages as the worker's chat template sees them (hicache/prompt_form.py,
+# chat routes: the body's messages as the worker's chat template sees them (common/prompt_form.py,
 # the worker's API faces' own normal form: one owner)
 CHAT_PATHS = {
     "/v1/chat/completions": lambda b: openai_chat(b.get("messages"), b.get("tools")),

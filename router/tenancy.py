@@ -1,6 +1,6 @@
 """Tenants at the router: the workers' ``--api-keys-file``, so routing sees what the workers cache.
 
-A request's *scope* is the salt its KV lives under on the workers (hicache/tenants.py): its key's
+A request's *scope* is the salt its KV lives under on the workers (common/tenants.py): its key's
 tenant combined with its ``cache_salt``. The router keys everything cache-related on it: the
 approximate tree (a scope's keys start with the scope's own prefix, so two scopes never share a
 node), the exact view's page keys (salted ids, hicache/salt.py, the same keys the workers
@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from common.tenants import Tenant, TenantTable, effective_salt, load_tenants
 from hicache import salt
-from hicache.tenants import Tenant, TenantTable, effective_salt, load_tenants
 
 # routing keys of a salted scope start with one character of its own, from the supplementary private
 # use planes (router/approx_tree.py's unscoped keys start with \x01 or \x02), then the scope's digest

@@ -1,4 +1,4 @@
-"""The router's browser guards: the ``Host`` check that stops DNS rebinding (edge/host_policy.py,
+"""The router's browser guards: the ``Host`` check that stops DNS rebinding (common/host_policy.py,
 the rules the workers use too), and the cross-origin check.
 
 The router needs both guards itself: it passes on neither the client's ``Host`` nor its
@@ -17,7 +17,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from edge.host_policy import OPEN_PATHS, HostPolicy, parse_allowed_hosts, same_origin
+from common.host_policy import OPEN_PATHS, HostPolicy, parse_allowed_hosts, same_origin
 from router.errors import shape_for
 
 __all__ = ["BrowserGuardMiddleware", "HostPolicy", "parse_allowed_hosts"]

@@ -31,7 +31,7 @@ class TooManyTokens(InvalidRequest):
 
 
 class Tokenizer:
-    """A HF tokenizer folder's tokenizer (``hf``: hicache.tokenizer_load's answer, the light one
+    """A HF tokenizer folder's tokenizer (``hf``: common.tokenizer_load's answer, the light one
     when the folder has a snapshot; ``hf_full()``: the HF one, for xgrammar).
 
     Concurrency: ``encode`` may run in many threads at once (the HTTP server runs it in its
@@ -40,7 +40,7 @@ class Tokenizer:
     the tokenizer's temporary memory."""
 
     def __init__(self, path: str) -> None:
-        from hicache.tokenizer_load import load_tokenizer
+        from common.tokenizer_load import load_tokenizer
 
         self.hf = load_tokenizer(path)
         self.path = path
@@ -92,7 +92,7 @@ class Tokenizer:
 
     def hf_full(self) -> Any:
         """The HF tokenizer itself (built on first call when ``hf`` is the light one)."""
-        from hicache.tokenizer_load import hf_tokenizer
+        from common.tokenizer_load import hf_tokenizer
 
         return hf_tokenizer(self.hf)
 

@@ -7,7 +7,7 @@ The report is what a router needs to re-home them, and nothing more (it reaches 
 serving/scoped_ids.py), tenant and retention hints; each pin lease's id, tenant, prompt ids (the
 target re-pins them), the request's own ``cache_salt`` (``request_salt``: the target combines it
 with the tenant's seed again), its time left and whether it is a cache_control breakpoint. Never
-an effective salt: a tenant's seed (hicache/tenants.py) does not leave the server.
+an effective salt: a tenant's seed (common/tenants.py) does not leave the server.
 
 The HTTP side calls this once no request is running or waiting (it stopped admitting first).
 With L3: the L1-only nodes get an L2 copy, then every L2 page not in L3 is written (the writes

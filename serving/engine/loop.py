@@ -40,7 +40,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hicache.tenants import load_tenants
+from common.tenants import load_tenants
 from serving import ipc as m
 from serving.cache.kv_control import ControlLimits, KVControl
 from serving.engine.cache_events import CacheEventLog

@@ -38,7 +38,7 @@ CHATML = ChatTemplate(
 
 
 def _render(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    from hicache.chat_jinja import render  # the server's rendering (transformers' environment)
+    from common.chat_jinja import render  # the server's rendering (transformers' environment)
 
     return render(template, messages, add_generation_prompt, bos_token="", eos_token="")
 

@@ -78,7 +78,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def check_config(cfg: ModelArchConfig) -> None:
-        _check_config(cfg)
+        check_deepseek_config(cfg)
 
     def moe_options(self, experts: int, inter: int) -> MoEOptions:
         """The routed experts' options: softmax scoring, greedy or group-limited (``topk_method``)."""
@@ -144,7 +144,7 @@ def _load_shared(moe: nn.Module, proj: str, tensor: Any, tp: TPGroup, name: str)
     return name.rsplit(".", 2)[0] + ".gate_up_proj.weight"
 
 
-def _check_config(cfg: ModelArchConfig, topk_methods: tuple[str, ...] = TOPK_METHODS) -> None:
+def check_deepseek_config(cfg: ModelArchConfig, topk_methods: tuple[str, ...] = TOPK_METHODS) -> None:
     raw = cfg.raw
     if not cfg.is_mla:
         raise ValueError("a DeepSeek config.json needs kv_lora_rank and qk_rope_head_dim")

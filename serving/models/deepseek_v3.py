@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from serving.models.config import ModelArchConfig
-from serving.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM, _check_config
+from serving.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM, check_deepseek_config
 from serving.models.moe import MoEOptions
 from serving.models.registry import register_model
 from serving.parallel.shard import narrow
@@ -38,7 +38,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     @staticmethod
     def check_config(cfg: ModelArchConfig) -> None:
-        _check_config(cfg, topk_methods=())  # noaux_tc whatever topk_method says (HF's port)
+        check_deepseek_config(cfg, topk_methods=())  # noaux_tc whatever topk_method says (HF's port)
         if cfg.raw.get("rope_interleave", True) is False:
             raise ValueError("DeepSeek-V3 with rope_interleave false (rotate-half RoPE) is not supported; "
                              "the released checkpoints interleave")

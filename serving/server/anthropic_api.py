@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from hicache.prompt_form import anthropic_chat
+from common.prompt_form import anthropic_chat
 from serving.compat_fields import ANY
 from serving.server import cache_control
 from serving.server.anthropic_blocks import Shapes, content_blocks, parsed_events

@@ -12,7 +12,7 @@ content blocks, rendered into the prompt as text (serving/server/anthropic_api.p
   at them, and SmolLM2's has none.
 - ``tool_use`` (assistant) and ``tool_result`` (user) blocks in the history are rendered as
   ``<tool_call>{"name", "arguments"}</tool_call>`` and ``<tool_response>...</tool_response>``
-  (hicache/prompt_form.py, the one owner of how a body becomes the template's messages). Calls
+  (common/prompt_form.py, the one owner of how a body becomes the template's messages). Calls
   in the answer are parsed with ``--tool-call-parser`` (``tool_use`` blocks, ``stop_reason``
   ``tool_use``); ``tool_choice`` ``any`` / ``tool`` are forced (serving/server/chat_output.py).
 
@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from hicache.prompt_form import anthropic_tool_line, anthropic_tools_text, before_system, block_text
+from common.prompt_form import anthropic_tool_line, anthropic_tools_text, before_system, block_text
 from serving.server.chat_output import ToolRequest, check_choice
 from serving.server.protocol import StrictModel
 

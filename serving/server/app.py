@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from edge.host_policy import same_origin
-from hicache.tenants import TenantTable
+from common.host_policy import same_origin
+from common.tenants import TenantTable
 from serving.server import (
     admin_api,
     anthropic_api,

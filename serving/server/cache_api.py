@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from hicache.tenants import effective_salt
+from common.tenants import effective_salt
 from serving import ipc as m
 from serving.scheduler.prompt_check import PromptError, check_prompt
 from serving.server.context import ServerContext, check_salt, get_ctx

@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from hicache.tenants import effective_salt
+from common.tenants import effective_salt
 from serving import ipc as m
 from serving.cache.kv_breakpoints import MAX_BREAKPOINTS
 from serving.server.anthropic_tools import system_text, tools_text

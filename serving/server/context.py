@@ -10,8 +10,8 @@ from typing import Any
 
 from fastapi import Request
 
+from common.tenants import TenantTable, effective_salt
 from hicache import salt
-from hicache.tenants import TenantTable, effective_salt
 from serving import ipc as m
 from serving.config import EngineConfig
 from serving.scheduler.prompt_check import PromptError, check_budget, check_prompt

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
+from common.json_depth import DEFAULT_MAX_DEPTH, too_deep
 from edge.http_protocol import TIMED_OUT
-from hicache.json_depth import DEFAULT_MAX_DEPTH, too_deep
 from serving.server.errors import APIError, clip, error_body, validation_message
 
 M = TypeVar("M", bound=BaseModel)
@@ -121,7 +121,7 @@ async def read_json(request: Request, limit: int, max_depth: int = DEFAULT_MAX_D
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
     deep = f"the request body nests arrays and objects deeper than the limit of {max_depth} (max_json_depth)"
-    if too_deep(raw, max_depth):  # checked before parsing (hicache/json_depth.py, as the router does)
+    if too_deep(raw, max_depth):  # checked before parsing (common/json_depth.py, as the router does)
         raise APIError(400, deep)
     try:
         data = json.loads(text, parse_constant=_no_constants)

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from hicache.prompt_form import ollama_chat, ollama_generate
+from common.prompt_form import ollama_chat, ollama_generate
 from serving import compat_fields
 from serving.parsing.output import OutputParser, OutputStream
 from serving.server.chat_output import answer_params, output_parser, strip_eos
@@ -130,7 +130,7 @@ class ChatRequest(_Base):
     tools: list[FunctionTool] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages the chat template sees (hicache/prompt_form.py, as the router's key)."""
+        """The messages the chat template sees (common/prompt_form.py, as the router's key)."""
         tools = [t.model_dump() for t in self.tools] if self.tools else None
         return ollama_chat([x.model_dump(exclude_none=True) for x in self.messages], tools)
 
@@ -145,7 +145,7 @@ class GenerateRequest(_Base):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Without ``raw``, the prompt goes through the chat template as the user's message, after
-        ``system`` (hicache/prompt_form.py, as the router's key)."""
+        ``system`` (common/prompt_form.py, as the router's key)."""
         return ollama_generate(self.prompt, self.system)
 
 

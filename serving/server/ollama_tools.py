@@ -4,7 +4,7 @@ Requests: ``tools`` are OpenAI's function definitions (Ollama takes the same for
 be ``role: "tool"`` (a tool's answer, with Ollama's ``tool_name``), an assistant message may carry
 ``tool_calls`` (``{"function": {"name", "arguments": {...}}}``, arguments as an object) and its
 ``thinking`` (accepted, not shown to the model again, as Ollama's templates drop it). Both render
-as on the OpenAI route (hicache/prompt_form.py). Ollama has no ``tool_choice``: calls are parsed
+as on the OpenAI route (common/prompt_form.py). Ollama has no ``tool_choice``: calls are parsed
 (with the server's ``--tool-call-parser``) whenever tools are given, as ``auto`` does.
 
 ``think``: ``false`` renders the template with ``enable_thinking=False`` (Qwen3's switch) and

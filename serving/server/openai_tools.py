@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hicache.prompt_form import openai_tool_call, openai_tool_line
+from common.prompt_form import openai_tool_call, openai_tool_line
 
 
 class StrictModel(BaseModel):  # protocol.py's config (that module imports this one)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hicache.prompt_form import openai_chat, openai_message
+from common.prompt_form import openai_chat, openai_message
 from serving import compat_fields
 from serving.model.logprob_meta import MAX_TOP_LOGPROBS
 from serving.server.chat_output import ToolRequest, check_choice

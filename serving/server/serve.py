@@ -21,8 +21,8 @@ from types import FrameType
 
 import uvicorn
 
+from common.tenants import load_tenants
 from edge.http_protocol import REASONS, ReadTimeouts, protocol_class
-from hicache.tenants import load_tenants
 from serving import ipc as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig, read_chat_template

@@ -1,11 +1,11 @@
-"""The worker's ``Host`` check (the rules and why: edge/host_policy.py): a request whose ``Host``
+"""The worker's ``Host`` check (the rules and why: common/host_policy.py): a request whose ``Host``
 names a host this server does not answer to gets a 403 naming the header."""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from edge.host_policy import OPEN_PATHS, HostPolicy, parse_allowed_hosts
+from common.host_policy import OPEN_PATHS, HostPolicy, parse_allowed_hosts
 from serving.server.http_io import asgi_refuse
 
 __all__ = ["HostPolicy", "TrustedHostMiddleware", "parse_allowed_hosts"]

@@ -4,7 +4,10 @@ resolves to the module ``x.y`` where that is a module, else to ``x``; a module o
 string for importlib (a registry's ``"pkg.mod:Attr"``) is an import too.
 
 Rules (one test each; a failure lists every violation as ``file:line``):
-- ``hicache`` imports neither ``serving`` nor ``router`` nor ``edge``;
+- ``hicache`` (the cache core) imports neither ``serving`` nor ``router`` nor ``edge`` nor ``common``, and no
+  tokenizer, template or HTTP library (``NOT_IN_THE_CACHE_CORE``);
+- ``common`` (what the worker's processes and the router share besides the cache) imports neither
+  ``serving`` nor ``router`` nor ``edge``;
 - ``edge`` (the HTTP edge the worker's HTTP process and the router share) imports neither ``serving``
   nor ``router``;
 - ``router`` never imports ``serving``; ``serving`` imports ``router`` only in the launcher
@@ -16,12 +19,13 @@ Rules (one test each; a failure lists every violation as ``file:line``):
   no other engine package (``STRUCTS_MAY_IMPORT`` aside);
 - no loop between two engine packages (``serving.X`` <-> ``serving.Y``), but those ``KNOWN_PACKAGE_LOOPS``
   lists (the ones still to untangle).
-The graph is built by ``harness/import_graph.py``; the last rule of issue 28, no module touches
-another module's private attributes, is ``tests/layout/test_private_access.py``. The package rules count
+The package rules are functions of the import list, each also run on a planted violation. The graph is
+built by ``harness/import_graph.py``; that no module touches another module's private attributes is
+``tests/layout/test_private_access.py``. The package rules count
 ``if TYPE_CHECKING:`` imports too (a dependency all the same); the engine process and the cycles
 leave them out (they never run).
 
-The constants below are what the restructuring (issue 28) updates as modules move.
+The constants below move with the modules.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ LAUNCHER = ("serving.launch",)
 # of a server, by design).
 HTTP_PACKAGES = ("serving.server", "router", "edge", "serving.lang.backends.runtime_endpoint")
 HTTP_FRAMEWORKS = frozenset({"fastapi", "starlette", "httpx", "uvicorn"})
+# What the cache core never imports: tokenizers, chat templates (common/ has them) and HTTP.
+NOT_IN_THE_CACHE_CORE = HTTP_FRAMEWORKS | {"tokenizers", "transformers", "jinja2", "sentencepiece"}
 # The engine process's entry point: its modules are the ones this reaches through imports that run.
 ENGINE_ENTRY = "serving.engine.main"
 # The bottom package and the leaf modules it may import.
@@ -53,16 +59,48 @@ KNOWN_PACKAGE_LOOPS = frozenset({
 # The package arrows
 
 
-def test_hicache_imports_neither_serving_nor_router_nor_edge():
-    bad = [f"{i.where()}: {i.source} imports {i.target}" for i in imports()
-           if within(i.source, ("hicache",)) and not i.external and within(i.target, ("serving", "router", "edge"))]
-    assert not bad, report("hicache imports serving, router or edge", bad)
+def arrows(found: list[Import], source: str, forbidden: tuple[str, ...]) -> list[str]:
+    """The imports of ours from package ``source`` into any of ``forbidden``."""
+    return [f"{i.where()}: {i.source} imports {i.target}" for i in found
+            if within(i.source, (source,)) and not i.external and within(i.target, forbidden)]
+
+
+def libraries(found: list[Import], source: str, forbidden: frozenset[str]) -> list[str]:
+    """The imports of another distribution's ``forbidden`` packages from package ``source``."""
+    return [f"{i.where()}: {i.source} imports {i.target}" for i in found
+            if within(i.source, (source,)) and i.external and i.target in forbidden]
+
+
+def test_hicache_imports_neither_serving_nor_router_nor_edge_nor_common():
+    bad = arrows(imports(), "hicache", ("serving", "router", "edge", "common"))
+    assert not bad, report("hicache imports serving, router, edge or common", bad)
+
+
+def test_the_cache_core_imports_no_tokenizer_or_http_code():
+    bad = libraries(imports(), "hicache", NOT_IN_THE_CACHE_CORE)
+    assert not bad, report(f"hicache imports one of {sorted(NOT_IN_THE_CACHE_CORE)}", bad)
+
+
+def test_common_imports_neither_serving_nor_router_nor_edge():
+    bad = arrows(imports(), "common", ("serving", "router", "edge"))
+    assert not bad, report("common imports serving, router or edge", bad)
 
 
 def test_edge_imports_neither_serving_nor_router():
-    bad = [f"{i.where()}: {i.source} imports {i.target}" for i in imports()
-           if within(i.source, ("edge",)) and not i.external and within(i.target, ("serving", "router"))]
+    bad = arrows(imports(), "edge", ("serving", "router"))
     assert not bad, report("edge imports serving or router", bad)
+
+
+def test_each_package_rule_fails_on_a_planted_violation():
+    def plant(source: str, target: str, external: bool = False) -> list[Import]:
+        return [*imports(), Import(source, 1, target, external, "import")]
+
+    assert arrows(plant("hicache.keys", "common.tenants"), "hicache", ("serving", "router", "edge", "common"))
+    assert libraries(plant("hicache.keys", "transformers", True), "hicache", NOT_IN_THE_CACHE_CORE)
+    assert libraries(plant("hicache.tiers.storage", "fastapi", True), "hicache", NOT_IN_THE_CACHE_CORE)
+    assert arrows(plant("common.prompt_form", "serving.engine.core"), "common", ("serving", "router", "edge"))
+    assert arrows(plant("common.tenants", "router.app"), "common", ("serving", "router", "edge"))
+    assert arrows(plant("edge.http_protocol", "serving.server.app"), "edge", ("serving", "router"))
 
 
 def test_router_and_serving_meet_only_in_the_launcher():

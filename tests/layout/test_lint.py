@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_ruff_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    out = subprocess.run([ruff, "check", "hicache", "edge", "serving", "router", "bench", "tests", "harness"],
+    out = subprocess.run([ruff, "check", "hicache", "common", "edge", "serving", "router", "bench", "tests", "harness"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -1,5 +1,5 @@
-"""No module of ``hicache/``, ``edge/``, ``serving/`` or ``router/`` touches another module's private attributes
-(issue 28; the import-graph rules are ``tests/layout/test_layering.py``, the graph ``harness/import_graph.py``).
+"""No module of ``hicache/``, ``common/``, ``edge/``, ``serving/`` or ``router/`` touches another module's private
+attributes (the import-graph rules are ``tests/layout/test_layering.py``, the graph ``harness/import_graph.py``).
 
 A private name is one with a leading underscore that is not a dunder (``_x``, not ``__x__``).
 A module of ours *defines* a private name when it has it at module level (def, class, assignment,

@@ -29,7 +29,7 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(ReqKV))
 SHARED_NAMES = frozenset({"pages", "prefetch", "cached_tokens", "cached_by_tier", "l3_decision", "admitted"})
 MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault",
                       "popitem", "sort", "reverse", "__setitem__", "__delitem__"})
-DIRS = ("hicache", "edge", "serving", "router", "harness", "bench", "tests")
+DIRS = ("hicache", "common", "edge", "serving", "router", "harness", "bench", "tests")
 WRITER = ROOT / "serving" / "cache"
 
 

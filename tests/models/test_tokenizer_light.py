@@ -1,4 +1,4 @@
-"""hicache.tokenizer_light / hicache.chat_jinja: the light tokenizer answers as the HF one does."""
+"""common.tokenizer_light / common.chat_jinja: the light tokenizer answers as the HF one does."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from common import tokenizer_light
+from common.tokenizer_load import hf_tokenizer, load_hf_tokenizer, load_tokenizer
 from harness.model_utils import smollm2_path
 from harness.server_utils import ROOT
-from hicache import tokenizer_light
-from hicache.tokenizer_load import hf_tokenizer, load_hf_tokenizer, load_tokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines   ", "ünïcödé — 東京 🙂 \u200b\u00a0x",
          "<|im_start|>user\nhi<|im_end|>", "<|endoftext|><|im_end|>text", "", " ", "\n\n\n", "a" * 3000,

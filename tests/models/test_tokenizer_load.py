@@ -1,4 +1,4 @@
-"""hicache.tokenizer_load: the direct path builds exactly what AutoTokenizer builds, without torch."""
+"""common.tokenizer_load: the direct path builds exactly what AutoTokenizer builds, without torch."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from common.tokenizer_load import DIRECT_MODEL_TYPES, builds_directly, load_hf_tokenizer
 from harness.model_utils import smollm2_path
 from harness.server_utils import ROOT
-from hicache.tokenizer_load import DIRECT_MODEL_TYPES, builds_directly, load_hf_tokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines",
          "ünïcödé — 東京 🙂", "<|im_start|>user\nhi<|im_end|>"]

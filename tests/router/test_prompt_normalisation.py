@@ -1,4 +1,4 @@
-"""Prompt normalisation has one owner (issue 28): hicache/prompt_form.py. The worker's API faces
+"""Prompt normalisation has one owner (issue 28): common/prompt_form.py. The worker's API faces
 (``template_messages()`` in serving/server/) hand their validated values to it, the router's key
 (router/routing_key.py) the raw body; this test holds both to the same token ids, body by body,
 tools, the developer role and content parts included (where they differed before the one owner)."""

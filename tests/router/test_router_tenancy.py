@@ -12,10 +12,10 @@ import httpx
 import pytest
 import yaml
 
+from common.tenants import parse_tenants
 from harness.server_utils import ServerProcess, start_all
 from hicache import salt
 from hicache.keys import page_keys
-from hicache.tenants import parse_tenants
 from router.approx_tree import ApproxTree, token_key
 from router.cache_view import CacheView, WorkerCache
 from router.config import RouterConfig

@@ -19,10 +19,10 @@ import httpx
 import pytest
 import yaml
 
+from common.tenants import effective_salt, parse_tenants
 from harness.server_utils import ROOT, ServerProcess, running_server
 from hicache import salt
 from hicache.keys import page_keys
-from hicache.tenants import effective_salt, parse_tenants
 from hicache.tiers.storage import make_storage
 from serving.engine.debug_hooks import HOLD_ENV
 

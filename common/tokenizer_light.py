@@ -8,7 +8,7 @@ no decode clean-up and one chat template (a string), writes a snapshot: the back
 transformers prepared (``to_str()``: normalizer, pre-tokenizer, model, added tokens,
 post-processor, exactly as loaded), its special tokens, length, EOS id and chat template. Later
 loads of the same files, in any process, build a ``LightTokenizer`` from it: ``tokenizers`` for
-encode / decode, hicache.chat_jinja for the chat template; ``full()`` builds the HF tokenizer
+encode / decode, common.chat_jinja for the chat template; ``full()`` builds the HF tokenizer
 when something needs it (xgrammar's tokenizer info, at the first grammar).
 
 The snapshot's name is a hash of the folder's tokenizer files and of the transformers and
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from hicache import chat_jinja
+from common import chat_jinja
 
 log = logging.getLogger(__name__)
 FORMAT = 1

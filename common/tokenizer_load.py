@@ -11,7 +11,7 @@ other folder goes through AutoTokenizer as before. tests/models/test_tokenizer_l
 AutoTokenizer (same class, same ids, texts and chat template) and against transformers' tables.
 
 ``load_tokenizer`` is what the worker and the router call: the LightTokenizer of
-hicache/tokenizer_light.py when the folder has a snapshot (no transformers import at all), else
+common/tokenizer_light.py when the folder has a snapshot (no transformers import at all), else
 the HF tokenizer, whose snapshot it writes for the next process. ``hf_tokenizer`` is the HF one
 behind either (for xgrammar).
 """
@@ -53,7 +53,7 @@ def builds_directly(path: str) -> bool:
 def load_tokenizer(path: str) -> Any:
     """A tokenizer for ``path`` that encodes, decodes and renders chats as the HF one does: the
     light one from the folder's snapshot, else the HF one (and its snapshot written)."""
-    from hicache import tokenizer_light
+    from common import tokenizer_light
 
     state = tokenizer_light.recall(path)
     if state is not None and state["light"]:
