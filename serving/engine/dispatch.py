@@ -13,13 +13,16 @@ import logging
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving import ipc as m
 from serving.cache.kv_control import ControlError, KVControl
 from serving.engine.cache_events import CacheEventLog
 from serving.engine.housekeeping import Housekeeping
 from serving.engine.requests import Outbox, RequestTable
+
+if TYPE_CHECKING:
+    from serving.engine.core import EngineCore
 
 log = logging.getLogger("hicache.engine")
 
@@ -32,7 +35,7 @@ class Dispatch:
     except a call's own work on the EngineCore (a cache flush, say); an L3 lookup's Future is
     handed to the KV control, whose answer the housekeeping sends on a later turn."""
 
-    def __init__(self, core: Any, control: KVControl, requests: RequestTable, housekeeping: Housekeeping,
+    def __init__(self, core: EngineCore, control: KVControl, requests: RequestTable, housekeeping: Housekeeping,
                  events: CacheEventLog | None, out: Outbox) -> None:
         self.core = core
         self.control = control

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving import ipc as m
 from serving.cache.kv_control import KVControl
 from serving.engine.heartbeat import HeartbeatWriter
 from serving.engine.requests import Outbox, RequestTable
+
+if TYPE_CHECKING:
+    from serving.engine.core import EngineCore
 
 log = logging.getLogger("hicache.engine")
 SESSION_SWEEP_S = 1.0
@@ -29,7 +32,7 @@ class Housekeeping:
     ``SESSION_SWEEP_S``, an L3 lookup not done yet is answered by a later turn, and a beat is a
     write into the watchdog's shared array (read by the HTTP process)."""
 
-    def __init__(self, core: Any, control: KVControl, requests: RequestTable, out: Outbox,
+    def __init__(self, core: EngineCore, control: KVControl, requests: RequestTable, out: Outbox,
                  idle_timeout: float, heartbeat: Any = None) -> None:
         self.core = core
         self.control = control

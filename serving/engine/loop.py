@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.tenants import load_tenants
 from serving import ipc as m
@@ -50,6 +50,9 @@ from serving.engine.dispatch import Dispatch
 from serving.engine.housekeeping import SESSION_SWEEP_S, Housekeeping
 from serving.engine.inbox import EngineInbox
 from serving.engine.requests import Outbox, RequestTable
+
+if TYPE_CHECKING:
+    from serving.engine.core import EngineCore
 
 log = logging.getLogger("hicache.engine")
 STALL_WAIT_S = 0.002
@@ -73,7 +76,7 @@ class EngineLoop:
     not waited for (answered by a later turn)."""
 
     def __init__(
-        self, core: Any, rx: Connection, tx: Connection, settings: EngineProcessConfig, heartbeat: Any = None
+        self, core: EngineCore, rx: Connection, tx: Connection, settings: EngineProcessConfig, heartbeat: Any = None
     ) -> None:
         self.core = core
         self.inbox = EngineInbox(rx, tx)

@@ -11,11 +11,14 @@ import os
 import signal
 import sys
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving import ipc as m
 from serving.config import EngineConfig
 from serving.engine.config import EngineProcessConfig
+
+if TYPE_CHECKING:
+    from serving.engine.core import EngineCore
 
 # The engine's own modules (torch, the model, the cache) are imported in the spawned process only:
 # the HTTP process imports this module for the entry point and never needs them.
@@ -23,7 +26,7 @@ from serving.engine.config import EngineProcessConfig
 log = logging.getLogger("hicache.engine")
 
 
-def ready_info(core: Any, config: EngineConfig) -> dict[str, Any]:
+def ready_info(core: EngineCore, config: EngineConfig) -> dict[str, Any]:
     tok = core.tokenizer
     return {
         "model_path": config.model.model_path,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from serving import ipc as m
 from serving.cache.kv_control import KVControl
@@ -23,6 +23,9 @@ from serving.model.logprobs import LogprobState
 from serving.scoped_ids import unscoped
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest
+
+if TYPE_CHECKING:
+    from serving.engine.core import EngineCore
 
 log = logging.getLogger("hicache.engine")
 
@@ -70,7 +73,7 @@ class RequestTable:
     and an abort is done at once. ``finished`` counts requests finished or aborted (the
     watchdog's progress)."""
 
-    def __init__(self, core: Any, control: KVControl, out: Outbox) -> None:
+    def __init__(self, core: EngineCore, control: KVControl, out: Outbox) -> None:
         self.core = core
         self.control = control
         self.out = out

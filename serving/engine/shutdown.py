@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serving.engine.core import EngineCore
 
 log = logging.getLogger("hicache.engine")
 
@@ -29,7 +32,7 @@ class PersistReport:
                 f"({self.written_now} written during shutdown)")
 
 
-def shutdown_core(core: Any, persist: bool = True) -> PersistReport | None:
+def shutdown_core(core: EngineCore, persist: bool = True) -> PersistReport | None:
     """``core.shutdown`` with a report: with L3 and ``persist``, the live requests are aborted
     (their computed pages go into the tree), the tree is checked (a broken tree is never
     written to L3), every cached page is written on to L3, and the outcome is logged as

@@ -21,6 +21,7 @@ from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
 from serving.model.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
 from serving.model.sampler import Sampler
+from serving.scheduler.parts import GrammarPart, PDRolePart, SpeculativePart
 from serving.scheduler.prefill import PrefillPlanner
 from serving.scheduler.prompt_check import check_fits
 from serving.scheduler.schedule_policy import make_schedule_policy
@@ -61,7 +62,7 @@ class Scheduler:
         stop_checker: StopChecker,
         context_len: int,
         device: torch.device | str = "cpu",
-        grammar=None,  # noqa: ANN001 - serving.grammar.runner.GrammarRunner (structured output)
+        grammar: GrammarPart | None = None,  # structured output
         prefill_timer: PrefillTimer | None = None,
     ) -> None:
         self.config = config
@@ -83,18 +84,18 @@ class Scheduler:
         self.prefill_timer = prefill_timer
         self._step_prefill = 0
         self._overlap = None  # serving.scheduler.overlap.OverlapScheduler: batch N+1 prepared while N runs
-        self.pd = None  # serving.disagg.role_base.PDRole of a prefill / decode server (None: colocated)
-        self.spec = None  # serving.speculative.worker.SpeculativeWorker (None: no speculative decoding)
+        self.pd: PDRolePart | None = None  # a prefill / decode server's role (None: colocated)
+        self.spec: SpeculativePart | None = None  # speculative decoding (None: off)
         self._pd_emitted = False  # the last step returned PD first tokens without a forward pass
         if not config.disable_overlap_schedule and self.device.type == "cuda":
             from serving.scheduler.overlap import OverlapScheduler
 
             self._overlap = OverlapScheduler(self)
 
-    def attach_speculative(self, worker) -> None:  # noqa: ANN001 - serving.speculative.worker.SpeculativeWorker
+    def attach_speculative(self, worker: SpeculativePart) -> None:
         self.spec = worker
 
-    def attach_role(self, role) -> None:  # noqa: ANN001 - serving.disagg.role_base.PDRole
+    def attach_role(self, role: PDRolePart) -> None:
         self.pd = role
         role.attach(self)
 
