@@ -356,3 +356,13 @@ class ReqCache:
         kv.pages = []
         kv.tree_pages = 0
         kv.kv_len = 0
+
+    def release_and_back_up(self, req: Req) -> None:
+        """:meth:`release`, then the full pages of the request's sequence get an L2 copy at once (their
+        L3 write-back queued behind it): a PD decode server's finished turn, which the next turn's
+        prefill server reads from the shared L3."""
+        tokens = req.fill_ids[: req.kv.kv_len - req.kv.kv_len % self.page_size]
+        self.release(req)
+        if tokens:
+            self.tree.backup_prefix(tokens)
+            self.flush_transfers()

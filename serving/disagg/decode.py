@@ -79,12 +79,7 @@ class DecodeRole(PDRole):
         now, so the next turn's prefill server finds the answer's KV in the shared L3."""
         if req.pd is None or self.sched.cache.storage is None:
             return False
-        cache = self.sched.cache
-        tokens = req.fill_ids[: req.kv.kv_len - req.kv.kv_len % self.page_size]
-        cache.release(req)
-        if tokens:
-            cache.tree.backup_prefix(tokens)
-            cache.flush_transfers()  # the backup runs; the L3 write-back is queued behind it
+        self.sched.cache.release_and_back_up(req)
         return True
 
     def step(self) -> None:
