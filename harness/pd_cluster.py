@@ -53,7 +53,10 @@ def l3_config(work: Path, address: str) -> Path:
     cfg["cache"]["hicache_storage_backend_extra_config"] = {
         "master_server_address": f"127.0.0.1:{RPC}", "metadata_server": f"http://127.0.0.1:{HTTP}/metadata",
         "local_hostname": address, "global_segment_mb": 128, "local_buffer_mb": 64}
-    cfg["cache"].update(hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=16)
+    # always_load: the scenario checks that the decode side's pages come back from L3; with a tiny model the
+    # cost model may judge a recompute faster than a Mooncake read on a loaded machine (CI: 0 pages from L3)
+    cfg["cache"].update(hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=16,
+                        hicache_storage_load_policy="always_load")
     out = work / "l3.yaml"
     out.write_text(yaml.safe_dump(cfg))
     return out
@@ -156,6 +159,9 @@ def l3_scenario(out: dict, router: RouterProcess, P: ServerProcess, D: ServerPro
     out["l3_prompt_first_tokens"] = len(first)
     out["l3_turn2_prompt_tokens"] = len(second)
     out["integrity_l3"] = integrity(P, D)
+    for name, s in (("prefill", P), ("decode", D)):  # what each side's L3 did (read when an assertion fails)
+        st = httpx.get(s.url + "/get_server_info", timeout=30).json()["internal_states"][0].get("storage", {})
+        out[f"l3_{name}_storage"] = {k: v for k, v in st.items() if isinstance(v, int | float)}
 
 
 def main() -> None:
