@@ -5,7 +5,10 @@ running requests with prefill chunks under the step's prompt-token budget
 (serving.scheduler.prefill: short waiting requests beside a prompt in chunks, then the partly
 prefilled ones, then newly admitted ones in the schedule policy's order). With speculative decoding (``spec``,
 serving.speculative.worker) a decode row also carries its request's drafts, verified in the
-same pass.
+same pass. A step is three methods: ``_plan`` (the rows: decode tokens, drafts, prefill chunks),
+``_forward`` (the batch and its forward pass, grammar masks filled meanwhile) and ``_commit`` (KV
+advanced, tokens sampled and appended, drafts verified), with the PD role's step and the overlap
+scheduler's resolve before them. The optional parts are typed protocols (serving/scheduler/parts.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from serving.scheduler.parts import GrammarPart, PDRolePart, SpeculativePart
 from serving.scheduler.prefill import PrefillPlanner
 from serving.scheduler.prompt_check import check_fits
 from serving.scheduler.schedule_policy import make_schedule_policy
+from serving.scheduler.step_records import StepForward, StepPlan
 from serving.scheduler.stop import StopChecker
 from serving.structs.forward_batch import ForwardBatch
 from serving.structs.request import Req
@@ -164,55 +168,77 @@ class Scheduler:
         return out
 
     def _step(self) -> list[Req]:
-        if self._overlap is not None and (
-                (self.grammar is not None and self.grammar.active(self.running + self.waiting))
+        """plan -> forward -> commit (sample and append): the requests that got a token or finished."""
+        overlap, early = self._begin_overlap()
+        self.cache.poll()
+        emitted = self._pd_step(early, overlap)
+        if emitted is not None:
+            return emitted
+        self._poll_grammars()
+        plan = self._plan(early, overlap)
+        if not plan.batch:
+            return plan.updated + (self._overlap.resolve() if overlap else [])
+        fwd = self._forward(plan, overlap)
+        return self._commit(plan, fwd, overlap)
+
+    def _begin_overlap(self) -> tuple[bool, list[Req]]:
+        """Whether this step overlaps the next one's preparation (CUDA), and the previous step's
+        requests it resolved. Grammar masks, logprobs and drafts need every token on the host."""
+        if self._overlap is None:
+            return False, []
+        if ((self.grammar is not None and self.grammar.active(self.running + self.waiting))
                 or any(r.logprob is not None for r in self.running + self.waiting)
                 or (self.spec is not None and self.spec.speculating(self.running))):
-            # grammar masks / logprobs / drafts need every token on the host
-            overlap, early = False, self._overlap.resolve()
-        else:
-            overlap, early = self._overlap.begin_step() if self._overlap is not None else (False, [])
-        self.cache.poll()
-        if self.pd is not None:
-            before = len(self._finished_outside_step)
-            self.pd.step()
-            if len(self._finished_outside_step) > before and not self._pd_emitted:
-                # first tokens that arrived with their KV go out now, not after this step's forward
-                # pass; never twice in a row, so a stream of arrivals cannot starve the decode batch
-                self._pd_emitted = True
-                updated, self._finished_outside_step = self._finished_outside_step, []
-                return early + updated + (self._overlap.resolve() if overlap else [])
-            self._pd_emitted = False
-        self._poll_grammars()
+            return False, self._overlap.resolve()
+        return self._overlap.begin_step()
+
+    def _pd_step(self, early: list[Req], overlap: bool) -> list[Req] | None:
+        """The PD role's step; the requests to return at once when first tokens arrived with their
+        KV (never twice in a row, so a stream of arrivals cannot starve the decode batch)."""
+        if self.pd is None:
+            return None
+        before = len(self._finished_outside_step)
+        self.pd.step()
+        if len(self._finished_outside_step) > before and not self._pd_emitted:
+            self._pd_emitted = True
+            updated, self._finished_outside_step = self._finished_outside_step, []
+            return early + updated + (self._overlap.resolve() if overlap else [])
+        self._pd_emitted = False
+        return None
+
+    def _plan(self, early: list[Req], overlap: bool) -> StepPlan:
+        """The step's rows: running requests' decode tokens (with their drafts) and the prefill
+        chunks under the step's prompt-token budget (serving.scheduler.prefill)."""
         decode = self._reserve_decode()
-        chunks = self.prefill.schedule()  # serving.scheduler.prefill: the step's prompt-token budget
+        chunks = self.prefill.schedule()
         self._step_prefill = sum(n for _, n in chunks)
         spec = self.spec if decode and not overlap else None
         if spec is not None:
             spec.propose(decode, prefill=bool(chunks))  # drafts: verified as extra new tokens of their rows
-        batch_reqs = [(r, 1 + len(spec.drafts(r)) if spec else 1) for r in decode] + chunks
-        updated, self._finished_outside_step = self._finished_outside_step, []
-        updated = early + updated
-        if not batch_reqs:
-            return updated + (self._overlap.resolve() if overlap else [])
+        batch = [(r, 1 + len(spec.drafts(r)) if spec else 1) for r in decode] + chunks
+        updated, self._finished_outside_step = early + self._finished_outside_step, []
+        return StepPlan(batch, spec, updated)
+
+    def _forward(self, plan: StepPlan, overlap: bool) -> StepForward:
+        """Build the batch and run its forward pass; the grammar masks fill meanwhile."""
+        spec, batch = plan.spec, plan.batch
         seqs = [(r.model_ids(r.kv.kv_len, r.kv.kv_len + n) if n == 1 or spec is None or not spec.drafts(r)
                  else r.model_ids(r.kv.kv_len, r.kv.kv_len + 1) + spec.drafts(r), r.kv.kv_len, r.kv.pages)
-                for r, n in batch_reqs]
+                for r, n in batch]
         fb = ForwardBatch.build(seqs, self.page_size, self.device, win_map=self.cache.win_map)
         if self.cache.states is not None:  # state layers: working slots, captures at page boundaries
-            fb.set_state(*self.cache.states.plan(batch_reqs))
-        fb.layer_waits = self.cache.layer_waits([r for r, _ in batch_reqs])
-        prompt_rows = plan_prompt_rows(batch_reqs)  # prompt logprobs: logits of more positions than the last
+            fb.set_state(*self.cache.states.plan(batch))
+        fb.layer_waits = self.cache.layer_waits([r for r, _ in batch])
+        prompt_rows = plan_prompt_rows(batch)  # prompt logprobs: logits of more positions than the last
         extra = [row for _, rows, _ in prompt_rows for row in rows]
-        verify_at = len(batch_reqs) + len(extra)  # the drafts' rows follow the prompt-logprob rows
-        verify = spec.verify_rows(batch_reqs) if spec is not None else []
+        verify = spec.verify_rows(batch) if spec is not None else []
         if extra or verify:
             fb.logit_rows = torch.tensor(extra + verify, dtype=torch.int64, device=self.device)
         if overlap:
             fb = self._overlap.prepare(fb)
         masks = None  # structured output: next-token masks filled on a worker during the forward pass
         if self.grammar is not None:
-            masks = self.grammar.begin_masks([r for r, n in batch_reqs if r.kv.kv_len + n == r.seq_len])
+            masks = self.grammar.begin_masks([r for r, n in batch if r.kv.kv_len + n == r.seq_len])
         # a batch whose layers wait for loads (L2/L3 -> L1) would time the loads, not the prefill
         timed = self._step_prefill and self.prefill_timer is not None and fb.layer_waits is None
         if timed:
@@ -222,10 +248,17 @@ class Scheduler:
             self.prefill_timer.end(self._step_prefill)
         self.stats.forward_passes += 1
         if prompt_rows or verify:
-            logits = record_prompt_rows(prompt_rows, logits, len(batch_reqs))
+            logits = record_prompt_rows(prompt_rows, logits, len(batch))
+        # the drafts' rows follow the prompt-logprob rows
+        return StepForward(logits, all_logits, masks, verify_at=len(batch) + len(extra))
+
+    def _commit(self, plan: StepPlan, fwd: StepForward, overlap: bool) -> list[Req]:
+        """Advance each row's KV, sample the rows that finished their prompt (or decode), append
+        the tokens (and what the grammar forces after them), verify the drafts."""
+        spec, updated, verify_at = plan.spec, plan.updated, fwd.verify_at
         done_rows: list[int] = []
         drafted: list[tuple[Req, int, int]] = []  # (request, its last-token row, its first verify row)
-        for i, (r, n) in enumerate(batch_reqs):
+        for i, (r, n) in enumerate(plan.batch):
             if spec is not None and n > 1 and spec.drafts(r):
                 drafted.append((r, i, verify_at))
                 verify_at += n - 1
@@ -234,12 +267,12 @@ class Scheduler:
             if r.kv.kv_len == r.seq_len:
                 done_rows.append(i)
         if overlap:  # sample on the GPU; this step's tokens are read in the next step
-            return updated + self._overlap.finish(logits, done_rows, [batch_reqs[i][0] for i in done_rows])
+            return updated + self._overlap.finish(fwd.logits, done_rows, [plan.batch[i][0] for i in done_rows])
         if done_rows:
-            reqs = [batch_reqs[i][0] for i in done_rows]
-            rows = logits[done_rows]
-            if masks is not None:
-                masks.apply(rows)  # tokens the grammars disallow -> -inf (constrained rows only)
+            reqs = [plan.batch[i][0] for i in done_rows]
+            rows = fwd.logits[done_rows]
+            if fwd.masks is not None:
+                fwd.masks.apply(rows)  # tokens the grammars disallow -> -inf (constrained rows only)
             params = [r.sampling for r in reqs]
             rows = self.sampler.penalize(rows, params, [(r.input_ids, r.output_ids) for r in reqs])
             tokens = self.sampler.choose(rows, params, [r.rid for r in reqs])
@@ -250,7 +283,7 @@ class Scheduler:
                     self.grammar.jump_forward(r, self._append_token)
                 updated.append(r)
         if drafted:
-            updated += spec.accept(drafted, all_logits, self._append_token)
+            updated += spec.accept(drafted, fwd.all_logits, self._append_token)
         return updated
 
     def _append_token(self, r: Req, tok: int) -> None:
