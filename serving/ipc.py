@@ -43,6 +43,8 @@ from typing import Any
 
 import msgpack
 
+from serving.structs.sampling_params import SamplingParams
+
 EXIT_BROKEN = 3  # the engine process's exit status when its cache invariants broke (EngineLoop._fail_step)
 
 # -- the heartbeat's slots ------------------------------------------------------------------
@@ -63,7 +65,7 @@ def make_heartbeat(ctx: Any) -> Any:
 class GenerateReq:
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams  # parsed and checked once, by the HTTP process
     session_id: str | None = None
     bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
     logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.model.logprobs); None: off
@@ -220,10 +222,18 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 }
 
 
+# Fields whose value is a typed record: how it travels (to_wire) and comes back (from_wire).
+_RECORDS: dict[type, dict[str, Any]] = {GenerateReq: {"sampling_params": SamplingParams.from_wire}}
+
+
+def _wire(v: Any) -> Any:
+    return v.to_wire() if isinstance(v, SamplingParams) else v
+
+
 def pack(msg: Message) -> bytes:
     """One message as msgpack bytes; raises (TypeError / OverflowError) on unencodable values."""
     return msgpack.packb(
-        [type(msg).__name__, {k: getattr(msg, k) for k in _FIELDS[type(msg)]}], use_bin_type=True
+        [type(msg).__name__, {k: _wire(getattr(msg, k)) for k in _FIELDS[type(msg)]}], use_bin_type=True
     )
 
 
@@ -239,5 +249,7 @@ def decode(frame: bytes) -> list[Message]:
         cls = _TYPES.get(tag)
         if cls is None:
             raise ValueError(f"unknown message type {tag!r}")
+        for name, back in _RECORDS.get(cls, {}).items():
+            fields[name] = back(fields[name])
         out.append(cls(**fields))
     return out

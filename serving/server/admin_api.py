@@ -47,6 +47,7 @@ from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
 from serving.server.req_handle import run_all
 from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT
+from serving.structs.sampling_params import SamplingParams
 
 router = APIRouter()
 VERSION = "0.1.0"
@@ -73,7 +74,7 @@ async def health_generate(request: Request) -> Response:
     req = m.GenerateReq(
         rid=f"health-{uuid.uuid4().hex}",
         input_ids=[0],
-        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
     )
     timeout = ctx.server.engine_call_timeout_s
     try:

@@ -3,6 +3,7 @@ from a validated body to an engine request (tokenize, check lengths and sampling
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ class ServerContext:
         if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:
             raise APIError(400, "seed must fit in 64 bits", param="seed")
         if 0 < sp.temperature < GREEDY_EPS:  # SGLang's rule: a vanishing temperature is greedy
-            params = {**params, "temperature": 0.0}
+            sp = dataclasses.replace(sp, temperature=0.0)
         try:  # the prompt's rules have one owner (serving/scheduler/prompt_check.py)
             check_prompt(input_ids, int(self.info["vocab_size"]), self.context_len, prompt_param)
             check_budget(len(input_ids), sp.max_new_tokens, self.context_len, param_name)
@@ -140,7 +141,7 @@ class ServerContext:
             raise APIError(400, str(e), param=e.param) from None
         name = None if tenant is None else tenant.name
         return m.GenerateReq(  # a client's rid and session id in its tenant's namespace (serving/scoped_ids.py)
-            rid=uuid.uuid4().hex if not rid else scoped(name, rid), input_ids=input_ids, sampling_params=params,
+            rid=uuid.uuid4().hex if not rid else scoped(name, rid), input_ids=input_ids, sampling_params=sp,
             session_id=None if session_id is None else session_key(name, session_id), bootstrap=bootstrap,
             cache_salt=effective_salt(tenant, cache_salt), tenant=name, logprobs=logprobs,
         )

@@ -41,9 +41,9 @@ def choices(req: m.GenerateReq, n: int) -> list[m.GenerateReq]:
         from serving.server.errors import APIError
 
         raise APIError(400, "n > 1 is not supported on a PD disaggregated request", param="n")
-    seed = req.sampling_params.get("seed")
-    return [dataclasses.replace(req, rid=f"{req.rid}-{i}", sampling_params={
-        **req.sampling_params, **({"seed": seed + i} if isinstance(seed, int) else {})}) for i in range(n)]
+    sp = req.sampling_params
+    return [dataclasses.replace(req, rid=f"{req.rid}-{i}", sampling_params=sp if sp.seed is None else
+                                dataclasses.replace(sp, seed=sp.seed + i)) for i in range(n)]
 
 
 async def warm_prefix(client: EngineClient, reqs: list[m.GenerateReq]) -> list[ReqState]:

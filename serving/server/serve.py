@@ -32,6 +32,7 @@ from serving.server.engine_client import EngineClient, EngineStartError
 from serving.server.errors import error_body
 from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import run_all
+from serving.structs.sampling_params import SamplingParams
 from serving.tokenizer import Tokenizer, has_tokenizer
 
 READY_MESSAGE = "The server is fired up and ready to roll!"
@@ -83,7 +84,7 @@ class _Uvicorn(uvicorn.Server):
 async def _warmup(client: EngineClient) -> None:
     """One greedy token through the whole engine before announcing readiness (as SGLang does)."""
     req = m.GenerateReq(
-        rid="warmup", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}
+        rid="warmup", input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0)
     )
     await run_all(client, [req])
 

@@ -68,6 +68,16 @@ class SamplingParams:
         _check(after is None or (isinstance(after, int) and not isinstance(after, bool) and after >= 0),
                "grammar_after_token_id must be a token id (an integer >= 0)")
 
+    def to_wire(self) -> dict[str, Any]:
+        """The fields as msgpack takes them (serving/ipc.py): tuples as lists, ``extra`` left out."""
+        return {f.name: list(v) if isinstance(v, tuple) else v
+                for f in fields(self) if f.name != "extra" for v in (getattr(self, f.name),)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        """:meth:`to_wire`'s dict back (validated again on construction)."""
+        return cls(**{k: tuple(v) if k in ("stop", "stop_token_ids") else v for k, v in d.items()})
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1

@@ -19,6 +19,7 @@ from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError
 from serving.server.metrics import ServerMetrics
+from serving.structs.sampling_params import SamplingParams
 
 
 def test_the_receiver_acknowledges_while_the_loop_is_busy_and_keeps_the_order() -> None:
@@ -26,7 +27,8 @@ def test_the_receiver_acknowledges_while_the_loop_is_busy_and_keeps_the_order() 
     rx_http, tx_engine = Pipe(duplex=False)
     inbox = EngineInbox(rx_engine, tx_engine)
     inbox.start()
-    tx_http.send_bytes(m.encode([m.GenerateReq("a", [1], {}), m.Stats(call_id=7), m.GenerateReq("b", [2], {})]))
+    tx_http.send_bytes(m.encode([m.GenerateReq("a", [1], SamplingParams()), m.Stats(call_id=7),
+                                 m.GenerateReq("b", [2], SamplingParams())]))
     # nobody calls inbox.get() (the loop thread is in a forward pass): the receipt comes anyway
     assert rx_http.poll(10)
     assert m.decode(rx_http.recv_bytes()) == [m.Received(["a", "b"])]
@@ -74,7 +76,7 @@ def test_a_received_request_waits_past_the_call_timeout_for_its_acceptance() -> 
         client, tx_engine = _client(engine_call_timeout_s=0.3, watchdog_timeout=1.0)
         client.attach(asyncio.get_running_loop())
         turning = asyncio.ensure_future(turn_loop(client.heartbeat, progress=True))  # a long pass: beats
-        submit = asyncio.ensure_future(client.submit(m.GenerateReq("r1", [1, 2], {})))
+        submit = asyncio.ensure_future(client.submit(m.GenerateReq("r1", [1, 2], SamplingParams())))
         await asyncio.sleep(0.1)
         tx_engine.send_bytes(m.encode([m.Received(["r1"])]))
         await asyncio.sleep(1.5)  # five call timeouts, more than the watchdog's
@@ -88,7 +90,7 @@ def test_a_received_request_waits_past_the_call_timeout_for_its_acceptance() -> 
         turning.cancel()
         turning = asyncio.ensure_future(turn_loop(client.heartbeat, progress=False))
         t0 = time.monotonic()
-        submit = asyncio.ensure_future(client.submit(m.GenerateReq("r2", [1, 2], {})))
+        submit = asyncio.ensure_future(client.submit(m.GenerateReq("r2", [1, 2], SamplingParams())))
         await asyncio.sleep(0.1)
         tx_engine.send_bytes(m.encode([m.Received(["r2"])]))
         with pytest.raises(APIError) as exc:

@@ -23,9 +23,10 @@ from serving.ipc import EXIT_BROKEN
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError
+from serving.structs.sampling_params import SamplingParams
 
 NEW = 6
-PARAMS = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
 # A and B are admitted first (max_running_requests=2); C and D wait with nothing allocated.
 PROMPTS = {
     "A": [(7 * i + 3) % 500 + 1 for i in range(21)],
@@ -262,7 +263,7 @@ def test_http_side_answers_503_when_the_engine_dies():
         gone = asyncio.Event()
         client.on_gone = gone.set
         client.attach(asyncio.get_running_loop())
-        pending = asyncio.ensure_future(client.submit(m.GenerateReq("r1", [1, 2, 3], {})))
+        pending = asyncio.ensure_future(client.submit(m.GenerateReq("r1", [1, 2, 3], SamplingParams())))
         await asyncio.sleep(0.05)
         tx_engine.close()  # the engine process exits
         with pytest.raises(APIError) as exc:
@@ -271,7 +272,7 @@ def test_http_side_answers_503_when_the_engine_dies():
         await asyncio.wait_for(gone.wait(), 10)  # launch.py's on_gone: the server shuts down
         assert not client.alive
         with pytest.raises(APIError) as exc:
-            await client.submit(m.GenerateReq("r2", [1], {}))
+            await client.submit(m.GenerateReq("r2", [1], SamplingParams()))
         assert exc.value.status == 503
         client._outbox.put(None)
 

@@ -20,6 +20,7 @@ from serving.server import watchdog as wd
 from serving.server.config import ServerConfig
 from serving.server.engine_client import EngineClient
 from serving.server.errors import APIError
+from serving.structs.sampling_params import SamplingParams
 
 
 def beat(hb: list[float], at: float, busy: bool, progressed: bool) -> None:
@@ -73,7 +74,7 @@ def test_a_call_the_engine_never_answers_is_a_504_then_a_503_once_stalled() -> N
         sent = m.decode(client._rx_engine.recv_bytes())
         assert isinstance(sent[0], m.FlushCache) and 0 < sent[0].deadline <= time.monotonic()
         with pytest.raises(APIError) as exc:  # a request's acceptance is bounded too
-            await client.submit(m.GenerateReq("r1", [1, 2], {}))
+            await client.submit(m.GenerateReq("r1", [1, 2], SamplingParams()))
         assert exc.value.status == 504 and "did not accept" in exc.value.message
         assert not client.handles
         await asyncio.sleep(0.3)  # still waiting on nothing: not stalled (its loop turns)

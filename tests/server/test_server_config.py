@@ -10,6 +10,7 @@ from harness.server_utils import ROOT
 from serving import ipc as m
 from serving.launch import cli
 from serving.server.config import ConfigError, ServerConfig, load_config
+from serving.structs.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("name", ["l3.yaml", "l1.yaml"])
@@ -125,7 +126,7 @@ def test_cli_errors_and_stubs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_messages_round_trip() -> None:
     msgs = [
-        m.GenerateReq("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ["x"]}, session_id="s"),
+        m.GenerateReq("r1", [1, 2, 3], SamplingParams(max_new_tokens=4, stop=("x",), seed=3), session_id="s"),
         m.TokenOut(
             "r1",
             0,
@@ -141,7 +142,7 @@ def test_messages_round_trip() -> None:
     ]
     assert m.decode(m.encode(msgs)) == msgs
     with pytest.raises(OverflowError):
-        m.pack(m.GenerateReq("r2", [10**30], {}))
+        m.pack(m.GenerateReq("r2", [10**30], SamplingParams()))
 
 
 def test_watchdog_and_limit_flags() -> None:
