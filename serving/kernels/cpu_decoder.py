@@ -33,17 +33,19 @@ KINDS = {"f32": 0, "int4": 1, "int8": 2, "q8_0": 3}
 
 
 def _linear(mod: nn.Module) -> tuple[int, list[torch.Tensor], torch.Tensor | None] | str:
-    """(kind, tensors, bias) of a projection module for the C++ stack, or why it cannot be one."""
-    from serving.models.quant.apply import QuantLinear, QuantRowParallelLinear
+    """(kind, tensors, bias) of a projection module for the C++ stack, or why it cannot be one.
+    A quantized projection (serving/models/quant/apply.py) offers ``quantized_parts()``: its
+    method's name and tensors; a quantized row-parallel one wraps such a ``linear``."""
     from serving.parallel.layers import RowParallelLinear
 
     bias = getattr(mod, "bias", None)
-    if isinstance(mod, QuantRowParallelLinear):
+    inner = getattr(mod, "linear", None)
+    if hasattr(inner, "quantized_parts"):  # a quantized row-parallel projection
         if mod.tp.is_parallel:
             return "tensor parallelism"
-        mod = mod.linear
-    if isinstance(mod, QuantLinear):
-        name, q = mod.method.name, mod.q
+        mod = inner
+    if hasattr(mod, "quantized_parts"):
+        name, q = mod.quantized_parts()
         if name in ("int4", "q8_0"):
             return KINDS[name], [q["packed"]], bias
         if name == "int8":

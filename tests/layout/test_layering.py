@@ -46,10 +46,10 @@ ENGINE_ENTRY = "serving.engine.main"
 # The bottom package and the leaf modules it may import.
 STRUCTS = "serving.structs"
 STRUCTS_MAY_IMPORT = ("serving.compat_fields",)
-# Loops between two engine packages that are still there (each pair sorted): the models and the kernels
-# and tensor parallelism's layers import each other. Nothing may join this list.
+# Loops between two engine packages that are still there (each pair sorted): tensor parallelism's
+# leader / follower start the model runner and load the models, which use its layers. Nothing may join
+# this list.
 KNOWN_PACKAGE_LOOPS = frozenset({
-    ("serving.kernels", "serving.models"),
     ("serving.model", "serving.parallel"),
     ("serving.models", "serving.parallel"),
 })

@@ -32,6 +32,10 @@ class QuantLinear(nn.Module):
         self.q = method.quantize(weight.detach()) if q is None else q  # q: already quantized (a GGUF's blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def quantized_parts(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """The method's name and the quantized tensors (what the C++ CPU decoder stack reads)."""
+        return self.method.name, self.q
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = self.method.matmul(x.reshape(-1, self.in_features), self.q)
