@@ -61,7 +61,7 @@ class StorageController:
         self.tier = tier
         if host_state_pool is None and tree.state is not None and isinstance(tree.state.host, HostStatePool):
             host_state_pool = tree.state.host  # the L2 state pool the tree hands slots of
-        # a tensor-parallel tier makes its own (each rank stores its part: serving/parallel/state_l3.py)
+        # a tensor-parallel tier makes its own (each rank stores its part: serving/tp/state_l3.py)
         make_store = getattr(tier, "state_store", None) or (lambda layout: StateStore(tier.backend, layout))
         self.state_store = None if host_state_pool is None else make_store(host_state_pool.layout)
         states = None if host_state_pool is None else (host_state_pool, self.state_store)

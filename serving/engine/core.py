@@ -37,13 +37,13 @@ from serving.cache.transfers import TransferRunner, TransferSink
 from serving.config import EngineConfig
 from serving.grammar.runner import make_grammar_runner
 from serving.model.model_runner import ModelRunner
-from serving.parallel.leader import TPLeader
 from serving.scheduler.prompt_check import check_prompt
 from serving.scheduler.scheduler import Scheduler
 from serving.scheduler.stop import StopChecker
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest, SamplingParams
 from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
+from serving.tp.leader import TPLeader
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0005  # the interpreter's switch interval while an engine runs (see EngineCore.__init__)

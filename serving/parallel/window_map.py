@@ -4,7 +4,7 @@ keep the same pages' windows in the same window pages.
 Rank 0 decides (its request cache assigns, trims, moves and drops window pages; its allocator resets a
 reused page's entry). :func:`record_map` swaps rank 0's map for a list that also notes each entry written
 (the last value per page), and the leader sends the notes, as one ``WindowMap`` command, before its next
-command (serving/parallel/leader.py). A follower applies them to its own pool's map (:class:`MapMirror`),
+command (serving/tp/leader.py). A follower applies them to its own pool's map (:class:`MapMirror`),
 so at every command its map is rank 0's at the time the command was sent: its page mover backs up and
 loads the same window pages (and sets the same L2 ``sliding_valid`` flags), and each forward batch's
 window view (the batch's page table and store locations in window pages, as rank 0's ``set_window``

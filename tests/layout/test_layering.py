@@ -17,8 +17,7 @@ Rules (one test each; a failure lists every violation as ``file:line``):
 - no import cycle between modules;
 - ``serving.structs`` (the request, its sampling params, a forward's batch) sits at the bottom: it imports
   no other engine package (``STRUCTS_MAY_IMPORT`` aside);
-- no loop between two engine packages (``serving.X`` <-> ``serving.Y``), but those ``KNOWN_PACKAGE_LOOPS``
-  lists (the ones still to untangle).
+- no loop between two engine packages (``serving.X`` <-> ``serving.Y``; ``KNOWN_PACKAGE_LOOPS`` is empty).
 The package rules are functions of the import list, each also run on a planted violation. The graph is
 built by ``harness/import_graph.py``; that no module touches another module's private attributes is
 ``tests/layout/test_private_access.py``. The package rules count
@@ -46,13 +45,9 @@ ENGINE_ENTRY = "serving.engine.main"
 # The bottom package and the leaf modules it may import.
 STRUCTS = "serving.structs"
 STRUCTS_MAY_IMPORT = ("serving.compat_fields",)
-# Loops between two engine packages that are still there (each pair sorted): tensor parallelism's
-# leader / follower start the model runner and load the models, which use its layers. Nothing may join
-# this list.
-KNOWN_PACKAGE_LOOPS = frozenset({
-    ("serving.model", "serving.parallel"),
-    ("serving.models", "serving.parallel"),
-})
+# Loops between two engine packages that are still there (each pair sorted). None is left; nothing may
+# join this list.
+KNOWN_PACKAGE_LOOPS: frozenset[tuple[str, str]] = frozenset()
 
 
 # ---------------------------------------------------------------------------------------------

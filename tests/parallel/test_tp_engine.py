@@ -184,7 +184,7 @@ def test_tp2_overlap_schedule_token_identical(tiny):
 DEAD_RANK = """
 import sys
 from serving.engine import Engine
-from serving.parallel.leader import RankDied
+from serving.tp.leader import RankDied
 eng = Engine(model_path=sys.argv[1], page_size=4, max_total_tokens=160, tp_size=2)
 eng.generate(input_ids=[[1, 2, 3, 4, 5]], sampling_params={"max_new_tokens": 2})
 eng.core.tp.procs[0].kill()
@@ -214,7 +214,7 @@ def test_a_dead_rank_raises_in_the_offline_engine_not_exits_the_callers_process(
 FAILED_RANK = """
 import sys
 from serving.engine import Engine
-from serving.parallel import messages as msg
+from serving.tp import messages as msg
 path, ps = sys.argv[1], [[1, 2, 3, 4, 5]]
 eng = Engine(model_path=path, page_size=4, max_total_tokens=160, tp_size=2)
 eng.generate(input_ids=ps, sampling_params={"max_new_tokens": 2})

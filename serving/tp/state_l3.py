@@ -1,6 +1,6 @@
 """A state model's snapshots on L3 under tensor parallelism: every rank stores its heads' share.
 
-As with the pages (serving/parallel/leader.py: ``TPStorageTier``), each rank writes its own part of a
+As with the pages (serving/tp/leader.py: ``TPStorageTier``), each rank writes its own part of a
 snapshot, from its own L2 state slot, as its own value (per-rank entries: part ``r`` of ``size`` under
 ``hicache.tiers.storage_state.part_key``). :class:`TPStateStore` is rank 0's store: a write is sent to
 every follower (its request thread writes its part once the ``state_backup`` that filled the slot has
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache.tiers.storage_state import StateParts, StateStore
-from serving.parallel import messages as msg
+from serving.tp import messages as msg
 
 
 class TPStateStore:

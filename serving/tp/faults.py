@@ -1,7 +1,7 @@
 """A tensor-parallel engine's faults: what a dead rank's error says, and the process's one group.
 
 - :class:`RankDied`: the offline engine's calls raise it once a rank is gone (the server's engine
-  process exits instead: serving/parallel/leader.py). Its message names the rank, its exit code
+  process exits instead: serving/tp/leader.py). Its message names the rank, its exit code
   (-9: killed, e.g. by the OOM killer) and the end of the traceback the rank wrote before it exited
   (:func:`write_error`: a file in the engine's own temporary folder), so a failure seen only through
   rank 0 (a collective's "Connection reset by peer") says why.

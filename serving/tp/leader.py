@@ -16,7 +16,7 @@ the page under its own key (``hicache.keys.tp_shard_key``), and a page counts as
 or present only when every rank's part is; a part stored under rank 0's key (kv head 0 replicated,
 and an MLA model's latent, the same on every rank: one L3 entry per page) is written by rank 0
 alone and read by every rank; a state model's snapshots likewise, per rank
-(serving/parallel/state_l3.py).
+(serving/tp/state_l3.py).
 
 Faults: a monitor thread watches the followers; one that exits takes the engine down with a
 message naming it, and every collective has ``--dist-timeout``. In the server's engine process
@@ -26,7 +26,7 @@ once) and the engine's next call raises :class:`RankDied` naming the rank.
 
 Concurrency contract: ``forward`` and ``execute`` are called on the scheduler thread only (their
 commands keep its order); ``TPStorageTier`` calls come from any thread and are serialised per
-engine only per follower pipe (serving/parallel/rpc.py: requests run concurrently on every rank).
+engine only per follower pipe (serving/tp/rpc.py: requests run concurrently on every rank).
 """
 
 from __future__ import annotations
@@ -50,15 +50,15 @@ from typing import Any
 import torch
 
 from serving.config import EngineConfig
-from serving.parallel import messages as msg
-from serving.parallel.faults import RankDied, claim_group, death_reason, error_path
 from serving.parallel.group import TPGroup, destroy_tp_group, init_tp_group
-from serving.parallel.rank import cpu_threads_per_rank
-from serving.parallel.rpc import RpcClient
 from serving.parallel.shard import ShardPlan
-from serving.parallel.state_l3 import TPStateStore, mirror_loads
-from serving.parallel.state_ops import record_writes
 from serving.parallel.window_map import map_digest, record_map, take_notes
+from serving.tp import messages as msg
+from serving.tp.faults import RankDied, claim_group, death_reason, error_path
+from serving.tp.rank import cpu_threads_per_rank
+from serving.tp.rpc import RpcClient
+from serving.tp.state_l3 import TPStateStore, mirror_loads
+from serving.tp.state_ops import record_writes
 
 log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
@@ -87,7 +87,7 @@ class TPLeader:
     the wrapped ``forward`` / ``execute`` (each sends its command down every command pipe, then
     runs rank 0's part; ``seq`` counts them and only this thread writes it), ``check_integrity``
     and ``shutdown``. ``mirrored`` (through :class:`TPStorageTier`) is called from L3's reader and
-    writer threads as well; each :class:`serving.parallel.rpc.RpcClient` serialises its sends
+    writer threads as well; each :class:`serving.tp.rpc.RpcClient` serialises its sends
     under its own lock and answers on its ``tp-rpc<r>`` reader thread. Waits: a collective waits
     at most ``--dist-timeout``; ``_answers`` waits for each follower's answer at most
     ``2 * dist_timeout + 10`` s, then takes the engine down (``_die``). The ``tp-monitor`` thread
@@ -100,7 +100,7 @@ class TPLeader:
 
     def __init__(self, config: EngineConfig, exit_on_death: bool = True) -> None:
         from serving.model.model_runner import resolve_device
-        from serving.parallel.follower import follower_main
+        from serving.tp.follower import follower_main
 
         self.size = config.model.tp_size
         self.config = rank_config(config, 0)
@@ -122,7 +122,7 @@ class TPLeader:
             torch.cuda.set_device(device)
         self._stopping = False
         self.dead: str | None = None  # why the engine stopped (a rank died), when it did not exit
-        claim_group(self)  # the process's default group, before any rank starts (serving/parallel/faults.py)
+        claim_group(self)  # the process's default group, before any rank starts (serving/tp/faults.py)
         self._dir = tempfile.mkdtemp(prefix="hicache-tp-")
         init = f"file://{self._dir}/init"
         ctx = mp.get_context("spawn")
@@ -183,7 +183,7 @@ class TPLeader:
     def setup(self, host_pages: int, state_pool: Any = None, host_state_pool: Any = None,
               windows: Any = None) -> None:
         """The first command: the pools' sizes. A state model's L1 ``state_pool`` (a DeviceStatePool)
-        gets its writes outside a forward recorded (serving/parallel/state_ops.py), a hybrid SWA L1's
+        gets its writes outside a forward recorded (serving/tp/state_ops.py), a hybrid SWA L1's
         ``windows`` (its WindowPages) its map writes (serving/parallel/window_map.py); the records go to
         the followers before the next command (:meth:`_send`)."""
         slots = state_pool.num_slots if state_pool is not None else 0
@@ -353,7 +353,7 @@ class TPStorageTier:
         return getattr(self._tier, name)
 
     def state_store(self, layout: Any) -> TPStateStore:
-        """A state model's snapshot store: every rank writes its part (serving/parallel/state_l3.py)."""
+        """A state model's snapshot store: every rank writes its part (serving/tp/state_l3.py)."""
         from hicache.tiers.storage_state import StateStore
 
         return TPStateStore(StateStore(self._tier.backend, layout, 0, self._leader.size), self._leader)

@@ -22,10 +22,10 @@ from multiprocessing.connection import Connection
 import torch
 
 from serving.config import EngineConfig
-from serving.parallel import messages as msg
-from serving.parallel.faults import write_error
-from serving.parallel.rpc import serve_rpc
 from serving.parallel.window_map import map_digest
+from serving.tp import messages as msg
+from serving.tp.faults import write_error
+from serving.tp.rpc import serve_rpc
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     from serving.cache.cache_controller import CacheController
     from serving.model.model_runner import ModelRunner
     from serving.parallel.group import destroy_tp_group, init_tp_group
-    from serving.parallel.rank import cpu_threads_per_rank, make_rank_tier
-    from serving.parallel.state_ops import apply_ops
     from serving.parallel.window_map import MapMirror
     from serving.structs.forward_batch import ForwardBatch
+    from serving.tp.rank import cpu_threads_per_rank, make_rank_tier
+    from serving.tp.state_ops import apply_ops
 
     device = torch.device(config.model.device)
     if device.type == "cuda":
