@@ -95,7 +95,7 @@ def run_setup(name: str, extra: dict[str, Any], args, system: list[int], turns: 
 
 def make_workload(args) -> tuple[list[int], list[list[list[int]]]]:  # noqa: ANN001
     """A shared system prompt and each user's turns (random token ids, seed 0)."""
-    from serving.models.config import ModelArchConfig
+    from serving.models.arch_config import ModelArchConfig
 
     vocab = ModelArchConfig.from_pretrained(args.model_path).vocab_size
     rng = random.Random(0)

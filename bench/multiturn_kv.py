@@ -72,7 +72,7 @@ def _held(core, prompts: list[list[int]]) -> dict[str, Any]:  # noqa: ANN001 - a
 def _teacher_forced(args, mode: dict[str, Any], texts: list[list[int]]) -> list[dict[str, Any]]:  # noqa: ANN001
     """Per text: the top-1 token at every position and the mean log-likelihood (prompt logprobs)."""
     from serving.engine import Engine
-    from serving.model.logprobs import LogprobState
+    from serving.runner.logprobs import LogprobState
 
     # L1 only; a lossy encoding's round trip on every stored K/V, or L1 in another KV dtype
     eng = Engine(model_path=args.model_path, page_size=args.page_size, device=args.device, **mode)

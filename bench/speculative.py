@@ -42,7 +42,7 @@ from bench.common import parser, print_table, write_json  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "models/SmolLM2-135M-Instruct"
 FILES = ["serving/scheduler/stop.py", "serving/scheduler/schedule_policy.py", "hicache/hiradix/unbounded.py",
-         "serving/server/session_ids.py", "serving/cache/kv_control_limits.py", "serving/model/logprob_meta.py",
+         "serving/server/session_ids.py", "serving/cache/kv_control_limits.py", "serving/runner/logprob_meta.py",
          "serving/server/text.py", "serving/engine/debug_hooks.py"]
 QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
              "Explain how vaccines train the immune system.", "What are the pros and cons of remote work?",

@@ -110,7 +110,7 @@ def check_model_runner(path: Path, hf: torch.nn.Module, backend: str) -> None:
     """The engine's ModelRunner builds the state pool (model_runner.state_slots_for) and passes it."""
     from hicache.tiers.device import DeviceKVPool
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.model.model_runner import ModelRunner, state_slots_for
+    from serving.runner.model_runner import ModelRunner, state_slots_for
     from serving.structs.forward_batch import ForwardBatch
 
     runner = ModelRunner(ModelConfig(model_path=str(path), device="cpu", dtype="float32", attention_backend=backend),

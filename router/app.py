@@ -7,7 +7,7 @@ sticks to it), /close_session (to the session's worker). Forwarded to any availa
 /v1/models, /get_model_info, /health_generate, /v1/messages/count_tokens, /api/tags, /api/show,
 /api/version. Broadcast: /flush_cache. Router-own: /health (200 while any worker is available;
 it names the router in ``x-hicache-router-id``), /get_load, /add_worker and /remove_worker
-(``?url=`` or ``{"url": ...}``; ``&drain=true``: a warm drain, router/drain.py), /list_workers.
+(``?url=`` or ``{"url": ...}``; ``&drain=true``: a warm drain, router/worker_drain.py), /list_workers.
 Those five are the admin routes: the admin key where the router has keys, and no registration
 without keys unless ``enable_worker_registration`` (router/admin.py). Bodies are read at most
 ``max_request_bytes`` (413) and parsed at most ``max_json_depth`` deep (400; router/bodies.py).
@@ -35,7 +35,6 @@ from fastapi.responses import JSONResponse, Response
 from router.admin import KeyMiddleware
 from router.bodies import BodyLimitMiddleware, json_object
 from router.config import RouterConfig
-from router.drain import DrainError, drain_worker
 from router.errors import error, install
 from router.kv_routes import add_kv_routes
 from router.pd_app import PDRouterState, add_pd_routes
@@ -44,6 +43,7 @@ from router.state import RouterState
 from router.tenancy import scope_of, session_key
 from router.trusted_hosts import BrowserGuardMiddleware, HostPolicy
 from router.urls import ROUTER_ID_HEADER, check_not_self, check_url, normal_url
+from router.worker_drain import DrainError, drain_worker
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/api/chat",
                     "/api/generate")
@@ -190,7 +190,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         if isinstance(url, Response):
             return url
         url = normal_url(url)
-        if request.query_params.get("drain", "").lower() in ("1", "true", "yes"):  # a warm drain (router/drain.py)
+        if request.query_params.get("drain", "").lower() in ("1", "true", "yes"):  # warm drain: router/worker_drain.py
             try:
                 return JSONResponse(await drain_worker(state, url))
             except DrainError as e:

@@ -60,7 +60,7 @@ def add_kv_routes(app: FastAPI, state: RouterState) -> None:
         w = state.pool.workers.get(url) if url else None
         if w is None:
             return error(404, f"unknown or expired lease {lease_id!r}")
-        wire_id = state.lease_alias.get(lease_id, lease_id)  # re-pinned elsewhere by a drain (router/drain.py)
+        wire_id = state.lease_alias.get(lease_id, lease_id)  # re-pinned elsewhere by a drain (router/worker_drain.py)
         resp = await state.forwarder.call(w, "DELETE", f"/cache/pin/{wire_id}", None, state.headers(request))
         if resp.status_code == 200:  # a 404 may be another tenant's try: the lease stays known (LRU-bounded)
             state.leases.pop(lease_id, None)

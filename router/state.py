@@ -16,11 +16,11 @@ from fastapi import Request
 
 from router.cache_view import CacheView
 from router.config import RouterConfig
-from router.drain import on_worker_draining
 from router.keypool import DEFAULT_ROUTING_TOKENS, KeyPool
 from router.policies import RouteRequest, make_policy
 from router.proxy import Forwarder
 from router.tenancy import BoundedMap, Tenancy, salted_ids, scope_of, scope_prefix, session_key
+from router.worker_drain import on_worker_draining
 from router.workers import WorkerPool
 
 log = logging.getLogger("hicache.router")

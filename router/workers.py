@@ -77,7 +77,7 @@ class WorkerPool:
         self.router_id = router_id  # what this router's /health answers in ROUTER_ID_HEADER
         self.workers: dict[str, Worker] = {}
         self.on_reset: list[Callable[[str], None]] = []  # a worker's cache is gone (removed / restarted)
-        self.draining: set[str] = set()  # workers being drained (router/drain.py): no new requests
+        self.draining: set[str] = set()  # workers being drained (router/worker_drain.py): no new requests
         self.on_draining: list[Callable[[str], None]] = []  # a worker's /health says it is draining
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, asyncio.Task[None]] = {}  # url -> a health check started by suspect()

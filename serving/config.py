@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from hicache.config import CacheConfig
 from hicache.config_fields import check_choices, choice
 
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")  # serving.model.model_runner.KV_CACHE_DTYPES
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")  # serving.runner.model_runner.KV_CACHE_DTYPES
 QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")  # none, auto + serving.models.quant.quant_methods()
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto" + serving.model.model_runner.DTYPES
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto" + serving.runner.model_runner.DTYPES
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # serving.models.loader.LOAD_FORMATS
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # "auto" + serving.kernels.attention.ATTENTION_BACKENDS
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
@@ -36,7 +36,7 @@ class ModelConfig:
     disable_cuda_graph: bool = False  # CUDA: decode batches replay captured graphs unless set
     cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
     # CUDA: extend (prefill) batches of up to this many new tokens replay captured graphs too
-    # (serving/model/cuda_graph_extend.py; at most cuda_graph_max_bs sequences); disable_cuda_graph turns
+    # (serving/runner/cuda_graph_extend.py; at most cuda_graph_max_bs sequences); disable_cuda_graph turns
     # them off as well
     cuda_graph_max_extend_tokens: int = 256
     disable_extend_cuda_graph: bool = False  # CUDA: extend batches run eagerly (decode graphs stay)

@@ -68,7 +68,7 @@ class GenerateReq:
     sampling_params: SamplingParams  # parsed and checked once, by the HTTP process
     session_id: str | None = None
     bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
-    logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.model.logprobs); None: off
+    logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.runner.logprobs); None: off
     cache_salt: str | None = None  # the effective salt (tenant + the request's cache_salt; hicache.salt)
     tenant: str | None = None  # the API key's tenant (None: the default tenant)
     capture_at: list[int] | None = None  # its cache_control breakpoints' prompt lengths (Req.capture_at)

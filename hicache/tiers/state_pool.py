@@ -63,7 +63,7 @@ class DeviceStatePool:
         self.scratch_base = num_slots
         self.num_scratch = scratch
         # the row after the scratch slots, never allocated: a CUDA graph's padding rows (and rows taking no
-        # snapshot) read and write their state there (serving/model/cuda_graph.py)
+        # snapshot) read and write their state there (serving/runner/cuda_graph.py)
         self.pad_slot = num_slots + scratch
 
     @property

@@ -1,6 +1,6 @@
-"""A warm drain's engine side (the HTTP route is serving/server/drain.py): write every cached L1/L2
+"""A warm drain's engine side (the HTTP route is serving/server/drain_api.py): write every cached L1/L2
 page that L3 lacks on to L3, and say what this engine holds that another worker should take
-over (open sessions, pin leases), so a router can re-home them (router/drain.py).
+over (open sessions, pin leases), so a router can re-home them (router/worker_drain.py).
 
 The report is what a router needs to re-home them, and nothing more (it reaches the admin only:
 ``POST /drain`` needs the admin key): each session's id (the client's, in its tenant's namespace:

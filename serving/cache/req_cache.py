@@ -91,7 +91,7 @@ class ReqCache:
     # -- waiting requests: read-only probes and the L3 prefetch ----------------------------
     def _matchable(self, req: Req) -> list[int]:
         """Leave at least one token to compute: its logits give the next token; a request asking
-        for prompt logprobs computes every position whose logits they need (serving.model.logprobs)."""
+        for prompt logprobs computes every position whose logits they need (serving.runner.logprobs)."""
         end = req.seq_len - 1
         limit = req.logprob.cache_limit(self.page_size) if req.logprob is not None else None
         return req.fill_ids[: end if limit is None else min(end, limit)]

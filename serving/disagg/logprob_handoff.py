@@ -4,7 +4,7 @@ The prefill server samples the first output token, so only it has that token's l
 only it computes the prompt: the first token's logprob (with its ``top_logprobs`` and
 ``token_ids_logprob`` entries) and the prompt (input) logprobs a request asks for
 (``logprob_start_len``) exist there alone. :func:`export` takes them from the prefill side's
-:class:`~serving.model.logprobs.LogprobState` (on the scheduler thread, when the KV is sent);
+:class:`~serving.runner.logprobs.LogprobState` (on the scheduler thread, when the KV is sent);
 :func:`check_wire` validates their JSON shape where the KVDone is parsed (a bad peer gets a
 400); :func:`adopt` puts them into the decode side's state before it decodes from the first
 token, so the answer carries the same numbers as a colocated server's. A decode request that

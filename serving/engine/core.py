@@ -36,7 +36,7 @@ from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner, TransferSink
 from serving.config import EngineConfig
 from serving.grammar.runner import make_grammar_runner
-from serving.model.model_runner import ModelRunner
+from serving.runner.model_runner import ModelRunner
 from serving.scheduler.prompt_check import check_prompt
 from serving.scheduler.scheduler import Scheduler
 from serving.scheduler.stop import StopChecker

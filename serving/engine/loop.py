@@ -44,11 +44,11 @@ from common.tenants import load_tenants
 from serving import ipc as m
 from serving.cache.kv_control import ControlLimits, KVControl
 from serving.engine.cache_events import CacheEventLog
-from serving.engine.config import EngineProcessConfig
 from serving.engine.debug_hooks import StepHold
 from serving.engine.dispatch import Dispatch
 from serving.engine.housekeeping import SESSION_SWEEP_S, Housekeeping
 from serving.engine.inbox import EngineInbox
+from serving.engine.process_config import EngineProcessConfig
 from serving.engine.requests import Outbox, RequestTable
 
 if TYPE_CHECKING:

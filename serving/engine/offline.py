@@ -12,8 +12,8 @@ from hicache.config import CacheConfig
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine.core import EngineCore
 from serving.engine.offline_stream import StreamState
-from serving.model.logprob_meta import LogprobOptions, sglang_meta
-from serving.model.logprobs import LogprobState
+from serving.runner.logprob_meta import LogprobOptions, sglang_meta
+from serving.runner.logprobs import LogprobState
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest
 
@@ -114,7 +114,7 @@ class Engine:
         """``cache_salt`` (vLLM's name): requests with the same salt share cached prefixes,
         requests with different salts (or none) share nothing (hicache.salt). The logprob
         arguments are ``sgl.Engine.generate``'s (a value, or a list with one per prompt); the
-        answers carry them in ``meta_info`` as /generate does (serving/model/logprob_meta.py).
+        answers carry them in ``meta_info`` as /generate does (serving/runner/logprob_meta.py).
         ``stream=True`` (one prompt): an iterator of incremental chunks (serving/engine/offline_stream.py)
         whose ``text`` and ``output_ids`` concatenate to the non-streamed answer's; the scheduler steps
         as the iterator is read."""

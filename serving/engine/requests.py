@@ -19,7 +19,7 @@ from serving import ipc as m
 from serving.cache.kv_control import KVControl
 from serving.disagg.protocol import Bootstrap
 from serving.engine.inbox import EngineInbox
-from serving.model.logprobs import LogprobState
+from serving.runner.logprobs import LogprobState
 from serving.scoped_ids import unscoped
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest

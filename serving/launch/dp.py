@@ -55,7 +55,7 @@ def replica_ports(after: int, n: int) -> tuple[list[int], list[socket.socket]]:
 
 def replica_args(argv: list[str], cfg, i: int, port: int) -> list[str]:  # noqa: ANN001 - AppConfig
     """The replica's command line: the user's flags, then ours (argparse: the last one wins)."""
-    from serving.model.model_runner import resolve_device
+    from serving.runner.model_runner import resolve_device
 
     extra = ["--dp-size", "1", "--host", "127.0.0.1", "--port", str(port)]
     dev = resolve_device(cfg.engine.model.device)
@@ -105,7 +105,7 @@ def run_dp(cfg, argv: list[str]) -> int:  # noqa: ANN001 - serving.server.config
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     n = cfg.server.dp_size
     if cfg.engine.model.tp_size > 1:  # the replicas would each fail on it: say so once, before starting them
-        from serving.models.config import ModelArchConfig
+        from serving.models.arch_config import ModelArchConfig
         from serving.parallel.shard import ShardPlan, TPShapeError
 
         try:

@@ -81,7 +81,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("enable-mixed-chunk", False, _NOOP, "prefill chunks and decodes already share a step"),
     Flag("disable-custom-all-reduce", False, _NOOP, "tensor parallelism uses NCCL's all-reduce only"),
     Flag("enable-p2p-check", False, _NOOP, "NCCL checks peer access itself"),
-    Flag("sampling-backend", True, _NOOP, "sampling is this project's own (serving/model/sampler.py)"),
+    Flag("sampling-backend", True, _NOOP, "sampling is this project's own (serving/runner/sampler.py)"),
     Flag("schedule-conservativeness", True, _NOOP, "admission reserves each request's pages exactly"),
     Flag("decode-log-interval", True, _NOOP, "decode throughput is in /metrics"),
     Flag("allow-auto-truncate", False, _NOOP, "a prompt over the context length gets a 400 naming it, never "

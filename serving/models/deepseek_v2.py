@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.llama import MLP, LlamaForCausalLM, load_hf_weights
 from serving.models.mla import MLAttention
 from serving.models.moe import MoEOptions, SparseMoE

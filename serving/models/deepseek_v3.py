@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM, check_deepseek_config
 from serving.models.moe import MoEOptions
 from serving.models.registry import register_model

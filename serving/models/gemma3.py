@@ -30,7 +30,7 @@ from torch import nn
 
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels.attention_base import AttentionBackend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.hybrid_parts import OffsetRMSNorm  # HF's Gemma3RMSNorm: norm(x) * (1 + w) in float32
 from serving.models.layer_spec import LayerKind, LayerStack
 from serving.models.llama import load_hf_weights

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.layer_spec import LayerStack
 from serving.models.llama import AttentionOptions, LlamaForCausalLM, load_hf_weights
 from serving.models.moe import MoEOptions, SparseMoE

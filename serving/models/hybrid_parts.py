@@ -21,7 +21,7 @@ from torch import nn
 from hicache.tiers.state_layout import StateLayout
 from hicache.tiers.state_pool import DeviceStatePool
 from serving.kernels.attention_base import AttentionBackend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.layer_spec import LayerStack
 from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup

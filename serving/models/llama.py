@@ -21,7 +21,7 @@ from torch import nn
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels import cpu_decoder, cpu_fused
 from serving.kernels.attention_base import AttentionBackend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.layer_spec import LayerKind, LayerStack
 from serving.models.registry import register_model
 from serving.models.rope import RotaryEmbedding, apply_rope

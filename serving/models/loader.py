@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 import serving.models  # noqa: F401 - registers the model classes
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.fp8_checkpoint import dequantizing
 from serving.models.layered_load import layer_of, load_layered
 from serving.models.quant import quantize_model

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.kernels.attention_base import AttentionBackend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.llama import RMSNorm
 from serving.parallel.group import TPGroup
 from serving.parallel.layers import RowParallelLinear

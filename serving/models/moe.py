@@ -140,7 +140,7 @@ class SparseMoE(nn.Module):
     @property
     def syncs_host(self) -> bool:
         """The torch path reads the experts' token counts on the host: no CUDA graph can hold it
-        (serving/model/model_runner.py runs such models eagerly); the fused kernels read nothing back."""
+        (serving/runner/model_runner.py runs such models eagerly); the fused kernels read nothing back."""
         return not self._fused(self.w13)
 
     def _fused(self, t: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 from hicache.tiers.device import DeviceKVPool
 from hicache.tiers.state_pool import DeviceStatePool
 from serving.kernels.attention_base import AttentionBackend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.hybrid_parts import HybridCausalLM, activation
 from serving.models.layer_spec import LayerKind, LayerSpec, LayerStack
 from serving.models.llama import RMSNorm

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.llama import AttentionOptions, LlamaForCausalLM
 from serving.models.registry import register_model
 

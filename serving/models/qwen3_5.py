@@ -21,7 +21,7 @@ from torch import nn
 from hicache.tiers.device import DeviceKVPool
 from hicache.tiers.state_pool import DeviceStatePool
 from serving.kernels.attention_base import AttentionBackend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.gated_deltanet import GatedDeltaNet
 from serving.models.hybrid_parts import HybridCausalLM, OffsetRMSNorm, activation
 from serving.models.layer_spec import LayerKind, LayerStack

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.models.config import ModelArchConfig, RopeScaling
+from serving.models.arch_config import ModelArchConfig, RopeScaling
 
 InvFreqFn = Callable[[torch.Tensor, RopeScaling, ModelArchConfig], torch.Tensor]
 

@@ -118,7 +118,7 @@ class StatePlan:
 
     @staticmethod
     def for_decode(slots: torch.Tensor, snap_slots: torch.Tensor, width: int) -> StatePlan:
-        """A decode plan on fixed tensors, for a CUDA graph (serving/model/cuda_graph.py): ``slots`` [B]
+        """A decode plan on fixed tensors, for a CUDA graph (serving/runner/cuda_graph.py): ``slots`` [B]
         the working slots, ``snap_slots`` [B] where each sequence's state after its token also goes
         (a scratch row for a sequence taking no snapshot). The graph runner fills both in place before
         each replay; nothing here is rebuilt, so the plan holds no host values that change."""

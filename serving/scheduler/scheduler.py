@@ -22,8 +22,8 @@ import torch
 from serving.cache.prefill_timer import PrefillTimer
 from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
-from serving.model.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
-from serving.model.sampler import Sampler
+from serving.runner.logprobs import plan_prompt_rows, record_outputs, record_prompt_rows
+from serving.runner.sampler import Sampler
 from serving.scheduler.parts import GrammarPart, PDRolePart, SpeculativePart
 from serving.scheduler.prefill import PrefillPlanner
 from serving.scheduler.prompt_check import check_fits

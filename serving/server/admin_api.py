@@ -40,7 +40,7 @@ from serving import ipc as m
 from serving.scoped_ids import session_key
 from serving.server.cache_api import Retention
 from serving.server.context import DRAINING, get_ctx
-from serving.server.drain import draining_health
+from serving.server.drain_api import draining_health
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
 from serving.server.protocol import CloseSessionRequest, OpenSessionRequest
@@ -60,7 +60,7 @@ async def health(request: Request) -> Response:
     client = ctx.client
     if not client.alive:
         raise APIError(503, "the engine process is not running")
-    if ctx.draining:  # how a router learns of a drain (router/drain.py)
+    if ctx.draining:  # how a router learns of a drain (router/worker_drain.py)
         return draining_health()
     if client.stalled:
         raise APIError(503, client.stall_message())

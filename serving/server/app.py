@@ -19,7 +19,7 @@ from serving.server import (
     anthropic_api,
     cache_api,
     cache_control,
-    drain,
+    drain_api,
     errors,
     native_api,
     ollama_api,
@@ -66,7 +66,7 @@ class APIKeyMiddleware:
 
     ``x-hicache-tenant: <name>`` runs a request made with ``api_key`` (the worker / admin key a
     router holds) as that tenant: how a router re-homes a tenant's sessions and leases on a warm
-    drain (router/drain.py). With a tenant's key it is a 403, whatever name it gives (a tenant
+    drain (router/worker_drain.py). With a tenant's key it is a 403, whatever name it gives (a tenant
     never acts as another); an unknown name is a 400."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, tenants: TenantTable | None = None) -> None:
@@ -152,7 +152,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="HiCache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     errors.install(app)
-    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api, cache_control, drain):
+    for module in (openai_api, native_api, admin_api, cache_api, anthropic_api, ollama_api, cache_control, drain_api):
         app.include_router(module.router)
     if ctx.server.api_key or ctx.tenants is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.server.api_key, tenants=ctx.tenants)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from hicache.config import CacheConfig
 from hicache.config_fields import check_choices, choice
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
-from serving.engine.config import EngineProcessConfig
+from serving.engine.process_config import EngineProcessConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -80,7 +80,7 @@ class ServerConfig:
     access_log: bool = True
     enable_debug_endpoints: bool = False  # POST /debug/check_integrity (tests, operators)
     graceful_shutdown_timeout_s: float = 5.0  # open streams get this long after SIGTERM
-    # SIGTERM first drains (serving/server/drain.py: 503 for new requests, running ones finish, every
+    # SIGTERM first drains (serving/server/drain_api.py: 503 for new requests, running ones finish, every
     # cached page L3 lacks is written), then shuts down
     drain_on_shutdown: bool = False
     drain_timeout_s: float = 60.0  # how long a drain waits for running requests before it aborts them
@@ -170,7 +170,7 @@ class ServerConfig:
             raise ValueError("disaggregation_bootstrap_timeout_s must be positive")
 
     def engine_process(self) -> EngineProcessConfig:
-        """The settings the engine process reads (its own frozen config; see serving/engine/config.py)."""
+        """The settings the engine process reads (its own frozen config; see serving/engine/process_config.py)."""
         return EngineProcessConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineProcessConfig)})
 
 

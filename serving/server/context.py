@@ -28,7 +28,7 @@ from serving.tokenizer import Tokenizer, TooManyTokens
 
 GREEDY_EPS = 1e-6
 DRAINING = ("this server is draining (POST /drain or a SIGTERM with --drain-on-shutdown; POST /undrain ends "
-            "it): it admits no new requests; send them to another worker")  # serving/server/drain.py
+            "it): it admits no new requests; send them to another worker")  # serving/server/drain_api.py
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ServerContext:
     tokenizer: Tokenizer | None
     metrics: ServerMetrics
     tenants: TenantTable | None = None  # --api-keys-file
-    draining: bool = False  # POST /drain (serving/server/drain.py): no new generation is admitted
+    draining: bool = False  # POST /drain (serving/server/drain_api.py): no new generation is admitted
     drains_running: int = 0  # drains not yet reported (POST /undrain waits for them: a 409)
 
     @property

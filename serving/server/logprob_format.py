@@ -1,6 +1,6 @@
-"""Logprobs in each API's shape, from a request's ``ReqState.logprobs`` (serving.model.logprobs).
+"""Logprobs in each API's shape, from a request's ``ReqState.logprobs`` (serving.runner.logprobs).
 
-- SGLang ``meta_info``: serving.model.logprob_meta (the offline Engine returns it too).
+- SGLang ``meta_info``: serving.runner.logprob_meta (the offline Engine returns it too).
 - OpenAI chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 - OpenAI completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; with
   ``echo`` the prompt's tokens come first (the first one's logprob is None).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from serving.model.logprob_meta import token_text
+from serving.runner.logprob_meta import token_text
 from serving.tokenizer import Tokenizer
 
 __all__ = ["chat_logprobs", "completion_logprobs", "token_bytes"]

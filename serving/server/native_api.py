@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from serving.model.logprob_meta import LogprobOptions, sglang_meta
+from serving.runner.logprob_meta import LogprobOptions, sglang_meta
 from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError

@@ -16,8 +16,8 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
-from serving.model.logprob_meta import LogprobOptions
 from serving.parsing.output import OutputParser, OutputStream, Piece
+from serving.runner.logprob_meta import LogprobOptions
 from serving.server import cache_control
 from serving.server.chat_output import answer_params, call_id, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx

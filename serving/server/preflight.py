@@ -26,7 +26,7 @@ from hicache import sizing
 from serving.server.config import AppConfig, ConfigError
 
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-LAYER_LISTS = ("layers_block_type", "layer_types", "hybrid_override_pattern")  # serving.models.config._num_layers
+LAYER_LISTS = ("layers_block_type", "layer_types", "hybrid_override_pattern")  # serving.models.arch_config._num_layers
 MAX_TP = 64
 
 

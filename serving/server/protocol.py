@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.prompt_form import openai_chat, openai_message
 from serving import compat_fields
-from serving.model.logprob_meta import MAX_TOP_LOGPROBS
+from serving.runner.logprob_meta import MAX_TOP_LOGPROBS
 from serving.server.chat_output import ToolRequest, check_choice
 from serving.server.openai_tools import FunctionTool, ToolCall, check_tool_fields, openai_tool_choice
 from serving.structs.grammar_spec import response_format_params

@@ -31,7 +31,7 @@ class ReqState:
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # logprobs so far (serving.model.logprobs): input, output (+ _top, _ids), each a list of [logprob, token_id]
+    # logprobs so far (serving.runner.logprobs): input, output (+ _top, _ids), each a list of [logprob, token_id]
     logprobs: dict[str, list[Any]] = field(default_factory=dict)
     spec: dict[str, Any] | None = None  # speculative decoding's meta_info fields (None: off)
 

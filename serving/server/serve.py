@@ -27,7 +27,7 @@ from serving import ipc as m
 from serving.server.app import create_app
 from serving.server.config import AppConfig, read_chat_template
 from serving.server.context import ServerContext
-from serving.server.drain import drain
+from serving.server.drain_api import drain
 from serving.server.engine_client import EngineClient, EngineStartError
 from serving.server.errors import error_body
 from serving.server.metrics import ServerMetrics
@@ -54,7 +54,7 @@ class _Uvicorn(uvicorn.Server):
 
     warmup: Callable[[], Awaitable[None]] | None = None
     url = ""  # printed on the ready line
-    drain: Callable[[], Awaitable[dict]] | None = None  # --drain-on-shutdown (serving/server/drain.py)
+    drain: Callable[[], Awaitable[dict]] | None = None  # --drain-on-shutdown (serving/server/drain_api.py)
     loop: asyncio.AbstractEventLoop | None = None
     failed = False
 

@@ -14,7 +14,7 @@ are penalized with that history and masked by the grammar in that state, like th
   rejection sample from ``max(0, p_j - q_j)`` normalized, i.e. ``p_j`` without ``d``, and stop; when
   every draft was accepted, sample the bonus from ``p_k``. Each output token then has exactly the
   distribution ``p`` plain sampling gives (tests/engine/test_speculative_sampling.py checks it on a small
-  vocabulary). ``p`` is the sampler's (serving.model.sampler.Sampler.probs: temperature, top-k/p, min-p).
+  vocabulary). ``p`` is the sampler's (serving.runner.sampler.Sampler.probs: temperature, top-k/p, min-p).
   A seeded request draws from its own generator: the same tokens every run, though not the same
   tokens as without speculation (the draws differ), as in SGLang and vLLM.
 """

@@ -44,7 +44,7 @@ import torch
 
 from serving.cache.req_cache import ReqCache
 from serving.config import SchedulerConfig
-from serving.model.sampler import Sampler
+from serving.runner.sampler import Sampler
 from serving.speculative.cost import StepCost
 from serving.speculative.drafter import NgramDrafter
 from serving.speculative.ngram_index import TreeNgramIndex

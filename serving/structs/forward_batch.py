@@ -109,7 +109,7 @@ class ForwardBatch:
     # extend graphs: the captured bucket (tokens, sequences) the extend kernel's launch is sized for,
     # not this batch's lengths (serving.kernels.triton_extend_split); None: sized for this batch
     extend_bucket: tuple[int, int] | None = None
-    # prompt logprobs (serving.model.logprobs): rows of T whose logits the model also returns, after the B last ones
+    # prompt logprobs (serving.runner.logprobs): rows of T whose logits the model also returns, after the B last ones
     logit_rows: torch.Tensor | None = None
     # L2 -> L1 loads still landing in pages this batch reads (GPU only); see LayerWaits
     layer_waits: LayerWaits | GraphLayerWaits | None = None

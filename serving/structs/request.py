@@ -32,7 +32,7 @@ class Req:
     first_token_time: float | None = None
     num_retractions: int = 0
     grammar: Any = None  # serving.grammar.runner.GrammarState: structured output (None: unconstrained)
-    logprob: Any = None  # serving.model.logprobs.LogprobState of a request asking for logprobs (None: it does not)
+    logprob: Any = None  # serving.runner.logprobs.LogprobState of a request asking for logprobs (None: it does not)
     spec: Any = None  # serving.speculative.policy.SpecState once it decodes with speculation (None: it does not)
     # Overlap scheduling: row of the previous step's on-GPU token tensor that holds this
     # request's next token, not yet on the host (-1: none). While set, ``fill_ids`` ends with

@@ -76,9 +76,9 @@ def _run(config: EngineConfig, rank: int, size: int, init: str, cmds: Connection
     from hicache.tiers.host import make_host_pool
     from hicache.tiers.host_state import HostStatePool
     from serving.cache.cache_controller import CacheController
-    from serving.model.model_runner import ModelRunner
     from serving.parallel.group import destroy_tp_group, init_tp_group
     from serving.parallel.window_map import MapMirror
+    from serving.runner.model_runner import ModelRunner
     from serving.structs.forward_batch import ForwardBatch
     from serving.tp.rank import cpu_threads_per_rank, make_rank_tier
     from serving.tp.state_ops import apply_ops

@@ -66,7 +66,7 @@ EXIT_RANK_DIED = 3
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """``config`` for ``rank``: on CUDA rank r uses the r-th GPU after the configured one."""
-    from serving.model.model_runner import resolve_device
+    from serving.runner.model_runner import resolve_device
 
     dev = resolve_device(config.model.device)
     name = f"cuda:{(dev.index or 0) + rank}" if dev.type == "cuda" else dev.type
@@ -99,7 +99,7 @@ class TPLeader:
     """
 
     def __init__(self, config: EngineConfig, exit_on_death: bool = True) -> None:
-        from serving.model.model_runner import resolve_device
+        from serving.runner.model_runner import resolve_device
         from serving.tp.follower import follower_main
 
         self.size = config.model.tp_size
@@ -108,7 +108,7 @@ class TPLeader:
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + self.size:
             raise ValueError(f"--tp-size {self.size} needs {self.size} GPUs from {device}; "
                              f"this host has {torch.cuda.device_count()}")
-        from serving.models.config import ModelArchConfig
+        from serving.models.arch_config import ModelArchConfig
         from serving.models.loader import get_model_class  # (the loader registers the families)
 
         arch = ModelArchConfig.from_pretrained(config.model.model_path)

@@ -16,7 +16,7 @@ from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.config import EngineConfig, ModelConfig
 from serving.kernels.page_copy import device_to_host, host_to_device
-from serving.model.model_runner import resolve_kv_dtype
+from serving.runner.model_runner import resolve_kv_dtype
 
 LOSSY = ["fp8", "int8"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -12,7 +12,7 @@ import torch
 from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer
 from serving.disagg.protocol import KVDone
-from serving.model.logprobs import LogprobState
+from serving.runner.logprobs import LogprobState
 
 PROMPT = [3, 9, 4, 7, 1]
 

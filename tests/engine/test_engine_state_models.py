@@ -96,9 +96,9 @@ def test_the_default_state_pool_of_the_9b_shape_stays_within_the_kv_ratio(tmp_pa
     from transformers import Qwen3_5TextConfig
 
     from hicache.tiers.device import KVLayout
-    from serving.model.model_runner import CPU_DEFAULT_KV_TOKENS, STATE_FLOOR_BYTES, state_slots_for
-    from serving.models.config import ModelArchConfig
+    from serving.models.arch_config import ModelArchConfig
     from serving.models.registry import get_model_class
+    from serving.runner.model_runner import CPU_DEFAULT_KV_TOKENS, STATE_FLOOR_BYTES, state_slots_for
 
     Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"]).save_pretrained(tmp_path)
     arch = ModelArchConfig.from_pretrained(tmp_path)

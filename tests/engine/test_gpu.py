@@ -175,7 +175,7 @@ def test_greedy_matches_hf_fp32(tiny, graph, overlap):
 def test_cuda_graph_logits_equal_eager(tmp_path):
     """The 8B-like layer shapes (2 layers), bf16: a graph replay gives the eager logits."""
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.model.model_runner import ModelRunner
+    from serving.runner.model_runner import ModelRunner
     from serving.structs.forward_batch import ForwardBatch
 
     cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,

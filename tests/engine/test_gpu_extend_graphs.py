@@ -115,7 +115,7 @@ def test_graph_layer_waits_wait_per_layer_inside_a_replay():
 # -- the model: graphed vs eager -------------------------------------------------------------
 def _runner_8b_shape(tmp_path, **model_kw):
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.model.model_runner import ModelRunner
+    from serving.runner.model_runner import ModelRunner
 
     cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192,
@@ -226,7 +226,7 @@ def test_extend_graph_waits_per_layer_for_a_layered_l2_load(tiny):
     from hicache.tiers.host import make_host_pool
     from serving.config import ModelConfig, SchedulerConfig
     from serving.kernels.page_copy import PageMover
-    from serving.model.model_runner import ModelRunner
+    from serving.runner.model_runner import ModelRunner
     from serving.structs.forward_batch import ForwardBatch, LayerWaits
 
     path, ps, _ = tiny

@@ -182,7 +182,7 @@ def test_graph_runner_static_buffers_in_interpreter():
 
 EXTEND_GRAPH_CODE = """
 import sys, torch
-from serving.model.cuda_graph_extend import extend_buckets
+from serving.runner.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
 from serving.structs.forward_batch import ForwardBatch
 from harness.model_utils import hf_greedy, tiny_model
@@ -249,7 +249,7 @@ def test_extend_buckets_round_like_the_token_counts():
     """Every token count takes a bucket with the same power of two above it (the split-KV kernel's
     split count depends on that alone, so graphed and eager attention match bit for bit)."""
     from serving.kernels.triton_common import next_pow2
-    from serving.model.cuda_graph_extend import extend_buckets
+    from serving.runner.cuda_graph_extend import extend_buckets
 
     assert extend_buckets(256, 64) == [(16, 1), (16, 16), (32, 1), (32, 16), (32, 32), (64, 1), (64, 16), (64, 64),
                                        (128, 1), (128, 16), (128, 64), (256, 1), (256, 16), (256, 64)]

@@ -17,7 +17,7 @@ CODE = """
 import sys, torch
 from serving.engine import Engine
 from serving.kernels import triton_moe
-from serving.model.cuda_graph_extend import extend_buckets
+from serving.runner.cuda_graph_extend import extend_buckets
 from serving.models import moe
 from harness.model_utils import hf_greedy, tiny_model
 from harness.engine_cases import prompts

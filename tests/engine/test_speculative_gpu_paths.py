@@ -12,7 +12,7 @@ from harness.interpreted import run_interpreted
 
 ROW_GRAPH_CODE = """
 import sys, torch
-from serving.model.cuda_graph_extend import extend_buckets
+from serving.runner.cuda_graph_extend import extend_buckets
 from serving.engine import Engine
 from serving.structs.forward_batch import ForwardBatch
 from serving.speculative.cost import StepCost

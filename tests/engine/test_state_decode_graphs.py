@@ -67,7 +67,7 @@ def test_a_state_model_whose_graphs_fail_to_capture_decodes_eagerly(tmp_path, mo
     decoding eagerly (a warning), where a model without state layers still fails as before."""
     from harness.model_utils import tiny_model
     from serving.config import ModelConfig, SchedulerConfig
-    from serving.model.model_runner import ModelRunner
+    from serving.runner.model_runner import ModelRunner
 
     path = tiny_model(tmp_path, family, **FAMILIES.get(family, {}))
     runner = ModelRunner(ModelConfig(model_path=str(path), device="cpu", dtype="float32"),

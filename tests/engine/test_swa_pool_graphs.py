@@ -22,7 +22,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 GRAPHS_CODE = """
 import sys, torch
 from serving.engine import Engine
-from serving.model.cuda_graph_extend import extend_buckets
+from serving.runner.cuda_graph_extend import extend_buckets
 from serving.structs.forward_batch import ForwardBatch
 from harness.model_utils import hf_greedy, tiny_model
 from harness.engine_cases import prompts

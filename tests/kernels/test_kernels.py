@@ -152,7 +152,7 @@ def test_triton_split_extend_matches_torch(triton: ModuleType, name: str) -> Non
 
 def padded_to_bucket(b: ForwardBatch, tokens: int, seqs: int) -> ForwardBatch:
     """``b`` laid out as an extend graph's static batch of bucket (tokens, sequences) holds it
-    (serving/model/cuda_graph_extend.py): padding tokens at slot -1, padding sequences with no new tokens."""
+    (serving/runner/cuda_graph_extend.py): padding tokens at slot -1, padding sequences with no new tokens."""
     t, n = b.num_tokens, b.batch_size
     pad_t, pad_s = tokens - t, seqs - n
 

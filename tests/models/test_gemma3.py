@@ -19,7 +19,7 @@ from hicache.tiers.device import DeviceKVPool
 from serving.engine import Engine
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.gemma3 import gemma3_layer_stack
 from serving.models.layer_spec import LayerKind
 from serving.models.loader import load_model

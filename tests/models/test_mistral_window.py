@@ -10,7 +10,7 @@ from harness.engine_cases import ids_of, prompts
 from harness.model_utils import hf_greedy
 from serving.engine import Engine
 from serving.kernels import cpu_ext
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.layer_spec import LayerKind
 from serving.models.llama import LlamaForCausalLM
 

@@ -10,7 +10,7 @@ import torch
 
 from hicache.tiers.device import DeviceKVPool
 from serving.kernels.attention import get_attention_backend
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.loader import load_model
 from serving.models.registry import get_model_class, supported_architectures
 from serving.structs.forward_batch import ForwardBatch

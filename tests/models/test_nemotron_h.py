@@ -10,7 +10,7 @@ import torch
 
 from harness import state_model_checks as checks
 from harness.state_runner import StateRunner, hf_checkpoint, hf_last_logits
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.layer_spec import LayerKind
 from serving.models.nemotron_h import NemotronHForCausalLM
 

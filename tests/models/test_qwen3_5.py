@@ -10,7 +10,7 @@ import torch
 
 from harness import state_model_checks as checks
 from harness.state_runner import hf_checkpoint
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.layer_spec import LayerKind
 from serving.models.qwen3_5 import Qwen3_5ForCausalLM
 

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.models.rope import RotaryEmbedding
 
 CASES = {

@@ -6,7 +6,7 @@ import pytest
 
 from harness.model_utils import smollm2_path, tiny_model
 from harness.tp_utils import greedy, greedy_tp
-from serving.models.config import ModelArchConfig
+from serving.models.arch_config import ModelArchConfig
 from serving.parallel.shard import ShardPlan, TPShapeError
 
 PROMPTS = [list(range(3, 40)), [7, 8, 9], [100, 5, 6, 200, 9, 1, 2, 3, 4, 11, 12], [42] * 13]

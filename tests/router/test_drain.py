@@ -1,4 +1,4 @@
-"""Warm drains (serving/server/drain.py, router/drain.py): two real workers behind a real router with a
+"""Warm drains (serving/server/drain_api.py, router/worker_drain.py): two real workers behind a real router with a
 real Mooncake Store as their shared L3 (in a network namespace of their own); sessions and a pin lease
 on worker A; A drained through the router; the sessions' next turns go to B and are served from L3
 (storage hits = the previous context), with the same greedy fp32 answers as a cold computation;
@@ -87,7 +87,7 @@ def test_tenant_header_needs_the_admin_key(tmp_path, tiny_chat_model):
 
 def test_breakpoint_leases_are_marked_and_adopted(tiny_chat_model):
     """The drain report marks a cache_control breakpoint's lease (``breakpoint: true``); a pin with
-    ``breakpoint: true`` (what a drain's target is re-pinned with, router/drain.py) is adopted as
+    ``breakpoint: true`` (what a drain's target is re-pinned with, router/worker_drain.py) is adopted as
     the tenant's breakpoint of that prefix: a later request's breakpoint on it refreshes that
     lease instead of pinning a second one."""
     args = ["--model-path", str(tiny_chat_model), "--served-model-name", "tiny", "--page-size", "16",

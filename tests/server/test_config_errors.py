@@ -65,8 +65,8 @@ def test_config_names_match_their_registries():
     from serving.cache.cost_model import LOAD_POLICIES
     from serving.cache.l3_prefetch import PREFETCH_POLICIES
     from serving.kernels.attention import ATTENTION_BACKENDS
-    from serving.model.model_runner import DTYPES
     from serving.models.loader import LOAD_FORMATS
+    from serving.runner.model_runner import DTYPES
     from serving.scheduler.schedule_policy import SCHEDULE_POLICIES
 
     assert hc.HOST_LAYOUTS == tuple(HOST_LAYOUTS) and hc.STORAGE_BACKENDS == tuple(STORAGE_BACKENDS)

@@ -217,7 +217,7 @@ def test_drain_is_the_admins_and_its_report_holds_no_seed(server):  # finding 1
     rep = r.json()
     assert {"session_id": "drain-a1", "tenant": "alice", "retention": {}} in rep["sessions"], rep
     [lease] = [x for x in rep["leases"] if x["lease_id"] == pin.json()["lease_id"]]
-    # what a router needs to re-pin it (router/drain.py), and no effective salt
+    # what a router needs to re-pin it (router/worker_drain.py), and no effective salt
     assert set(lease) == {"lease_id", "breakpoint", "tenant", "input_ids", "request_salt", "ttl_s"}, lease
     assert lease["input_ids"] == p and lease["request_salt"] == "alice-proj" and lease["tenant"] == "alice", lease
     for t in parse_tenants(KEYS).tenants.values():

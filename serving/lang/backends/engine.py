@@ -111,7 +111,7 @@ class EngineBackend(Backend):
     # -- the backend --------------------------------------------------------------------------
     def _req(self, core: Any, params: dict[str, Any], ex: Any, gen: Any = None, text: str | None = None,
              ids: list[int] | None = None) -> Any:
-        from serving.model.logprobs import LogprobState
+        from serving.runner.logprobs import LogprobState
 
         sid = ex.session_id if ex is not None else None
         req = core.make_request(text=text, input_ids=ids, sampling_params=params, session_id=sid)

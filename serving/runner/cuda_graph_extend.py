@@ -8,7 +8,7 @@ sequences): tokens 16, 32, 64, ... (powers of two) up to the budget and the budg
 per token size, sequences 1, 16 and ``min(tokens, cuda_graph_max_bs)`` (14 graphs with the
 defaults 256 / 64). A batch takes the smallest bucket that holds it.
 
-Graph-safety, as for decode (``serving.model.cuda_graph``): every input lives in a static buffer
+Graph-safety, as for decode (``serving.runner.cuda_graph``): every input lives in a static buffer
 overwritten in place by ``run``; intermediates come from the graphs' private pool; the
 rotary table is whole before capture; nothing syncs with the host. The attention launch is
 sized by the bucket, never by prefix or extend lengths (``ForwardBatch.extend_bucket``,
@@ -27,7 +27,7 @@ tokens and 16 sequences): their static batch asks for every token row of the buc
 output is ``[sequences + tokens, vocab]`` and the batch's rows are cut from it.
 
 A hybrid SWA L1: the static batches have a static window view (``ForwardBatch.win``), filled per
-replay as in the decode graphs (``serving.model.cuda_graph.WindowBuffers``).
+replay as in the decode graphs (``serving.runner.cuda_graph.WindowBuffers``).
 
 ``capture=False`` keeps the buckets, static buffers and padding but runs the forward pass
 eagerly on them: the same code path for tests on a CPU (Triton's interpreter).
@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.model.cuda_graph import WindowBuffers
+from serving.runner.cuda_graph import WindowBuffers
 from serving.structs.forward_batch import ForwardBatch, GraphLayerWaits
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ class Sampler:
         histories: Sequence[tuple[Sequence[int], Sequence[int]]],
     ) -> torch.Tensor:
         """The logits tokens are chosen from (float32, penalties applied; in place when they
-        already are float32): what serving.model.logprobs computes logprobs from."""
+        already are float32): what serving.runner.logprobs computes logprobs from."""
         logits = logits.float()
         for i, p in enumerate(params):
             if p.needs_penalties:

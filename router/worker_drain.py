@@ -1,6 +1,6 @@
 """Warm drains through the router: ``POST /remove_worker?drain=true`` (or the worker's own drain,
 seen by the health check: ``/health`` 503 with ``{"draining": true}``) takes a worker out without
-losing its cache (the worker's side is serving/server/drain.py).
+losing its cache (the worker's side is serving/server/drain_api.py).
 
 1. The worker stops getting requests at once (``WorkerPool.draining``).
 2. Its ``POST /drain`` is called: it finishes its running requests, writes every L1/L2 page its

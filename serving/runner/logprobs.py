@@ -15,7 +15,7 @@ Cheap when off: a request without ``return_logprob`` has ``Req.logprob = None``,
 scheduler does nothing extra for a batch where no request has one.
 
 One owner per part: the numbers, here (:class:`LogprobState`, engine side); a request's options
-and SGLang's ``meta_info`` shape, ``serving.model.logprob_meta`` (torch-free: the offline Engine
+and SGLang's ``meta_info`` shape, ``serving.runner.logprob_meta`` (torch-free: the offline Engine
 and the HTTP process both use it); the OpenAI shapes, ``serving.server.logprob_format``; across
 a PD transfer, ``serving.disagg.logprob_handoff``.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from serving.model.logprob_meta import MAX_TOP_LOGPROBS
+from serving.runner.logprob_meta import MAX_TOP_LOGPROBS
 from serving.structs.sampling_params import InvalidRequest
 
 MAX_TOKEN_IDS = 256

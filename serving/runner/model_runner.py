@@ -15,11 +15,11 @@ from hicache.tiers.window_pages import min_window_pages
 from serving.config import ModelConfig, SchedulerConfig
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
-from serving.model.cuda_graph import CudaGraphRunner, capture_sizes
-from serving.model.cuda_graph_extend import ExtendGraphRunner, extend_buckets
 from serving.models.loader import load_model
 from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
+from serving.runner.cuda_graph import CudaGraphRunner, capture_sizes
+from serving.runner.cuda_graph_extend import ExtendGraphRunner, extend_buckets
 from serving.startup_log import timed
 from serving.structs.forward_batch import ForwardBatch
 

@@ -6,7 +6,7 @@ and its report lists every tenant's sessions and leases.
 
 1. It stops admitting: every new generation (and /cache/prefetch, /open_session) answers 503 "this
    server is draining", and ``GET /health`` answers 503 with ``{"draining": true}``, which is how a
-   router learns of it (router/drain.py re-homes what the report lists).
+   router learns of it (router/worker_drain.py re-homes what the report lists).
 2. It waits, up to ``timeout_s`` (body field, in [0, 3600]; default ``--drain-timeout-s``; an empty
    body takes the default), for the running and waiting requests to finish; those still running
    then are aborted (their computed pages go into the tree) and counted in ``aborted``.
