@@ -4,6 +4,7 @@ filled for a batch and applied to logits."""
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -13,6 +14,16 @@ import torch
 
 class GrammarError(ValueError):
     """A JSON schema, regex or grammar the backend cannot use; the message names the problem."""
+
+
+def check_json_schema(text: str) -> None:
+    """GrammarError unless ``text`` is JSON holding a schema (an object, or true / false)."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"invalid json_schema: not valid JSON ({e})") from None
+    if not isinstance(schema, dict | bool):
+        raise GrammarError("invalid json_schema: a schema must be a JSON object")
 
 
 class Matcher(Protocol):

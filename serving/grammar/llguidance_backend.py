@@ -19,7 +19,6 @@ a run is what step-by-step decoding would pick.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ import llguidance.torch as llt
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from serving.grammar.base import GrammarBackend, GrammarError, Matcher
+from serving.grammar.base import GrammarBackend, GrammarError, Matcher, check_json_schema
 from serving.grammar.bitmask import apply_bitmask, single_set_bit
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -37,12 +36,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 def parse_grammar(kind: str, text: str) -> str:
     """``text`` of ``kind`` as llguidance grammar text; GrammarError names the problem."""
     if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"invalid json_schema: not valid JSON ({e})") from None
-        if not isinstance(schema, dict | bool):
-            raise GrammarError("invalid json_schema: a schema must be a JSON object")
+        check_json_schema(text)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except ValueError as e:

@@ -14,7 +14,6 @@ how many tokens one jump looks ahead (``runner.jump_forward``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from serving.grammar.base import GrammarBackend, GrammarError, Matcher
+from serving.grammar.base import GrammarBackend, GrammarError, Matcher, check_json_schema
 from serving.grammar.bitmask import bit_count, single_set_bit
 
 _LOG_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
@@ -41,12 +40,7 @@ def parse_grammar(kind: str, text: str) -> xgr.Grammar:
     """``text`` of ``kind`` as an xgrammar Grammar; GrammarError names the problem."""
     try:
         if kind == "json_schema":
-            try:
-                schema = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise GrammarError(f"invalid json_schema: not valid JSON ({e})") from None
-            if not isinstance(schema, dict | bool):
-                raise GrammarError("invalid json_schema: a schema must be a JSON object")
+            check_json_schema(text)
             # compact JSON (fixed separators ", " and ": "): small models otherwise tend to
             # emit runs of whitespace, and a fixed layout gives jump-forward more to skip
             return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from serving.lang import chat_template as ct
-from serving.lang.backends.base import Backend, status_message
+from serving.lang.backends.base import Backend, sdk_call
 from serving.lang.errors import BackendError
 
 DEFAULT_MAX_TOKENS = 128
@@ -40,12 +40,7 @@ class Anthropic(Backend):
     def _call(self, fn: Any, **kw: Any) -> Any:
         import anthropic
 
-        try:
-            return fn(**kw)
-        except anthropic.APIConnectionError as e:
-            raise BackendError(f"cannot reach the server at {self.client.base_url} ({e})") from None
-        except anthropic.APIStatusError as e:
-            raise BackendError(f"the server answered {e.status_code}: {status_message(e)}", e.status_code) from None
+        return sdk_call(anthropic, self.client.base_url, fn, **kw)
 
     def _kwargs(self, ex: Any, params: dict[str, Any]) -> dict[str, Any]:
         if ex.role != "assistant" or ex.text[ex.role_start:]:

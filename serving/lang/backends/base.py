@@ -42,6 +42,17 @@ class Backend:
         return None
 
 
+def sdk_call(sdk: Any, base_url: Any, fn: Any, **kw: Any) -> Any:
+    """``fn(**kw)`` of an OpenAI or Anthropic SDK client (``sdk``: the ``openai`` / ``anthropic``
+    module), its connection and status errors as :class:`BackendError`."""
+    try:
+        return fn(**kw)
+    except sdk.APIConnectionError as e:
+        raise BackendError(f"cannot reach the server at {base_url} ({e})") from None
+    except sdk.APIStatusError as e:
+        raise BackendError(f"the server answered {e.status_code}: {status_message(e)}", e.status_code) from None
+
+
 def status_message(e: Any) -> str:
     """The message of an SDK's status error (OpenAI's and Anthropic's bodies: ``{"error":
     {"message": ...}}``), or the error's text."""

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from serving.lang import chat_template as ct
-from serving.lang.backends.base import Backend, status_message
+from serving.lang.backends.base import Backend, sdk_call
 from serving.lang.choices import ChoiceLogprobs
 from serving.lang.errors import BackendError
 
@@ -47,12 +47,7 @@ class OpenAI(Backend):
     def _call(self, fn: Any, **kw: Any) -> Any:
         import openai
 
-        try:
-            return fn(**kw)
-        except openai.APIConnectionError as e:
-            raise BackendError(f"cannot reach the server at {self.client.base_url} ({e})") from None
-        except openai.APIStatusError as e:
-            raise BackendError(f"the server answered {e.status_code}: {status_message(e)}", e.status_code) from None
+        return sdk_call(openai, self.client.base_url, fn, **kw)
 
     def _kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kw: dict[str, Any] = {"model": self.model_name}
