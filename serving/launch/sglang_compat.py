@@ -6,7 +6,9 @@ is refused with one line naming what to use instead (exit status 2, as any confi
 ``python -m serving.launch_server ...`` or ``hicache serve ...``. The flags that are config fields
 (``--model-path``, ``--tp-size`` / ``--tp``, ``--page-size``, ``--hicache-ratio``,
 ``--disable-radix-cache``, ``--chat-template`` ...) are the config's (serving/launch/cli.py); the
-table here covers the rest. docs/configuration.md ("SGLang launch lines") lists them all.
+table here covers the rest that work or change nothing; every other flag of SGLang's
+(serving/launch/sglang_flags.py: all of its release's) is parsed and refused in one line naming the
+table. docs/configuration.md ("SGLang launch lines") lists them all.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serving.launch.sglang_flags import sglang_flags
 from serving.server.config import ConfigError
 
 Overrides = dict[str, dict[str, Any]]
@@ -108,8 +111,14 @@ _BY_DEST = {f.dest: f for f in FLAGS}
 _HARMLESS = {"nnodes": "1", "node-rank": "0", "ep-size": "1"}  # refused flags at values that change nothing
 
 
+OTHER = "sglang_other__"  # the dest prefix of SGLang's flags that neither the config nor the table knows
+NARGS: dict[Any, Any] = {0: 0, 1: None, "?": "?", "*": "*", "+": "+"}
+ALIASES = {"--model": "--model-path"}
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """The table's flags, in their own --help group."""
+    """The table's flags, in their own --help group; then every other SGLang flag, hidden (refused
+    by :func:`apply`)."""
     group = parser.add_argument_group("SGLang launch-line compatibility (see docs/configuration.md)")
     for f in FLAGS:
         label = {"map": "", _NOOP: "accepted, no effect: ", "refuse": "refused: "}[f.kind]
@@ -121,6 +130,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                                help=help_)
     group.add_argument("--ep", dest=_BY_DEST["sglang_ep_size"].dest, default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
+    by_option = {opt: action for action in parser._actions for opt in action.option_strings}
+    for alias, name in ALIASES.items():  # SGLang's other spellings of a config field's flag
+        if name in by_option and alias not in by_option:
+            parser.add_argument(alias, dest=by_option[name].dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    for name, nargs in sglang_flags()[1].items():
+        if "--" + name in known:
+            continue
+        kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": NARGS[nargs], "metavar": "VALUE"}
+        parser.add_argument("--" + name, dest=OTHER + name, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
 
 
 def _file_backend(out: Overrides) -> str | None:
@@ -138,6 +157,12 @@ def _file_backend(out: Overrides) -> str | None:
 def apply(args: argparse.Namespace, out: Overrides) -> list[str]:
     """Apply the SGLang flags given in ``args`` to ``out`` (the config overrides); the lines to log,
     one per flag. ConfigError (one line) for a refused flag."""
+    others = sorted(k[len(OTHER):] for k in vars(args) if k.startswith(OTHER))
+    if others:
+        release = sglang_flags()[0]
+        raise ConfigError(f"--{others[0]} (SGLang {release}'s) is not supported here; the SGLang flags that work "
+                          "or change nothing are in docs/configuration.md, 'SGLang launch lines'"
+                          + (f" (also given: {', '.join('--' + o for o in others[1:])})" if others[1:] else ""))
     notes: list[str] = []
     for dest, f in _BY_DEST.items():
         if not hasattr(args, dest):

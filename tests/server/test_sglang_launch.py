@@ -179,3 +179,38 @@ def test_sglang_launch_lines_map_or_fail_in_one_line(tiny_chat_model, line: str,
     assert error is None, f"expected {error!r}"
     for note in notes:
         assert any(n.startswith(note) for n in got), (note, got)
+
+
+def test_every_sglang_flag_parses_into_a_config_or_one_line(tiny_chat_model, capsys) -> None:
+    """No flag of SGLang's launch_server (serving/launch/sglang_flags.json: all of its release's) is an
+    "unrecognized argument": each parses, then works, changes nothing (one line) or is refused in one
+    line. Values are placeholders: a config field may refuse "1" (its own message), never the flag."""
+    from serving.launch import cli, sglang_compat
+    from serving.launch.sglang_flags import sglang_flags
+    from serving.server.config import ConfigError
+
+    release, flags = sglang_flags()
+    assert len(flags) > 500, release
+    refused = 0
+    for name, nargs in flags.items():
+        argv = ["serve", "--model-path", str(tiny_chat_model), f"--{name}", *([] if nargs in (0, "?", "*") else ["1"])]
+        try:
+            args, dests = cli.parse(argv)
+        except SystemExit:
+            err = capsys.readouterr().err
+            assert "unrecognized" not in err and "ambiguous" not in err, (name, err)
+            continue
+        try:
+            sglang_compat.apply(args, cli.serve_overrides(args, dests, {}))
+        except ConfigError as e:
+            assert "\n" not in str(e), (name, e)
+            refused += str(e).startswith(f"--{name} (SGLang")
+    assert refused > 300, refused  # most of SGLang's flags have no counterpart here
+
+
+def test_the_flag_list_is_the_installed_sglangs() -> None:
+    pytest.importorskip("sglang.srt.server_args", exc_type=ImportError)
+    from serving.launch.sglang_flags import generate, sglang_flags
+
+    want = generate()
+    assert (want["release"], want["flags"]) == sglang_flags(), "regenerate: python -m serving.launch.sglang_flags"
