@@ -43,6 +43,8 @@ from typing import Any
 
 import msgpack
 
+from serving.structs.bootstrap import Bootstrap
+from serving.structs.logprob_options import LogprobOptions
 from serving.structs.sampling_params import SamplingParams
 
 EXIT_BROKEN = 3  # the engine process's exit status when its cache invariants broke (EngineLoop._fail_step)
@@ -67,8 +69,8 @@ class GenerateReq:
     input_ids: list[int]
     sampling_params: SamplingParams  # parsed and checked once, by the HTTP process
     session_id: str | None = None
-    bootstrap: dict[str, Any] | None = None  # PD: {"host", "port", "room"} (SGLang's bootstrap_* fields)
-    logprobs: dict[str, Any] | None = None  # {"start_len", "top", "token_ids"} (serving.runner.logprobs); None: off
+    bootstrap: Bootstrap | None = None  # PD: SGLang's bootstrap_* fields (None: not a PD request)
+    logprobs: LogprobOptions | None = None  # what it asks of logprobs (None: none)
     cache_salt: str | None = None  # the effective salt (tenant + the request's cache_salt; hicache.salt)
     tenant: str | None = None  # the API key's tenant (None: the default tenant)
     capture_at: list[int] | None = None  # its cache_control breakpoints' prompt lengths (Req.capture_at)
@@ -223,11 +225,13 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 
 
 # Fields whose value is a typed record: how it travels (to_wire) and comes back (from_wire).
-_RECORDS: dict[type, dict[str, Any]] = {GenerateReq: {"sampling_params": SamplingParams.from_wire}}
+_RECORDS: dict[type, dict[str, Any]] = {GenerateReq: {"sampling_params": SamplingParams.from_wire,
+                                                      "bootstrap": Bootstrap.from_wire,
+                                                      "logprobs": LogprobOptions.from_wire}}
 
 
 def _wire(v: Any) -> Any:
-    return v.to_wire() if isinstance(v, SamplingParams) else v
+    return v.to_wire() if isinstance(v, SamplingParams | Bootstrap | LogprobOptions) else v
 
 
 def pack(msg: Message) -> bytes:
@@ -250,6 +254,7 @@ def decode(frame: bytes) -> list[Message]:
         if cls is None:
             raise ValueError(f"unknown message type {tag!r}")
         for name, back in _RECORDS.get(cls, {}).items():
-            fields[name] = back(fields[name])
+            if fields.get(name) is not None:
+                fields[name] = back(fields[name])
         out.append(cls(**fields))
     return out

@@ -202,18 +202,4 @@ class KVDone:
             raise ValueError(f"KVDone: {e}") from None
 
 
-@dataclass(frozen=True)
-class Bootstrap:
-    """A request's PD fields (SGLang's names): where its prefill server's bootstrap listens."""
-
-    host: str
-    port: int
-    room: int
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-
-__all__ = ["Bootstrap", "DecodeTarget", "KVDone", "KVGeometry", "StateGeometry", "prompt_digest"]
+__all__ = ["DecodeTarget", "KVDone", "KVGeometry", "StateGeometry", "prompt_digest"]

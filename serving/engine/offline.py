@@ -12,8 +12,9 @@ from hicache.config import CacheConfig
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from serving.engine.core import EngineCore
 from serving.engine.offline_stream import StreamState
-from serving.runner.logprob_meta import LogprobOptions, sglang_meta
+from serving.runner.logprob_meta import sglang_meta
 from serving.runner.logprobs import LogprobState
+from serving.structs.logprob_options import LogprobOptions
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest
 
@@ -178,7 +179,7 @@ class Engine:
         lp_opts = _logprob_options(len(reqs), return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)
         for r, opts in zip(reqs, lp_opts, strict=True):
             if opts is not None:
-                r.logprob = LogprobState.from_request(opts.wire(), r.input_ids, self.core.runner.arch.vocab_size)
+                r.logprob = LogprobState.from_request(opts, r.input_ids, self.core.runner.arch.vocab_size)
         for r in reqs:
             self.core.add(r)
         return reqs, lp_opts, single

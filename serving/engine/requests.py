@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from serving import ipc as m
 from serving.cache.kv_control import KVControl
-from serving.disagg.protocol import Bootstrap
 from serving.engine.inbox import EngineInbox
 from serving.runner.logprobs import LogprobState
 from serving.scoped_ids import unscoped
@@ -104,7 +103,7 @@ class RequestTable:
             )
             req.logprob = LogprobState.from_request(msg.logprobs, req.input_ids, self.core.runner.arch.vocab_size)
             if msg.bootstrap is not None:
-                req.pd = Bootstrap(**msg.bootstrap)
+                req.pd = msg.bootstrap
             if msg.capture_at:
                 req.capture_at = tuple(int(p) for p in msg.capture_at)
             self.core.add(req)

@@ -9,24 +9,12 @@ SGLang ``meta_info``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from serving.structs.logprob_options import LogprobOptions
 from serving.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (here, torch-free: the HTTP side validates with it)
-
-
-@dataclass(frozen=True)
-class LogprobOptions:
-    """What a request asks for, as its API spells it; ``wire()`` is GenerateReq.logprobs."""
-
-    start_len: int | None = None  # prompt logprobs from here (None / -1: none)
-    top: int = 0
-    token_ids: tuple[int, ...] | None = None
-
-    def wire(self) -> dict[str, Any]:
-        return {"start_len": self.start_len, "top": self.top, "token_ids": list(self.token_ids or ())}
 
 
 def token_text(tok: Tokenizer | None, token_id: int | None) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from serving.runner.logprob_meta import MAX_TOP_LOGPROBS
+from serving.structs.logprob_options import LogprobOptions
 from serving.structs.sampling_params import InvalidRequest
 
 MAX_TOKEN_IDS = 256
@@ -54,20 +55,20 @@ class LogprobState:
     sent_output: int = 0
 
     @classmethod
-    def from_request(cls, opts: dict[str, Any] | None, prompt: list[int], vocab: int) -> LogprobState | None:
-        """From GenerateReq.logprobs (``{"start_len", "top", "token_ids"}``); None: not asked."""
+    def from_request(cls, opts: LogprobOptions | None, prompt: list[int], vocab: int) -> LogprobState | None:
+        """From what the request asks (GenerateReq.logprobs); None: not asked."""
         if opts is None:
             return None
         prompt_len = len(prompt)
-        start = opts.get("start_len")
+        start = opts.start_len
         start = prompt_len if start is None or start == -1 else start
         if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= prompt_len:
             raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {prompt_len}] (the prompt has "
                                  f"{prompt_len} tokens), got {start}")
-        top = opts.get("top") or 0
+        top = opts.top or 0
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        ids = opts.get("token_ids") or ()
+        ids = opts.token_ids or ()
         if not isinstance(ids, list | tuple) or len(ids) > MAX_TOKEN_IDS or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"token_ids_logprob must be a list of at most {MAX_TOKEN_IDS} token ids in "

@@ -23,6 +23,8 @@ from serving.server.errors import APIError, quoted
 from serving.server.metrics import ServerMetrics
 from serving.server.session_ids import check_session_id
 from serving.server.tenants import CURRENT
+from serving.structs.bootstrap import Bootstrap
+from serving.structs.logprob_options import LogprobOptions
 from serving.structs.sampling_params import InvalidRequest, SamplingParams
 from serving.tokenizer import Tokenizer, TooManyTokens
 
@@ -110,9 +112,9 @@ class ServerContext:
         rid: str | None = None,
         param_name: str = "max_tokens",
         prompt_param: str = "input_ids",
-        bootstrap: dict[str, Any] | None = None,
+        bootstrap: Bootstrap | None = None,
         cache_salt: str | None = None,
-        logprobs: dict[str, Any] | None = None,
+        logprobs: LogprobOptions | None = None,
     ) -> m.GenerateReq:
         """Check what can be checked here (the engine checks the rest) and build the message.
         ``cache_salt`` (vLLM's field) subdivides the caller's tenant's cache space. A client's

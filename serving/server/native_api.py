@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from serving.runner.logprob_meta import LogprobOptions, sglang_meta
+from serving.runner.logprob_meta import sglang_meta
 from serving.server import cache_control
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
@@ -23,6 +23,7 @@ from serving.server.http_io import parse_body, sse_stream, unless_disconnected
 from serving.server.protocol import GenerateRequest
 from serving.server.req_handle import ReqHandle, ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text
+from serving.structs.logprob_options import LogprobOptions
 
 router = APIRouter()
 
@@ -70,7 +71,7 @@ async def generate(request: Request) -> Any:
             param_name="max_new_tokens",
             bootstrap=body.bootstrap(i, len(ids)),
             cache_salt=body.cache_salt,
-            logprobs=opts.wire() if opts is not None else None,
+            logprobs=opts,
         )
         for i, p in enumerate(ids)
     ]

@@ -17,7 +17,6 @@ from starlette.concurrency import run_in_threadpool
 
 from serving import ipc as m
 from serving.parsing.output import OutputParser, OutputStream, Piece
-from serving.runner.logprob_meta import LogprobOptions
 from serving.server import cache_control
 from serving.server.chat_output import answer_params, call_id, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
@@ -28,6 +27,7 @@ from serving.server.logprob_format import chat_logprobs, completion_logprobs
 from serving.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from serving.server.req_handle import ReqState, merged_updates, run_all, submit_all
 from serving.server.text import TextStream, final_text
+from serving.structs.logprob_options import LogprobOptions
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -118,7 +118,7 @@ async def chat_completions(request: Request) -> Any:
     params = answer_params(ctx, parser, tools, body.sampling_params(max_tokens))
     req = ctx.make_request(ids, params, body.session_id, param_name=name,
                            bootstrap=body.bootstrap(0, 1), cache_salt=body.cache_salt,
-                           logprobs=opts.wire() if opts else None)
+                           logprobs=opts)
     head = {"id": f"chatcmpl-{req.rid}", "created": int(time.time()), "model": model}
     bps = cache_control.whole_prompt(body.cache_control, ids)
     if bps and n > 1:
@@ -252,7 +252,7 @@ async def completions(request: Request) -> Any:
         reqs.append(
             ctx.make_request(ids, params, body.session_id, prompt_param="prompt",
                              bootstrap=body.bootstrap(i, len(body.prompt)), cache_salt=body.cache_salt,
-                             logprobs=opts.wire() if opts else None)
+                             logprobs=opts)
         )
     head = {"id": f"cmpl-{reqs[0].rid}", "created": int(time.time()), "model": model}
     reqs, warm = await _fan_out(request, ctx, reqs, n)

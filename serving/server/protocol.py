@@ -20,6 +20,7 @@ from serving import compat_fields
 from serving.runner.logprob_meta import MAX_TOP_LOGPROBS
 from serving.server.chat_output import ToolRequest, check_choice
 from serving.server.openai_tools import FunctionTool, ToolCall, check_tool_fields, openai_tool_choice
+from serving.structs.bootstrap import Bootstrap
 from serving.structs.grammar_spec import response_format_params
 
 Strict = ConfigDict(extra="forbid", strict=True)
@@ -49,7 +50,7 @@ class BootstrapFields(StrictModel):
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
 
-    def bootstrap(self, i: int, n: int) -> dict[str, Any] | None:
+    def bootstrap(self, i: int, n: int) -> Bootstrap | None:
         """Prompt ``i`` of ``n``'s bootstrap (None: not a PD request). Raises ValueError."""
         given = [self.bootstrap_host is not None, self.bootstrap_port is not None, self.bootstrap_room is not None]
         if not any(given):
@@ -68,7 +69,7 @@ class BootstrapFields(StrictModel):
             raise ValueError("bootstrap_port must be in 1..65535")
         if not 0 <= out["room"] < 2**63:
             raise ValueError("bootstrap_room must be in [0, 2**63)")
-        return out
+        return Bootstrap(**out)
 
 
 class SGLangExtras(BootstrapFields):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache import salt
+from serving.structs.bootstrap import Bootstrap
 from serving.structs.req_kv import ReqKV
 from serving.structs.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ class Req:
     tenant: str | None = None
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKV = field(default_factory=ReqKV)  # what the cache holds for it: written by serving/cache only
-    pd: Any = None  # serving.disagg.protocol.Bootstrap of a PD request (its prefill server and room)
+    pd: Bootstrap | None = None  # a PD request's prefill server and room
     # prompt lengths of its cache_control breakpoints: a model with recurrent-state layers keeps its state
     # there (serving/cache/request_states.py), where a later request with the same prefix resumes
     capture_at: tuple[int, ...] = ()

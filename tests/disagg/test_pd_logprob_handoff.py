@@ -13,11 +13,12 @@ from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer
 from serving.disagg.protocol import KVDone
 from serving.runner.logprobs import LogprobState
+from serving.structs.logprob_options import LogprobOptions
 
 PROMPT = [3, 9, 4, 7, 1]
 
 
-def _prefilled(opts: dict) -> LogprobState:
+def _prefilled(opts: LogprobOptions) -> LogprobState:
     """A prefill side's state after its prompt and first token (token 2) were computed."""
     st = LogprobState.from_request(opts, PROMPT, vocab=16)
     assert st is not None
@@ -29,7 +30,7 @@ def _prefilled(opts: dict) -> LogprobState:
 
 
 def test_round_trip_through_the_control_channel() -> None:
-    opts = {"start_len": 0, "top": 3, "token_ids": [5, 6]}
+    opts = LogprobOptions(0, 3, (5, 6))
     pre = _prefilled(opts)
     srv = ControlServer("127.0.0.1", 0, {"mode": "decode"})
     try:
@@ -47,7 +48,7 @@ def test_round_trip_through_the_control_channel() -> None:
 def test_bad_or_unfitting_logprobs_are_refused() -> None:
     srv = ControlServer("127.0.0.1", 0, {"mode": "decode"})
     try:
-        good = logprob_handoff.export(_prefilled({"start_len": 2, "top": 2}))
+        good = logprob_handoff.export(_prefilled(LogprobOptions(2, 2)))
         for bad in ({"output": [[0.1, 2]]}, {**good, "output": [["x", 2]]}, {**good, "output_top": [[[True, 1]]]}):
             r = httpx.post(srv.url + "/pd/done", json={"room": 1, "ok": True, "first_token": 2, "logprobs": bad})
             assert r.status_code == 400 and "KVDone.logprobs" in r.json()["error"], r.text
@@ -55,11 +56,11 @@ def test_bad_or_unfitting_logprobs_are_refused() -> None:
     finally:
         srv.close()
     # a decode request whose options differ from what was computed: refused, state untouched
-    for opts in ({"start_len": 0, "top": 2}, {"start_len": 2, "top": 3}, {"start_len": 2, "top": 2, "token_ids": [1]}):
+    for opts in (LogprobOptions(0, 2), LogprobOptions(2, 3), LogprobOptions(2, 2, (1,))):
         dec = LogprobState.from_request(opts, PROMPT, vocab=16)
         before = list(dec.input)
         assert logprob_handoff.adopt(dec, good, 2) is not None and dec.input == before and dec.output == []
-    dec = LogprobState.from_request({"start_len": 2, "top": 2}, PROMPT, vocab=16)
+    dec = LogprobState.from_request(LogprobOptions(2, 2), PROMPT, vocab=16)
     assert logprob_handoff.adopt(dec, good, 9) is not None and dec.output == []  # another first token
     assert "sent no logprobs" in logprob_handoff.adopt(dec, None, 2)
     assert logprob_handoff.adopt(None, None, 2) is None  # not asked: nothing to do

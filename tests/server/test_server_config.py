@@ -10,6 +10,8 @@ from harness.server_utils import ROOT
 from serving import ipc as m
 from serving.launch import cli
 from serving.server.config import ConfigError, ServerConfig, load_config
+from serving.structs.bootstrap import Bootstrap
+from serving.structs.logprob_options import LogprobOptions
 from serving.structs.sampling_params import SamplingParams
 
 
@@ -127,6 +129,8 @@ def test_cli_errors_and_stubs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_messages_round_trip() -> None:
     msgs = [
         m.GenerateReq("r1", [1, 2, 3], SamplingParams(max_new_tokens=4, stop=("x",), seed=3), session_id="s"),
+        m.GenerateReq("r3", [4], SamplingParams(), bootstrap=Bootstrap("10.0.0.2", 8998, 7),
+                      logprobs=LogprobOptions(0, 2, (5, 6))),
         m.TokenOut(
             "r1",
             0,

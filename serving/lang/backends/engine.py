@@ -112,11 +112,12 @@ class EngineBackend(Backend):
     def _req(self, core: Any, params: dict[str, Any], ex: Any, gen: Any = None, text: str | None = None,
              ids: list[int] | None = None) -> Any:
         from serving.runner.logprobs import LogprobState
+        from serving.structs.logprob_options import LogprobOptions
 
         sid = ex.session_id if ex is not None else None
         req = core.make_request(text=text, input_ids=ids, sampling_params=params, session_id=sid)
         if gen is not None and gen.return_logprob:
-            opts = {"start_len": gen.logprob_start_len, "top": gen.top_logprobs_num or 0, "token_ids": []}
+            opts = LogprobOptions(gen.logprob_start_len, gen.top_logprobs_num or 0, ())
             req.logprob = LogprobState.from_request(opts, req.input_ids, core.runner.arch.vocab_size)
         return req
 
