@@ -7,6 +7,9 @@ import json
 
 import serving.lang as sgl
 
+# the servers the language's tests start: float32, small pages, no L2; the API backends' tests use the key
+LANG_SERVER_ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]
+API_KEY = "sk-lang-test-0001"
 IP_REGEX = r"((25[0-5]|2[0-4]\d|[01]?\d\d?).){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
 CHARACTER_SCHEMA = json.dumps({
     "type": "object",

@@ -12,9 +12,10 @@ import pytest
 import serving.lang as sgl
 from harness import lang_checks as checks
 from harness import lang_programs as p
+from harness.lang_programs import LANG_SERVER_ARGS
 from harness.server_utils import free_port, running_server
 
-ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]
+ARGS = LANG_SERVER_ARGS
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,9 @@ import pytest
 
 import serving.lang as sgl
 from harness import lang_programs as p
-from harness.server_utils import running_server
+from harness.lang_programs import API_KEY
 
-ARGS = ["--dtype", "float32", "--page-size", "4", "--max-total-tokens", "8192", "--hicache-ratio", "0"]
-KEY = "sk-lang-test-0002"
-
-
-@pytest.fixture(scope="module")
-def server(lang_model):
-    with running_server(["--model-path", str(lang_model), *ARGS], api_key=KEY) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def native(server):
-    be = sgl.RuntimeEndpoint(server.url, api_key=KEY)
-    yield be
-    be.shutdown()
+KEY = API_KEY
 
 
 def claude(server, native, key: str = KEY) -> sgl.Anthropic:
