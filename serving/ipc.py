@@ -231,7 +231,7 @@ _RECORDS: dict[type, dict[str, Any]] = {GenerateReq: {"sampling_params": Samplin
 
 
 def _wire(v: Any) -> Any:
-    return v.to_wire() if isinstance(v, SamplingParams | Bootstrap | LogprobOptions) else v
+    return v.to_wire() if hasattr(v, "to_wire") else v  # a record of _RECORDS
 
 
 def pack(msg: Message) -> bytes:

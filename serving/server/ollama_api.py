@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from common.prompt_form import ollama_chat, ollama_generate
 from serving import compat_fields
 from serving.parsing.output import OutputParser, OutputStream
-from serving.server.chat_output import answer_params, output_parser, strip_eos
+from serving.server.chat_output import ToolRequest, answer_params, output_parser, strip_eos
 from serving.server.context import ServerContext, get_ctx
 from serving.server.errors import APIError
 from serving.server.http_io import parse_body, unless_disconnected
@@ -112,6 +112,9 @@ class _Base(StrictModel):
     session_id: str | None = None  # HiCache's session (as on the other routes)
     think: Think = None  # ollama_tools.py
 
+    def tool_request(self) -> ToolRequest | None:
+        return None  # /api/generate has no tools
+
     def grammar(self) -> dict[str, Any]:
         if not self.format:
             return {}
@@ -128,6 +131,9 @@ class ChatRequest(_Base):
     neutral_fields = {"logprobs": (False,), "top_logprobs": (0,)}
     messages: Annotated[list[OllamaMessage], Field(min_length=1)]
     tools: list[FunctionTool] | None = None
+
+    def tool_request(self) -> ToolRequest | None:
+        return tool_request(self.tools)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages the chat template sees (common/prompt_form.py, as the router's key)."""
@@ -194,7 +200,7 @@ async def _run(request: Request, ctx: ServerContext, body: _Base, ids: list[int]
     """Run the request; ``answer`` shapes an assistant message (ollama_tools.py) as the route's
     fields (chat: ``message``; generate: ``response`` and ``thinking``)."""
     opts = body.options or Options()
-    tools = tool_request(body.tools) if isinstance(body, ChatRequest) else None
+    tools = body.tool_request()
     parser = output_parser(ctx, tools, separates_thinking(body.think), ids)
     params = answer_params(ctx, parser, tools,
                            {**opts.sampling_params(ctx.default_max_tokens(len(ids))), **body.grammar()})
