@@ -214,7 +214,7 @@ def cpu_main(args) -> dict:
                 rows.append([mode, workload, batch, row["off_tok_s"], row["on_tok_s"], row["speedup"],
                              row["accept_rate"], row["accept_length"], same])
                 write_json(args.json, {**res, "partial": True})
-        res.setdefault("engine_stats", {})[mode] = on.core.scheduler.spec.stats_dict()
+        res.setdefault("engine_stats", {})[mode] = on.core.speculative.stats_dict()
         off.shutdown()
         on.shutdown()
     print_table(["quant", "workload", "batch", "off tok/s", "on tok/s", "x", "accept", "tok/verify", "identical"],

@@ -12,7 +12,7 @@ such as the warm-up, is served colocated):
    to the prefill server's bootstrap port; the request waits for its room's
    :class:`~serving.disagg.protocol.KVDone` on this role's control server;
 3. on success it joins the scheduler's running batch at ``kv_len == len(prompt)`` with the
-   first token (``Scheduler.start_decoding``) and the prefill side's logprobs of that token and
+   first token (returned by ``step``: ``Scheduler.start_decoding``) and the prefill side's logprobs of that token and
    of the prompt, when it asks (serving/disagg/logprob_handoff.py); on failure or timeout it finishes with the
    error's status and its fresh pages go to **quarantine** for ``2 x timeout`` before they
    are freed, so that a transfer that arrives late can never write into reused pages.
@@ -33,7 +33,7 @@ from typing import Any
 from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
-from serving.disagg.role_base import PDRole
+from serving.disagg.role_base import PDRole, RoleContext, RoleSettings
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest
 
@@ -53,8 +53,8 @@ class PrefillGone:
 class DecodeRole(PDRole):
     mode = "decode"
 
-    def __init__(self, server: Any, core: Any) -> None:
-        self._open_transport(server, core)
+    def __init__(self, server: RoleSettings, ctx: RoleContext) -> None:
+        self._open_transport(server, ctx)
         self.use_radix = server.disaggregation_decode_enable_radix_cache
         self.control = ControlServer(server.host, 0, {"mode": self.mode})
         self.io = ThreadPoolExecutor(2, thread_name_prefix="hicache-pd-register")
@@ -77,16 +77,21 @@ class DecodeRole(PDRole):
     def on_finish(self, req: Req) -> bool:
         """With L2/L3, a finished PD request's whole sequence (prompt and answer) is backed up
         now, so the next turn's prefill server finds the answer's KV in the shared L3."""
-        if req.pd is None or self.sched.cache.storage is None:
+        if req.pd is None or self.cache.storage is None:
             return False
-        self.sched.cache.release_and_back_up(req)
+        self.cache.release_and_back_up(req)
         return True
 
-    def step(self) -> None:
+    def step(self) -> list[tuple[Req, int]]:
+        """Arrivals, failures, probes, registrations, timeouts, quarantine; returns the requests whose
+        prompt KV arrived this step, each with its first token (the scheduler starts decoding them)."""
         now = time.monotonic()
+        arrived = []
         for msg in self.control.drain():
             if isinstance(msg, KVDone):
-                self._arrived(msg)
+                got = self._arrived(msg)
+                if got is not None:
+                    arrived.append(got)
             elif isinstance(msg, PrefillGone):
                 self._probing.discard(msg.url)
                 if not msg.error:
@@ -110,10 +115,11 @@ class DecodeRole(PDRole):
         keep = []
         for req, until in self.quarantine:
             if now >= until:
-                self.sched.cache.release(req)
+                self.cache.release(req)
             else:
                 keep.append((req, until))
         self.quarantine = keep
+        return arrived
 
     def abort(self, rid: str) -> Req | None:
         for req in self.pending:
@@ -143,7 +149,7 @@ class DecodeRole(PDRole):
         for room in list(self.registered):
             self._fail(room, 503, "the server is shutting down")
         for req, _ in self.quarantine:
-            self.sched.cache.release(req)
+            self.cache.release(req)
         self.quarantine.clear()
         self.control.close()
         self.transport.close()
@@ -151,7 +157,7 @@ class DecodeRole(PDRole):
     # -- internals ------------------------------------------------------------------------
     def _take_pages(self, req: Req) -> bool:
         """Pages for the whole prompt: the cached prefix (radix cache on) plus fresh ones."""
-        return self.sched.cache.take_prompt(req, self.use_radix)  # no room yet: tried again next step
+        return self.cache.take_prompt(req, self.use_radix)  # no room yet: tried again next step
 
     def _target(self, req: Req) -> DecodeTarget:
         wins, since = self._window_target(req)
@@ -166,7 +172,7 @@ class DecodeRole(PDRole):
         """A hybrid SWA L1: the window pages (taken by ``take_prompt``) of the request's own prompt pages in
         the prompt's last window -- what its next tokens read and where the same prompt resumes -- and the
         prompt page they start at; the sender fills them. Pages it reuses from its tree hold theirs already."""
-        windows = self.sched.cache.windows
+        windows = self.cache.windows
         if windows is None:
             return [], 0
         since = max(windows.first_needed(windows.prompt_end(req)), req.kv.tree_pages)
@@ -190,26 +196,28 @@ class DecodeRole(PDRole):
         except OSError as e:
             self.control.inbox.put(PrefillGone(url, f"{url} is unreachable: {e}"))
 
-    def _arrived(self, done: KVDone) -> None:
+    def _arrived(self, done: KVDone) -> tuple[Req, int] | None:
+        """The request whose KV ``done`` reports and its first token; None when it failed (finished here)
+        or had gone (timed out or aborted meanwhile: its pages are in quarantine)."""
         entry = self.registered.get(done.room)
         if entry is None:
-            return  # timed out or aborted meanwhile: its pages are in quarantine
+            return None
         req, _ = entry
         if not done.ok:
             self._fail(done.room, done.status or 502, done.error)
-            return
+            return None
         why = logprob_handoff.adopt(req.logprob, done.logprobs, done.first_token)
         if why is not None:  # never answer logprobs this side did not get
             self._fail(done.room, 502, why)
-            return
+            return None
         del self.registered[done.room]
         reused = req.kv.tree_pages
-        self.sched.cache.prompt_arrived(req, done.cached_tokens, done.cached_by_tier)  # the prefill side's hit
+        self.cache.prompt_arrived(req, done.cached_tokens, done.cached_by_tier)  # the prefill side's hit
         self.counters["received"] += 1
         self.counters["pages_received"] += done.pages
         self.counters["pages_reused"] += reused
         self.counters["bytes_received"] += done.nbytes
-        self.sched.start_decoding(req, done.first_token)
+        return req, done.first_token
 
     def _fail(self, room: int, status: int, message: str) -> None:
         req, _ = self.registered.pop(room)

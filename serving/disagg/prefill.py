@@ -30,7 +30,7 @@ from typing import Any
 from serving.disagg import logprob_handoff
 from serving.disagg.control import MAX_BODY, ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
-from serving.disagg.role_base import PDRole
+from serving.disagg.role_base import PDRole, RoleContext, RoleSettings
 from serving.structs.request import Req
 
 log = logging.getLogger("hicache.pd")
@@ -41,8 +41,8 @@ MAX_WAITING_TARGETS = 4096
 class PrefillRole(PDRole):
     mode = "prefill"
 
-    def __init__(self, server: Any, core: Any) -> None:
-        self._open_transport(server, core)
+    def __init__(self, server: RoleSettings, ctx: RoleContext) -> None:
+        self._open_transport(server, ctx)
         info = {"mode": self.mode, "backend": server.disaggregation_transfer_backend}
         self.control = ControlServer(server.host, server.disaggregation_bootstrap_port, info)
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="hicache-pd-send")
@@ -70,7 +70,8 @@ class PrefillRole(PDRole):
         self.parked[room] = (req, time.monotonic())
         return True
 
-    def step(self) -> None:
+    def step(self) -> list[tuple[Req, int]]:
+        """Targets in, parked requests out to their targets; nothing arrives here (returns [])."""
         now = time.monotonic()
         for t in self.control.drain():
             if not isinstance(t, DecodeTarget):
@@ -93,13 +94,14 @@ class PrefillRole(PDRole):
         for room, (req, fut) in list(self.sending.items()):
             if fut.done():
                 del self.sending[room]
-                self.sched.cache.release(req)
+                self.cache.release(req)
                 self._count(fut)
         for room in [r for r in self.failed if r in self.targets]:
             target, _ = self.targets.pop(room)
             msg, _ = self.failed.pop(room)
             self.sender.submit(self._notify, target, KVDone(room, False, error=msg, status=500))
         self._expire(now)
+        return []
 
     def abort(self, rid: str) -> Req | None:
         return None  # parked requests have finished; their send completes or fails on its own
@@ -118,10 +120,10 @@ class PrefillRole(PDRole):
     def close(self) -> None:
         self.sender.shutdown(wait=True)
         for room, (req, _) in list(self.sending.items()):
-            self.sched.cache.release(req)
+            self.cache.release(req)
             del self.sending[room]
         for req, _ in self.parked.values():
-            self.sched.cache.release(req)
+            self.cache.release(req)
         self.parked.clear()
         self.control.close()
         self.transport.close()
@@ -131,7 +133,7 @@ class PrefillRole(PDRole):
         for room, (req, since) in list(self.parked.items()):
             if now - since > self.timeout_s:  # no decode server asked for it
                 del self.parked[room]
-                self.sched.cache.release(req)
+                self.cache.release(req)
                 self.counters["expired"] += 1
                 log.warning("PD room %d: no decode server registered within %.0f s; KV dropped", room, self.timeout_s)
         for room, (target, since) in list(self.targets.items()):
@@ -157,7 +159,7 @@ class PrefillRole(PDRole):
     def _window_sources(self, req: Req, target: DecodeTarget) -> list[int] | None:
         """A hybrid SWA L1: the window pages holding the sliding layers' KV of the request's prompt pages
         ``target.window_from ..`` (-1 where a page has none: the send fails); None without a window pool."""
-        windows = self.sched.cache.windows
+        windows = self.cache.windows
         if windows is None:
             return None
         need = -(-len(req.input_ids) // self.page_size)

@@ -1,12 +1,15 @@
 """A server's PD role: the scheduler's hooks for prefill-only and decode-only serving
-(serving/disagg/role.py builds one by mode; prefill.py and decode.py are the two roles). A role
-sees the scheduler through five hooks:
+(serving/disagg/role.py builds one by mode; prefill.py and decode.py are the two roles). A role is
+built before the scheduler, from a :class:`RoleContext` (L1's pools, the model's KV tag and the
+request cache, whose public methods are how it takes and releases pages), and handed to the
+scheduler's constructor; it never sees the scheduler. The scheduler calls five hooks:
 
 - :meth:`PDRole.on_add` a new request; True when the role took it (decode: it waits for
   its KV in the role, not in the scheduler's queue);
 - :meth:`PDRole.on_finish` a request that just finished; True when the role keeps its pages
   (prefill: until they have been sent);
-- :meth:`PDRole.step` once per scheduler step: move what is ready on;
+- :meth:`PDRole.step` once per scheduler step: move what is ready on; returns the requests whose
+  prompt KV arrived, each with its first token (decode: the scheduler starts decoding them);
 - :meth:`PDRole.abort`, :meth:`PDRole.held_pages` (integrity: L1 pages the role's requests
   hold outside the tree), :attr:`PDRole.busy` (the engine loop keeps stepping).
 
@@ -19,24 +22,53 @@ transfer may still write into (decode) or read from (prefill) them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from serving.scheduler.scheduler import Scheduler
+    from hicache.tiers.device import DeviceKVPool
+    from hicache.tiers.state_pool import DeviceStatePool
+    from serving.cache.req_cache import ReqCache
     from serving.structs.request import Req
+
+
+class RoleSettings(Protocol):
+    """The server settings a role reads (serving/engine/process_config.py's ``EngineProcessConfig``
+    has them, each the ``ServerConfig`` field of the same name)."""
+
+    host: str
+    disaggregation_mode: str
+    disaggregation_transfer_backend: str
+    disaggregation_bootstrap_port: int
+    disaggregation_decode_enable_radix_cache: bool
+    disaggregation_transfer_host: str | None
+    disaggregation_bootstrap_timeout_s: float
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """What a role is built from: L1's KV pool and state pool (registered with the transport),
+    the weights' KV tag both peers must agree on (``EngineCore.kv_model_tag``) and the request
+    cache the role takes, hands over and releases pages through."""
+
+    pool: DeviceKVPool
+    state_pool: DeviceStatePool | None
+    kv_model_tag: str
+    cache: ReqCache
 
 
 class PDRole:
     mode = "null"
 
-    def _open_transport(self, server: Any, core: Any) -> None:
-        """What both roles share: the pool's geometry and the transport with L1 registered."""
+    def _open_transport(self, server: RoleSettings, ctx: RoleContext) -> None:
+        """What both roles share: the request cache, the pool's geometry and the transport with L1 registered."""
         from serving.disagg.protocol import KVGeometry, StateGeometry
         from serving.disagg.transport import make_transport
         from serving.disagg.transport_base import TransportConfig
 
-        pool = core.runner.pool
-        state = core.runner.state_pool
+        self.cache = ctx.cache
+        pool = ctx.pool
+        state = ctx.state_pool
         if state is not None and server.disaggregation_transfer_backend == "cuda_ipc":
             raise ValueError("--disaggregation-transfer-backend cuda_ipc moves one buffer (L1's KV); a model with "
                              "linear-attention / Mamba layers also sends its state: use mooncake or nixl")
@@ -45,13 +77,13 @@ class PDRole:
                              "SWA L1 (--enable-hybrid-swa-memory) the sliding layers' window pool travels too: use "
                              "mooncake or nixl, or start without --enable-hybrid-swa-memory")
         self.timeout_s = server.disaggregation_bootstrap_timeout_s
-        self.geometry = KVGeometry.of_pool(pool, core.kv_model_tag)
+        self.geometry = KVGeometry.of_pool(pool, ctx.kv_model_tag)
         self.page_size = pool.page_size
         self.transport = make_transport(server.disaggregation_transfer_backend,
                                         TransportConfig(host=server.disaggregation_transfer_host))
         self.transport.register_tensor(pool.kv_buffer)
         # a hybrid SWA L1: the sliding layers' window pool travels too (the prompt's last window)
-        self.window_geometry = KVGeometry.of_windows(pool, core.kv_model_tag)
+        self.window_geometry = KVGeometry.of_windows(pool, ctx.kv_model_tag)
         if pool.win_buffer is not None:
             self.transport.register_tensor(pool.win_buffer)
         # a model with recurrent-state layers: its L1 state pool travels too (a request's working slot)
@@ -60,17 +92,14 @@ class PDRole:
             for t in state.slots.tensors():
                 self.transport.register_tensor(t)
 
-    def attach(self, scheduler: Scheduler) -> None:
-        self.sched = scheduler
-
     def on_add(self, req: Req) -> bool:
         return False
 
     def on_finish(self, req: Req) -> bool:
         return False
 
-    def step(self) -> None:
-        pass
+    def step(self) -> list[tuple[Req, int]]:
+        return []
 
     def abort(self, rid: str) -> Req | None:
         return None

@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,7 @@ from serving.cache.transfers import TransferRunner, TransferSink
 from serving.config import EngineConfig
 from serving.grammar.runner import make_grammar_runner
 from serving.runner.model_runner import ModelRunner
+from serving.runner.sampler import Sampler
 from serving.scheduler.prompt_check import check_prompt
 from serving.scheduler.scheduler import Scheduler
 from serving.scheduler.stop import StopChecker
@@ -44,6 +45,10 @@ from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest, SamplingParams
 from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 from serving.tp.leader import TPLeader
+
+if TYPE_CHECKING:
+    from serving.disagg.role_base import PDRole, RoleSettings
+    from serving.speculative.worker import SpeculativeWorker
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0005  # the interpreter's switch interval while an engine runs (see EngineCore.__init__)
@@ -86,9 +91,12 @@ class EngineCore:
             cache.kv_namespace_suffix
         return namespace if self.weights_tag == "none" else f"{namespace}|q:{self.weights_tag}"
 
-    def __init__(self, config: EngineConfig, exit_on_rank_death: bool = True) -> None:
+    def __init__(self, config: EngineConfig, exit_on_rank_death: bool = True,
+                 role_settings: RoleSettings | None = None) -> None:
         """``exit_on_rank_death``: a dead tensor-parallel rank ends this process (the server's engine
-        process) or makes the engine's calls raise (False: the offline Engine, in its caller's process)."""
+        process) or makes the engine's calls raise (False: the offline Engine, in its caller's process).
+        ``role_settings``: the server's settings, whose ``disaggregation_mode`` picks the PD role
+        (serving/disagg; None or ``null``: colocated)."""
         self.config = config
         # The scheduler thread holds the GIL between kernel launches; a background thread (an L3
         # reader, a write-back, a PD transfer) that wakes up would otherwise wait up to 5 ms (Python's
@@ -98,13 +106,13 @@ class EngineCore:
         # tensor parallelism: this process is rank 0 (scheduler, tree); the other ranks follow it
         self.tp = TPLeader(config, exit_on_rank_death) if config.model.tp_size > 1 else None
         try:
-            self._build(config)
+            self._build(config, role_settings)
         except BaseException:
             if self.tp is not None:  # the other ranks and the process group go with this engine
                 self.tp.shutdown()
             raise
 
-    def _build(self, config: EngineConfig) -> None:
+    def _build(self, config: EngineConfig, role_settings: RoleSettings | None) -> None:
         model_cfg = self.tp.config.model if self.tp else config.model
         self.runner = ModelRunner(model_cfg, config.scheduler, config.cache.page_size,
                                   self.tp.group if self.tp else None, config.cache.kv_round_trip)
@@ -154,17 +162,25 @@ class EngineCore:
         # the load-vs-recompute model learns the prefill rate
         prefill_timer = None if self.storage is None else \
             PrefillTimer(self.storage.load_policy.observe_prefill, self.runner.device)
-        self.scheduler = Scheduler(
-            config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
-            self.runner.context_len, self.runner.device, self.grammar, prefill_timer)
-        if config.scheduler.speculative_algorithm is not None:  # NGRAM: drafts from the tree (serving/speculative)
+        sampler = Sampler()
+        self.speculative: SpeculativeWorker | None = None  # NGRAM: drafts from the tree (serving/speculative)
+        if config.scheduler.speculative_algorithm is not None:
             from serving.speculative.worker import SpeculativeWorker
 
-            self.scheduler.attach_speculative(SpeculativeWorker(
-                config.scheduler, self.req_cache, self.scheduler.sampler, self.runner.context_len,
-                self.runner.device,
+            self.speculative = SpeculativeWorker(
+                config.scheduler, self.req_cache, sampler, self.runner.context_len, self.runner.device,
                 overlap=not config.scheduler.disable_overlap_schedule and self.runner.device.type == "cuda",
-                grammar=self.grammar))
+                grammar=self.grammar)
+        self.role: PDRole | None = None  # a prefill / decode server's role (serving/disagg)
+        if role_settings is not None:
+            from serving.disagg.role import make_role
+            from serving.disagg.role_base import RoleContext
+
+            self.role = make_role(role_settings, RoleContext(pool, state, self.kv_model_tag, self.req_cache))
+        self.scheduler = Scheduler(
+            config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
+            self.runner.context_len, self.runner.device, self.grammar, prefill_timer,
+            sampler=sampler, spec=self.speculative, pd=self.role)
 
     def _make_host_pool(self) -> HostKVPool:
         """L2, sized against the memory the host can pin (hicache.sizing: --hicache-size past it is an

@@ -89,8 +89,8 @@ class Housekeeping:
             "tenants": self.control.tenant_snapshot(),  # + pinned pages (cache_control, pins)
             "bytes_per_page": self._bytes_per_page(),
             **({"state_slots": self._state_slots()} if core.runner.state_pool is not None else {}),
-            **({"pd": core.scheduler.pd.stats()} if core.scheduler.pd is not None else {}),
-            **({"speculative": core.scheduler.spec.stats_dict()} if core.scheduler.spec is not None else {}),
+            **({"pd": core.role.stats()} if core.role is not None else {}),
+            **({"speculative": core.speculative.stats_dict()} if core.speculative is not None else {}),
         }
 
     def _state_slots(self) -> dict[str, dict[str, int]]:

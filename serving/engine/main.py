@@ -62,15 +62,14 @@ def engine_main(
     ``heartbeat``: the watchdog's shared array (serving.ipc.make_heartbeat), beaten every turn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops us
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
-    from serving.disagg.role import make_role
     from serving.engine.loop import EngineLoop
     from serving.engine.shutdown import shutdown_core
 
     try:
         from serving.engine.core import EngineCore
 
-        core = EngineCore(config)
-        make_role(settings, core)  # PD: prefill / decode hooks, the bootstrap channel, the KV transport
+        # with PD: the prefill / decode role (its bootstrap channel, the KV transport), built with the core
+        core = EngineCore(config, role_settings=settings)
     except Exception as e:
         from hicache.sizing import TierSizeError
         from hicache.tiers.base import StorageOpenError
@@ -109,7 +108,7 @@ def engine_main(
     else:
         if report is not None and report.error is not None:
             code = code or 1
-    if core.scheduler.pd is not None:
+    if core.role is not None:
         # everything is shut down; a PD transport's native libraries (UCX's libnl under NIXL) can
         # crash in the C exit handlers, so leave without running them
         logging.shutdown()

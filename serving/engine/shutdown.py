@@ -37,7 +37,7 @@ def shutdown_core(core: EngineCore, persist: bool = True) -> PersistReport | Non
     (their computed pages go into the tree), the tree is checked (a broken tree is never
     written to L3), every cached page is written on to L3, and the outcome is logged as
     "persisted N pages to L3, M not written". Returns None when nothing was persisted."""
-    pd = getattr(core.scheduler, "pd", None)
+    pd = getattr(core, "role", None)
     if pd is not None:  # PD: stop the bootstrap channel and the transport; held pages go back
         try:
             pd.close()

@@ -68,6 +68,9 @@ class Scheduler:
         device: torch.device | str = "cpu",
         grammar: GrammarPart | None = None,  # structured output
         prefill_timer: PrefillTimer | None = None,
+        sampler: Sampler | None = None,  # shared with the speculative part (its verification samples)
+        spec: SpeculativePart | None = None,  # speculative decoding
+        pd: PDRolePart | None = None,  # a prefill / decode server's role
     ) -> None:
         self.config = config
         self.cache = cache
@@ -78,7 +81,7 @@ class Scheduler:
         self.page_size = cache.page_size
         self.policy = make_schedule_policy(config.schedule_policy)
         self.prefill = PrefillPlanner(self)
-        self.sampler = Sampler()
+        self.sampler = sampler if sampler is not None else Sampler()
         self.waiting: list[Req] = []
         self._finished_outside_step: list[Req] = []  # finished while scheduling (not sampled)
         self.running: list[Req] = []  # admitted, in admission order
@@ -88,20 +91,13 @@ class Scheduler:
         self.prefill_timer = prefill_timer
         self._step_prefill = 0
         self._overlap = None  # serving.scheduler.overlap.OverlapScheduler: batch N+1 prepared while N runs
-        self.pd: PDRolePart | None = None  # a prefill / decode server's role (None: colocated)
-        self.spec: SpeculativePart | None = None  # speculative decoding (None: off)
+        self.pd = pd  # None: colocated
+        self.spec = spec  # None: off
         self._pd_emitted = False  # the last step returned PD first tokens without a forward pass
         if not config.disable_overlap_schedule and self.device.type == "cuda":
             from serving.scheduler.overlap import OverlapScheduler
 
             self._overlap = OverlapScheduler(self)
-
-    def attach_speculative(self, worker: SpeculativePart) -> None:
-        self.spec = worker
-
-    def attach_role(self, role: PDRolePart) -> None:
-        self.pd = role
-        role.attach(self)
 
     # -- queue --------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -197,9 +193,10 @@ class Scheduler:
         KV (never twice in a row, so a stream of arrivals cannot starve the decode batch)."""
         if self.pd is None:
             return None
-        before = len(self._finished_outside_step)
-        self.pd.step()
-        if len(self._finished_outside_step) > before and not self._pd_emitted:
+        arrived = self.pd.step()
+        for r, first_token in arrived:
+            self.start_decoding(r, first_token)
+        if arrived and not self._pd_emitted:
             self._pd_emitted = True
             updated, self._finished_outside_step = self._finished_outside_step, []
             return early + updated + (self._overlap.resolve() if overlap else [])

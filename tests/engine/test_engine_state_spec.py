@@ -41,7 +41,7 @@ def engine(path, spec: bool) -> Engine:
     eng = Engine(model_path=str(path), page_size=4, max_total_tokens=2048,
                  **({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6} if spec else {}))
     if spec:  # every draft the policy allows, whatever drafts cost on this machine
-        eng.core.scheduler.spec.cost = StepCost(0.01, adaptive=False)
+        eng.core.speculative.cost = StepCost(0.01, adaptive=False)
     return eng
 
 
@@ -79,7 +79,7 @@ def test_speculative_greedy_is_hf_greedy_across_turns(tiny) -> None:
         second = drive(eng, turn2)  # the next turns resume where the first ones ended
         assert [r.output_ids for r in second] == ref2
         assert all(r.kv.cached_tokens >= len(p) // 4 * 4 - 4 for r, p in zip(second, ps, strict=True))
-        stats = core.scheduler.spec.stats
+        stats = core.speculative.stats
         assert stats.draft_tokens > 0 and stats.verify_steps > 0
         assert 0 < stats.accepted_tokens < stats.draft_tokens, stats  # accepted and rejected drafts
         assert sum(r.spec.drafted > r.spec.accepted > 0 for r in first) >= 3  # accepted, then rejected
@@ -97,12 +97,12 @@ def test_tensor_parallel_speculation_is_exact(tiny) -> None:
     path, ps, ref, _, _ = tiny
     eng = Engine(model_path=str(path), page_size=4, max_total_tokens=2048, tp_size=2,
                  speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
-    eng.core.scheduler.spec.cost = StepCost(0.01, adaptive=False)
+    eng.core.speculative.cost = StepCost(0.01, adaptive=False)
     try:
         rng = random.Random(1)
         drive(eng, [p + out[:8] + [rng.randrange(1, 511) for _ in range(6)] for p, out in zip(ps, ref, strict=True)])
         assert [r.output_ids for r in drive(eng, ps)] == ref
-        stats = eng.core.scheduler.spec.stats
+        stats = eng.core.speculative.stats
         assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
     finally:
         eng.shutdown()

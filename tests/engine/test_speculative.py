@@ -42,7 +42,7 @@ def engine(path, spec: bool, **kw) -> Engine:
     kw = {"page_size": PS, "max_total_tokens": 4096, **kw}
     eng = Engine(model_path=str(path), **kw, **({"speculative_algorithm": "NGRAM"} if spec else {}))
     if spec:  # every draft the policy allows, whatever drafts cost on this machine
-        eng.core.scheduler.spec.cost = StepCost(0.01, adaptive=False)
+        eng.core.speculative.cost = StepCost(0.01, adaptive=False)
     return eng
 
 
@@ -105,7 +105,7 @@ def test_greedy_outputs_are_identical(tiny, reference, kw):
         assert accepted(again) > accepted(first) and drafted(first) > 0  # the periodic prompts draft (and miss)
         long = [r for r in again if r.sampling.max_new_tokens >= 40]
         assert all(r.spec.meta()["spec_accept_length"] > 2 for r in long)
-    st = eng.core.scheduler.spec.stats_dict()
+    st = eng.core.speculative.stats_dict()
     assert st["verify_steps"] > 0 and st["accepted_tokens"] <= st["draft_tokens"]
 
 
@@ -182,8 +182,8 @@ def test_sessions_many_turns(tiny):
             history = history + list(r.output_ids) + [rng2.randrange(1, 511) for _ in range(5)]
         outs[spec] = got
         if spec:
-            assert eng.core.scheduler.spec.stats.accepted_tokens > 0
-            assert eng.core.scheduler.spec._sessions["s"]  # the next turn starts from this acceptance
+            assert eng.core.speculative.stats.accepted_tokens > 0
+            assert eng.core.speculative._sessions["s"]  # the next turn starts from this acceptance
     assert outs[True] == outs[False]
 
 
@@ -194,10 +194,10 @@ def test_overlap_scheduler_with_speculation(tiny, reference):
     eng = engine(tiny, True)
     sched = eng.core.scheduler
     sched._overlap = OverlapScheduler(sched)
-    sched.spec.policy.miss_limit = 2  # requests that find no match turn drafting off: their steps overlap
+    eng.core.speculative.policy.miss_limit = 2  # requests that find no match turn drafting off: their steps overlap
     assert ids(drive(eng, ps, sps)) == ref
     assert ids(drive(eng, ps, sps)) == ref
-    assert sched._overlap.overlapped_steps > 0 and sched.spec.stats.accepted_tokens > 0
+    assert sched._overlap.overlapped_steps > 0 and eng.core.speculative.stats.accepted_tokens > 0
     assert not any(r.pending >= 0 for r in sched.running)
 
 
@@ -243,7 +243,7 @@ def test_smollm2_code_edit_is_exact():
     want = ids(drive(plain, ps, sps))
     plain.shutdown()
     eng = Engine(model_path=str(path), max_total_tokens=4096, speculative_algorithm="NGRAM")
-    eng.core.scheduler.spec.cost = StepCost(0.01, adaptive=False)
+    eng.core.speculative.cost = StepCost(0.01, adaptive=False)
     got = drive(eng, ps, sps)
     assert ids(got) == want
     for r in got:

@@ -40,7 +40,7 @@ err = float((got - want).norm() / want.norm())
 assert err < 1e-5 and torch.equal(got.argmax(-1), want.argmax(-1)), err
 # 2. the engine's verification batches through them: greedy outputs equal HF's
 runner.extend_graphs = runner.make_extend_graph_runner(buckets, capture=False, row_buckets=buckets)
-eng.core.scheduler.spec.cost = StepCost(0.01, adaptive=False)
+eng.core.speculative.cost = StepCost(0.01, adaptive=False)
 calls = []
 run = runner.extend_graphs.run
 runner.extend_graphs.run = lambda b: (calls.append(b.logit_rows is not None), run(b))[1]
@@ -51,7 +51,7 @@ for _ in range(2):  # the second time drafted from the tree
     outs = eng.generate(input_ids=ps, sampling_params=params)
     assert [o["output_ids"] for o in outs] == ref
 assert any(calls), calls
-assert eng.core.scheduler.spec.stats.accepted_tokens > 0
+assert eng.core.speculative.stats.accepted_tokens > 0
 eng.check_integrity()
 print("OK", err)
 """

@@ -136,7 +136,7 @@ class Exact:
 def engine_samples(path, prompt: list[int], n: int) -> tuple[dict, int]:
     eng = Engine(model_path=str(path), page_size=4, max_total_tokens=8192, max_running_requests=64,
                  speculative_algorithm="NGRAM")
-    spec = eng.core.scheduler.spec
+    spec = eng.core.speculative
     spec.cost = StepCost(0.01, adaptive=False)  # draft whenever a match allows
     counts: dict = {}
     for start in range(0, n, 256):
