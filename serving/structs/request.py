@@ -9,6 +9,7 @@ from typing import Any
 from hicache import salt
 from serving.structs.bootstrap import Bootstrap
 from serving.structs.req_kv import ReqKV
+from serving.structs.req_parts import GrammarSlot, LogprobSlot, SpecSlot
 from serving.structs.sampling_params import SamplingParams
 
 
@@ -32,9 +33,10 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_retractions: int = 0
-    grammar: Any = None  # serving.grammar.runner.GrammarState: structured output (None: unconstrained)
-    logprob: Any = None  # serving.runner.logprobs.LogprobState of a request asking for logprobs (None: it does not)
-    spec: Any = None  # serving.speculative.policy.SpecState once it decodes with speculation (None: it does not)
+    # the scheduler's optional parts' state for this request (serving/structs/req_parts.py names each owner)
+    grammar: GrammarSlot | None = None  # structured output (None: unconstrained)
+    logprob: LogprobSlot | None = None  # a request asking for logprobs (None: it does not)
+    spec: SpecSlot | None = None  # once it decodes with speculation (None: it does not)
     # Overlap scheduling: row of the previous step's on-GPU token tensor that holds this
     # request's next token, not yet on the host (-1: none). While set, ``fill_ids`` ends with
     # the placeholder ``-1 - pending`` (substituted on the GPU when fed to the model) and
