@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache import salt
+from serving.cache.control_core import ControlCore
 from serving.cache.kv_breakpoints import Breakpoints
 from serving.cache.kv_control_integrity import check_control
 from serving.cache.kv_control_limits import (
@@ -80,7 +81,7 @@ class KVControl:
     (serving/cache/kv_lookup.py); :meth:`poll` hands its answers back on the loop thread.
     """
 
-    def __init__(self, core: Any, limits: ControlLimits | None = None) -> None:
+    def __init__(self, core: ControlCore, limits: ControlLimits | None = None) -> None:
         self.core = core
         self.tree = core.tree
         self.page_size = core.config.cache.page_size

@@ -22,14 +22,18 @@ which is what a drain is for: nothing else runs on a draining engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from serving.cache.control_core import ControlCore
 from serving.cache.kv_control_limits import ControlError
 from serving.scoped_ids import unscoped
 
+if TYPE_CHECKING:
+    from serving.cache.kv_control import KVControl
 
-def persist(core: Any) -> dict[str, Any]:
-    storage = getattr(core, "storage", None)
+
+def persist(core: ControlCore) -> dict[str, Any]:
+    storage = core.storage
     if storage is None:
         return {"l3": False, "written_pages": 0, "l3_pages": 0, "not_written": 0, "tree_pages": 0}
     ps = core.config.cache.page_size
@@ -44,7 +48,7 @@ def persist(core: Any) -> dict[str, Any]:
             "not_written": total - stored, "tree_pages": total}
 
 
-def drain_report(control: Any) -> dict[str, Any]:
+def drain_report(control: KVControl) -> dict[str, Any]:
     """Persist to L3 (see the module docstring); the open sessions and the live pin leases."""
     core = control.core
     sched = core.scheduler

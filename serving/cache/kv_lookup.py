@@ -11,6 +11,7 @@ from typing import Any
 
 from hicache import salt
 from hicache.keys import page_keys
+from serving.cache.control_core import ControlCore
 
 
 class PrefixLookup:
@@ -21,7 +22,7 @@ class PrefixLookup:
     computed before it was submitted; :meth:`poll` hands its answers back on the loop thread.
     """
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: ControlCore) -> None:
         self.core = core
         self.tree = core.tree
         self.page_size = core.config.cache.page_size

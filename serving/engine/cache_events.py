@@ -24,6 +24,7 @@ import uuid
 from collections import deque
 from typing import Any
 
+from hicache.hiradix import HiRadixTree
 from hicache.keys import page_keys
 
 MAX_EVENTS = 65536  # events kept; a reader further behind gets a snapshot
@@ -31,7 +32,7 @@ MAX_BATCH = 4096  # events per answer ("more": true when there are further ones)
 
 
 class CacheEventLog:
-    def __init__(self, tree: Any, namespace: str, page_size: int, capacity: int = MAX_EVENTS) -> None:
+    def __init__(self, tree: HiRadixTree, namespace: str, page_size: int, capacity: int = MAX_EVENTS) -> None:
         self.tree = tree
         self.namespace = namespace
         self.page_size = page_size

@@ -4,10 +4,13 @@ every call, even when the loop has not run its periodic sweep yet (a stalled or 
 from __future__ import annotations
 
 import time
+import types
+import typing
 
 import pytest
 
 from harness.model_utils import tiny_model
+from serving.cache.control_core import ControlCore, RequestQueues
 from serving.cache.kv_control import ControlError, KVControl
 from serving.engine import Engine
 
@@ -35,3 +38,18 @@ def test_an_ended_lease_is_gone_before_the_sweep(engine):
     assert ctl.pinned_pages == 0  # its pages are no longer held against the pin limit
     ctl.check_integrity()
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("proto", [ControlCore, RequestQueues])
+def test_the_engine_is_what_the_control_api_reads(engine, proto):
+    """serving/cache/control_core.py's protocols name members the real engine has, of their types."""
+    obj = engine.core if proto is ControlCore else engine.core.scheduler
+    hints = typing.get_type_hints(proto)
+    assert hints
+    for name, want in hints.items():
+        got = getattr(obj, name)  # AttributeError: the engine lost a member the control API reads
+        union = typing.get_origin(want) in (typing.Union, types.UnionType)
+        kinds = tuple(typing.get_origin(k) or k for k in (typing.get_args(want) if union else (want,))
+                      if k is not type(None))
+        if all(isinstance(k, type) and not getattr(k, "_is_protocol", False) for k in kinds):
+            assert got is None or isinstance(got, kinds), (name, type(got), want)
