@@ -23,12 +23,12 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.ratelimited_log import RateLimitedLog
+from serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("hicache.access")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
@@ -73,7 +73,7 @@ class AccessLogMiddleware:
     are counted too. Each request's state lives in its own ``__call__``; the only shared state
     is the metrics and the rate limiter, both safe on the event loop."""
 
-    def __init__(self, app: ASGIApp, metrics: Any, routes: Sequence[BaseRoute], enabled: bool = True) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: Sequence[BaseRoute], enabled: bool = True) -> None:
         self.app, self.metrics, self.routes, self.enabled = app, metrics, routes, enabled
         self.errors = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
 

@@ -39,6 +39,7 @@ from serving.engine.main import engine_main
 from serving.scoped_ids import unscoped
 from serving.server.config import ServerConfig
 from serving.server.errors import APIError, quoted
+from serving.server.metrics import ServerMetrics
 from serving.server.req_handle import ReqHandle
 from serving.server.watchdog import silence_seconds, stall_seconds
 
@@ -70,7 +71,7 @@ class EngineClient:
     are bounded (see the module docstring): a request's acceptance, a control call's answer.
     """
 
-    def __init__(self, engine: EngineConfig, server: ServerConfig, metrics: Any) -> None:
+    def __init__(self, engine: EngineConfig, server: ServerConfig, metrics: ServerMetrics | None) -> None:
         self.engine_config, self.server_config = engine, server
         self.metrics = metrics
         self.info: dict[str, Any] = {}

@@ -51,6 +51,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
+from serving.server.req_handle import ReqState
+
 # a histogram's or counter's ``_created`` series is a timestamp that Prometheus ingests as a gauge
 # of its own: noise in every dashboard (process-wide; the HTTP process has no other registry user)
 disable_created_metrics()
@@ -332,7 +334,7 @@ class ServerMetrics:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_duration.labels(route, method).observe(duration_s)
 
-    def on_tokens(self, state: Any, new: int) -> None:
+    def on_tokens(self, state: ReqState, new: int) -> None:
         """Called by the engine client for each update of a request (``new`` ids arrived)."""
         now = time.monotonic()
         if new > 0:
