@@ -33,7 +33,8 @@ from typing import Any
 from serving.disagg import logprob_handoff
 from serving.disagg.control import ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
-from serving.disagg.role_base import PDRole, RoleContext, RoleSettings
+from serving.disagg.role_base import PDRole, RoleContext
+from serving.process_config import EngineProcessConfig
 from serving.structs.request import Req
 from serving.structs.sampling_params import InvalidRequest
 
@@ -53,7 +54,7 @@ class PrefillGone:
 class DecodeRole(PDRole):
     mode = "decode"
 
-    def __init__(self, server: RoleSettings, ctx: RoleContext) -> None:
+    def __init__(self, server: EngineProcessConfig, ctx: RoleContext) -> None:
         self._open_transport(server, ctx)
         self.use_radix = server.disaggregation_decode_enable_radix_cache
         self.control = ControlServer(server.host, 0, {"mode": self.mode})

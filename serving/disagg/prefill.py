@@ -30,7 +30,8 @@ from typing import Any
 from serving.disagg import logprob_handoff
 from serving.disagg.control import MAX_BODY, ControlServer, post_json
 from serving.disagg.protocol import DecodeTarget, KVDone, prompt_digest
-from serving.disagg.role_base import PDRole, RoleContext, RoleSettings
+from serving.disagg.role_base import PDRole, RoleContext
+from serving.process_config import EngineProcessConfig
 from serving.structs.request import Req
 
 log = logging.getLogger("hicache.pd")
@@ -41,7 +42,7 @@ MAX_WAITING_TARGETS = 4096
 class PrefillRole(PDRole):
     mode = "prefill"
 
-    def __init__(self, server: RoleSettings, ctx: RoleContext) -> None:
+    def __init__(self, server: EngineProcessConfig, ctx: RoleContext) -> None:
         self._open_transport(server, ctx)
         info = {"mode": self.mode, "backend": server.disaggregation_transfer_backend}
         self.control = ControlServer(server.host, server.disaggregation_bootstrap_port, info)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import importlib
 
-from serving.disagg.role_base import PDRole, RoleContext, RoleSettings
+from serving.disagg.role_base import PDRole, RoleContext
+from serving.process_config import EngineProcessConfig
 
 # mode -> "module:class" (imported on use: a colocated server never loads a transport)
 ROLES: dict[str, str] = {"prefill": "serving.disagg.prefill:PrefillRole", "decode": "serving.disagg.decode:DecodeRole"}
 
 
-def make_role(server: RoleSettings, ctx: RoleContext) -> PDRole | None:
+def make_role(server: EngineProcessConfig, ctx: RoleContext) -> PDRole | None:
     """The role of ``server.disaggregation_mode`` (None for ``null``), built from ``ctx``; the
     engine hands it to its scheduler's constructor."""
     mode = server.disaggregation_mode

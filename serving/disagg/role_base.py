@@ -23,26 +23,14 @@ transfer may still write into (decode) or read from (prefill) them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hicache.tiers.device import DeviceKVPool
     from hicache.tiers.state_pool import DeviceStatePool
     from serving.cache.req_cache import ReqCache
+    from serving.process_config import EngineProcessConfig
     from serving.structs.request import Req
-
-
-class RoleSettings(Protocol):
-    """The server settings a role reads (serving/engine/process_config.py's ``EngineProcessConfig``
-    has them, each the ``ServerConfig`` field of the same name)."""
-
-    host: str
-    disaggregation_mode: str
-    disaggregation_transfer_backend: str
-    disaggregation_bootstrap_port: int
-    disaggregation_decode_enable_radix_cache: bool
-    disaggregation_transfer_host: str | None
-    disaggregation_bootstrap_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -60,7 +48,7 @@ class RoleContext:
 class PDRole:
     mode = "null"
 
-    def _open_transport(self, server: RoleSettings, ctx: RoleContext) -> None:
+    def _open_transport(self, server: EngineProcessConfig, ctx: RoleContext) -> None:
         """What both roles share: the request cache, the pool's geometry and the transport with L1 registered."""
         from serving.disagg.protocol import KVGeometry, StateGeometry
         from serving.disagg.transport import make_transport

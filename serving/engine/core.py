@@ -47,7 +47,8 @@ from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 from serving.tp.leader import TPLeader
 
 if TYPE_CHECKING:
-    from serving.disagg.role_base import PDRole, RoleSettings
+    from serving.disagg.role_base import PDRole
+    from serving.process_config import EngineProcessConfig
     from serving.speculative.worker import SpeculativeWorker
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class EngineCore:
         return namespace if self.weights_tag == "none" else f"{namespace}|q:{self.weights_tag}"
 
     def __init__(self, config: EngineConfig, exit_on_rank_death: bool = True,
-                 role_settings: RoleSettings | None = None) -> None:
+                 role_settings: EngineProcessConfig | None = None) -> None:
         """``exit_on_rank_death``: a dead tensor-parallel rank ends this process (the server's engine
         process) or makes the engine's calls raise (False: the offline Engine, in its caller's process).
         ``role_settings``: the server's settings, whose ``disaggregation_mode`` picks the PD role
@@ -112,7 +113,7 @@ class EngineCore:
                 self.tp.shutdown()
             raise
 
-    def _build(self, config: EngineConfig, role_settings: RoleSettings | None) -> None:
+    def _build(self, config: EngineConfig, role_settings: EngineProcessConfig | None) -> None:
         model_cfg = self.tp.config.model if self.tp else config.model
         self.runner = ModelRunner(model_cfg, config.scheduler, config.cache.page_size,
                                   self.tp.group if self.tp else None, config.cache.kv_round_trip)

@@ -48,8 +48,8 @@ from serving.engine.debug_hooks import StepHold
 from serving.engine.dispatch import Dispatch
 from serving.engine.housekeeping import SESSION_SWEEP_S, Housekeeping
 from serving.engine.inbox import EngineInbox
-from serving.engine.process_config import EngineProcessConfig
 from serving.engine.requests import Outbox, RequestTable
+from serving.process_config import EngineProcessConfig
 
 if TYPE_CHECKING:
     from serving.engine.core import EngineCore

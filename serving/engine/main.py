@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from serving import ipc as m
 from serving.config import EngineConfig
-from serving.engine.process_config import EngineProcessConfig
+from serving.process_config import EngineProcessConfig
 
 if TYPE_CHECKING:
     from serving.engine.core import EngineCore

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from hicache.config import CacheConfig
 from hicache.config_fields import check_choices, choice
 from serving.config import EngineConfig, ModelConfig, SchedulerConfig
-from serving.engine.process_config import EngineProcessConfig
+from serving.process_config import EngineProcessConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -170,7 +170,7 @@ class ServerConfig:
             raise ValueError("disaggregation_bootstrap_timeout_s must be positive")
 
     def engine_process(self) -> EngineProcessConfig:
-        """The settings the engine process reads (its own frozen config; see serving/engine/process_config.py)."""
+        """The settings the engine process reads (its own frozen config; see serving/process_config.py)."""
         return EngineProcessConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineProcessConfig)})
 
 
