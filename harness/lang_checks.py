@@ -99,3 +99,29 @@ def check_stream(backend, smart: bool) -> None:
     full = p.basic_qa.run(question="Name three colours.", backend=backend, temperature=0, stream=True)
     text = "".join(full.text_iter())
     assert text == full.text() and full["answer"] == state["answer"]
+
+
+class TutorialPrograms:
+    """The tutorial programs on the tiny chat model as tests (answers not checked: ``smart=False``), for
+    a test module with a ``backend`` fixture: ``class TestTutorial(TutorialPrograms)`` runs them there."""
+
+    def test_basic_qa(self, backend) -> None:
+        check_basic_qa(backend, smart=False)
+
+    def test_multi_turn(self, backend) -> None:
+        check_multi_turn(backend, smart=False)
+
+    def test_select(self, backend) -> None:
+        check_select(backend, smart=False)
+
+    def test_fork_join(self, backend) -> None:
+        check_fork(backend, smart=False)
+
+    def test_regex_and_json_schema(self, backend) -> None:
+        check_regex_and_json(backend, smart=False)
+
+    def test_run_batch(self, backend, capsys) -> None:
+        check_run_batch(backend, capsys, smart=False)
+
+    def test_stream(self, backend) -> None:
+        check_stream(backend, smart=False)

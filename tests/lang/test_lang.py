@@ -41,32 +41,8 @@ def test_template_is_the_models(server, backend) -> None:
     assert "SmolLM" in tpl.default_system  # SmolLM2's template adds it when there is no system message
 
 
-def test_basic_qa(backend) -> None:
-    checks.check_basic_qa(backend, smart=False)
-
-
-def test_multi_turn(backend) -> None:
-    checks.check_multi_turn(backend, smart=False)
-
-
-def test_select(backend) -> None:
-    checks.check_select(backend, smart=False)
-
-
-def test_fork_join(backend) -> None:
-    checks.check_fork(backend, smart=False)
-
-
-def test_regex_and_json_schema(backend) -> None:
-    checks.check_regex_and_json(backend, smart=False)
-
-
-def test_run_batch(backend, capsys) -> None:
-    checks.check_run_batch(backend, capsys, smart=False)
-
-
-def test_stream(backend) -> None:
-    checks.check_stream(backend, smart=False)
+class TestTutorial(checks.TutorialPrograms):
+    """The tutorial programs through RuntimeEndpoint (harness/lang_checks.py)."""
 
 
 def test_gen_equals_plain_generate(server, backend) -> None:

@@ -24,29 +24,8 @@ def integrity(backend):
     backend.check_integrity()
 
 
-def test_basic_qa_and_multi_turn(backend) -> None:
-    checks.check_basic_qa(backend, smart=False)
-    checks.check_multi_turn(backend, smart=False)
-
-
-def test_select(backend) -> None:
-    checks.check_select(backend, smart=False)
-
-
-def test_fork_join(backend) -> None:
-    checks.check_fork(backend, smart=False)
-
-
-def test_regex_and_json_schema(backend) -> None:
-    checks.check_regex_and_json(backend, smart=False)
-
-
-def test_run_batch(backend, capsys) -> None:
-    checks.check_run_batch(backend, capsys, smart=False)
-
-
-def test_stream(backend) -> None:
-    checks.check_stream(backend, smart=False)
+class TestTutorial(checks.TutorialPrograms):
+    """The tutorial programs in process (harness/lang_checks.py), the engine checked after each."""
 
 
 def test_bad_regex_names_the_call(backend) -> None:
