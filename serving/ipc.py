@@ -36,6 +36,7 @@ doubles in shared memory (``make_heartbeat``), each written by the engine alone
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -52,9 +53,10 @@ EXIT_BROKEN = 3  # the engine process's exit status when its cache invariants br
 # -- the heartbeat's slots ------------------------------------------------------------------
 PROGRESS, BEAT, BUSY, FORWARD_PASSES = range(4)
 SLOTS = 4
+Heartbeat = ctypes.Array[ctypes.c_double]  # SLOTS doubles in shared memory (make_heartbeat)
 
 
-def make_heartbeat(ctx: Any) -> Any:
+def make_heartbeat(ctx: Any) -> Heartbeat:
     """A fresh heartbeat in shared memory (``ctx``: a multiprocessing context), stamped now."""
     hb = ctx.RawArray("d", SLOTS)
     now = time.monotonic()

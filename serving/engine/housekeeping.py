@@ -33,7 +33,7 @@ class Housekeeping:
     write into the watchdog's shared array (read by the HTTP process)."""
 
     def __init__(self, core: EngineCore, control: KVControl, requests: RequestTable, out: Outbox,
-                 idle_timeout: float, heartbeat: Any = None) -> None:
+                 idle_timeout: float, heartbeat: m.Heartbeat | None = None) -> None:
         self.core = core
         self.control = control
         self.requests = requests

@@ -76,7 +76,8 @@ class EngineLoop:
     not waited for (answered by a later turn)."""
 
     def __init__(
-        self, core: EngineCore, rx: Connection, tx: Connection, settings: EngineProcessConfig, heartbeat: Any = None
+        self, core: EngineCore, rx: Connection, tx: Connection, settings: EngineProcessConfig,
+        heartbeat: m.Heartbeat | None = None,
     ) -> None:
         self.core = core
         self.inbox = EngineInbox(rx, tx)

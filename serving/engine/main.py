@@ -54,7 +54,8 @@ def layer_mix(stack: Any) -> dict[str, int]:
 
 
 def engine_main(
-    config: EngineConfig, settings: EngineProcessConfig, rx: Connection, tx: Connection, heartbeat: Any = None
+    config: EngineConfig, settings: EngineProcessConfig, rx: Connection, tx: Connection,
+    heartbeat: m.Heartbeat | None = None,
 ) -> None:
     """Entry point of the spawned engine process. Exits non-zero when the loop failed
     (EXIT_BROKEN: the cache's invariants broke after a failed step) or persisting failed.

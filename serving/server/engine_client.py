@@ -84,7 +84,7 @@ class EngineClient:
         self.started_at = time.time()
         self.proc: mp.process.BaseProcess | None = None
         self.on_gone: Callable[[], None] | None = None  # called if the engine dies while serving
-        self.heartbeat: Any = None  # the engine's watchdog heartbeat (shared memory), set by spawn
+        self.heartbeat: m.Heartbeat | None = None  # the engine's watchdog heartbeat (shared memory), set by spawn
         self._waiting_since: float | None = None  # since when handles or calls have been pending
         self.watchdog_tripped = False  # the watchdog task's last verdict (it logs the changes)
 
