@@ -29,7 +29,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -126,7 +126,7 @@ class LightTokenizer:
     compiled templates are cached read-only); ``_lock`` guards only ``_full``, so concurrent first
     calls of ``full()`` build the HF tokenizer once and the others wait for it."""
 
-    def __init__(self, path: str, state: dict[str, Any], load_full: Any) -> None:
+    def __init__(self, path: str, state: dict[str, Any], load_full: Callable[[], Any]) -> None:
         from tokenizers import Tokenizer
 
         self.name_or_path = path

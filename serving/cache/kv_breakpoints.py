@@ -37,9 +37,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.cache.kv_control_limits import ControlError
+
+if TYPE_CHECKING:
+    from serving.cache.kv_control import KVControl
 
 MAX_BREAKPOINTS = 4  # per request, as Anthropic allows
 
@@ -64,7 +67,7 @@ class Breakpoints:
     thread, and nothing here waits (the leases' pages are pinned in the tree synchronously).
     """
 
-    def __init__(self, control: Any) -> None:
+    def __init__(self, control: KVControl) -> None:
         self.control = control
         self.points: dict[str | None, dict[tuple[int, str], _Point]] = {}  # tenant -> (length, key) -> point
 

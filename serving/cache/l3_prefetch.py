@@ -62,10 +62,6 @@ class PrefetchOp:
         return self.lookup is None and self.fetch is None
 
     @property
-    def future(self) -> FetchOp | None:  # started or not (kept for callers that check this)
-        return self.fetch
-
-    @property
     def loaded(self) -> int:
         """Of this request's pages, how many leading ones have landed."""
         if self.fetch is None:

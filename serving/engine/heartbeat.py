@@ -4,16 +4,15 @@ shared memory) once per turn; the HTTP process reads it (serving.server.watchdog
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from serving.ipc import BEAT, BUSY, FORWARD_PASSES, PROGRESS
+from serving.ipc import BEAT, BUSY, FORWARD_PASSES, PROGRESS, Heartbeat
 
 
 class HeartbeatWriter:
     """The engine loop's side: ``beat()`` once per turn of the loop (the loop thread alone
     writes; no lock, see serving.server.watchdog)."""
 
-    def __init__(self, hb: Any | None) -> None:
+    def __init__(self, hb: Heartbeat | None) -> None:
         self.hb = hb
 
     def beat(self, busy: bool, progressed: bool, forward_passes: int) -> None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.hiradix.node import TreeNode
+from serving.structs.req_parts import PrefetchSlot
+
 
 @dataclass
 class ReqKV:
@@ -25,11 +28,11 @@ class ReqKV:
     pages: list[int] = field(default_factory=list)
     tree_pages: int = 0  # leading pages owned by the tree (the locked matched prefix)
     kv_len: int = 0  # tokens of fill_ids whose KV is in pages
-    lock_node: Any = None  # tree node locked for this request (None: nothing locked)
-    load_node: Any = None  # end of an L2 -> L1 load-back chain still to be committed
+    lock_node: TreeNode | None = None  # tree node locked for this request (None: nothing locked)
+    load_node: TreeNode | None = None  # end of an L2 -> L1 load-back chain still to be committed
     wait_loads: tuple = ()  # PendingLoads still filling pages this request reads (see ReqCache.poll_load)
     # L3 prefetch while it waits
-    prefetch: Any = None  # an L3 -> L2 prefetch in flight (serving.cache.l3_prefetch.PrefetchOp)
+    prefetch: PrefetchSlot | None = None  # an L3 -> L2 prefetch in flight (its owner: serving/cache/l3_prefetch.py)
     prefetch_checked: bool = False  # its lookup was considered (once per wait)
     storage_hit_tokens: int = 0  # prompt tokens that came from L3 (through L2)
     l3_decision: dict[str, Any] | None = None  # the load-vs-recompute choice for its L3 pages, if any

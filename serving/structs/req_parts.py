@@ -4,7 +4,9 @@ importing the packages that own them (this package sits at the bottom of the imp
 
 - :class:`GrammarSlot`: structured output; its owner is serving/grammar/runner.py's ``GrammarState``;
 - :class:`LogprobSlot`: logprobs asked for; serving/runner/logprobs.py's ``LogprobState``;
-- :class:`SpecSlot`: speculative decoding; serving/speculative/policy.py's ``SpecState``.
+- :class:`SpecSlot`: speculative decoding; serving/speculative/policy.py's ``SpecState``;
+- :class:`PrefetchSlot` (``Req.kv.prefetch``): an L3 prefetch in flight; serving/cache/l3_prefetch.py's
+  ``PrefetchOp``.
 
 Each owner reads and writes the rest of its state; everyone else goes through what is named here
 (tests/engine/test_scheduler_parts.py checks that the owners offer it).
@@ -39,6 +41,16 @@ class LogprobSlot(Protocol):
     def record_output(self, logits: torch.Tensor, token: int, output_ids: list[int]) -> None: ...
 
     def take_new(self, output_ids: list[int]) -> dict[str, Any] | None: ...
+
+
+class PrefetchSlot(Protocol):
+    """A waiting request's L3 -> L2 prefetch: the L2 pages of its cached prefix it holds pinned until it
+    ends, and whether it only keeps that prefix (no lookup, no fetch: ``watching``)."""
+
+    pinned: list[int]
+
+    @property
+    def watching(self) -> bool: ...
 
 
 class SpecSlot(Protocol):

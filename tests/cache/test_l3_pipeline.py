@@ -83,7 +83,7 @@ def finish(core, reqs, ref, names) -> None:
 
 
 def fetching(r) -> bool:
-    return r.kv.prefetch is not None and getattr(r.kv.prefetch, "future", None) is not None
+    return r.kv.prefetch is not None and r.kv.prefetch.fetch is not None
 
 
 def test_requests_with_one_prefix_read_it_once(world, tmp_path, slow_lmdb):  # noqa: F811

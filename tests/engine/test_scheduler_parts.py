@@ -10,13 +10,14 @@ import inspect
 
 import pytest
 
+from serving.cache.l3_prefetch import PrefetchOp
 from serving.disagg.role_base import PDRole
 from serving.grammar.runner import GrammarRunner, GrammarState
 from serving.runner.logprobs import LogprobState
 from serving.scheduler.parts import GrammarPart, PDRolePart, SpeculativePart
 from serving.speculative.policy import SpecState
 from serving.speculative.worker import SpeculativeWorker
-from serving.structs.req_parts import GrammarSlot, LogprobSlot, SpecSlot
+from serving.structs.req_parts import GrammarSlot, LogprobSlot, PrefetchSlot, SpecSlot
 
 
 def _members(proto: type) -> list[str]:
@@ -24,7 +25,8 @@ def _members(proto: type) -> list[str]:
 
 
 PAIRS = [(GrammarPart, GrammarRunner), (SpeculativePart, SpeculativeWorker), (PDRolePart, PDRole),
-         (GrammarSlot, GrammarState), (LogprobSlot, LogprobState), (SpecSlot, SpecState)]
+         (GrammarSlot, GrammarState), (LogprobSlot, LogprobState), (SpecSlot, SpecState),
+         (PrefetchSlot, PrefetchOp)]
 
 
 @pytest.mark.parametrize(("proto", "impl"), PAIRS)
