@@ -31,6 +31,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, AN
     return make_scheduler(config, log)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:  # noqa: ANN001
+    """A test its worker died in runs once more; a second crash fails it (harness/xdist_sched.py)."""
+    from harness.xdist_sched import rerun_once
+
+    rerun_once(crashitem, report, sched)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    from harness.xdist_sched import summarize_reruns
+
+    summarize_reruns(terminalreporter)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """With ``-m serial`` (`make test`'s second phase) only SERIAL_MODULES are imported: the other
     ~110 test modules cost that process ~12 s to import, to be deselected."""
