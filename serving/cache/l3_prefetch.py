@@ -19,10 +19,8 @@ The concurrency contract is :class:`Prefetcher`'.
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 from hicache.hiradix import HiRadixTree
 from hicache.keys import page_keys
@@ -33,46 +31,10 @@ from hicache.tiers.storage_state import StateStore
 from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.cache.l3_fetch import Fetches, FetchOp
 from serving.cache.l3_state import attach_fetched, resume_point
-from serving.cache.prefetch_policy import PREFETCH_POLICIES
+from serving.cache.prefetch_op import PrefetchOp
+from serving.cache.prefetch_policy import PREFETCH_POLICIES, LoadBudget
 from serving.cache.transfers import TransferRunner
 from serving.structs.request import Req
-
-
-@dataclass
-class PrefetchOp:
-    """A request's prefetch while it waits: the L2 pages of its cached prefix it pins, its
-    lookup, then the fetch it holds (its own or one it follows). Without a lookup it only
-    keeps its cached prefix in L2 (``watching``)."""
-
-    start_page: int  # first prompt page looked for in L3 (the cached prefix ends here)
-    tokens: list[int]  # the prompt's full pages
-    deadline: float
-    lookup: Future | None = None  # -> pages present in L3 from start_page on (None: watching)
-    pinned: list[int] = field(default_factory=list)  # L2 pages of the cached prefix pinned until finish
-    keys: list[str] = field(default_factory=list)  # set by the lookup thread
-    cancel: threading.Event = field(default_factory=threading.Event)
-    fetch: FetchOp | None = None  # held from the fetch's start until finish
-    offset: int = 0  # index of keys[0] in the fetch's keys (0 unless it follows another request's)
-    need: int = 0  # leading keys of this request the fetch reads
-    room_wait_since: float = 0.0  # when it first found L2 full (0: never)
-    state: tuple[int, bytes] | None = None  # a state model's snapshot from L3: (its page from start_page, payload)
-
-    @property
-    def watching(self) -> bool:
-        return self.lookup is None and self.fetch is None
-
-    @property
-    def loaded(self) -> int:
-        """Of this request's pages, how many leading ones have landed."""
-        if self.fetch is None:
-            return 0
-        return max(0, min(self.fetch.loaded - self.offset, self.need))
-
-    @property
-    def fetched(self) -> bool:
-        """Its part of the fetch is in (or the fetch has ended)."""
-        return self.fetch is not None and (self.fetch.done or self.loaded >= self.need)
-
 
 # Share of L2 that waiting requests may pin for their cached prefixes: the rest takes L3 fetches
 # and demotions from L1. Without pins, a turn of many returning requests thrashes: each one run
@@ -128,6 +90,8 @@ class Prefetcher:
         self.snapshots_fetched = 0  # state snapshots from L3 the tree took
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
+        self.fetches_cut = 0  # fetches that fell behind recompute (LoadBudget): their requests recomputed the rest
+        self.pages_cut = 0  # the pages those fetches had not read when they were cut
         self._fetching = 0  # requests holding a fetch (their own or one they follow)
         self.pin_budget = int(PIN_SHARE * host_pool.num_pages)
         self._pinned = 0  # L2 pages pinned by waiting requests (a page pinned twice counts twice)
@@ -235,6 +199,7 @@ class Prefetcher:
             return
         first = req.kv.l3_decision  # made before the lookup, for every page the prompt could have
         d = self.load_policy.decide(n, explore=False)
+        looked = n  # the pages d is about
         if not d.load and first is not None and first["reason"] == EXPLORE:
             d = Decision(True, d.load_s, d.recompute_s, EXPLORE)  # an exploration stays one
         req.kv.l3_decision = self._decision(n, d, looked_up=True)
@@ -246,6 +211,7 @@ class Prefetcher:
         if followed is not None:  # another request's fetch reads these pages already: wait for it
             op.fetch, op.offset, op.need = followed
             op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * op.need * ps / 1000
+            op.budget = LoadBudget.of(d.load_s, d.recompute_s, looked, op.need, time.monotonic())
             self._fetching += 1
             return
         tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
@@ -270,6 +236,7 @@ class Prefetcher:
             raise
         op.keys, op.need = op.keys[:n], n
         op.deadline = time.monotonic() + self.timeout_base_s + self.timeout_per_1k_tokens_s * n * ps / 1000
+        op.budget = LoadBudget.of(d.load_s, d.recompute_s, looked, n, time.monotonic())
         self._fetching += 1  # counted once the fetch exists: finish() uncounts it
 
     def _watch(self, req: Req, op: PrefetchOp) -> None:
@@ -301,7 +268,16 @@ class Prefetcher:
         op = req.kv.prefetch
         if op is not None and op.watching:  # (the requests admitted before it may have evicted pages)
             op = self._recheck(req, op)
-        return op is None or op.watching or self.policy.ready(op, time.monotonic())
+        if op is None or op.watching:
+            return True
+        now = time.monotonic()
+        if self.policy.ready(op, now):
+            return True
+        if op.budget is not None and op.fetch is not None and not op.fetched and \
+                op.budget.exceeded(op.loaded, now):
+            op.cut = True  # (LoadBudget) the rest is recomputed
+            return True
+        return False
 
     def _recheck(self, req: Req, op: PrefetchOp) -> PrefetchOp | None:
         """A watching request whose cached prefix lost pages (not pinned, or on L1 only) looks
@@ -324,7 +300,14 @@ class Prefetcher:
         self._unpin(op)  # the request matches right after: its prefix is locked from then on
         if op.fetch is None:  # watching, looking up or waiting for L2 room: nothing allocated
             return 0
-        return self._drop(op)
+        unread = op.need - op.loaded
+        got = self._drop(op)
+        if op.cut:
+            self.fetches_cut += 1
+            self.pages_cut += unread
+            if req.kv.l3_decision is not None:  # (meta_info's l3_decision)
+                req.kv.l3_decision = {**req.kv.l3_decision, "cut": True, "pages_recomputed": unread}
+        return got
 
     def _drop(self, op: PrefetchOp) -> int:
         """Commit what has landed, release the request's hold; its pages that came from L3."""
@@ -370,7 +353,8 @@ class Prefetcher:
     def stats(self) -> dict[str, int]:
         f = self.fetches
         return {"pages_loaded_early": f.pages_loaded_early, "fetches_in_flight": len(f.active),
-                "state_snapshots_fetched": self.snapshots_fetched,
+                "state_snapshots_fetched": self.snapshots_fetched, "fetches_cut": self.fetches_cut,
+                "pages_cut": self.pages_cut,
                 "fetches_followed": f.fetches_followed, "pages_deduplicated": f.pages_deduplicated}
 
     def shutdown(self) -> None:

@@ -1,11 +1,13 @@
-"""When a waiting request stops waiting for its L3 prefetch (SGLang's policy names; serving/cache/l3_prefetch.py)."""
+"""When a waiting request stops waiting for its L3 prefetch (SGLang's policy names; serving/cache/l3_prefetch.py),
+and the bound every policy keeps when the load policy can estimate recompute (:class:`LoadBudget`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from serving.cache.l3_prefetch import PrefetchOp
+    from serving.cache.prefetch_op import PrefetchOp
 
 
 class PrefetchPolicy:
@@ -32,6 +34,42 @@ class Timeout(PrefetchPolicy):
 
     def ready(self, op: PrefetchOp, now: float) -> bool:
         return op.fetched or now >= op.deadline
+
+
+CUT_GRACE = 0.1  # share of the pages' recompute time a cut may come after the break-even
+MIN_CUT_S = 0.05  # never cut a fetch younger than this (a reader thread's start, a busy host's hiccup)
+
+
+@dataclass(frozen=True)
+class LoadBudget:
+    """A started fetch that has fallen behind recompute is cut: the request takes what has landed and
+    recomputes the rest (a long prefix whose writes are still in flight, a slow or busy disk). At ``t``
+    seconds after the fetch started, with ``landed`` of its ``pages`` in L2, cutting costs about
+    ``t + (pages - landed) * c`` (``c``: one page's recompute time, the load policy's estimate) against
+    ``pages * c`` for recomputing them all: the cut comes once ``t >= (landed + CUT_GRACE * pages) * c``
+    and the fetch has taken longer than the load policy expected (``floor_s``: its estimate, at least
+    :data:`MIN_CUT_S`). So a request waits about ``(1 + CUT_GRACE)`` times the recompute of its pages at
+    most (twice where the estimate was close to recompute), whatever the prefetch policy (its own rule
+    may stop the wait earlier). Built only for a load the policy decided on measurements: an exploratory
+    load (the store not measured yet) runs to its end, it is how the store gets measured."""
+
+    started: float  # time.monotonic() when the fetch started (or was followed)
+    page_recompute_s: float
+    pages: int
+    floor_s: float
+
+    @classmethod
+    def of(cls, load_s: float | None, recompute_s: float | None, pages: int, fetch_pages: int,
+           now: float) -> LoadBudget | None:
+        """For ``fetch_pages`` of the ``pages`` a decision estimated at ``load_s`` / ``recompute_s``;
+        None when either estimate is missing."""
+        if not load_s or not recompute_s or pages <= 0:
+            return None
+        return cls(now, recompute_s / pages, fetch_pages, max(load_s, MIN_CUT_S))
+
+    def exceeded(self, landed: int, now: float) -> bool:
+        t = now - self.started
+        return t >= self.floor_s and t >= (landed + CUT_GRACE * self.pages) * self.page_recompute_s
 
 
 PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {

@@ -91,6 +91,8 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "pages_loaded_early": _event("prefetched pages loaded on to L1 as their batch landed (pipelined)"),
     "fetches_followed": _event("prefetches that waited for another request's fetch of the same prefix"),
     "pages_deduplicated": _event("pages a prefetch found already being read by another request's fetch"),
+    "fetches_cut": _event("prefetches cut once their fetch fell behind recompute (the rest recomputed)"),
+    "pages_cut": _event("pages cut prefetches had not read (recomputed)"),
     "fetches_in_flight": StorageMetric("gauge", "storage_fetches_in_flight", "L3 fetches in flight"),
     # recurrent-state snapshots on L3 (hicache.tiers.storage_state), a model with state layers
     "state_stored": _event("state snapshots written to L3"),

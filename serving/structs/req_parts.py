@@ -5,7 +5,7 @@ importing the packages that own them (this package sits at the bottom of the imp
 - :class:`GrammarSlot`: structured output; its owner is serving/grammar/runner.py's ``GrammarState``;
 - :class:`LogprobSlot`: logprobs asked for; serving/runner/logprobs.py's ``LogprobState``;
 - :class:`SpecSlot`: speculative decoding; serving/speculative/policy.py's ``SpecState``;
-- :class:`PrefetchSlot` (``Req.kv.prefetch``): an L3 prefetch in flight; serving/cache/l3_prefetch.py's
+- :class:`PrefetchSlot` (``Req.kv.prefetch``): an L3 prefetch in flight; serving/cache/prefetch_op.py's
   ``PrefetchOp``.
 
 Each owner reads and writes the rest of its state; everyone else goes through what is named here

@@ -1,15 +1,17 @@
 """The L3 load-vs-recompute cost model: its arithmetic, and its decisions on a real engine
-(SmolLM2, fp32, CPU) with a throttled store and a fast one."""
+(SmolLM2, fp32, CPU) with a throttled store and a fast one; a fetch that falls behind recompute is cut."""
 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
 from harness.model_utils import smollm2_path
 from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
 from serving.cache.cost_model import CostModel, make_load_policy
+from serving.cache.prefetch_policy import MIN_CUT_S, LoadBudget
 from serving.engine import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
@@ -83,5 +85,63 @@ def test_engine_loads_only_when_faster(tmp_path, slow_lmdb, read_mb_s, loads):  
     st = eng.core.storage_stats()
     assert st["cost_l3_refusals"] == (0 if loads else 1)
     assert st["cost_tokens_recomputed_although_cached"] == (0 if loads else decision["tokens"])
+    eng.check_integrity()
+    eng.shutdown()
+
+
+def test_load_budget_arithmetic():
+    """serving/cache/prefetch_policy.py's LoadBudget: no budget without both estimates; the cut comes once
+    the fetch is older than the load estimate (at least MIN_CUT_S) and behind recompute by CUT_GRACE."""
+    assert LoadBudget.of(None, 1.0, 10, 10, 0.0) is None and LoadBudget.of(0.5, None, 10, 10, 0.0) is None
+    b = LoadBudget.of(0.2, 1.0, 10, 10, now=100.0)  # 0.1 s to recompute a page
+    assert b.floor_s == 0.2 and b.page_recompute_s == pytest.approx(0.1)
+    assert not b.exceeded(landed=0, now=100.19)  # younger than its estimate
+    assert b.exceeded(landed=0, now=100.2)  # nothing landed: behind from the start
+    assert not b.exceeded(landed=5, now=100.59) and b.exceeded(landed=5, now=100.61)  # (5 + 0.1 * 10) * 0.1 s
+    assert LoadBudget.of(0.001, 1.0, 10, 10, 0.0).floor_s == MIN_CUT_S
+
+
+@pytest.mark.slow
+def test_a_fetch_that_falls_behind_recompute_is_cut(tmp_path, slow_lmdb):  # noqa: F811
+    """Three prompts are in L3. The engine learns the prefill rate and, from the first two loads, that the
+    store is fast; then the store stalls (every read held at its start) while the third prompt's fetch
+    runs. With ``wait_complete`` the request would wait for the fetch for ever; the cost model's budget
+    cuts it once it is behind recompute: the request recomputes what had not landed (all of it here),
+    answers as cold, and reports the cut (meta_info's l3_decision, the storage counters)."""
+    db = tmp_path / "l3"
+    *warmup, s0, s1, s2 = _prompts(2, 6, 256)
+    stored = [s0, s1, s2]
+    cfg = dict(model_path=str(smollm2_path()), page_size=16, max_total_tokens=4096, hicache_ratio=2.0,
+               hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=64)
+    warm = Engine(**cfg, hicache_storage_backend="lmdb",
+                  hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 1.0})
+    cold = [o["output_ids"] for o in warm.generate(input_ids=stored, sampling_params=GREEDY)]
+    warm.shutdown()  # persists them to L3
+    eng = Engine(**cfg, hicache_storage_backend=slow_lmdb,
+                 hicache_storage_backend_extra_config={"path": str(db), "capacity_gb": 1.0})
+    store = eng.core.storage.tier.backend
+    for p in warmup:
+        eng.generate(input_ids=p, sampling_params=GREEDY)
+    for p, want in zip(stored[:2], cold[:2], strict=True):  # the store measured: fast
+        out = eng.generate(input_ids=p, sampling_params=GREEDY)
+        assert out["output_ids"] == want and out["meta_info"]["cached_tokens_details"]["storage"] > 0
+        eng.core.storage.poll(wait=True)
+    store.hold()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(eng.generate(input_ids=s2, sampling_params=GREEDY)))
+    t.start()
+    t.join(timeout=60)
+    store.release()  # (a hung request ends once its reads may go on)
+    t.join(timeout=60)
+    assert got, "the request waited for a stalled fetch"
+    out = got[0]
+    decision = out["meta_info"]["l3_decision"]
+    print(decision)
+    assert decision["load"] and decision["reason"] == "load is faster" and decision.get("cut"), decision
+    assert decision["pages_recomputed"] > 0 and out["meta_info"]["cached_tokens_details"]["storage"] == 0
+    assert out["output_ids"] == cold[2]
+    eng.core.storage.poll(wait=True)
+    st = eng.core.storage_stats()
+    assert st["fetches_cut"] == 1 and st["pages_cut"] == decision["pages_recomputed"], st
     eng.check_integrity()
     eng.shutdown()

@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from serving.cache.l3_prefetch import PrefetchOp
+from serving.cache.prefetch_op import PrefetchOp
 from serving.disagg.role_base import PDRole
 from serving.grammar.runner import GrammarRunner, GrammarState
 from serving.runner.logprobs import LogprobState
