@@ -84,22 +84,41 @@ class Tiering:
 
         Candidates: unlocked L1 nodes without an L1 child, in eviction-policy order.
         With an L2 the node is demoted (backed up first if it has no L2 copy and L2
-        has room), otherwise dropped.
+        has room), otherwise dropped. Demote before drop: a candidate that would be
+        lost (no L2 copy, no L2 room for one, not on L3) is passed over while others
+        can be freed without loss; only then are the passed-over ones dropped (counted
+        in ``backups_skipped_pages``).
         """
         if num_pages <= 0:
             return 0
         key = self._evict_key("device")
         heap = [(key(nd), nd.id, nd) for nd in self.residency.device_leaves()]
         heapq.heapify(heap)
+        freed = 0
+        for allow_drop in (False, True):
+            passed: list[TreeNode] = []
+            freed += self._evict_device_nodes(heap, num_pages - freed, key, allow_drop, passed)
+            if freed >= num_pages or not passed:
+                break
+            heap = [(key(nd), nd.id, nd) for nd in passed] + heap
+            heapq.heapify(heap)
+        return freed
+
+    def _evict_device_nodes(self, heap: list, num_pages: int, key: Callable[[TreeNode], tuple],
+                            allow_drop: bool, passed: list[TreeNode]) -> int:
+        """One pass of :meth:`evict_device` over ``heap``; the nodes it would have dropped go to
+        ``passed`` instead unless ``allow_drop``."""
         root = self.shape.root
         freed = 0
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
             if nd.removed or nd.device_pages is None or nd.lock_ref:
                 continue
-            freed += len(nd.device_pages)
-            parent = nd.parent
-            self._evict_device_node(nd)
+            n, parent = len(nd.device_pages), nd.parent
+            if not self._evict_device_node(nd, allow_drop):
+                passed.append(nd)
+                continue
+            freed += n
             if (
                 parent is not root
                 and parent.device_pages is not None
@@ -295,17 +314,22 @@ class Tiering:
         evicts on its own): dropping its L1 / L2 copies then loses nothing a lookup cannot find."""
         return node.storage_pages * self.shape.page_size >= len(node.key)
 
-    def _evict_device_node(self, node: TreeNode) -> None:
+    def _evict_device_node(self, node: TreeNode, allow_drop: bool = True) -> bool:
+        """Demote ``node`` off L1 (or drop it); False, leaving it as it is, when that would lose its KV
+        (no L2 copy, no L2 room, not on L3) and ``allow_drop`` is False."""
         if self.host is not None and node.host_pages is None and self.write_policy.backup_on_evict:
             hp = self._alloc_host(len(node.device_pages))
             if hp is not None:
                 self.residency.set_host(node, hp)
                 self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
             elif not self.on_l3(node):
+                if not allow_drop:
+                    return False
                 self.backups_skipped_pages += len(node.device_pages)  # lost: recomputed if asked for again
         self.residency.drop_device(node)
         if node.host_pages is None:
             self.residency.remove(node)
+        return True
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every load in flight ends on a locked, loading node."""

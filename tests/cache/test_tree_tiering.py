@@ -199,3 +199,45 @@ def test_drop_backups_takes_nodes_on_l3_first():
     assert t.lookup([1, 1, 2, 2])[0].host_pages is not None
     t.check_integrity()
 
+
+
+@pytest.mark.parametrize("policy", ["write_back", "exclusive"])
+def test_eviction_demotes_before_it_drops(policy):
+    """L2 has no room for a backup (full of a copy of something still on L1): L1 eviction frees the nodes
+    it can without losing anything (an L1 copy whose L2 copy exists) before it drops one that has no
+    other copy, even when that one is colder."""
+    t = make(dev=3, host=2, policy=policy)
+    put(t, [3, 3])  # Y: the coldest, on L1 only
+    put(t, [1, 1, 2, 2])  # X: on L1, and given an L2 copy on purpose (L2 is then full)
+    assert t.backup_prefix([1, 1, 2, 2]) == 2
+    t.take_transfers()
+    t.check_integrity()
+    assert t.evict_device(1) == 2  # X leaves L1 (its two pages), Y stays
+    assert t.take_transfers() == []  # nothing to copy: X's L2 copy is there already
+    assert t.backups_skipped_pages == 0
+    assert t.match_prefix([3, 3]).device_hit_tokens == 2
+    m = t.match_prefix([1, 1, 2, 2])
+    assert (m.device_hit_tokens, m.host_hit_tokens) == (0, 4)
+    t.check_integrity()
+    assert t.evict_device(1) == 1  # now Y: X's L2 copy (an L2-only leaf now) makes room for Y's backup
+    (tr,) = t.take_transfers()
+    assert tr.kind == "backup" and t.backups_skipped_pages == 0
+    m = t.match_prefix([3, 3])
+    assert (m.device_hit_tokens, m.host_hit_tokens) == (0, 2)
+    t.check_integrity()
+
+
+def test_eviction_drops_what_nothing_else_can_give():
+    """The same, with X locked (a running request reads it): Y is all L1 can give, and L2 has no room for it:
+    it is dropped and counted."""
+    t = make(dev=3, host=2, policy="write_back")
+    put(t, [3, 3])
+    put(t, [1, 1, 2, 2])
+    t.backup_prefix([1, 1, 2, 2])
+    t.take_transfers()
+    x = t.match_prefix([1, 1, 2, 2]).last_device_node
+    t.lock(x)
+    assert t.evict_device(1) == 1 and t.take_transfers() == []
+    assert t.backups_skipped_pages == 1 and t.match_prefix([3, 3]).device_hit_tokens == 0
+    t.unlock(x)
+    t.check_integrity()
