@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -123,10 +123,18 @@ class SlowLMDBStore(LMDBStore):
 
 
 @pytest.fixture
-def slow_lmdb(monkeypatch: pytest.MonkeyPatch) -> str:
+def slow_lmdb(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Registers ``slow_lmdb`` for the test (in the backend registry and among the names the
-    config accepts for ``hicache_storage_backend``); returns the backend name."""
-    monkeypatch.setitem(storage.STORAGE_BACKENDS, "slow_lmdb", SlowLMDBStore.from_config)
+    config accepts for ``hicache_storage_backend``); yields the backend name. At teardown every
+    store the test made is released: a test that failed while its reads were held must not leave
+    reader threads waiting (the process could never exit)."""
+    made: list[SlowLMDBStore] = []
+
+    def make(config: Mapping[str, Any]) -> SlowLMDBStore:
+        made.append(SlowLMDBStore.from_config(config))
+        return made[-1]
+
+    monkeypatch.setitem(storage.STORAGE_BACKENDS, "slow_lmdb", make)
     allowed = config_fields.field_choices
 
     def with_slow_lmdb(f):
@@ -134,4 +142,6 @@ def slow_lmdb(monkeypatch: pytest.MonkeyPatch) -> str:
         return (*names, "slow_lmdb") if names is not None and f.name == "hicache_storage_backend" else names
 
     monkeypatch.setattr(config_fields, "field_choices", with_slow_lmdb)
-    return "slow_lmdb"
+    yield "slow_lmdb"
+    for store in made:
+        store.release()
