@@ -3,8 +3,8 @@
 Registered in the storage registry under a test-local name, so an engine is built with it
 exactly like with ``lmdb``: ``hicache_storage_backend="slow_lmdb"`` and the usual LMDB
 options plus ``delay_s`` (sleep before each batch call) and ``read_mb_s`` (throttle reads
-to that many MB/s, 0 = unthrottled); ``slow_calls`` names the calls slowed (``exists``,
-``get``: staged reads, ``set``; ``pages``: direct reads, not slowed unless named).
+to that many MB/s, 0 = unthrottled; staged and direct reads alike); ``slow_calls`` names the calls
+``delay_s`` slows (``exists``, ``get``: staged reads, ``set``; ``pages``: direct reads, not unless named).
 
 Deterministic holds: :meth:`SlowLMDBStore.hold` makes every value read (staged or direct)
 wait at its start until :meth:`release`; ``held`` lists the keys of the reads waiting there,
@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -64,6 +65,12 @@ class SlowLMDBStore(LMDBStore):
         with self._lock:
             self.keys_read.update(k for k, n in zip(keys, sizes, strict=True) if n >= 0)
 
+    def _throttle(self, sizes: Sequence[int], t0: float) -> None:
+        """With ``read_mb_s``: a read that started at ``t0`` lasts as long as its bytes take at that rate."""
+        if self.read_mb_s > 0:
+            nbytes = sum(n for n in sizes if n > 0)
+            time.sleep(max(0.0, nbytes / (self.read_mb_s * 1e6) - (time.monotonic() - t0)))
+
     def busy(self, call: str) -> bool:
         """A call of this kind started and has not returned yet."""
         return self.finished[call] < self.calls[call]
@@ -97,9 +104,7 @@ class SlowLMDBStore(LMDBStore):
             t0 = time.monotonic()
             out = super().batch_get_into(keys, buf, spans)
             self._count_reads(keys, out)
-            if self.read_mb_s > 0:
-                nbytes = sum(s for s in out if s > 0)
-                time.sleep(max(0.0, nbytes / (self.read_mb_s * 1e6) - (time.monotonic() - t0)))
+            self._throttle(out, t0)
             return out
         finally:
             self.finished["get"] += 1
@@ -108,8 +113,10 @@ class SlowLMDBStore(LMDBStore):
         self._enter_read(keys)
         self._slow("pages")
         try:
+            t0 = time.monotonic()
             out = super().batch_get_pages(keys, dsts, trailers, copy)
             self._count_reads(keys, out)
+            self._throttle(out, t0)
             return out
         finally:
             self.finished["pages"] += 1
@@ -122,26 +129,42 @@ class SlowLMDBStore(LMDBStore):
             self.finished["set"] += 1
 
 
-@pytest.fixture
-def slow_lmdb(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Registers ``slow_lmdb`` for the test (in the backend registry and among the names the
-    config accepts for ``hicache_storage_backend``); yields the backend name. At teardown every
-    store the test made is released: a test that failed while its reads were held must not leave
-    reader threads waiting (the process could never exit)."""
+@contextmanager
+def slow_lmdb_backend() -> Iterator[tuple[str, list[SlowLMDBStore]]]:
+    """Registers ``slow_lmdb`` (in the backend registry and among the names the config accepts for
+    ``hicache_storage_backend``) while the block runs; yields the name and the stores made. On the
+    way out every store made is released (a read still held must not keep a process alive) and the
+    registry is as it was."""
     made: list[SlowLMDBStore] = []
 
     def make(config: Mapping[str, Any]) -> SlowLMDBStore:
         made.append(SlowLMDBStore.from_config(config))
         return made[-1]
 
-    monkeypatch.setitem(storage.STORAGE_BACKENDS, "slow_lmdb", make)
     allowed = config_fields.field_choices
 
     def with_slow_lmdb(f):
         names = allowed(f)
         return (*names, "slow_lmdb") if names is not None and f.name == "hicache_storage_backend" else names
 
-    monkeypatch.setattr(config_fields, "field_choices", with_slow_lmdb)
-    yield "slow_lmdb"
-    for store in made:
-        store.release()
+    before = storage.STORAGE_BACKENDS.get("slow_lmdb")
+    storage.STORAGE_BACKENDS["slow_lmdb"] = make
+    config_fields.field_choices = with_slow_lmdb
+    try:
+        yield "slow_lmdb", made
+    finally:
+        config_fields.field_choices = allowed
+        if before is None:
+            storage.STORAGE_BACKENDS.pop("slow_lmdb", None)
+        else:
+            storage.STORAGE_BACKENDS["slow_lmdb"] = before
+        for store in made:
+            store.release()
+
+
+@pytest.fixture
+def slow_lmdb() -> Iterator[str]:
+    """``slow_lmdb`` registered for the test (:func:`slow_lmdb_backend`); yields the backend name. A test
+    that failed while its reads were held still ends its process: every store it made is released."""
+    with slow_lmdb_backend() as (name, _):
+        yield name

@@ -23,6 +23,8 @@ class ReadJob:
     Contract:
     - ``loaded``: leading pages that have landed and been verified. It only grows; any
       thread may read it (an int). Pages below it are never written again by this job.
+    - ``reading``: pages of the groups a reader has started (landed or not: the most ``loaded``
+      can reach without another group starting). It only grows; any thread may read it.
     - A group that comes back short (a miss, a corrupt value) ends the job there: groups
       after it that have not started are skipped, and ``loaded`` never passes it.
       :meth:`cancel` skips every group not started yet.
@@ -38,6 +40,7 @@ class ReadJob:
         self.n = n
         self.group = max(1, group)
         self.loaded = 0
+        self.reading = 0
         self.read_s = 0.0
         self.cancelled = False
         self.future: Future = Future()
@@ -90,6 +93,8 @@ class ReadJob:
                 run = lo < self._end
                 if run and not self._t0:
                     self._t0 = time.perf_counter()
+                if run:
+                    self.reading = max(self.reading, hi)
             if run:
                 got = self._run_group(lo, hi)
         finally:

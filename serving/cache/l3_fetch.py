@@ -45,6 +45,11 @@ class FetchOp:
         return self.job.loaded
 
     @property
+    def reading(self) -> int:
+        """Pages its readers have started on (``ReadJob.reading``): ``loaded`` once they land."""
+        return self.job.reading
+
+    @property
     def done(self) -> bool:
         return self.job.done()
 

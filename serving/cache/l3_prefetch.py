@@ -274,7 +274,7 @@ class Prefetcher:
         if self.policy.ready(op, now):
             return True
         if op.budget is not None and op.fetch is not None and not op.fetched and \
-                op.budget.exceeded(op.loaded, now):
+                op.budget.exceeded(max(op.loaded, op.reading), now):
             op.cut = True  # (LoadBudget) the rest is recomputed
             return True
         return False

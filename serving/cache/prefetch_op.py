@@ -44,6 +44,13 @@ class PrefetchOp:
         return max(0, min(self.fetch.loaded - self.offset, self.need))
 
     @property
+    def reading(self) -> int:
+        """Of this request's pages, how many leading ones its fetch's readers have started on."""
+        if self.fetch is None:
+            return 0
+        return max(0, min(self.fetch.reading - self.offset, self.need))
+
+    @property
     def fetched(self) -> bool:
         """Its part of the fetch is in (or the fetch has ended)."""
         return self.fetch is not None and (self.fetch.done or self.loaded >= self.need)

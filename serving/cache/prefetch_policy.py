@@ -44,14 +44,17 @@ MIN_CUT_S = 0.05  # never cut a fetch younger than this (a reader thread's start
 class LoadBudget:
     """A started fetch that has fallen behind recompute is cut: the request takes what has landed and
     recomputes the rest (a long prefix whose writes are still in flight, a slow or busy disk). At ``t``
-    seconds after the fetch started, with ``landed`` of its ``pages`` in L2, cutting costs about
-    ``t + (pages - landed) * c`` (``c``: one page's recompute time, the load policy's estimate) against
-    ``pages * c`` for recomputing them all: the cut comes once ``t >= (landed + CUT_GRACE * pages) * c``
-    and the fetch has taken longer than the load policy expected (``floor_s``: its estimate, at least
-    :data:`MIN_CUT_S`). So a request waits about ``(1 + CUT_GRACE)`` times the recompute of its pages at
-    most (twice where the estimate was close to recompute), whatever the prefetch policy (its own rule
-    may stop the wait earlier). Built only for a load the policy decided on measurements: an exploratory
-    load (the store not measured yet) runs to its end, it is how the store gets measured."""
+    seconds after the fetch started, with ``landed`` of its ``pages`` in L2, the load has run at
+    ``landed / t`` pages a second; cutting now costs about ``t + (pages - landed) * c`` (``c``: one page's
+    recompute time, the load policy's estimate), waiting ``t + (pages - landed) * t / landed``: the cut
+    pays once ``t > landed * c``. Reads land a group of pages at a time, several groups at once, so the
+    pages of every group a reader has started count as landed (``reading``: a stalled group is seen
+    once it should have been done) and the cut comes once ``t >= (reading + CUT_GRACE * pages) * c`` and
+    the fetch has taken longer than the load policy expected (``floor_s``: its estimate, at least
+    :data:`MIN_CUT_S`). So a request waits at most about ``(1 + CUT_GRACE)`` times the recompute of its
+    pages for the load, whatever the prefetch policy (its own rule may stop the wait earlier), and then
+    recomputes what had not landed. Built only where the load policy has both estimates: a load before
+    the store was ever measured runs to its end (it is how the store gets measured)."""
 
     started: float  # time.monotonic() when the fetch started (or was followed)
     page_recompute_s: float
@@ -67,9 +70,10 @@ class LoadBudget:
             return None
         return cls(now, recompute_s / pages, fetch_pages, max(load_s, MIN_CUT_S))
 
-    def exceeded(self, landed: int, now: float) -> bool:
+    def exceeded(self, reading: int, now: float) -> bool:
+        """``reading``: the pages landed or being read (see the class docstring)."""
         t = now - self.started
-        return t >= self.floor_s and t >= (landed + CUT_GRACE * self.pages) * self.page_recompute_s
+        return t >= self.floor_s and t >= (reading + CUT_GRACE * self.pages) * self.page_recompute_s
 
 
 PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {

@@ -95,9 +95,9 @@ def test_load_budget_arithmetic():
     assert LoadBudget.of(None, 1.0, 10, 10, 0.0) is None and LoadBudget.of(0.5, None, 10, 10, 0.0) is None
     b = LoadBudget.of(0.2, 1.0, 10, 10, now=100.0)  # 0.1 s to recompute a page
     assert b.floor_s == 0.2 and b.page_recompute_s == pytest.approx(0.1)
-    assert not b.exceeded(landed=0, now=100.19)  # younger than its estimate
-    assert b.exceeded(landed=0, now=100.2)  # nothing landed: behind from the start
-    assert not b.exceeded(landed=5, now=100.59) and b.exceeded(landed=5, now=100.61)  # (5 + 0.1 * 10) * 0.1 s
+    assert not b.exceeded(reading=0, now=100.19)  # younger than its estimate
+    assert b.exceeded(reading=0, now=100.2)  # nothing read: behind from the start
+    assert not b.exceeded(reading=5, now=100.59) and b.exceeded(reading=5, now=100.61)  # (5 + 0.1 * 10) * 0.1 s
     assert LoadBudget.of(0.001, 1.0, 10, 10, 0.0).floor_s == MIN_CUT_S
 
 

@@ -62,6 +62,7 @@ def test_loaded_counts_the_verified_prefix_whatever_order_groups_land_in():
     with ThreadPoolExecutor(4) as pool:
         job = ReadJob(10, 3, g).submit(pool)  # groups at 0, 3, 6, 9
         wait_for(lambda: len(g.started) == 4)
+        assert job.reading == 10 and job.loaded == 0  # every group has started, none has landed
         g.land(6)
         g.land(9)
         wait_for(lambda: g.go[9].is_set())
