@@ -1,6 +1,6 @@
 """An L3 load that falls behind recompute, cut (serving/cache/prefetch_policy.py's LoadBudget), on CPU.
 
-    python3 bench/l3_cut.py [--tokens 2048] [--slow-mb-s 20] [--json PATH]
+    python3 bench/l3_cut.py [--tokens 2048] [--slow-mb-s 20] [--layout page_first|layer_first] [--json PATH]
 
 SmolLM2-135M (real weights, fp32) with an LMDB L3 whose reads can be throttled (harness/slow_storage.py:
 the real store, each read made to last as long as its bytes take at ``--slow-mb-s``: a slow or busy
@@ -49,11 +49,11 @@ def ttft(eng: Engine, ids: list[int]) -> tuple[float, dict]:
     return time.perf_counter() - t0, out
 
 
-def run(tokens: int, slow_mb_s: float) -> dict:
+def run(tokens: int, slow_mb_s: float, layout: str) -> dict:
     warmup, stored, fresh = prompts(3, tokens, 1), prompts(3, tokens, 2), prompts(1, tokens, 3)
     cfg = dict(model_path=str(smollm2_path()), page_size=16, max_total_tokens=tokens * 2 + 256, hicache_ratio=2.0,
                hicache_storage_prefetch_policy="wait_complete", hicache_storage_prefetch_threshold=64,
-               hicache_storage_prefetch_timeout_base=120.0)
+               hicache_storage_prefetch_timeout_base=120.0, hicache_mem_layout=layout)
     with tempfile.TemporaryDirectory() as tmp, slow_lmdb_backend() as (backend, _):
         extra = {"path": os.path.join(tmp, "l3"), "capacity_gb": 2.0}
         warm = Engine(**cfg, hicache_storage_backend="lmdb", hicache_storage_backend_extra_config=extra)
@@ -94,13 +94,16 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--slow-mb-s", type=float, default=20.0)
+    ap.add_argument("--layout", default="page_first", choices=["page_first", "layer_first"],
+                    help="L2's layout: page_first reads LMDB directly in groups of <= 8 pages (the cut sees "
+                         "progress at that grain); layer_first reads through staging buffers, one group each")
     args = ap.parse_args()
-    rows = run(args.tokens, args.slow_mb_s)
-    print(f"SmolLM2-135M fp32, CPU, {args.tokens}-token prompts, slow store {args.slow_mb_s} MB/s")
+    rows = run(args.tokens, args.slow_mb_s, args.layout)
+    print(f"SmolLM2-135M fp32, CPU, {args.tokens}-token prompts, slow store {args.slow_mb_s} MB/s, L2 {args.layout}")
     print_table(["case", "TTFT s", "x recompute", "tokens from L3", "cut"],
                 [[k, v["ttft_s"], v["x_recompute"], v["storage_tokens"], bool((v.get("l3_decision") or {}).get("cut"))]
                  for k, v in rows.items()])
-    write_json(args.json, {"tokens": args.tokens, "slow_mb_s": args.slow_mb_s, "rows": rows,
+    write_json(args.json, {"tokens": args.tokens, "slow_mb_s": args.slow_mb_s, "layout": args.layout, "rows": rows,
                            "cpu": cpu_info()})
 
 
