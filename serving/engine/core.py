@@ -35,6 +35,8 @@ from serving.cache.request_windows import RequestWindows
 from serving.cache.storage_controller import StorageController
 from serving.cache.transfers import TransferRunner, TransferSink
 from serving.config import EngineConfig
+from serving.disagg.role import make_role
+from serving.disagg.role_base import PDRole, RoleContext
 from serving.grammar.runner import make_grammar_runner
 from serving.runner.model_runner import ModelRunner
 from serving.runner.sampler import Sampler
@@ -47,7 +49,6 @@ from serving.tokenizer import Tokenizer, eos_token_ids, has_tokenizer
 from serving.tp.leader import TPLeader
 
 if TYPE_CHECKING:
-    from serving.disagg.role_base import PDRole
     from serving.process_config import EngineProcessConfig
     from serving.speculative.worker import SpeculativeWorker
 
@@ -174,9 +175,6 @@ class EngineCore:
                 grammar=self.grammar)
         self.role: PDRole | None = None  # a prefill / decode server's role (serving/disagg)
         if role_settings is not None:
-            from serving.disagg.role import make_role
-            from serving.disagg.role_base import RoleContext
-
             self.role = make_role(role_settings, RoleContext(pool, state, self.kv_model_tag, self.req_cache))
         self.scheduler = Scheduler(
             config.scheduler, self.req_cache, forward, StopChecker(self.eos_ids, decode),
