@@ -10,6 +10,8 @@ transfers move their bytes with :func:`copy_slots`. A slot holds the same tensor
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +30,12 @@ class HostStatePool:
     - Writers: the cache controller (``state_backup`` copies into a slot the tree just handed out,
       an L3 fetch writing a snapshot in with :meth:`write_slot` / :meth:`load_slot_bytes`). The
       tree never hands out a slot that a copy still reads (pinned slots wait: ``tree.state.pins``).
+    - Asynchronous copies (CUDA, pinned slots): the controller queues a slot's copy to or from the
+      device on a CUDA stream and records its event here (:meth:`note_copy`, scheduler thread); every
+      host-side access of that slot's bytes (:meth:`read_slot`, :meth:`write_slot`,
+      :meth:`slot_bytes`, :meth:`load_slot_bytes`, any thread) first waits for it (:meth:`settle`), so
+      the host never reads a slot a backup is still filling nor overwrites one a load still reads.
+      ``_copies`` is guarded by ``_copies_lock``.
     - Not thread-safe for overlapping slot ids; the alloc / free calls come from the scheduler
       thread only.
     """
@@ -37,10 +45,28 @@ class HostStatePool:
         self.slots = StateSlots(layout, num_slots, "L2 state slot", pin_memory=self.pin)
         self.layout = layout
         self.num_slots = num_slots
+        self._copies: dict[int, torch.cuda.Event] = {}  # slot -> the event after its last queued copy
+        self._copies_lock = threading.Lock()
 
     def release(self) -> None:
         """Unpin and drop the slots (shutdown, once nothing copies any more)."""
+        for slot in list(self._copies):
+            self.settle(slot)
         self.slots.release()
+
+    # -- asynchronous copies -------------------------------------------------------------------
+    def note_copy(self, slots: Sequence[int], event: torch.cuda.Event) -> None:
+        """``event`` follows copies queued on the device that read or write these slots."""
+        with self._copies_lock:
+            for slot in slots:
+                self._copies[slot] = event
+
+    def settle(self, slot: int) -> None:
+        """Wait until no queued device copy reads or writes ``slot`` any more."""
+        with self._copies_lock:
+            event = self._copies.pop(slot, None)
+        if event is not None:
+            event.synchronize()
 
     @property
     def buffers(self) -> list[list[torch.Tensor]]:
@@ -77,26 +103,39 @@ class HostStatePool:
     # -- contents ------------------------------------------------------------------------------
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """Copies of the slot's tensors, layer by layer in StateLayout order."""
+        self.settle(slot)
         return self.slots.read(slot)
 
     def write_slot(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
         """The slot := ``tensors`` (``read_slot``'s list: the same shapes and order)."""
+        self.settle(slot)
         self.slots.write(slot, tensors)
 
-    def slot_bytes(self, slot: int) -> bytes:
-        """The slot as one value (every tensor's bytes in layout order): its L3 payload."""
-        return b"".join(buf[slot].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for buf in self.tensors())
-
-    def load_slot_bytes(self, slot: int, data: bytes) -> None:
-        """The slot := ``data`` (:meth:`slot_bytes`' form); raises ValueError on a wrong length."""
-        if len(data) != self.bytes_per_slot:
-            raise ValueError(f"{len(data)} bytes for a state slot of {self.bytes_per_slot}")
+    def slot_bytes(self, slot: int) -> bytearray:
+        """The slot as one value (every tensor's bytes in layout order): its L3 payload. One copy, by
+        torch (outside the GIL): the writer threads call it beside the scheduler's loop."""
+        self.settle(slot)
+        out = bytearray(self.bytes_per_slot)
+        flat = _bytes_view(out)
         at = 0
         for buf in self.tensors():
-            n = buf[slot].numel() * buf.element_size()
-            raw = torch.frombuffer(bytearray(data[at : at + n]), dtype=torch.uint8)
-            buf[slot].view(-1).view(torch.uint8).copy_(raw)
-            at += n
+            src = buf[slot].reshape(-1).view(torch.uint8)
+            flat[at : at + src.numel()].copy_(src)
+            at += src.numel()
+        return out
+
+    def load_slot_bytes(self, slot: int, data: bytes | bytearray | memoryview) -> None:
+        """The slot := ``data`` (:meth:`slot_bytes`' form); raises ValueError on a wrong length. Reads
+        ``data`` in place (no copy of the payload before the one into the slot)."""
+        if len(data) != self.bytes_per_slot:
+            raise ValueError(f"{len(data)} bytes for a state slot of {self.bytes_per_slot}")
+        self.settle(slot)
+        flat = _bytes_view(data)
+        at = 0
+        for buf in self.tensors():
+            dst = buf[slot].view(-1).view(torch.uint8)
+            dst.copy_(flat[at : at + dst.numel()])
+            at += dst.numel()
 
     @property
     def bytes_per_slot(self) -> int:
@@ -106,17 +145,25 @@ class HostStatePool:
         return self.bytes_per_slot * self.num_slots
 
 
+def _bytes_view(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``data``'s memory (no copy; empty for empty data)."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only buffer (bytes) warns; we only read from it there
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 def copy_slots(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], src_slots: Sequence[int],
                dst_slots: Sequence[int], non_blocking: bool = False) -> None:
     """``dst[t][dst_slots[i]] := src[t][src_slots[i]]`` for every tensor ``t`` (two pools' ``tensors()``
     lists, one on the device and one on the host, or two on the same device): a ``state_backup``
-    (device -> host) or a ``state_load`` (host -> device). ``non_blocking`` from / to pinned memory
-    on a CUDA stream (the caller orders it)."""
+    (device -> host) or a ``state_load`` (host -> device). A slot is contiguous in each tensor, so each
+    is one copy between the two slots' memory, no index tensors and no staging copy. ``non_blocking``:
+    queued on the current CUDA stream from / to pinned memory (the caller orders it and records
+    :meth:`HostStatePool.note_copy`); else each copy has landed when it returns."""
     if len(src) != len(dst) or len(src_slots) != len(dst_slots):
         raise ValueError(f"{len(src)} -> {len(dst)} tensors, {len(src_slots)} -> {len(dst_slots)} slots")
-    if not src_slots:
-        return
     for s, d in zip(src, dst, strict=True):
-        si = torch.tensor(list(src_slots), device=s.device)
-        di = torch.tensor(list(dst_slots), device=d.device)
-        d.index_copy_(0, di, s.index_select(0, si).to(d.device, non_blocking=non_blocking))
+        for a, b in zip(src_slots, dst_slots, strict=True):
+            d[b].copy_(s[a], non_blocking=non_blocking)

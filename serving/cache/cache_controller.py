@@ -12,9 +12,10 @@ compute; see ``serving.structs.forward_batch.LayerWaits``).
 
 A model with state layers also moves state snapshots (``state_backup`` / ``state_load``, slot ids of
 the L1 and L2 state pools) with :func:`hicache.tiers.host_state.copy_slots`, both on the scheduler's
-thread in the transfers' order: a snapshot is one slot per sequence end (not pages per token), so its
-load is queued on the current stream on CUDA (the forward passes after it read it in stream order) or
-copied at once on CPU, and its ``PendingLoad`` is bound to a finished future.
+thread in the transfers' order: a snapshot is one slot per sequence end (not pages per token), so on
+CUDA (pinned L2) both directions are queued on the current stream (the forward passes after a load read
+it in stream order; the host waits for a backup only where it reads the slot, HostStatePool.settle)
+and on CPU copied at once; a load's ``PendingLoad`` is bound to a finished future.
 """
 
 from __future__ import annotations
@@ -114,11 +115,16 @@ class CacheController:
         if self.state_pools is None:
             raise RuntimeError(f"a {t.kind} transfer without state pools")
         device, host = self.state_pools
-        cuda = self.device_pool.device.type == "cuda"
+        queued = self.device_pool.device.type == "cuda" and host.pin  # pinned: the copies run on the stream
         if t.kind == "state_backup":
-            copy_slots(device.slots.tensors(), host.tensors(), t.src_pages, t.dst_pages)
+            copy_slots(device.slots.tensors(), host.tensors(), t.src_pages, t.dst_pages, non_blocking=queued)
         else:
-            copy_slots(host.tensors(), device.slots.tensors(), t.src_pages, t.dst_pages, non_blocking=cuda)
+            copy_slots(host.tensors(), device.slots.tensors(), t.src_pages, t.dst_pages, non_blocking=queued)
+        if queued:  # the host slots' bytes are settled (HostStatePool.settle) once this event has passed
+            event = torch.cuda.Event()
+            event.record()
+            host.note_copy(t.dst_pages if t.kind == "state_backup" else t.src_pages, event)
+        if t.kind == "state_load":
             if t.pending is not None:
                 done: Future = Future()
                 done.set_result(None)
