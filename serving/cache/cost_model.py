@@ -9,6 +9,12 @@ it has happened by the time the decision is made. The prefix must be in place be
 is computed, so the time to first token is linear in how much of the prefix is loaded: the
 minimum is at one end -- load all of it or none -- which is what :meth:`decide` picks.
 
+Under load the recompute does not start at once: the prefill tokens queued ahead of the request
+(``backlog_tokens``: admitted prompts still prefilling and earlier waiting ones, the scheduler's
+count) run first, while a load runs beside them. So a request loads when ``load <= backlog +
+recompute`` (both at the measured prefill rate); the estimate it reports, and the fetch's cut
+(serving/cache/prefetch_policy.py ``LoadBudget``), use that sum.
+
 Exploration: before the first measurement of a side the model loads (it must learn the
 store's speed somehow), and every ``explore_every``-th refusal loads anyway, so an estimate
 made on a cold disk or a busy store is refreshed once the store is fast again.
@@ -20,7 +26,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from serving.structs.request import Req
 
 
 class _Ema:
@@ -86,9 +95,10 @@ EXPLORE = "recompute is faster; loading to re-measure"
 class LoadPolicy:
     """Decides whether L3 pages are loaded; registry below (``hicache_storage_load_policy``)."""
 
-    def decide(self, pages: int, explore: bool = True) -> Decision:
+    def decide(self, pages: int, explore: bool = True, backlog_tokens: int = 0) -> Decision:
         """Load ``pages`` pages or recompute them? ``explore=False``: never an exploratory load
-        (a second look at a request whose first decision was made before its lookup)."""
+        (a second look at a request whose first decision was made before its lookup);
+        ``backlog_tokens``: prefill tokens queued ahead of the request (module docstring)."""
         raise NotImplementedError
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:  # noqa: B027 - optional
@@ -102,7 +112,7 @@ class LoadPolicy:
 
 
 class AlwaysLoad(LoadPolicy):
-    def decide(self, pages: int, explore: bool = True) -> Decision:
+    def decide(self, pages: int, explore: bool = True, backlog_tokens: int = 0) -> Decision:
         return Decision(True, None, None, "always_load")
 
 
@@ -136,18 +146,21 @@ class CostModel(LoadPolicy):
         if nbytes > 0 and seconds > 0:
             self._reads.add(float(nbytes), seconds)
 
-    def estimate(self, pages: int) -> tuple[float | None, float | None]:
+    def estimate(self, pages: int, backlog_tokens: int = 0) -> tuple[float | None, float | None]:
+        """(load seconds, seconds until recomputed: the backlog's prefill, then the pages')."""
         fit, rate = self._reads.params(), self._prefill.value
         load = None if fit is None else fit[0] + pages * self.page_bytes / fit[1]
-        recompute = None if rate is None else pages * self.page_size / rate
+        recompute = None if rate is None else (pages * self.page_size + max(0, backlog_tokens)) / rate
         return load, recompute
 
-    def decide(self, pages: int, explore: bool = True) -> Decision:
-        load_s, recompute_s = self.estimate(pages)
+    def decide(self, pages: int, explore: bool = True, backlog_tokens: int = 0) -> Decision:
+        load_s, recompute_s = self.estimate(pages, backlog_tokens)
         if load_s is None or recompute_s is None:
             return Decision(True, load_s, recompute_s, "not measured yet: load")
         if load_s <= recompute_s:
-            return Decision(True, load_s, recompute_s, "load is faster")
+            own = self.estimate(pages)[1]
+            return Decision(True, load_s, recompute_s, "load is faster" if own is not None and load_s <= own
+                            else "load is faster than recomputing behind the queued prefills")
         if explore:
             self._refused += 1
             if self._refused % self.explore_every == 0:
@@ -168,6 +181,18 @@ class CostModel(LoadPolicy):
 
 
 LOAD_POLICIES = {"cost_model": CostModel, "always_load": AlwaysLoad}
+
+
+def prefill_backlog(req: Req, running: Sequence[Req], waiting: Sequence[Req], page_size: int) -> int:
+    """Prefill tokens queued ahead of ``req``: what the admitted requests still prefill, and the
+    prompts of the waiting requests that came before it less their prefixes cached when they were
+    looked up (their whole prompts before that)."""
+    n = sum(r.seq_len - r.kv.kv_len for r in running if r.prefilling)
+    for r in waiting:
+        if r is not req and r.created <= req.created:
+            op = r.kv.prefetch
+            n += max(0, r.seq_len - (op.start_page * page_size if op is not None else 0))
+    return n
 
 
 def make_load_policy(name: str, page_bytes: int, page_size: int) -> LoadPolicy:

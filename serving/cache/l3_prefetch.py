@@ -20,6 +20,7 @@ The concurrency contract is :class:`Prefetcher`'.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from hicache.hiradix import HiRadixTree
@@ -40,6 +41,10 @@ from serving.structs.request import Req
 # and demotions from L1. Without pins, a turn of many returning requests thrashes: each one run
 # demotes its pages into L2 and evicts (LRU) the prefixes of requests still waiting for L1.
 PIN_SHARE = 0.5
+
+
+def _no_backlog(req: Req) -> int:
+    return 0
 
 
 class Prefetcher:
@@ -71,7 +76,9 @@ class Prefetcher:
                  transfers: TransferRunner, policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
                  load_policy: LoadPolicy | None = None,
-                 states: tuple[HostStatePool, StateStore] | None = None) -> None:
+                 states: tuple[HostStatePool, StateStore] | None = None,
+                 backlog: Callable[[Req], int] | None = None) -> None:
+        """``backlog(req)``: prefill tokens queued ahead of ``req`` (serving/cache/cost_model.py; none by default)."""
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"unknown prefetch policy {policy!r}; choose from {sorted(PREFETCH_POLICIES)}")
         self.tree = tree
@@ -84,6 +91,7 @@ class Prefetcher:
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.load_policy = load_policy or AlwaysLoad()
+        self.backlog = backlog or _no_backlog
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-l3-lookup")
         self.fetches = Fetches(tree, host_pool, tier, transfers, self.load_policy.observe_read)
         self.states = states  # (L2 state pool, its L3 store) of a model with state layers
@@ -147,7 +155,7 @@ class Prefetcher:
         cached = (self.tree.peek_prefix_len(prompt) if self.states is None else resume_point(self.tree, prompt)) // ps
         lookup = (full - cached) * ps >= self.threshold_tokens
         if lookup:
-            d = self.load_policy.decide(full - cached)
+            d = self.load_policy.decide(full - cached, backlog_tokens=self.backlog(req))
             req.kv.l3_decision = self._decision(full - cached, d, looked_up=False)
             lookup = d.load  # else even if the store held every page, recomputing would be faster: no lookup
         if not lookup and cached * ps < self.threshold_tokens:
@@ -198,7 +206,7 @@ class Prefetcher:
             self._watch(req, op)  # nothing worth fetching, or the prefix it hangs below is gone
             return
         first = req.kv.l3_decision  # made before the lookup, for every page the prompt could have
-        d = self.load_policy.decide(n, explore=False)
+        d = self.load_policy.decide(n, explore=False, backlog_tokens=self.backlog(req))
         looked = n  # the pages d is about
         if not d.load and first is not None and first["reason"] == EXPLORE:
             d = Decision(True, d.load_s, d.recompute_s, EXPLORE)  # an exploration stays one

@@ -26,6 +26,8 @@ each part's docstring says what its threads may touch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hicache.hiradix import HiRadixTree
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.host import HostKVPool
@@ -56,7 +58,9 @@ class StorageController:
                  execute: TransferSink, policy: str = "best_effort", threshold_tokens: int = 256,
                  timeout_base_s: float = 0.5, timeout_per_1k_tokens_s: float = 0.25,
                  load_policy: LoadPolicy | None = None, write_queue_pages: int = 16384,
-                 write_rate_mb_s: float = 0.0, host_state_pool: HostStatePool | None = None) -> None:
+                 write_rate_mb_s: float = 0.0, host_state_pool: HostStatePool | None = None,
+                 backlog: Callable[[Req], int] | None = None) -> None:
+        """``backlog(req)``: prefill tokens queued ahead of ``req``, for the load policy (the scheduler's)."""
         self.tree = tree
         self.tier = tier
         if host_state_pool is None and tree.state is not None and isinstance(tree.state.host, HostStatePool):
@@ -70,7 +74,7 @@ class StorageController:
         # it runs go on to the write-back; the prefetcher's early L2 -> L1 loads run through it
         self.transfers = TransferRunner(tree, execute, self.writeback)
         self.prefetcher = Prefetcher(tree, host_pool, tier, namespace, self.transfers, policy, threshold_tokens,
-                                     timeout_base_s, timeout_per_1k_tokens_s, load_policy, states)
+                                     timeout_base_s, timeout_per_1k_tokens_s, load_policy, states, backlog)
         self.load_policy = self.prefetcher.load_policy
         tree.exclusive.enable_demotion()  # exclusive tiers: L3 takes the coldest L2 pages (poll)
         # ... and an L3 hit promotes, on a private store only (StorageBackend.shared: others read a shared one;

@@ -28,7 +28,7 @@ from hicache.tiers.host_windows import host_window_split
 from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache.cache_controller import CacheController
-from serving.cache.cost_model import make_load_policy
+from serving.cache.cost_model import make_load_policy, prefill_backlog
 from serving.cache.prefill_timer import PrefillTimer
 from serving.cache.req_cache import ReqCache
 from serving.cache.request_windows import RequestWindows
@@ -243,7 +243,8 @@ class EngineCore:
             self.tree, self.host_pool, tier, namespace, execute, cache.hicache_storage_prefetch_policy,
             cache.hicache_storage_prefetch_threshold, cache.hicache_storage_prefetch_timeout_base,
             cache.hicache_storage_prefetch_timeout_per_ki_token, load_policy,
-            cache.hicache_storage_write_queue_pages, cache.hicache_storage_write_rate_mb_s)
+            cache.hicache_storage_write_queue_pages, cache.hicache_storage_write_rate_mb_s,
+            backlog=lambda req: prefill_backlog(req, self.scheduler.running, self.scheduler.waiting, cache.page_size))
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, input_ids: list[int] | None = None, text: str | None = None,

@@ -48,6 +48,7 @@ class PrefetchSlot(Protocol):
     ends, and whether it only keeps that prefix (no lookup, no fetch: ``watching``)."""
 
     pinned: list[int]
+    start_page: int  # its prompt's pages cached on L1 / L2 when it was looked up
 
     @property
     def watching(self) -> bool: ...

@@ -10,7 +10,7 @@ import pytest
 
 from harness.model_utils import smollm2_path
 from harness.slow_storage import slow_lmdb  # noqa: F401 - fixture
-from serving.cache.cost_model import CostModel, make_load_policy
+from serving.cache.cost_model import CostModel, make_load_policy, prefill_backlog
 from serving.cache.prefetch_policy import MIN_CUT_S, LoadBudget
 from serving.engine import Engine
 
@@ -40,6 +40,35 @@ def test_line_fit_and_decisions():
     assert make_load_policy("always_load", 1, 1).decide(10).load
     with pytest.raises(ValueError):
         make_load_policy("sometimes", 1, 1)
+
+
+def test_a_load_slower_than_recompute_wins_behind_queued_prefills():
+    """1 s to load 10 pages, 0.1 s to recompute them: refused alone; taken when 2,000 prefill tokens
+    (1.25 s at 1,600 tok/s) run first, and the estimate it reports is the wait plus the recompute."""
+    cm = CostModel(page_bytes=1_000_000, page_size=16, explore_every=100)
+    cm.observe_prefill(1600, 1.0)
+    cm.observe_read(10_000_000, 1.0)
+    assert not cm.decide(10).load
+    d = cm.decide(10, backlog_tokens=2000)
+    assert d.load and "queued" in d.reason and d.recompute_s == pytest.approx((160 + 2000) / 1600)
+    assert not cm.decide(10, backlog_tokens=1000).load  # 0.725 s: still faster than loading
+
+
+def test_prefill_backlog_counts_what_runs_first():
+    from serving.cache.prefetch_op import PrefetchOp
+    from serving.structs.req_kv import ReqKV
+    from serving.structs.request import Req
+    from serving.structs.sampling_params import SamplingParams
+
+    def req(rid: str, n: int, created: float, kv_len: int = 0, prefetch: PrefetchOp | None = None) -> Req:
+        return Req(rid, list(range(n)), SamplingParams(max_new_tokens=1), created=created,
+                   kv=ReqKV(kv_len=kv_len, prefetch=prefetch))
+    running = [req("a", 1000, 0.0, kv_len=600), req("done", 500, 0.0, kv_len=499)]  # 400 left; one decoding
+    # b: 20 pages of 16 cached at its lookup
+    early, me, late = req("b", 800, 1.0, prefetch=PrefetchOp(20, list(range(320)), 0.0)), req("me", 900, 2.0), \
+        req("c", 700, 3.0)
+    assert prefill_backlog(me, running, [early, me, late], 16) == 400 + (800 - 320)
+    assert prefill_backlog(early, running, [early, me, late], 16) == 400
 
 
 def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
