@@ -52,6 +52,7 @@ class ServerCaps:
     prefetch_threshold: int
     context_len: int
     vocab_size: int
+    write_through_threshold: int = 2  # hits that make a node hot (the exclusive mode keeps its copies)
 
     @classmethod
     def from_server(cls, info: dict[str, Any], model_info: dict[str, Any]) -> ServerCaps:
@@ -73,12 +74,13 @@ class ServerCaps:
         return cls(ps, int(pages["device"]["total"]) * ps, int(pages.get("host", {}).get("total", 0)) * ps, l3,
                    evict_to, cache["hicache_write_policy"], cache["eviction_policy"],
                    int(cache["hicache_storage_prefetch_threshold"]), int(model_info["context_length"]),
-                   int(model_info["vocab_size"]))
+                   int(model_info["vocab_size"]), int(cache.get("write_through_threshold", 2)))
 
     def policy(self, concurrency: int, max_new_tokens: int) -> PolicyConfig:
         return PolicyConfig(self.l1_tokens, self.l2_tokens, self.l3_tokens if self.l2_tokens else 0, self.page_size,
                             self.write_policy, self.eviction_policy, self.prefetch_threshold, concurrency,
-                            max_new_tokens, self.l3_evict_to)
+                            max_new_tokens, self.l3_evict_to,
+                            write_through_threshold=self.write_through_threshold)
 
 
 @dataclass
