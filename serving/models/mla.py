@@ -67,6 +67,8 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLAttention(nn.Module):
     """DeepSeek's attention, this rank's heads; HF's parameter names."""
 
+    unquantized = ("kv_b_proj",)  # decode absorbs its weight into the query and the output (--quantization keeps it)
+
     def __init__(self, cfg: ModelArchConfig, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         raw, hidden, bias = cfg.raw, cfg.hidden_size, cfg.attention_bias

@@ -29,6 +29,12 @@ into expert blocks on the GPU, grouped GEMMs, the routing weights applied in the
 read back to the host, so ``syncs_host`` is False there and the model's decode and extend steps are
 captured in CUDA graphs. ``FUSED_KERNEL`` picks the path (None: on CUDA; True / False: always / never,
 for A/B runs and the interpreter tests on a CPU).
+
+``--quantization`` (serving/models/quant/apply.py) quantizes each expert's two projections on the torch
+path (the CPU's int8 / int4 methods: the C++ ops, one call per expert that has tokens), with the
+method's per-output-channel scales per expert; the router stays in the model's dtype (its top-k is
+a choice between experts, which a rounding would change), as SGLang's and vLLM's quantized MoE keep
+it. The fused CUDA kernels take float experts: there the experts keep the model's dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.models.quant.base import QuantMethod
 from serving.parallel.group import TPGroup
 
 
@@ -133,6 +140,16 @@ SCORINGS: dict[str, Callable[[nn.Linear, torch.Tensor, MoEOptions], Routed]] = {
     "softmax_topk": _softmax_topk, "topk_softmax": _topk_softmax, "deepseek": _deepseek, "noaux_tc": _noaux_tc}
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Every expert's quantized projections: ``q13[e]`` (gate rows, then up rows) and ``q2[e]`` (down),
+    each ``method.quantize``'s tensors of that expert's ``[out, in]`` weight."""
+
+    method: QuantMethod
+    q13: list[dict[str, torch.Tensor]]
+    q2: list[dict[str, torch.Tensor]]
+
+
 FUSED_KERNEL: bool | None = None  # None: the fused Triton kernels on CUDA, the torch path elsewhere
 
 
@@ -141,11 +158,29 @@ class SparseMoE(nn.Module):
     def syncs_host(self) -> bool:
         """The torch path reads the experts' token counts on the host: no CUDA graph can hold it
         (serving/runner/model_runner.py runs such models eagerly); the fused kernels read nothing back."""
-        return not self._fused(self.w13)
+        return self.quant is not None or not self._fused(self.w13)
 
     def _fused(self, t: torch.Tensor) -> bool:
         from_kernel = t.is_cuda if FUSED_KERNEL is None else FUSED_KERNEL
         return from_kernel and self.opts.activation in ("silu", "gpt_oss")  # the kernel's activations
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """One expert's projections, ``[out, in]`` (this rank's): what a quantization method must take."""
+        return {"w13": (2 * self.inter, self.hidden), "w2": (self.hidden, self.inter)}
+
+    def quantize_experts(self, method: QuantMethod) -> bool:
+        """Replace the experts' float weights with ``method``'s tensors, expert by expert (the module
+        docstring); False (nothing changed) where the fused kernels run them. The router is left as it is."""
+        if self.quant is not None or self._fused(self.w13):
+            return False
+        for part, (out_f, in_f) in self.expert_shapes().items():  # QuantizationError naming them, before any change
+            method.check_shape(f"experts.{part}", out_f, in_f)
+        with torch.no_grad():
+            q13 = [method.quantize(self.w13[e]) for e in range(self.num_experts)]
+            q2 = [method.quantize(self.w2[e]) for e in range(self.num_experts)]
+        self.quant = ExpertWeights(method, q13, q2)
+        self.w13 = self.w2 = None  # the float copies go
+        return True
 
     def __init__(self, hidden: int, opts: MoEOptions, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -154,6 +189,7 @@ class SparseMoE(nn.Module):
             raise ValueError(f"--tp-size {self.tp.size} does not divide the experts' intermediate size "
                              f"{opts.intermediate}")
         self.opts = opts
+        self.hidden = hidden
         self.inter = opts.intermediate // self.tp.size  # this rank's columns of each expert
         self.num_experts, self.top_k = opts.num_experts, opts.top_k
         self.gate = nn.Linear(hidden, opts.num_experts, bias=opts.router_bias)  # the router
@@ -164,6 +200,7 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, hidden, self.inter))
         self.b13 = nn.Parameter(torch.empty(e, 2 * self.inter)) if opts.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(e, hidden)) if opts.expert_bias else None
+        self.quant: ExpertWeights | None = None  # quantized experts (quantize_experts), the floats gone
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], expert ids [T, k])`` by the options' scoring (``SCORINGS``)."""
@@ -171,7 +208,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self._fused(x):
+        if self.quant is None and self._fused(x):
             from serving.kernels.triton_moe import fused_moe  # triton: a GPU-side import
 
             out = fused_moe(x, weights, ids, self.w13, self.w2, self.b13, self.b2 if self.tp.rank == 0 else None,
@@ -190,12 +227,19 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start:start + n]
-            h = F.linear(x[rows], self.w13[e], None if self.b13 is None else self.b13[e])
+            h = self.project(x[rows], e, 0, None if self.b13 is None else self.b13[e])
             gate, up = h.split(self.inter, dim=-1)
-            y = F.linear(act(gate, up, self.opts), self.w2[e], self.b2[e] if down_bias else None)
+            y = self.project(act(gate, up, self.opts), e, 1, self.b2[e] if down_bias else None)
             out.index_add_(0, rows, (y * w[start:start + n, None]).to(out.dtype))
             start += n
         return self.tp.all_reduce(out) if self.tp.is_parallel else out
+
+    def project(self, x: torch.Tensor, expert: int, which: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """Expert ``expert``'s gate/up (``which`` 0) or down (1) projection of ``x``, float or quantized."""
+        if self.quant is None:
+            return F.linear(x, (self.w13, self.w2)[which][expert], bias)
+        y = self.quant.method.matmul(x, (self.quant.q13, self.quant.q2)[which][expert])
+        return y if bias is None else y + bias
 
     def load(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """Expert ``expert``'s ``part`` in HF's orientation (``[out, in]``): ``gate`` / ``up`` ``[I, H]``,

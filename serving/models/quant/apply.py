@@ -2,9 +2,11 @@
 
 Every ``nn.Linear`` (qkv_proj, gate_up_proj; not an untied lm_head) becomes a :class:`QuantLinear`,
 every ``RowParallelLinear`` (o_proj, down_proj) a :class:`QuantRowParallelLinear` holding this
-rank's shard; the LM head's matmul is quantized too (``model.logits_matmul``, with the method's
-``head_method`` when it names one) while the embedding lookup keeps the float table (SmolLM2 ties
-the two). Under tensor parallelism each rank quantizes
+rank's shard, and a module with ``quantize_experts`` (serving/models/moe.py's ``SparseMoE``)
+quantizes its experts itself and keeps its router as it is (a module's ``unquantized`` names
+children it reads as float weights: MLA's ``kv_b_proj``, absorbed into decode); the LM head's matmul is quantized too
+(``model.logits_matmul``, with the method's ``head_method`` when it names one) while the embedding
+lookup keeps the float table (SmolLM2 ties the two). Under tensor parallelism each rank quantizes
 the shard it loaded, so scales are per shard: with per-output-channel (and per-group) scales that
 is the same as quantizing the full weight and then splitting it, except row-split layers' channel
 scales, which are taken over the rank's input columns only.
@@ -69,8 +71,15 @@ def _check(method: QuantMethod, model: nn.Module, device: torch.device) -> None:
     """Every refusal before anything is changed: the device, then each weight's shape (shapes only:
     the model may still be on the meta device)."""
     method.check_device(device)
+    experts = [name for name, mod in model.named_modules() if hasattr(mod, "expert_shapes")]
+    kept = {f"{name}.{c}" if name else c
+            for name, mod in model.named_modules() for c in getattr(mod, "unquantized", ())}
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head"):
+        if name in experts:
+            for part, (out_f, in_f) in mod.expert_shapes().items():
+                method.check_shape(f"{name}.experts.{part}", out_f, in_f)
+        elif isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head") and name not in kept \
+                and not any(name.startswith(f"{e}.") for e in experts):  # a router stays as it is
             method.check_shape(name, *mod.weight.shape)
     head = _head(method)
     head.check_device(device)
@@ -96,9 +105,12 @@ def quantize_modules(root: nn.Module, method: QuantMethod, prefix: str = "",
     with torch.no_grad():
         for name, parent in list(root.named_modules()):
             full = ".".join(p for p in (prefix, name) if p)
+            if hasattr(parent, "quantize_experts"):  # a mixture of experts quantizes its experts, keeps its router
+                parent.quantize_experts(method)
+                continue
             for child_name, child in list(parent.named_children()):
-                if child_name == "lm_head":
-                    continue  # used through logits_matmul
+                if child_name == "lm_head" or child_name in getattr(parent, "unquantized", ()):
+                    continue  # used through logits_matmul; or read as a float weight by its parent
                 q = pre.get(f"{full}.{child_name}" if full else child_name)
                 if isinstance(child, RowParallelLinear):
                     setattr(parent, child_name, QuantRowParallelLinear(method, child, q))
