@@ -216,7 +216,8 @@ def run_live(url: str, reqs: Sequence[TraceRequest], blocks: BlockTokens, concur
     }
     st_b, st_a = before.get("storage") or {}, after.get("storage") or {}
     for key in ("write_pages_dropped", "pages_written", "pages_prefetched", "write_pages_waiting_max",
-                "l2_backups_skipped_pages", "cost_l3_refusals", "store_failed"):
+                "l2_backups_skipped_pages", "cost_l3_refusals", "store_failed", "l2_demotions_dropped_pages",
+                "l3_pages_promoted", "fetches_cut"):
         if key in st_a:
             measured[key] = st_a[key] if key.endswith("_max") else st_a[key] - st_b.get(key, 0)
     pred = PolicyReplay(caps.policy(concurrency, max_new_tokens))
