@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.models.quant.apply import finish, prepare, quantize_modules
-from serving.parallel.layers import RowParallelLinear
+from serving.models.quant.apply import finish, prepare, quantize_modules, quantized_weights
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -49,15 +48,12 @@ def groups(model: nn.Module) -> list[tuple[int | None, list[str]]]:
     return out
 
 
-def kept_bytes(model: nn.Module, method: Any) -> int:
-    """The bytes the loaded model keeps: projections (not the LM head) at ``method``'s size, every
-    other parameter in its dtype."""
-    quantized: set[str] = set()
-    total = 0
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, RowParallelLinear)) and not mod_name.endswith("lm_head"):
-            quantized.add(f"{mod_name}.weight")
-            total += method.weight_bytes(*mod.weight.shape)
+def kept_bytes(model: nn.Module, method: Any, device: torch.device) -> int:
+    """The bytes the loaded model keeps: what ``--quantization`` replaces on ``device`` (projections,
+    CPU experts: serving/models/quant/apply.py ``quantized_weights``) at ``method``'s size, every other
+    parameter in its dtype."""
+    quantized = quantized_weights(model, device)
+    total = sum(n * method.weight_bytes(out_f, in_f) for n, out_f, in_f in quantized.values())
     for name, p in model.named_parameters():
         if name not in quantized:
             total += p.numel() * p.element_size()
@@ -76,7 +72,7 @@ def free_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def check_fits(model: nn.Module, method: Any, quantization: str, device: torch.device) -> None:
-    need = kept_bytes(model, method)
+    need = kept_bytes(model, method, device)
     free, what = free_bytes(device)
     if need > free:
         raise WeightsDoNotFit(

@@ -161,7 +161,11 @@ class SparseMoE(nn.Module):
         return self.quant is not None or not self._fused(self.w13)
 
     def _fused(self, t: torch.Tensor) -> bool:
-        from_kernel = t.is_cuda if FUSED_KERNEL is None else FUSED_KERNEL
+        return self.fused_on(t.device)
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether the experts run in the fused kernels on ``device`` (then they stay float under --quantization)."""
+        from_kernel = device.type == "cuda" if FUSED_KERNEL is None else FUSED_KERNEL
         return from_kernel and self.opts.activation in ("silu", "gpt_oss")  # the kernel's activations
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:

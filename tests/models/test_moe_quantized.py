@@ -82,3 +82,23 @@ def test_an_expert_shape_the_kernel_cannot_take_is_refused(tmp_path) -> None:
     path = tiny_model(tmp_path, "qwen3_moe", moe_intermediate_size=24)
     with pytest.raises(QuantizationError, match="experts.w2"):
         Engine(model_path=str(path), device="cpu", quantization="int4", page_size=4, max_total_tokens=256)
+
+
+def test_the_fit_check_counts_cpu_experts_at_the_methods_size(tmp_path) -> None:
+    """Before loading, the weights' bytes (``kept_bytes``): on CPU the experts at the method's size (they
+    are quantized there), where the fused CUDA kernels run them at the model's; routers stay float."""
+    from serving.models.layered_load import kept_bytes
+
+    path = tiny_model(tmp_path, "qwen3_moe")
+    eng = Engine(model_path=str(path), device="cpu", quantization="none", page_size=4, max_total_tokens=256)
+    try:
+        model = eng.core.runner.model
+        method = get_quant_method("int8")
+        moes = _moes(eng)
+        floats = sum(m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size() for m in moes)
+        coded = sum(m.num_experts * (method.weight_bytes(*m.expert_shapes()["w13"])
+                                     + method.weight_bytes(*m.expert_shapes()["w2"])) for m in moes)
+        cpu, cuda = kept_bytes(model, method, torch.device("cpu")), kept_bytes(model, method, torch.device("cuda"))
+    finally:
+        eng.shutdown()
+    assert cuda - cpu == floats - coded > 0

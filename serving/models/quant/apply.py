@@ -67,20 +67,34 @@ class QuantRowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def quantized_weights(model: nn.Module, device: torch.device) -> dict[str, tuple[int, int, int]]:
+    """What ``--quantization`` replaces on ``device``: parameter name -> (count, out, in) of the
+    ``[out, in]`` weights it holds (1 for a projection, one per expert for a mixture's stacked experts).
+    Not the LM head (its matmul is quantized apart), not a mixture's router, not a module's
+    ``unquantized`` children, not experts the fused kernels run there. Shapes only: the model may
+    still be on the meta device."""
+    holders = [name for name, mod in model.named_modules() if hasattr(mod, "expert_shapes")]
+    kept = {f"{name}.{c}" if name else c
+            for name, mod in model.named_modules() for c in getattr(mod, "unquantized", ())}
+    out: dict[str, tuple[int, int, int]] = {}
+    for name, mod in model.named_modules():
+        if name in holders:
+            if not mod.fused_on(device):
+                for part, (out_f, in_f) in mod.expert_shapes().items():
+                    out[f"{name}.{part}"] = (mod.num_experts, out_f, in_f)
+        elif isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head") and name not in kept \
+                and not any(name.startswith(f"{h}.") for h in holders):
+            out[f"{name}.weight"] = (1, *mod.weight.shape)
+    return out
+
+
 def _check(method: QuantMethod, model: nn.Module, device: torch.device) -> None:
     """Every refusal before anything is changed: the device, then each weight's shape (shapes only:
     the model may still be on the meta device)."""
     method.check_device(device)
-    experts = [name for name, mod in model.named_modules() if hasattr(mod, "expert_shapes")]
-    kept = {f"{name}.{c}" if name else c
-            for name, mod in model.named_modules() for c in getattr(mod, "unquantized", ())}
-    for name, mod in model.named_modules():
-        if name in experts:
-            for part, (out_f, in_f) in mod.expert_shapes().items():
-                method.check_shape(f"{name}.experts.{part}", out_f, in_f)
-        elif isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head") and name not in kept \
-                and not any(name.startswith(f"{e}.") for e in experts):  # a router stays as it is
-            method.check_shape(name, *mod.weight.shape)
+    for name, (n, out_f, in_f) in quantized_weights(model, device).items():
+        owner, leaf = name.rsplit(".", 1)
+        method.check_shape(owner if n == 1 else f"{owner}.experts.{leaf}", out_f, in_f)
     head = _head(method)
     head.check_device(device)
     head.check_shape("lm_head", *model.lm_head_weight.shape)
