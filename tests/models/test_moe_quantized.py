@@ -36,6 +36,8 @@ def test_quantized_experts_serve_and_hit_like_recompute(tmp_path, arch: str, qua
     try:
         moes = _moes(eng)
         assert moes and all(m.quant is not None and m.w13 is None and m.w2 is None for m in moes)
+        # the L3 namespace: KV computed with float experts (before) is not this KV
+        assert eng.core.weights_tag.endswith(":experts") and ":experts" in eng.core.kv_namespace
         assert all(type(m.gate) is nn.Linear for m in moes)  # the router keeps the model's dtype
         cold = [eng.generate(input_ids=[p], sampling_params=GREEDY)[0]["output_ids"] for p in ps]
         l1 = [eng.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in ps]

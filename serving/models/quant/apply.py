@@ -137,8 +137,11 @@ def finish(model: nn.Module, method: QuantMethod, quantization: str, prequantize
     with torch.no_grad():
         model.logits_matmul = QuantLinear(_head(method), model.lm_head_weight, None).matmul
     model.quantization = quantization
-    # what the L3 namespace and PD peers compare: the method's tag, and where the codes came from
-    model.quant_tag = (method.kv_tag or quantization) + (":gguf" if prequantized else "")
+    # what the L3 namespace and PD peers compare: the method's tag, where the codes came from, and whether
+    # a mixture's experts are quantized too (KV computed with float experts is other KV)
+    experts = any(getattr(m, "quant", None) is not None for m in model.modules() if hasattr(m, "quantize_experts"))
+    model.quant_tag = (method.kv_tag or quantization) + (":gguf" if prequantized else "") + \
+        (":experts" if experts else "")
 
 
 def quantize_model(model: nn.Module, quantization: str, device: torch.device | str,
