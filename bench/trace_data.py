@@ -122,3 +122,10 @@ def lru_block_bound(reqs: Sequence[TraceRequest], capacity_tokens: int,
         while used > capacity_tokens and lru:
             used -= lru.popitem(last=False)[1]
     return {"hit_tokens": hit, "prompt_tokens": total, "hit_rate": hit / max(1, total)}
+
+
+def output_tokens(index: int, n: int, vocab_size: int, low: int = 10) -> list[int]:
+    """Deterministic stand-in output tokens of request ``index`` (never shared with a prompt)."""
+    if n <= 0:
+        return []
+    return (np.random.default_rng(1_000_003 + index).integers(low, vocab_size, n)).tolist()

@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 
-from bench.trace_data import BlockTokens, TraceRequest
-from bench.trace_policy import PolicyConfig, PolicyReplay, output_tokens
+from bench.trace_data import BlockTokens, TraceRequest, output_tokens
+from bench.trace_policy import PolicyConfig, PolicyReplay
 
 # LMDB's defaults (hicache.tiers.lmdb.config.LMDBConfig) and per-entry cost (LMDBAccounting.cost)
 _LMDB_HIGH, _LMDB_LOW, _KEY_LEN, _OS_PAGE = 0.85, 0.75, 32, 4096
@@ -53,10 +53,15 @@ class ServerCaps:
     context_len: int
     vocab_size: int
     write_through_threshold: int = 2  # hits that make a node hot (the exclusive mode keeps its copies)
+    chunked_prefill_size: int = 2048  # the scheduler's (its pass loop: bench/trace_sched.py)
+    schedule_policy: str = "lpm"
+    max_running_requests: int = 64
+    overlap_schedule: bool = False  # on CUDA unless disable_overlap_schedule (serving/scheduler/overlap.py)
 
     @classmethod
     def from_server(cls, info: dict[str, Any], model_info: dict[str, Any]) -> ServerCaps:
         cache = info["cache"]
+        sched = info.get("scheduler") or {}
         st = info["internal_states"][0]
         ps = int(cache["page_size"])
         pages = st["pages"]
@@ -74,13 +79,19 @@ class ServerCaps:
         return cls(ps, int(pages["device"]["total"]) * ps, int(pages.get("host", {}).get("total", 0)) * ps, l3,
                    evict_to, cache["hicache_write_policy"], cache["eviction_policy"],
                    int(cache["hicache_storage_prefetch_threshold"]), int(model_info["context_length"]),
-                   int(model_info["vocab_size"]), int(cache.get("write_through_threshold", 2)))
+                   int(model_info["vocab_size"]), int(cache.get("write_through_threshold", 2)),
+                   int(sched.get("chunked_prefill_size", 2048)), str(sched.get("schedule_policy", "lpm")),
+                   int(sched.get("max_running_requests", 64)),
+                   not sched.get("disable_overlap_schedule", True) and str(info.get("engine", {}).get("device", "cpu"))
+                   .startswith("cuda"))
 
     def policy(self, concurrency: int, max_new_tokens: int) -> PolicyConfig:
         return PolicyConfig(self.l1_tokens, self.l2_tokens, self.l3_tokens if self.l2_tokens else 0, self.page_size,
                             self.write_policy, self.eviction_policy, self.prefetch_threshold, concurrency,
                             max_new_tokens, self.l3_evict_to,
-                            write_through_threshold=self.write_through_threshold)
+                            write_through_threshold=self.write_through_threshold,
+                            chunked_prefill_size=self.chunked_prefill_size, schedule_policy=self.schedule_policy,
+                            max_running_requests=self.max_running_requests, overlap_schedule=self.overlap_schedule)
 
 
 @dataclass
@@ -177,6 +188,16 @@ async def _replay(url: str, prompts: list[tuple[TraceRequest, list[int], int]], 
         return recs, time.perf_counter() - t0
 
 
+def predict(caps: ServerCaps, reqs: Sequence[TraceRequest], blocks: BlockTokens, concurrency: int,
+            max_new_tokens: int) -> dict[str, Any]:
+    """What the policy replay predicts for ``reqs`` (those the server can run) on a server with ``caps``."""
+    blocks = BlockTokens(blocks.block_tokens, caps.vocab_size, blocks.low)
+    pred = PolicyReplay(caps.policy(concurrency, max_new_tokens))
+    pred.run((blocks.tokens(r), output_tokens(r.index, max(1, min(r.output_length, max_new_tokens)), caps.vocab_size))
+             for r in runnable(reqs, blocks, caps, max_new_tokens)[0])
+    return pred.summary()
+
+
 def pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
@@ -220,10 +241,6 @@ def run_live(url: str, reqs: Sequence[TraceRequest], blocks: BlockTokens, concur
                 "l3_pages_promoted", "fetches_cut"):
         if key in st_a:
             measured[key] = st_a[key] if key.endswith("_max") else st_a[key] - st_b.get(key, 0)
-    pred = PolicyReplay(caps.policy(concurrency, max_new_tokens))
-    for r, ids, n_out in prompts:
-        pred.request(ids, output_tokens(r.index, n_out, caps.vocab_size))
-    pred.finish()
-    predicted = pred.summary()
+    predicted = predict(caps, todo, blocks, concurrency, max_new_tokens)
     return {"caps": caps.__dict__, "measured": measured, "predicted": predicted,
             "hit_rate_vs_predicted": measured["hit_rate"] / predicted["hit_rate"] if predicted["hit_rate"] else None}

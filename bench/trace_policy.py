@@ -1,21 +1,18 @@
 """Policy replay: a request trace through the real HiRadixTree bookkeeping, no model (CPU).
 
 The tree is driven as the engine drives it (serving/cache/req_cache.py, serving/cache/l3_prefetch.py,
-serving/cache/storage_controller.py), in trace order with up to ``concurrency`` requests in flight:
+serving/cache/storage_controller.py), each forward pass as the scheduler plans it
+(bench/trace_sched.py: chunked prefill, the ``lpm`` / ``fcfs`` admission order, retraction, a
+closed loop of ``concurrency`` clients). A request's admission (:meth:`PolicyReplay.admit`):
 
 1. L3 prefetch (with an L3): the prompt's pages after its L1/L2 prefix that L3 holds, at least
    ``prefetch_threshold`` tokens, are read into L2 pages (L2 room made with
    ``evict_host(drop_backups=True)``) and committed with ``insert_host``;
 2. ``match_prefix`` of the prompt minus its last token, ``load_back`` of an L2 hit, ``lock``;
    write-back retries on the hit path (``on_hit``);
-3. L1 pages for the rest (``evict_device`` when short; a request that cannot get them waits for
-   the next one in flight to finish, and is rejected, counted, when none is left). As the
-   scheduler admits, a request starts only when L1 holds its pages beside those in flight;
+3. L1 pages for its first chunk (``evict_device`` when short; none: it is not admitted in this pass),
+   then for each later chunk and decode token;
 4. at its end: ``insert`` of its computed full pages, duplicates freed, ``unlock``.
-
-In flight, a request takes time in proportion to the tokens it computes (plus ``STEP_TOKENS``
-for its fixed cost): the next request starts when the first of those in flight ends, as on a
-server that runs each request at its own pace. With ``concurrency`` 1 the order is exact.
 
 After every tree call the transfers are drained as the engine does; every L1 -> L2 backup is
 written on to L3 at once (what a write-back that keeps up does). With ``write_policy="exclusive"``
@@ -26,25 +23,28 @@ take_promoted()``, as serving/cache/l3_fetch.py) are deleted from L3 at once (th
 orders a delete and a write of one key; here both are instant and in order). L3 is modelled as an LRU of
 page keys (a key chains the page's tokens onto its parent's, as hicache.keys does) with
 ``l3_tokens`` of room, stamped on write and read like the LMDB store. Tier capacities are in
-tokens. Hits per tier are counted as the engine counts them (``Req.kv.cached_by_tier``).
+tokens. Hits per tier are counted as the engine counts them (``Req.kv.cached_by_tier``, at a
+request's first admission).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from bench.trace_l3model import L3Model, chain_keys
 from hicache.hiradix import HiRadixTree
+from hicache.hiradix.match import MatchResult
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.allocator import PageAllocator
+from serving.scheduler.schedule_policy import SCHEDULE_POLICIES
+
+if TYPE_CHECKING:
+    from bench.trace_sched import PassLoop
 
 _clock = time.process_time  # CPU time of this (single-threaded) process: other load on the machine does not count
-STEP_TOKENS = 256  # a request's fixed cost, in computed-token equivalents (for the order requests end in)
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,16 @@ class PolicyConfig:
     write_policy: str = "write_through"
     eviction_policy: str = "lru"
     prefetch_threshold: int = 256  # tokens (hicache_storage_prefetch_threshold)
-    concurrency: int = 1  # requests in flight (see the module docstring for when each one ends)
+    concurrency: int = 1  # clients of the closed loop: requests in the server (waiting or running)
     max_new_tokens: int = 1  # output tokens per request (capped by the trace's output_length)
     l3_evict_to: float = 1.0  # a full L3 evicts down to this fraction of l3_tokens (LMDB: low / high watermark)
     l3_shared: bool = False  # the L3 is shared (Mooncake): an exclusive L3 hit keeps its L3 copy (no promotion)
     write_through_threshold: int = 2  # hits that make a node hot (write_through_selective; exclusive: keeps copies)
+    # the scheduler's (serving.config.SchedulerConfig): prompt tokens per pass (-1: no limit), admission order
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "lpm"
+    max_running_requests: int = 64
+    overlap_schedule: bool = False  # CUDA's default: a pass's results are resolved after the next one is planned
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.l1_tokens < self.page_size:
@@ -73,82 +78,42 @@ class PolicyConfig:
             raise ValueError("concurrency and max_new_tokens must be >= 1, prefetch_threshold >= 0")
         if not 0 < self.l3_evict_to <= 1:
             raise ValueError(f"l3_evict_to must be in (0, 1], got {self.l3_evict_to}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1 or self.max_running_requests < 1:
+            raise ValueError("chunked_prefill_size must be positive or -1, max_running_requests >= 1")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy {self.schedule_policy!r}: choose one of {sorted(SCHEDULE_POLICIES)}")
 
     @property
     def total_tokens(self) -> int:
         return self.l1_tokens + self.l2_tokens + self.l3_tokens
 
 
-class L3Model:
-    """An LRU of page keys holding at most ``capacity`` pages (LMDB's order: last write or read);
-    once over it, the least recent keys leave until ``evict_to * capacity`` remain."""
+@dataclass(eq=False)
+class SimReq:
+    """One request of the replay, as the scheduler sees it (``Req`` and its ``ReqKV``)."""
 
-    def __init__(self, capacity_pages: int, evict_to: float = 1.0) -> None:
-        self.capacity = capacity_pages
-        self.evict_to = evict_to
-        self._keys: OrderedDict[int, None] = OrderedDict()
-        self.pages_written = 0
-        self.pages_read = 0
-        self.pages_deleted = 0
+    index: int  # its place in the slice
+    prompt: list[int]
+    output: list[int]  # the tokens it generates (at least one)
+    filled: int = 0  # tokens whose KV is computed (or cached) in ``pages``
+    pages: list[int] = field(default_factory=list)
+    prefix_pages: int = 0  # the leading pages that are the tree's (its matched prefix)
+    lock: TreeNode | None = None
+    out_done: int = 0  # output tokens generated
+    storage_pages: int = 0  # pages its L3 prefetches added to the tree
+    by_tier: dict[str, int] | None = None  # cached_by_tier at its first admission
 
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def present(self, keys: Sequence[int]) -> int:
-        """Leading keys held (a lookup: no stamp)."""
-        n = 0
-        for k in keys:
-            if k not in self._keys:
-                break
-            n += 1
-        return n
-
-    def read(self, keys: Iterable[int]) -> None:
-        for k in keys:
-            self._keys.move_to_end(k)
-            self.pages_read += 1
-
-    def delete(self, keys: Iterable[int]) -> None:
-        for k in keys:
-            if self._keys.pop(k, False) is None:
-                self.pages_deleted += 1
-
-    def write(self, keys: Iterable[int]) -> None:
-        d = self._keys
-        for k in keys:
-            d[k] = None
-            d.move_to_end(k)
-            self.pages_written += 1
-        if len(d) > self.capacity:
-            keep = int(self.capacity * self.evict_to)
-            while len(d) > keep:
-                d.popitem(last=False)
-
-
-def chain_keys(tokens: Sequence[int], page_size: int, upto: int | None = None, prev: int = 0) -> list[int]:
-    """One key per full page of ``tokens`` (the first ``upto`` pages): the page's tokens hashed
-    with the key before it (``prev``: the key of the page before ``tokens[0]``, 0 at the start),
-    so equal keys mean equal prefixes (hicache.keys.page_keys, with Python's tuple hash in place
-    of BLAKE2b for speed)."""
-    n = len(tokens) // page_size if upto is None else upto
-    out = []
-    for i in range(n):
-        prev = hash((prev, tuple(tokens[i * page_size : (i + 1) * page_size])))
-        out.append(prev)
-    return out
-
-
-@dataclass
-class _Running:
-    tokens: list[int]  # prompt + output tokens whose KV is computed
-    pages: list[int]
-    lock: TreeNode
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.prompt)
 
 
 @dataclass
 class Counts:
     requests: int = 0
     rejected: int = 0  # the prompt does not fit in L1
+    retractions: int = 0
+    passes: int = 0
     prompt_tokens: int = 0
     hit: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     per_request: list[dict[str, int]] = field(default_factory=list)  # cached_by_tier of each request
@@ -166,7 +131,7 @@ class PolicyReplay:
         ps = cfg.page_size
         self.device = PageAllocator(cfg.l1_tokens // ps)
         self._l1_pages = cfg.l1_tokens // ps
-        self._held = 0  # L1 pages of the requests in flight
+        self.holders = 0  # requests holding L1 pages (admitted, not yet released)
         self.host = PageAllocator(cfg.l2_tokens // ps) if cfg.l2_tokens >= ps else None
         self.tree = HiRadixTree(ps, self.device, self.host, write_policy=cfg.write_policy,
                                 write_through_threshold=cfg.write_through_threshold,
@@ -177,44 +142,70 @@ class PolicyReplay:
             self.tree.exclusive.enable_demotion()  # StorageController does so (a no-op unless exclusive)
             self.tree.exclusive.enable_promotion(not cfg.l3_shared)  # ... and for a private store this
         self.counts = Counts()
-        self._running: list[tuple[float, int, _Running]] = []  # heap by end time
-        self._now = 0.0
-        self._seq = 0
         self.model_s = 0.0  # time in the L3 model (keys, LRU), not the tree's bookkeeping
         self.total_s = 0.0
 
-    # -- the request path -------------------------------------------------------------
-    def request(self, prompt: list[int], output: Sequence[int] = ()) -> dict[str, int]:
-        """Replay one request (its prompt tokens; ``output``: its generated tokens); returns its
-        ``cached_by_tier`` (tokens)."""
+    # -- the request path (bench/trace_sched.py's PassLoop calls these as the scheduler calls ReqCache) --
+    def run(self, reqs: Iterable[tuple[Sequence[int], Sequence[int]]],
+            after_pass: Callable[[PassLoop, int], None] | None = None) -> None:
+        """Replay ``(prompt, output)`` pairs through the server's pass loop (bench/trace_sched.py),
+        then end: every request's ``cached_by_tier`` is in ``counts.per_request`` (slice order).
+        ``after_pass(loop, prompt tokens computed)``: called after each pass."""
+        from bench.trace_sched import PassLoop
+
         t0 = _clock()
-        # admission as the scheduler's: a request starts only when L1 can hold it beside the
-        # requests in flight (else those would evict each other's prefixes, the cache held nothing)
-        need = -(-(len(prompt) + self.cfg.max_new_tokens) // self.cfg.page_size)
-        while len(self._running) >= self.cfg.concurrency or (self._running and self._held + need > self._l1_pages):
-            self._release_next()
-        by_tier = self._admit(prompt, list(output[: self.cfg.max_new_tokens]))
-        c = self.counts
-        c.requests += 1
-        c.prompt_tokens += len(prompt)
-        for k, v in by_tier.items():
-            c.hit[k] += v
-        c.per_request.append(by_tier)
+        loop = PassLoop(self, after_pass)
+        done = loop.run(reqs)
+        self.counts.passes += loop.passes
+        self.counts.per_request.extend(r.by_tier or {"device": 0, "host": 0, "storage": 0} for r in done)
+        self.total_s += _clock() - t0
+        self.finish()
+
+    def request(self, prompt: list[int], output: Sequence[int] = ()) -> dict[str, int]:
+        """Replay one request alone (``concurrency`` 1: the next one starts once it has ended); returns
+        its ``cached_by_tier`` (tokens). Call :meth:`finish` after the last."""
+        if self.cfg.concurrency != 1:
+            raise ValueError("request() replays one at a time; use run() for concurrency > 1")
+        from bench.trace_sched import PassLoop
+
+        t0 = _clock()
+        loop = PassLoop(self)
+        (r,) = loop.run([(prompt, list(output[: self.cfg.max_new_tokens]))])
+        by_tier = r.by_tier or {"device": 0, "host": 0, "storage": 0}
+        self.counts.passes += loop.passes
+        self.counts.per_request.append(by_tier)
         self.total_s += _clock() - t0
         return by_tier
 
     def finish(self) -> None:
-        """End the requests still in flight and check the tree."""
-        t0 = _clock()
-        while self._running:
-            self._release_next()
-        self.total_s += _clock() - t0
+        """Check the tree (every request has ended)."""
         self.tree.check_integrity()
 
-    def _admit(self, prompt: list[int], output: list[int]) -> dict[str, int]:
+    def _matchable(self, r: SimReq) -> list[int]:
+        return r.prompt[: len(r.prompt) - 1]  # the last token is computed for its logits
+
+    def admission_key(self, r: SimReq) -> int:
+        """``ReqCache.admission_key``: cached prefix tokens, those on L1 counting twice (``lpm``)."""
+        node, matched = self.tree.lookup(self._matchable(r))
+        device = 0
+        for nd in reversed(node.path_to_root()):
+            if nd.device_pages is None:
+                break
+            device += len(nd.key)
+        return min(device, matched) + matched
+
+    def uncached_len(self, r: SimReq) -> int:
+        """``ReqCache.uncached_len``: prompt tokens past its prefix cached on L1 or L2."""
+        return len(r.prompt) - self.tree.peek_prefix_len(self._matchable(r))
+
+    def admit(self, r: SimReq, budget: int) -> int | None:
+        """``ReqCache.try_admit``: prefetch from L3, match, load back, lock, reserve a first chunk of at
+        most ``budget`` tokens; returns its length, or None (no room: nothing kept but what the
+        prefetch and load-back put in the tree)."""
         tree, ps = self.tree, self.cfg.page_size
-        matchable = prompt[: len(prompt) - 1]  # the last token is computed for its logits
-        storage_new = self._prefetch(matchable) if self.l3 is not None else 0
+        matchable = self._matchable(r)
+        if self.l3 is not None:
+            r.storage_pages += self._prefetch(matchable)
         m0 = tree.match_prefix(matchable)
         self._drain()
         m = m0
@@ -224,6 +215,8 @@ class PolicyReplay:
             self._drain()
             if m is not m0:
                 loaded = m.last_device_node
+            elif r.by_tier is None and self._wait_for_l1(m0):
+                return None  # ReqCache._wait_for_l1: it waits for L1 room rather than recompute its L2 hit
         tree.lock(m.last_device_node)
         if loaded is not None:
             tree.finish_load(loaded)  # the copy is instant here
@@ -232,50 +225,74 @@ class PolicyReplay:
             while nd is not None and nd.parent is not None:  # StorageController.on_hit
                 self._write(nd)
                 nd = nd.parent
-        kv_len = len(m.device_pages) * ps
-        storage = min(storage_new * ps, kv_len)
-        device = min(m0.device_hit_tokens, kv_len - storage)
-        by_tier = {"device": device, "host": kv_len - device - storage, "storage": storage}
-        computed = prompt + output[:-1]  # the last output token's KV is never computed
-        need = -(-len(computed) // ps) - len(m.device_pages)
-        pages = self._alloc(need)
-        if pages is None:
-            tree.unlock(m.last_device_node)
-            self.counts.rejected += 1
-            return {"device": 0, "host": 0, "storage": 0}
-        end = self._now + len(computed) - kv_len + STEP_TOKENS
-        self._seq += 1
-        self._held += len(m.device_pages) + len(pages)
-        heapq.heappush(self._running, (end, self._seq, _Running(computed, m.device_pages + pages, m.last_device_node)))
-        return by_tier
+        r.lock, r.pages = m.last_device_node, list(m.device_pages)
+        r.filled = len(r.pages) * ps
+        n = min(len(r.prompt) - r.filled, budget)
+        if not self.reserve(r, r.filled + n):
+            tree.unlock(r.lock)
+            r.lock, r.pages, r.filled = None, [], 0
+            return None
+        if r.by_tier is None:  # its first admission: what the engine reports for it
+            kv_len = len(m.device_pages) * ps
+            storage = min(r.storage_pages * ps, kv_len)
+            device = min(m0.device_hit_tokens, kv_len - storage)
+            r.by_tier = {"device": device, "host": kv_len - device - storage, "storage": storage}
+            c = self.counts
+            c.requests += 1
+            c.prompt_tokens += len(r.prompt)
+            for k, v in r.by_tier.items():
+                c.hit[k] += v
+        r.prefix_pages = len(m.device_pages)
+        self.holders += 1
+        return n
 
-    def _alloc(self, n: int) -> list[int] | None:
+    def _wait_for_l1(self, m: MatchResult) -> bool:
+        """An L2 hit whose load found no L1 room waits while other requests hold L1 (the engine waits
+        up to ``ReqCache.L1_WAIT_S``; here until the requests in flight have ended)."""
+        pages = m.host_hit_tokens // self.cfg.page_size
+        return pages >= max(1, self.tree.load_back_threshold) and self.holders > 0 and \
+            pages + len(m.device_pages) <= self._l1_pages
+
+    def reserve(self, r: SimReq, upto: int) -> bool:
+        """``ReqCache.reserve``: ``r.pages`` cover positions ``< upto`` (L1 eviction when short);
+        False, nothing taken, when L1 cannot make the room."""
+        need = -(-upto // self.cfg.page_size) - len(r.pages)
+        if need <= 0:
+            return True
         dev = self.device
-        while True:
-            if dev.num_free < n:
-                self.tree.evict_device(n - dev.num_free)
-                self._drain()
-            if dev.num_free >= n:
-                return dev.alloc(n)
-            if not self._running:
-                return None
-            self._release_next()  # wait for the next request in flight to end
+        if dev.num_free < need:
+            self.tree.evict_device(need - dev.num_free)
+            self._drain()
+        if dev.num_free < need:
+            return False
+        r.pages.extend(dev.alloc(need))
+        return True
 
-    def _release_next(self) -> None:
-        end, _, r = heapq.heappop(self._running)
-        self._held -= len(r.pages)
-        self._now = max(self._now, end)
-        self._release(r)
-
-    def _release(self, r: _Running) -> None:
+    def release(self, r: SimReq) -> None:
+        """``ReqCache.release``: its computed full pages go into the tree, the rest are freed; it
+        keeps its tokens (a retracted request starts again from its prompt)."""
         ps = self.cfg.page_size
-        full = len(r.tokens) // ps
-        dup = self.tree.insert(r.tokens[: full * ps], r.pages[:full]) if full else []
-        self.tree.unlock(r.lock)
+        full = r.filled // ps
+        tokens = (r.prompt + r.output)[: full * ps]
+        dup = self.tree.insert(tokens, r.pages[:full]) if full else []
+        if r.lock is not None:
+            self.tree.unlock(r.lock)
         self._drain()
         free = list(dup) + r.pages[full:]
         if free:
             self.device.free(free)
+        self.holders -= 1
+        r.lock, r.pages, r.filled, r.out_done, r.prefix_pages = None, [], 0, 0, 0
+
+    def reject(self, r: SimReq) -> None:
+        """A request that cannot run (its prompt needs more pages than L1 has): given up, counted."""
+        if r.lock is not None:
+            self.tree.unlock(r.lock)
+            self.holders -= 1
+        if r.pages:
+            self.device.free(r.pages)
+        r.lock, r.pages, r.filled, r.by_tier = None, [], 0, None
+        self.counts.rejected += 1
 
     # -- L3 -----------------------------------------------------------------------------
     def _prefetch(self, prompt: list[int]) -> int:
@@ -383,10 +400,3 @@ def distinct_tokens(rep: PolicyReplay) -> int:
     if rep.l3 is not None:
         keys.update(rep.l3._keys)
     return len(keys) * ps
-
-
-def output_tokens(index: int, n: int, vocab_size: int, low: int = 10) -> list[int]:
-    """Deterministic stand-in output tokens of request ``index`` (never shared with a prompt)."""
-    if n <= 0:
-        return []
-    return (np.random.default_rng(1_000_003 + index).integers(low, vocab_size, n)).tolist()

@@ -24,6 +24,7 @@ that server's capacities.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -61,11 +62,11 @@ def parse_setup(s: str) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------- policy
 def policy_setup(reqs, blocks: BlockTokens, l1: int, l2: int, l3: int, args) -> dict[str, Any]:  # noqa: ANN001
     cfg = PolicyConfig(l1, l2, l3, args.page_size, args.write_policy, "lru", args.prefetch_threshold,
-                       args.concurrency, 1, write_through_threshold=args.write_through_threshold)
+                       args.concurrency, 1, write_through_threshold=args.write_through_threshold,
+                       chunked_prefill_size=args.chunked_prefill_size, schedule_policy=args.schedule_policy,
+                       overlap_schedule=args.overlap_schedule)
     rep = PolicyReplay(cfg)
-    for r in reqs:
-        rep.request(blocks.tokens(r))
-    rep.finish()
+    rep.run((blocks.tokens(r), [0]) for r in reqs)
     out = rep.summary()
     bound = lru_block_bound(reqs, cfg.total_tokens, blocks)["hit_rate"]
     largest = lru_block_bound(reqs, max(l1, l2, l3), blocks)["hit_rate"]
@@ -182,9 +183,39 @@ def run_live_cli(args) -> dict[str, Any]:  # noqa: ANN001
     return data
 
 
+def run_predict(args) -> dict[str, Any]:  # noqa: ANN001
+    """The policy replay's prediction, now, for each setup of a committed live run (its slice and the
+    servers' capacities as recorded; ``--overlap-schedule`` for a CUDA server's)."""
+    from bench.trace_live import ServerCaps, predict
+
+    live = json.loads(Path(args.live_json).read_text())
+    sl = live["slice"]
+    reqs = select(load_trace(args.trace), sl["start"], sl["count"], sl["busiest"])
+    blocks = BlockTokens(live["block_tokens"])
+    results: dict[str, Any] = {}
+    for name, r in live["setups"].items():
+        overlap = args.overlap_schedule or r["caps"].get("overlap_schedule", False)
+        caps = ServerCaps(**{**r["caps"], "overlap_schedule": overlap})
+        p = predict(caps, reqs, blocks, live["concurrency"], live["max_new_tokens"])
+        m = r["measured"]
+        results[name] = {"caps": caps.__dict__, "measured_hit_rate": m["hit_rate"], "predicted": p,
+                         "hit_rate_vs_predicted": _ratio(m["hit_rate"], p["hit_rate"]),
+                         "recorded_prediction": r["predicted"]["hit_rate"]}
+    print(f"{args.live_json}: {len(reqs)} requests, concurrency {live['concurrency']}")
+    tiers = ("device", "host", "storage")
+    print_table(["setup", "measured", "predicted", "x predicted", "L1 / L2 / L3 measured", "L1 / L2 / L3 predicted",
+                 "recorded prediction"],
+                [[n, v["measured_hit_rate"], v["predicted"]["hit_rate"], v["hit_rate_vs_predicted"],
+                  "/".join(str(live["setups"][n]["measured"][f"hit_tokens_{t}"]) for t in tiers),
+                  "/".join(str(v["predicted"][f"hit_tokens_{t}"]) for t in tiers),
+                  v["recorded_prediction"]] for n, v in results.items()])
+    return {"mode": "predict", "live_json": str(args.live_json), "setups": results}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("policy", "live"))
+    p.add_argument("mode", choices=("policy", "live", "predict"))
+    p.add_argument("--live-json", help="predict: a live run's JSON (its slice and server capacities)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--start", type=int, default=0, help="first request of the slice")
     p.add_argument("--count", type=int, default=None, help="requests in the slice (default: all)")
@@ -196,6 +227,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--page-size", type=int, default=16, help="policy")
     p.add_argument("--write-policy", default="write_through", help="policy")
     p.add_argument("--prefetch-threshold", type=int, default=256, help="policy: tokens")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048,
+                   help="policy: the server's prompt tokens per pass (-1: no limit)")
+    p.add_argument("--schedule-policy", default="lpm", help="policy: the server's admission order (lpm, fcfs)")
+    p.add_argument("--overlap-schedule", action="store_true",
+                   help="policy: a pass's results resolved after the next pass is planned (a CUDA server's default)")
     p.add_argument("--write-through-threshold", type=int, default=2,
                    help="policy: hits that make a node hot (write_through_selective; exclusive: keeps its copies)")
     p.add_argument("--url", help="live: a running server (instead of --serve)")
@@ -220,7 +256,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             p.error(f"--setup-args takes NAME=FLAGS, got {item!r}")
         setup_args[name] = flags
     args.setup_args = setup_args
-    if args.mode == "policy":
+    if args.mode == "predict":
+        if not args.live_json:
+            p.error("predict needs --live-json")
+        data = run_predict(args)
+    elif args.mode == "policy":
         args.concurrency = args.concurrency or 1
         args.setups = args.setups or "1M,4M,16M,1M+4M,1M+4M+11M"
         data = run_policy(args)
