@@ -146,20 +146,23 @@ class CostModel(LoadPolicy):
         if nbytes > 0 and seconds > 0:
             self._reads.add(float(nbytes), seconds)
 
+    def _prefill_s(self, tokens: int) -> float | None:
+        rate = self._prefill.value
+        return None if rate is None else tokens / rate
+
     def estimate(self, pages: int, backlog_tokens: int = 0) -> tuple[float | None, float | None]:
         """(load seconds, seconds until recomputed: the backlog's prefill, then the pages')."""
-        fit, rate = self._reads.params(), self._prefill.value
+        fit = self._reads.params()
         load = None if fit is None else fit[0] + pages * self.page_bytes / fit[1]
-        recompute = None if rate is None else (pages * self.page_size + max(0, backlog_tokens)) / rate
-        return load, recompute
+        return load, self._prefill_s(pages * self.page_size + max(0, backlog_tokens))
 
     def decide(self, pages: int, explore: bool = True, backlog_tokens: int = 0) -> Decision:
         load_s, recompute_s = self.estimate(pages, backlog_tokens)
         if load_s is None or recompute_s is None:
             return Decision(True, load_s, recompute_s, "not measured yet: load")
         if load_s <= recompute_s:
-            own = self.estimate(pages)[1]
-            return Decision(True, load_s, recompute_s, "load is faster" if own is not None and load_s <= own
+            own_s = self._prefill_s(pages * self.page_size)  # the pages' own recompute, without the backlog
+            return Decision(True, load_s, recompute_s, "load is faster" if own_s is not None and load_s <= own_s
                             else "load is faster than recomputing behind the queued prefills")
         if explore:
             self._refused += 1

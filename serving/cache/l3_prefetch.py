@@ -282,7 +282,7 @@ class Prefetcher:
         if self.policy.ready(op, now):
             return True
         if op.budget is not None and op.fetch is not None and not op.fetched and \
-                op.budget.exceeded(max(op.loaded, op.reading), now):
+                op.budget.exceeded(op.reading, now):  # landed or being read (a group starts before it lands)
             op.cut = True  # (LoadBudget) the rest is recomputed
             return True
         return False

@@ -154,6 +154,8 @@ FUSED_KERNEL: bool | None = None  # None: the fused Triton kernels on CUDA, the 
 
 
 class SparseMoE(nn.Module):
+    unquantized = ("gate",)  # the router: --quantization keeps it in the model's dtype (quant/apply.py)
+
     @property
     def syncs_host(self) -> bool:
         """The torch path reads the experts' token counts on the host: no CUDA graph can hold it

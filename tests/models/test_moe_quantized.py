@@ -104,3 +104,36 @@ def test_the_fit_check_counts_cpu_experts_at_the_methods_size(tmp_path) -> None:
     finally:
         eng.shutdown()
     assert cuda - cpu == floats - coded > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_what_quantization_replaces_is_the_list_the_fit_check_counts(tmp_path, arch: str) -> None:
+    """``quantized_weights`` (what the fit check and the shape checks count) names exactly the weights
+    ``--quantization int8`` replaces: every projection that became quantized is listed, every listed one
+    was, the experts of each mixture are listed, its router is not. DeepSeek-V2's shared experts sit inside
+    its mixture module: they are quantized, and were left out of the list (counted at float size)."""
+    from serving.models.quant.apply import QuantLinear, quantized_weights
+
+    path = tiny_model(tmp_path, arch)
+    kw = dict(model_path=str(path), device="cpu", page_size=4, max_total_tokens=256)
+    eng = Engine(quantization="none", **kw)
+    try:
+        listed = set(quantized_weights(eng.core.runner.model, torch.device("cpu")))
+    finally:
+        eng.shutdown()
+    eng = Engine(quantization="int8", **kw)
+    try:
+        model = eng.core.runner.model
+        done = {f"{name}.weight" for name, mod in model.named_modules()
+                if isinstance(mod, QuantLinear) and not name.endswith(".linear")}
+        done |= {f"{name[: -len('.linear')]}.weight" for name, mod in model.named_modules()
+                 if isinstance(mod, QuantLinear) and name.endswith(".linear")}  # a row-parallel projection's
+        done |= {f"{name}.{part}" for name, mod in model.named_modules() if isinstance(mod, SparseMoE)
+                 and mod.quant is not None for part in mod.expert_shapes()}
+        routers = {f"{name}.gate.weight" for name, mod in model.named_modules() if isinstance(mod, SparseMoE)}
+    finally:
+        eng.shutdown()
+    assert done == listed, (sorted(done - listed), sorted(listed - done))
+    assert routers and not routers & listed
+    if arch == "deepseek_v2":
+        assert any(".shared_experts." in n for n in listed)

@@ -1,10 +1,11 @@
 """Swap a loaded model's projections for quantized ones (after loading, after TP sharding).
 
-Every ``nn.Linear`` (qkv_proj, gate_up_proj; not an untied lm_head) becomes a :class:`QuantLinear`,
-every ``RowParallelLinear`` (o_proj, down_proj) a :class:`QuantRowParallelLinear` holding this
-rank's shard, and a module with ``quantize_experts`` (serving/models/moe.py's ``SparseMoE``)
-quantizes its experts itself and keeps its router as it is (a module's ``unquantized`` names
-children it reads as float weights: MLA's ``kv_b_proj``, absorbed into decode); the LM head's matmul is quantized too
+What is replaced is one list, :func:`quantized_weights`: every ``nn.Linear`` (qkv_proj, gate_up_proj;
+not an untied lm_head) becomes a :class:`QuantLinear`, every ``RowParallelLinear`` (o_proj, down_proj) a
+:class:`QuantRowParallelLinear` holding this rank's shard, and a module with ``quantize_experts``
+(serving/models/moe.py's ``SparseMoE``) quantizes its experts itself; a module's ``unquantized`` names
+children it reads as float weights (a mixture's router, MLA's ``kv_b_proj``, absorbed into decode) and
+they stay as they are; the LM head's matmul is quantized too
 (``model.logits_matmul``, with the method's ``head_method`` when it names one) while the embedding
 lookup keeps the float table (SmolLM2 ties the two). Under tensor parallelism each rank quantizes
 the shard it loaded, so scales are per shard: with per-output-channel (and per-group) scales that
@@ -68,22 +69,20 @@ class QuantRowParallelLinear(nn.Module):
 
 
 def quantized_weights(model: nn.Module, device: torch.device) -> dict[str, tuple[int, int, int]]:
-    """What ``--quantization`` replaces on ``device``: parameter name -> (count, out, in) of the
-    ``[out, in]`` weights it holds (1 for a projection, one per expert for a mixture's stacked experts).
-    Not the LM head (its matmul is quantized apart), not a mixture's router, not a module's
-    ``unquantized`` children, not experts the fused kernels run there. Shapes only: the model may
-    still be on the meta device."""
-    holders = [name for name, mod in model.named_modules() if hasattr(mod, "expert_shapes")]
+    """What ``--quantization`` replaces on ``device`` (the one list: the fit check, the shape checks and
+    :func:`quantize_modules` read it): parameter name -> (count, out, in) of the ``[out, in]`` weights it
+    holds (1 for a projection, one per expert for a mixture's stacked experts). Not the LM head (its matmul
+    is quantized apart), not a module's ``unquantized`` children (a mixture's router, MLA's ``kv_b_proj``),
+    not experts the fused kernels run there. Shapes only: the model may still be on the meta device."""
     kept = {f"{name}.{c}" if name else c
             for name, mod in model.named_modules() for c in getattr(mod, "unquantized", ())}
     out: dict[str, tuple[int, int, int]] = {}
     for name, mod in model.named_modules():
-        if name in holders:
+        if hasattr(mod, "expert_shapes"):
             if not mod.fused_on(device):
                 for part, (out_f, in_f) in mod.expert_shapes().items():
-                    out[f"{name}.{part}"] = (mod.num_experts, out_f, in_f)
-        elif isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head") and name not in kept \
-                and not any(name.startswith(f"{h}.") for h in holders):
+                    out[f"{name}.{part}" if name else part] = (mod.num_experts, out_f, in_f)
+        elif isinstance(mod, (nn.Linear, RowParallelLinear)) and not name.endswith("lm_head") and name not in kept:
             out[f"{name}.weight"] = (1, *mod.weight.shape)
     return out
 
@@ -113,23 +112,26 @@ def prepare(model: nn.Module, quantization: str, device: torch.device | str) -> 
 
 def quantize_modules(root: nn.Module, method: QuantMethod, prefix: str = "",
                      prequantized: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-    """Replace the projections under ``root`` (named ``prefix`` in the model) with quantized ones;
-    the LM head is left to :func:`finish`."""
+    """Replace what :func:`quantized_weights` lists under ``root`` (named ``prefix`` in the model) with
+    quantized projections; a mixture quantizes its experts itself. The LM head is left to :func:`finish`."""
     pre = prequantized or {}
+    first = next(root.parameters(), None)
+    if first is None:
+        return
+    modules = dict(root.named_modules())
     with torch.no_grad():
-        for name, parent in list(root.named_modules()):
-            full = ".".join(p for p in (prefix, name) if p)
-            if hasattr(parent, "quantize_experts"):  # a mixture of experts quantizes its experts, keeps its router
-                parent.quantize_experts(method)
+        for name in quantized_weights(root, first.device):
+            owner = name.rpartition(".")[0]
+            mod = modules[owner]
+            if hasattr(mod, "quantize_experts"):  # "<mixture>.w13" / ".w2": its experts, the router kept
+                mod.quantize_experts(method)
                 continue
-            for child_name, child in list(parent.named_children()):
-                if child_name == "lm_head" or child_name in getattr(parent, "unquantized", ()):
-                    continue  # used through logits_matmul; or read as a float weight by its parent
-                q = pre.get(f"{full}.{child_name}" if full else child_name)
-                if isinstance(child, RowParallelLinear):
-                    setattr(parent, child_name, QuantRowParallelLinear(method, child, q))
-                elif isinstance(child, nn.Linear):
-                    setattr(parent, child_name, QuantLinear(method, child.weight, child.bias, q))
+            parent_name, _, child = owner.rpartition(".")
+            full = ".".join(p for p in (prefix, owner) if p)
+            q = pre.get(full)
+            replaced = QuantRowParallelLinear(method, mod, q) if isinstance(mod, RowParallelLinear) else \
+                QuantLinear(method, mod.weight, mod.bias, q)
+            setattr(modules[parent_name], child, replaced)
 
 
 def finish(model: nn.Module, method: QuantMethod, quantization: str, prequantized: bool) -> None:
