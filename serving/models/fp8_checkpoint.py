@@ -30,6 +30,17 @@ SCALE_SUFFIXES = ("_scale", "_scale_inv")  # after "weight"
 SKIPPED_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 
 
+def is_fp8_checkpoint(model_path: str | Path) -> bool:
+    """Whether config.json's ``quantization_config`` declares fp8 weights: HF's native ``fp8`` (DeepSeek-V3,
+    Qwen3-FP8) or compressed-tensors ``float-quantized`` (what ``--quantization auto`` reads on a GPU)."""
+    try:
+        qc = json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return qc.get("quant_method") == "fp8" or (qc.get("quant_method") == "compressed-tensors"
+                                                and qc.get("format") == "float-quantized")
+
+
 def block_size(model_path: Path) -> tuple[int, int]:
     """``quantization_config.weight_block_size`` of config.json, (128, 128) by default."""
     try:

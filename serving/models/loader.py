@@ -98,7 +98,7 @@ def load_model(
     model's ``quantization`` says which); QuantizationError names what cannot run. Returns
     ``(model, config)``.
     """
-    quantization = resolve_quantization(quantization, device)
+    quantization = resolve_quantization(quantization, device, model_path)
     fill = LOAD_FORMATS.get(load_format)
     if fill is None:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {sorted(LOAD_FORMATS)}")

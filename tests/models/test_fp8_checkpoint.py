@@ -74,3 +74,21 @@ def test_fp8_weight_without_scale_or_with_bad_blocks_is_a_named_error(tiny, tmp_
     save_file(t, str(f))
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight: weight_scale_inv \(1, 1\) does not tile"):
         load_model(tmp_path / "b")
+
+
+def test_auto_serves_an_fp8_checkpoint_in_fp8_on_an_fp8_gpu(tiny, tmp_path):
+    """``--quantization auto`` reads config.json's ``quantization_config`` as vLLM and SGLang do: an fp8
+    checkpoint runs ``fp8`` on a GPU with fp8 GEMMs (8.9+), is dequantized on an older one, saying why;
+    a float checkpoint keeps the model's dtype on a GPU (fp8 opt-in); the CPU's choice ignores it."""
+    from serving.models.fp8_checkpoint import is_fp8_checkpoint
+    from serving.models.quant.auto import cuda_mode, resolve_quantization
+
+    fp8_checkpoint(tiny, tmp_path / "fp8", "block")
+    assert is_fp8_checkpoint(tmp_path / "fp8") and not is_fp8_checkpoint(tiny)
+    assert not is_fp8_checkpoint(tmp_path / "missing")
+    assert cuda_mode(True, (9, 0))[0] == "fp8" and cuda_mode(True, (8, 9))[0] == "fp8"
+    mode, why = cuda_mode(True, (8, 0))
+    assert mode == "none" and "compute capability 8.0" in why and "dequantized" in why
+    assert cuda_mode(False, (9, 0))[0] == "none"
+    assert resolve_quantization("auto", "cpu", tmp_path / "fp8") == resolve_quantization("auto", "cpu", tiny)
+    assert resolve_quantization("none", "cuda", tmp_path / "fp8") == "none"  # an explicit mode is taken as it is

@@ -27,7 +27,8 @@ def namespace(path, db, quantization: str) -> tuple[str, str]:
 def test_auto_resolved_to_fp32_keys_l3_as_fp32(tiny, tmp_path, monkeypatch):
     from serving.models import loader
 
-    monkeypatch.setattr(loader, "resolve_quantization", lambda name, device: "none" if name == "auto" else name)
+    monkeypatch.setattr(loader, "resolve_quantization",
+                        lambda name, device, path=None: "none" if name == "auto" else name)
     auto_ns, mode = namespace(tiny, tmp_path / "a", "auto")
     none_ns, _ = namespace(tiny, tmp_path / "b", "none")
     assert mode == "none"
