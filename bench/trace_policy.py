@@ -39,6 +39,7 @@ from hicache.hiradix import HiRadixTree
 from hicache.hiradix.match import MatchResult
 from hicache.hiradix.node import TreeNode
 from hicache.tiers.allocator import PageAllocator
+from serving.cache.admission import lpm_key
 from serving.scheduler.schedule_policy import SCHEDULE_POLICIES
 
 if TYPE_CHECKING:
@@ -185,14 +186,8 @@ class PolicyReplay:
         return r.prompt[: len(r.prompt) - 1]  # the last token is computed for its logits
 
     def admission_key(self, r: SimReq) -> int:
-        """``ReqCache.admission_key``: cached prefix tokens, those on L1 counting twice (``lpm``)."""
-        node, matched = self.tree.lookup(self._matchable(r))
-        device = 0
-        for nd in reversed(node.path_to_root()):
-            if nd.device_pages is None:
-                break
-            device += len(nd.key)
-        return min(device, matched) + matched
+        """``ReqCache.admission_key``: the ``lpm`` order's key."""
+        return lpm_key(self.tree, self._matchable(r))
 
     def uncached_len(self, r: SimReq) -> int:
         """``ReqCache.uncached_len``: prompt tokens past its prefix cached on L1 or L2."""

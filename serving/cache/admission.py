@@ -1,10 +1,25 @@
 """What admitting a waiting request answers: ``ReqCache.try_admit``'s result, read by the scheduler
-(serving/scheduler/prefill.py)."""
+(serving/scheduler/prefill.py); and the key the ``lpm`` admission order ranks waiting requests by."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from hicache.hiradix import HiRadixTree
+
+
+def lpm_key(tree: HiRadixTree, tokens: list[int]) -> int:
+    """Cached prefix tokens of ``tokens``, those on L1 counting twice (SGLang's lpm ranks by the L1
+    prefix: a request that runs on its L1 pages goes before one that must load them, whose load would
+    evict them first). Read-only: no hit counts, no backups."""
+    node, matched = tree.lookup(tokens)
+    device = 0
+    for nd in reversed(node.path_to_root()):
+        if nd.device_pages is None:
+            break
+        device += len(nd.key)
+    return min(device, matched) + matched
 
 
 class Answer(enum.Enum):

@@ -13,7 +13,7 @@ import time
 from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
 from hicache.tiers.state_pool import DeviceStatePool
-from serving.cache.admission import Admission, Answer
+from serving.cache.admission import Admission, Answer, lpm_key
 from serving.cache.request_states import RequestStates
 from serving.cache.request_windows import RequestWindows
 from serving.cache.storage_controller import StorageController
@@ -97,17 +97,8 @@ class ReqCache:
         return req.fill_ids[: end if limit is None else min(end, limit)]
 
     def admission_key(self, req: Req) -> int:
-        """The admission order's key (``lpm``): cached prefix tokens, those on L1 counting twice
-        (SGLang's lpm ranks by the L1 prefix: a request that runs on its L1 pages goes before
-        one that must load them, whose load would evict them first)."""
-        tokens = self._matchable(req)
-        node, matched = self.tree.lookup(tokens)
-        device = 0
-        for nd in reversed(node.path_to_root()):
-            if nd.device_pages is None:
-                break
-            device += len(nd.key)
-        return min(device, matched) + matched
+        """The admission order's key (``lpm``: serving.cache.admission.lpm_key)."""
+        return lpm_key(self.tree, self._matchable(req))
 
     def uncached_len(self, req: Req) -> int:
         """Prompt tokens a forward pass would compute were ``req`` admitted now: those past its prefix
