@@ -1,7 +1,8 @@
 """L3 page writes on LMDB with 1, 2, 4, 8 shards against the raw write rate of the same disk, one run.
 
     python3 bench/l3_write.py [--shape 8b|small] [--pages 256] [--shards 1,2,4,8] [--sync on|off]
-                              [--writers 4] [--rounds 2] [--workdir DIR] [--writemap] [--json PATH]
+                              [--writers 4] [--rounds 2] [--workdir DIR] [--writemap] [--malloc-keep-mb N]
+                              [--json PATH]
 
 ``--pages`` page values (the tier's own format: payload + verified trailer; 8b: 2 MiB each,
 random bytes) are written per measurement into a fresh store under ``--workdir`` (default: the
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--writers", type=int, default=4, help="threads calling batch_set (the write-back's writers)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--writemap", action="store_true", help="LMDB's MDB_WRITEMAP")
+    p.add_argument("--malloc-keep-mb", type=int, default=LMDBConfig.malloc_keep_mb,
+                   help="LMDBConfig.malloc_keep_mb (0: the C allocator's defaults; hicache.tiers.lmdb.malloc)")
     p.add_argument("--workdir", default=".hicache", help="where the stores and raw files are written")
     args = p.parse_args(argv)
     layout, n, sync = SHAPES[args.shape], args.pages, args.sync == "on"
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(n):
         view[i] = rng.integers(0, 255, view.shape[1], dtype=np.uint8)
     keys = [f"{i:032x}" for i in range(n)]
-    probe = StorageTier(LMDBStore(LMDBConfig(path=os.path.join(work, "probe"), capacity_gb=0.01)), layout, PAGE_SIZE)
+    probe = StorageTier(LMDBStore(LMDBConfig(path=os.path.join(work, "probe"), capacity_gb=0.01,
+                                             malloc_keep_mb=args.malloc_keep_mb)), layout, PAGE_SIZE)
     value_nbytes, batch = probe.codec.value_nbytes, probe.batch_pages
     probe.close()
     shutil.rmtree(os.path.join(work, "probe"))
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     gib = nbytes / 2**30
     res: dict = {"shape": args.shape, "pages": n, "value_bytes": value_nbytes, "gib": gib, "sync": sync,
                  "writers": args.writers, "batch_pages": batch, "writemap": args.writemap,
+                 "malloc_keep_mb": args.malloc_keep_mb,
                  "filesystem": filesystem(work), "workdir": os.path.abspath(args.workdir),
                  "default_shards": DEFAULT_SHARDS, "date": time.strftime("%Y-%m-%d"), **cpu_info()}
     batches = [list(range(lo, min(n, lo + batch))) for lo in range(0, n, batch)]
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     def store_for(shards: int) -> tuple[LMDBStore, str]:
         path = tempfile.mkdtemp(prefix=f"s{shards}-", dir=work)
         cfg = LMDBConfig(path=path, capacity_gb=max(0.25 * shards, 3 * gib), sync=sync, writemap=args.writemap,
-                         shards=shards)
+                         shards=shards, malloc_keep_mb=args.malloc_keep_mb)
         return LMDBStore(cfg), path
 
     try:

@@ -4,4 +4,5 @@ directory's shards, which shard a key belongs to, another count refused), ``shar
 (:class:`LMDBShard`: one environment's transactions and writes), ``accounting.py`` (sizes, recency stamps,
 map growth, eviction), ``handles.py`` (the environment and its databases, opening them),
 ``disk.py`` (writemap's guard against a full disk, a failed write's cause), ``rwlock.py`` (the
-lock around map resizes), ``config.py`` (:class:`LMDBConfig`)."""
+lock around map resizes), ``malloc.py`` (freed heap kept for the next write), ``config.py``
+(:class:`LMDBConfig`)."""

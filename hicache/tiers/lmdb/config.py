@@ -41,10 +41,15 @@ class LMDBConfig:
     # Other servers read this directory too (several processes on one host): the store declares
     # itself shared (StorageBackend.shared), so the exclusive tiers never delete its pages.
     shared: bool = False
+    # Freed C-heap memory each writer thread keeps for the next write (hicache.tiers.lmdb.malloc: LMDB's
+    # overflow pages and the framed values come from the heap instead of fresh mmaps). 0: allocator defaults.
+    malloc_keep_mb: int = 256
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("lmdb storage needs a path")
+        if not isinstance(self.malloc_keep_mb, int) or isinstance(self.malloc_keep_mb, bool) or self.malloc_keep_mb < 0:
+            raise ValueError(f"malloc_keep_mb must be an integer >= 0, got {self.malloc_keep_mb!r}")
         if self.capacity_gb <= 0 or self.initial_map_mb < 0:
             raise ValueError("capacity_gb must be positive and initial_map_mb >= 0")
         if not 0 < self.low_watermark <= self.high_watermark < 1:

@@ -77,6 +77,7 @@ from hicache.tiers.base import (
 from hicache.tiers.lmdb.config import LMDBConfig
 from hicache.tiers.lmdb.handles import LMDBHandles
 from hicache.tiers.lmdb.layout import shard_configs, shard_of
+from hicache.tiers.lmdb.malloc import keep_freed_memory
 from hicache.tiers.lmdb.shard import LMDBShard
 
 
@@ -101,6 +102,7 @@ class LMDBStore(StorageBackend):
 
     def __init__(self, config: LMDBConfig) -> None:
         self.config = config
+        keep_freed_memory(config.malloc_keep_mb)  # process-wide, once (hicache.tiers.lmdb.malloc)
         self.shards: list[LMDBShard] = []
         try:
             for cfg in shard_configs(config):
