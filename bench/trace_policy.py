@@ -152,6 +152,19 @@ class PolicyReplay:
         """Replay ``(prompt, output)`` pairs through the server's pass loop (bench/trace_sched.py),
         then end: every request's ``cached_by_tier`` is in ``counts.per_request`` (slice order).
         ``after_pass(loop, prompt tokens computed)``: called after each pass."""
+        self._loop(reqs, after_pass)
+        self.finish()
+
+    def request(self, prompt: list[int], output: Sequence[int] = ()) -> dict[str, int]:
+        """Replay one request alone (``concurrency`` 1: the next one starts once it has ended); returns
+        its ``cached_by_tier`` (tokens). Call :meth:`finish` after the last."""
+        if self.cfg.concurrency != 1:
+            raise ValueError("request() replays one at a time; use run() for concurrency > 1")
+        self._loop([(prompt, list(output[: self.cfg.max_new_tokens]))], None)
+        return self.counts.per_request[-1]
+
+    def _loop(self, reqs: Iterable[tuple[Sequence[int], Sequence[int]]],
+              after_pass: Callable[[PassLoop, int], None] | None) -> None:
         from bench.trace_sched import PassLoop
 
         t0 = _clock()
@@ -160,23 +173,6 @@ class PolicyReplay:
         self.counts.passes += loop.passes
         self.counts.per_request.extend(r.by_tier or {"device": 0, "host": 0, "storage": 0} for r in done)
         self.total_s += _clock() - t0
-        self.finish()
-
-    def request(self, prompt: list[int], output: Sequence[int] = ()) -> dict[str, int]:
-        """Replay one request alone (``concurrency`` 1: the next one starts once it has ended); returns
-        its ``cached_by_tier`` (tokens). Call :meth:`finish` after the last."""
-        if self.cfg.concurrency != 1:
-            raise ValueError("request() replays one at a time; use run() for concurrency > 1")
-        from bench.trace_sched import PassLoop
-
-        t0 = _clock()
-        loop = PassLoop(self)
-        (r,) = loop.run([(prompt, list(output[: self.cfg.max_new_tokens]))])
-        by_tier = r.by_tier or {"device": 0, "host": 0, "storage": 0}
-        self.counts.passes += loop.passes
-        self.counts.per_request.append(by_tier)
-        self.total_s += _clock() - t0
-        return by_tier
 
     def finish(self) -> None:
         """Check the tree (every request has ended)."""
@@ -228,10 +224,9 @@ class PolicyReplay:
             r.lock, r.pages, r.filled = None, [], 0
             return None
         if r.by_tier is None:  # its first admission: what the engine reports for it
-            kv_len = len(m.device_pages) * ps
-            storage = min(r.storage_pages * ps, kv_len)
-            device = min(m0.device_hit_tokens, kv_len - storage)
-            r.by_tier = {"device": device, "host": kv_len - device - storage, "storage": storage}
+            storage = min(r.storage_pages * ps, r.filled)
+            device = min(m0.device_hit_tokens, r.filled - storage)
+            r.by_tier = {"device": device, "host": r.filled - device - storage, "storage": storage}
             c = self.counts
             c.requests += 1
             c.prompt_tokens += len(r.prompt)
