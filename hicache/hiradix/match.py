@@ -111,7 +111,7 @@ class MatchResult:
         return self.state is None or (self.host_hit_tokens == 0 and self.state.device_slot is not None)
 
 
-TRANSFER_KINDS = ("backup", "load", "state_backup", "state_load")
+TRANSFER_KINDS = ("backup", "load", "state_backup", "state_load", "window_load")
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,10 @@ class Transfer:
 
     ``kind == "backup"``: L1 ``src_pages`` → L2 ``dst_pages``;
     ``kind == "load"``: L2 ``src_pages`` → L1 ``dst_pages``. Same length, in order.
+    ``kind == "window_load"``: a hybrid SWA L1's window-only load: the sliding layers' KV of L2
+    ``src_pages`` into the window pages of L1 ``dst_pages`` (whose full layers are there already); not the
+    tree's: the request side's window policy (``serving/cache/request_windows.py``) orders it, with its
+    ``pending``.
     ``kind == "state_backup"`` / ``"state_load"``: the same for state snapshots, whose
     "pages" are slot ids of the L1 state pool (``hicache/tiers/state_pool.py``) and the L2
     one (:class:`~hicache.tiers.host_state.HostStatePool`); a state load carries its
@@ -127,7 +131,7 @@ class Transfer:
     Transfers must be executed in the order the tree emitted them.
     """
 
-    kind: Literal["backup", "load", "state_backup", "state_load"]
+    kind: Literal["backup", "load", "state_backup", "state_load", "window_load"]
     src_pages: list[int]
     dst_pages: list[int]
     # backups: the nodes whose pages these are, in order (so a controller can write

@@ -3,7 +3,9 @@
 The tree decides, the controller moves. Backups (L1 -> L2) run synchronously on the
 scheduler's thread, so a freed L1 page is never reused before its bytes are saved.
 Loads (L2 -> L1) run on a background thread (a CUDA side stream on GPU); each load's
-future is bound to the ``PendingLoad`` the tree put on the loading nodes. On CPU every
+future is bound to the ``PendingLoad`` the tree put on the loading nodes (a window-only load,
+``window_load``, moves the sliding layers' rows alone, the same way; its ``PendingLoad`` is the
+request side's: serving/cache/request_windows.py). On CPU every
 request that reads those pages is skipped by the scheduler until the load is done. On
 CUDA a load is *layered*: queued on the side stream one layer at a time with an event per
 layer (``_GpuLoad.layer_events``), so the scheduler runs a reader at once and its forward
@@ -133,20 +135,20 @@ class CacheController:
 
     def _load_on_stream(self, t: Transfer) -> Future:
         with torch.cuda.stream(self._stream):
-            events = self._load_mover.host_to_device_layered(t.src_pages, t.dst_pages)
+            events = self._load_mover.host_to_device_layered(t.src_pages, t.dst_pages, full=t.kind == "load")
         with self._lock:
-            self.pages_loaded += len(t.src_pages)
+            self.pages_loaded += len(t.src_pages) if t.kind == "load" else 0  # (a window load: a page's part)
         return _GpuLoad(events)
 
     def _load(self, t: Transfer) -> None:
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                self._load_mover.host_to_device(t.src_pages, t.dst_pages, non_blocking=True)
+                self._load_mover.host_to_device(t.src_pages, t.dst_pages, non_blocking=True, full=t.kind == "load")
             self._stream.synchronize()
         else:
-            self._load_mover.host_to_device(t.src_pages, t.dst_pages)
+            self._load_mover.host_to_device(t.src_pages, t.dst_pages, full=t.kind == "load")
         with self._lock:
-            self.pages_loaded += len(t.src_pages)
+            self.pages_loaded += len(t.src_pages) if t.kind == "load" else 0  # (a window load: a page's part)
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)

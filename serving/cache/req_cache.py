@@ -87,6 +87,8 @@ class ReqCache:
         """The storage tier's background work: finished writes and fetches (no-op without L3)."""
         if self.storage is not None:
             self.storage.poll()
+        if self.windows is not None:
+            self.windows.settle()
 
     # -- waiting requests: read-only probes and the L3 prefetch ----------------------------
     def _matchable(self, req: Req) -> list[int]:
@@ -171,32 +173,40 @@ class ReqCache:
         """Lock the matched prefix (loading its L2 part back to L1) and take its pages
         as the request's first pages. Loads run in the background: the request waits
         until :meth:`poll_load` sees every load that fills its pages done. False (nothing
-        locked): a hybrid SWA L1 has no window pages for the load's last window now."""
-        kv, m = req.kv, match
+        locked): a hybrid SWA L1 has no window pages for the match's last window now (an L2
+        load's, a window-only load's: serving/cache/request_windows.py)."""
+        kv, m, win = req.kv, match, self.windows
         state = match.state
+        if win is not None and not win.room_for_match(match):
+            return False
         if match.host_hit_tokens > 0 or (state is not None and state.device_slot is None):
-            if self.windows is not None and not self.windows.room_for_load(
-                    match.device_pages, match.host_hit_tokens // self.page_size, match.last_host_node):
-                return False
             m = self.tree.load_back(match)
-            if m is not match and self.windows is not None:  # the loaded run's last window: window pages
+            if m is not match and win is not None:  # the loaded run's last window: window pages
                 done = len(match.device_pages)
-                if not self.windows.ensure(self.windows.for_load(done, m.device_pages[done:])):
+                if not win.ensure(win.for_load(done, m.device_pages[done:])):
                     raise RuntimeError("no window pages for a load-back: every window page is locked")
             self.flush_transfers()  # the controller binds the load's PendingLoad
             if m is not match:
                 kv.load_node = m.last_device_node
             elif not kv.admitted and self._wait_for_l1(req, match):
                 self._refuse.add(req.rid)
+        if win is not None and m.host_hit_tokens > 0:  # not loaded: it resumes where its L1 part has windows
+            tokens = self._matchable(req)[: len(m.device_pages) * self.page_size]
+            m = self.tree.match_prefix(tokens[: win.usable_prefix(tokens)])
         if self.states is not None:
             if not m.resumable:  # its snapshot (or the KV before it) is not on L1: start from nothing
                 m = self.tree.match_prefix([])
             elif m.state is not None:
                 self._state_start[req.rid] = m.state.device_slot
         self._holders.add(req.rid)
-        kv.wait_loads = m.pending_loads
         self.tree.lock(m.last_device_node)
         kv.lock_node = m.last_device_node
+        restoring = win.restore(m) if win is not None else ()  # its last window's window-only loads
+        if restoring is None:  # no window pages for them now: nothing locked
+            self.tree.unlock(m.last_device_node)
+            kv.lock_node = None
+            return False
+        kv.wait_loads = (*m.pending_loads, *restoring)
         if self.storage is not None:
             self.storage.on_hit(m.last_device_node)
         kv.pages = list(m.device_pages)
@@ -262,6 +272,8 @@ class ReqCache:
             if not all(p.done() for p in kv.wait_loads):
                 return all(p.layer_events() is not None for p in kv.wait_loads)
             kv.wait_loads = ()
+            if self.windows is not None:
+                self.windows.settle()  # unpin what landed
         if kv.load_node is not None:
             self.tree.finish_load(kv.load_node)
             kv.load_node = None

@@ -10,9 +10,14 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
   window before its prompt's matchable end too (``prompt_end``: the same prompt asked again resumes
   there). Pages it took from the tree are not its to free.
 - A match may resume at a page boundary ``e`` only if every page overlapping ``[e - w + 1, e)`` has its
-  window KV: an L1 page its window page, an L2-only page a valid sliding part (``host.sliding_valid``).
-  ``usable_prefix`` finds the deepest such ``e``; the admission cuts its match there (the rest is
-  recomputed). A loaded-back L2 run gets window pages for the pages in that last window only (``for_load``).
+  window KV: an L1 page its window page or an L2 copy with a valid sliding part, an L2-only page a valid
+  sliding part (``host.sliding_valid``). ``usable_prefix`` finds the deepest such ``e``; the admission cuts
+  its match there (the rest is recomputed). A loaded-back L2 run gets window pages for the pages in that last
+  window only (``for_load``); the match's L1 pages in it that have none get window pages and a window-only
+  load of their sliding layers' KV from their L2 copies (``to_restore``, ``restore``: a ``window_load``
+  Transfer run behind the tree's moves, its L2 pages pinned until it has landed). A request reading those
+  window pages waits for that load (``restore`` returns the loads in flight in its last window, whoever
+  started them).
 - At release, a request page that duplicated a tree page hands its window page to the tree page when
   that has none (``adopt``): the same positions' window KV.
 - Under window-pool pressure (``make_room``) unlocked tree nodes lose their window pages alone, least
@@ -25,16 +30,19 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
   first, never those on the path the last match looked at (it may be loading them next); L2 pages are
   never evicted for host window room (a backup that still finds none keeps no sliding part).
 
-Concurrency contract: the scheduler thread only (as ReqCache, its owner).
+Concurrency contract: the scheduler thread only (as ReqCache, its owner). A window-only load runs on the
+cache controller's loader thread or CUDA stream; its ``PendingLoad`` is polled here (``settle``), never waited
+on except by a release (ReqCache.poll_load).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from hicache.hiradix import HiRadixTree, MatchResult, TreeNode
+from hicache.hiradix import HiRadixTree, MatchResult, PendingLoad, Transfer, TreeNode
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.window_pages import WindowPages, min_window_pages, pages_per_window
+from serving.cache.transfers import TransferRunner
 from serving.structs.request import Req
 
 
@@ -42,11 +50,14 @@ class RequestWindows:
     """The window pages' policy for requests and the tree (see the module docstring)."""
 
     def __init__(self, windows: WindowPages, tree: HiRadixTree, page_size: int, window: int,
-                 host: HostKVPool | None, flush: Callable[[], None] | None = None) -> None:
-        """``flush``: runs the tree's queued moves (TransferRunner.flush); None: window pages are dropped
-        without demoting them first."""
+                 host: HostKVPool | None, runner: TransferRunner | None = None) -> None:
+        """``runner``: runs the tree's queued moves and the window-only loads; None: window pages are dropped
+        without demoting them first, and never restored."""
         self.windows = windows
-        self._flush = flush
+        self._runner = runner
+        self._loading: dict[int, PendingLoad] = {}  # L1 page -> the window-only load filling its window page
+        self._pinned: list[tuple[PendingLoad, list[int]]] = []  # window-only loads in flight, their L2 pages
+        self.restored_pages = 0  # window pages filled by window-only loads (scheduler thread)
         self.tree = tree
         self.page_size = page_size
         self.window = window  # the largest window of the model's sliding layers
@@ -105,7 +116,9 @@ class RequestWindows:
                 continue  # the root
             k = len(nd.key) // ps
             if nd.device_pages is not None:
-                valid += [m[p] >= 0 for p in nd.device_pages[:k]]
+                hp = nd.host_pages if flags is not None and self._runner is not None else None
+                valid += [m[p] >= 0 or (hp is not None and bool(flags[hp[i]]))  # restorable from L2
+                          for i, p in enumerate(nd.device_pages[:k])]
             elif nd.host_pages is not None and flags is not None:
                 valid += [bool(flags[p]) for p in nd.host_pages[:k]]
             else:
@@ -128,6 +141,76 @@ class RequestWindows:
         end = prefix_pages + len(loaded)
         lo = max(prefix_pages, self.first_needed(end * self.page_size))
         return list(loaded[lo - prefix_pages:])
+
+    def to_restore(self, match: MatchResult, end: int) -> list[tuple[int, int]]:
+        """(L1 page, its L2 copy) of the match's L1 pages in the last window before page ``end`` that have no
+        window page: a window-only load restores them (``usable_prefix`` let the match end there because
+        their L2 sliding parts are valid)."""
+        flags = self.host.sliding_valid if self.host is not None else None
+        n = len(match.device_pages)
+        lo = self.first_needed(end * self.page_size)
+        if flags is None or self._runner is None or lo >= n:
+            return []
+        m, pairs = self.windows.map, []
+        nd, pos = match.last_device_node, n
+        while nd is not None and nd.parent is not None and pos > lo:
+            k = len(nd.device_pages) if nd.device_pages is not None else 0
+            pos -= k
+            for i in range(max(0, lo - pos), k):
+                p = nd.device_pages[i]
+                if m[p] < 0:
+                    if nd.host_pages is None or not flags[nd.host_pages[i]]:
+                        raise RuntimeError("a match ends where a window cannot be restored (usable_prefix)")
+                    pairs.append((p, nd.host_pages[i]))
+            nd = nd.parent
+        return pairs
+
+    def room_for_match(self, match: MatchResult) -> bool:
+        """Window room for what resuming at ``match``'s end needs (its L2 part's load, the window-only loads of
+        its L1 pages in the last window: ``room_for_load``); False: not now (NO_ROOM)."""
+        loaded = match.host_hit_tokens // self.page_size
+        restore = len(self.to_restore(match, match.cached_tokens // self.page_size))
+        if not loaded and not restore:
+            return True
+        protect = match.last_host_node if loaded else match.last_device_node
+        return self.room_for_load(match.device_pages, loaded, protect, restore)
+
+    def restore(self, match: MatchResult) -> tuple[PendingLoad, ...] | None:
+        """For a request resuming at the end of ``match``'s L1 pages (locked): window pages for those of its
+        last window that have none (``to_restore``; room made before by ``room_for_match``) and one
+        window-only load of their sliding layers' KV from their L2 copies, pinned until it lands. Returns the
+        loads the request waits for: this one and any still filling window pages of that window; None: no
+        window pages now (every one locked)."""
+        n = len(match.device_pages)
+        pairs = self.to_restore(match, n)
+        if pairs:
+            pages = [p for p, _ in pairs]
+            hosts = [h for _, h in pairs]
+            if not self.ensure(pages):
+                return None
+            pending = PendingLoad()
+            self.tree.pin_host(hosts)  # until it has landed (settle): never reused meanwhile
+            self._runner.run([Transfer("window_load", hosts, pages, pending=pending)])
+            self._pinned.append((pending, hosts))
+            self._loading.update(dict.fromkeys(pages, pending))
+            self.restored_pages += len(pages)
+        last = match.device_pages[self.first_needed(n * self.page_size):]
+        return tuple({id(w): w for p in last if (w := self._loading.get(p)) is not None}.values())
+
+    def settle(self) -> None:
+        """Unpin the L2 pages of the window-only loads that have landed."""
+        if not self._pinned:
+            return
+        landed: set[int] = set()
+        flying = []
+        for w, hosts in self._pinned:  # done() read once per load: it may land meanwhile
+            if w.done():
+                self.tree.unpin_host(hosts)
+                landed.add(id(w))
+            else:
+                flying.append((w, hosts))
+        self._pinned = flying
+        self._loading = {p: w for p, w in self._loading.items() if id(w) not in landed}
 
     def early_load_ok(self) -> bool:
         """Whether an L3 prefetch may load its landed run on to L1 now (serving/cache/l3_fetch.py): only while
@@ -179,13 +262,15 @@ class RequestWindows:
                 self.windows.move(p, t)
 
     # -- eviction -----------------------------------------------------------------------
-    def room_for_load(self, device_pages: Sequence[int], loaded_pages: int, protect: TreeNode | None = None) -> bool:
+    def room_for_load(self, device_pages: Sequence[int], loaded_pages: int, protect: TreeNode | None = None,
+                      restore: int = 0) -> bool:
         """Before an L2 -> L1 load of ``loaded_pages`` pages after a match's L1 pages ``device_pages`` is
-        started: free window pages for its last window (``for_load`` takes at most one window's), dropping
-        unlocked tree nodes' window pages but never whole pages (the match must stay as it is) nor those of
-        the match's own L1 pages in that last window (``protect``: the match's last node, whose path a demotion's
-        L2 room never comes from); False: not now (the admission answers NO_ROOM)."""
-        need = min(loaded_pages, pages_per_window(self.window, self.page_size))
+        started, and a window-only load of ``restore`` of those L1 pages: free window pages for its last
+        window (``for_load`` takes at most one window's), dropping unlocked tree nodes' window pages but never
+        whole pages (the match must stay as it is) nor those of the match's own L1 pages in that last window
+        (``protect``: the match's last node, whose path a demotion's L2 room never comes from); False: not now
+        (the admission answers NO_ROOM)."""
+        need = min(loaded_pages, pages_per_window(self.window, self.page_size)) + restore
         short = need - self.windows.num_free
         if short > 0:
             first = self.first_needed((len(device_pages) + loaded_pages) * self.page_size)
@@ -207,9 +292,9 @@ class RequestWindows:
                 break
             victims.append(nd)
             count += sum(1 for p in nd.device_pages if m[p] >= 0 and p not in keep)
-        if self._flush is not None and self.host is not None and \
+        if self._runner is not None and self.host is not None and \
                 self.tree.demote([nd for nd in victims if nd.host_pages is None], protect):
-            self._flush()  # the backups read the window pages: copied before they are freed
+            self._runner.flush()  # the backups read the window pages: copied before they are freed
         return sum(self.windows.drop([p for p in nd.device_pages if p not in keep])
                    for nd in victims if nd.device_pages is not None)
 

@@ -6,7 +6,9 @@ controller that copies (``CacheController.execute``, wrapped for tensor parallel
 the finished backups on to the L3 write-back. Everyone who changes the tree and must see its moves
 done before going on -- the request cache (match, admit, alloc, release) and the L3 fetches' early
 L2 -> L1 loads -- calls :meth:`TransferRunner.flush` on the one runner it was built with: calls go
-down (cache -> runner -> controller, write-back), never back up through a callback.
+down (cache -> runner -> controller, write-back), never back up through a callback. The window pages'
+policy (serving/cache/request_windows.py) orders its window-only loads through :meth:`TransferRunner.run`,
+behind the tree's queued moves.
 """
 
 from __future__ import annotations
@@ -53,3 +55,14 @@ class TransferRunner:
                 if t.kind in ("backup", "state_backup"):  # a snapshot's L2 copy goes on to L3 too
                     for node in t.nodes:
                         self._write_back.write(node)
+
+    def run(self, transfers: list[Transfer]) -> bool:
+        """Run the tree's queued moves (:meth:`flush`), then ``transfers``, moves the request side orders
+        itself (a hybrid SWA L1's window-only loads), in that order; False: no L2 to move from (nothing run)."""
+        self.flush()
+        if self._execute is None:
+            return False
+        if transfers:
+            self._execute(transfers)
+        return True
+

@@ -150,7 +150,7 @@ class EngineCore:
         windows = None
         if pool.windows is not None:  # a hybrid SWA L1: the sliding layers keep their windows only
             window = max(w for w in self.runner.layer_stack.windows if w is not None)
-            windows = RequestWindows(pool.windows, self.tree, cache.page_size, window, self.host_pool, transfers.flush)
+            windows = RequestWindows(pool.windows, self.tree, cache.page_size, window, self.host_pool, transfers)
             if self.storage is not None:  # an L3 prefetch's early loads on to L1 bring their windows too
                 self.storage.prefetcher.fetches.on_load = windows.on_early_load
                 self.storage.prefetcher.fetches.can_load = windows.early_load_ok

@@ -194,12 +194,16 @@ class PageMover:
                 else:
                     move_pages(h, hdim, h_ids, d, 1, d_ids, max_programs=max_programs)
 
-    def _dev_ids(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    def _dev_ids(self, device_pages: Sequence[int], host_pages: Sequence[int],
+                 full: bool = True) -> tuple[torch.Tensor, ...]:
         """``move``'s ids on the GPU, copied on the current stream from one of a few reused pinned
         buffers (a fresh pinned tensor per call can cost a ``cudaHostAlloc``, i.e. hundreds of
-        microseconds during which the GPU waits)."""
+        microseconds during which the GPU waits). ``full=False``: no logical pages (a window-only load)."""
         src, dst = self.id_lists(device_pages, host_pages)
-        n, k = len(src), len(device_pages)
+        k = len(device_pages)
+        if not full:
+            src, dst, k = src[k:], dst[k:], 0
+        n = len(src)
         slot = self._ids_next = (getattr(self, "_ids_next", -1) + 1) % len(self._ids_ring)
         buf, event = self._ids_ring[slot]
         if buf is None or buf.shape[1] < n:
@@ -229,11 +233,11 @@ class PageMover:
         self.host.add_pending_write(done)
 
     def _kernel_load(self, host_pages: Sequence[int], device_pages: Sequence[int],
-                     layered: bool = False) -> list[torch.cuda.Event] | None:
+                     layered: bool = False, full: bool = True) -> list[torch.cuda.Event] | None:
         """Queue the load on the current stream; ``layered``: launches per group of
         ``LAYER_GROUP`` layers, each group followed by an event; returns one event per layer
         (a group's layers share theirs) that a forward pass waits for before that layer
-        reads its KV."""
+        reads its KV. ``full=False``: the sliding layers' rows only (a window-only load)."""
         s = torch.cuda.current_stream(self.dev.device)
         if s != self._main:
             after = torch.cuda.Event()
@@ -242,7 +246,7 @@ class PageMover:
         pending = self.host.pending_write
         if pending is not None:
             s.wait_event(pending)  # a backup still writing host pages
-        ids = self._dev_ids(device_pages, host_pages)
+        ids = self._dev_ids(device_pages, host_pages, full)
         nl = self.layers  # host row r: K of layer r (< L), V of layer r - L
         if not layered:
             self.move(False, ids, [(0, 2 * nl)])
@@ -290,15 +294,18 @@ class PageMover:
         self.host.write_pages(self._ids(host_pages, torch.device("cpu")), st)
 
     def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int],
-                       non_blocking: bool = False) -> None:
+                       non_blocking: bool = False, full: bool = True) -> None:
         """With the kernel the copy is queued on the current stream; ``non_blocking=False``
-        then waits for it."""
+        then waits for it. ``full=False``: only the sliding layers' KV, into the window pages of
+        ``device_pages`` (a window-only load: their full layers are on L1 already)."""
         if len(device_pages) != len(host_pages):
             raise ValueError("device_pages and host_pages differ in length")
+        if not full and self.windows is None:
+            raise ValueError("a window-only load needs a hybrid SWA L1")
         if not host_pages:
             return
         if self.use_kernel:
-            self._kernel_load(host_pages, device_pages)
+            self._kernel_load(host_pages, device_pages, full=full)
             if not non_blocking:
                 torch.cuda.current_stream(self.dev.device).synchronize()
             return
@@ -313,22 +320,23 @@ class PageMover:
         if self.win is None:
             self.dev.index_copy_(1, self._ids(device_pages, dev), src)
             return
-        self.dev.index_copy_(1, self._ids(device_pages, dev), src.index_select(0, self._full_idx))
+        if full:
+            self.dev.index_copy_(1, self._ids(device_pages, dev), src.index_select(0, self._full_idx))
         idx, wins = self._windowed(device_pages, host_pages)
         if idx:
             part = src.index_select(0, self._win_idx).index_select(1, self._ids(idx, dev))
             self.win.index_copy_(1, self._ids(wins, dev), part)
 
-    def host_to_device_layered(self, host_pages: Sequence[int],
-                               device_pages: Sequence[int]) -> list[torch.cuda.Event]:
+    def host_to_device_layered(self, host_pages: Sequence[int], device_pages: Sequence[int],
+                               full: bool = True) -> list[torch.cuda.Event]:
         """Kernel path only: queue the load on the current stream a few layers at a time;
         returns one event per layer, recorded once that layer's K and V of every page (and
-        those of the layers before it) have landed."""
+        those of the layers before it) have landed. ``full=False``: as :meth:`host_to_device`."""
         if not self.use_kernel:
             raise RuntimeError("layered loads need the CUDA kernel path (pinned L2)")
         if len(device_pages) != len(host_pages) or not host_pages:
             raise ValueError("need equally long, non-empty page lists")
-        return self._kernel_load(host_pages, device_pages, layered=True)
+        return self._kernel_load(host_pages, device_pages, layered=True, full=full)
 
     def synchronize(self) -> None:
         """Wait on the host until every backup queued so far has landed in L2."""

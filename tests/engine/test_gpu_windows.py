@@ -62,3 +62,26 @@ def test_window_pool_prefixes_come_back_from_l2_on_cuda(tmp_path, arch: str) -> 
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_window_only_loads_on_cuda(tmp_path, arch: str) -> None:
+    """The window pool with graphs and pinned L2: prompts whose full KV stayed on L1 but whose last windows lost
+    their window pages come back as whole L1 hits, their windows restored by the page-move kernel's window-only
+    load (serving/cache/request_windows.py, ``restore``): HF's tokens."""
+    path = tiny_model(tmp_path, arch)
+    ps, others = tier_prompts()
+    ref = hf_greedy(path, ps, GREEDY["max_new_tokens"])
+    eng = Engine(model_path=str(path), page_size=4, dtype="float32", max_total_tokens=1024, hicache_ratio=4.0,
+                 hicache_write_policy="write_through", write_through_threshold=1, max_running_requests=2,
+                 enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.04)
+    try:
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref
+        eng.generate(input_ids=others, sampling_params=GREEDY)  # takes ps's window pages
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        assert ids_of(outs) == ref
+        assert eng.core.req_cache.windows.restored_pages > 0
+        assert eng.core.tree.host_pinned == 0
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

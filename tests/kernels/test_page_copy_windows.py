@@ -149,6 +149,25 @@ for case, layers in sorted(CASES.items()):
             assert torch.equal(back_s.kv_buffer, back_k.kv_buffer), (case, name, layered)
             if back_s.win_buffer is not None:
                 assert torch.equal(back_s.win_buffer, back_k.win_buffer), (case, name, layered)
+        if not layers:
+            continue
+        # a window-only load (full=False): the sliding rows into the window pages, the full layers untouched
+        back_s, back_k = make_pool(layers, seed=2), make_pool(layers, seed=2)
+        for b in (back_s, back_k):
+            b.windows.map[:] = [-1] * 12
+            for p, w in ((3, 4), (5, 1), (8, 0)):
+                b.windows.map[p] = w
+        full_before = back_s.kv_buffer.clone()
+        PageMover(back_s, staged).host_to_device(hs, ps_, full=False)
+        assert torch.equal(back_s.kv_buffer, full_before), (case, name)
+        mk = PageMover(back_k, staged)
+        d, h = mk.id_lists(ps_, hs)
+        ids = torch.tensor([d, h])
+        none = ids[0, :0]
+        mk.move(False, (none, none, ids[0, n:], ids[1, n:]), [(0, 2 * LAYERS)])
+        assert torch.equal(back_k.kv_buffer, full_before), (case, name)
+        assert torch.equal(back_s.win_buffer, back_k.win_buffer), (case, name)
+        assert not torch.equal(back_s.win_buffer, make_pool(layers, seed=2).win_buffer), (case, name)
 print("OK")
 """
 

@@ -88,3 +88,24 @@ def test_tp2_window_pool_from_l2_and_l3_equals_pool_off(gemma, tmp_path) -> None
                 [o["meta_info"] for o in outs]
         finally:
             eng.shutdown()
+
+
+def test_tp2_window_only_load(gemma) -> None:
+    """Prompts whose full KV stayed on L1 but whose last windows lost their window pages under pressure are
+    whole L1 hits asked again, their windows restored from L2 on every rank (a ``window_load`` move): HF's
+    tokens (serving/cache/request_windows.py, ``restore``)."""
+    path, ps, others, ref = gemma
+    eng = Engine(model_path=str(path), page_size=PS, max_total_tokens=1024, hicache_ratio=4.0,
+                 hicache_write_policy="write_through", write_through_threshold=1, max_running_requests=2,
+                 enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.04, tp_size=2)
+    try:
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
+        generate_checked(eng, others, GREEDY)
+        rw = eng.core.req_cache.windows
+        outs = generate_checked(eng, ps, GREEDY)
+        assert ids_of(outs) == ref
+        assert rw.restored_pages > 0
+        assert sum(o["meta_info"]["cached_tokens_details"]["device"] for o in outs) > 0
+        assert eng.core.tree.host_pinned == 0
+    finally:
+        eng.shutdown()
