@@ -109,3 +109,32 @@ def test_without_an_l2_copy_the_match_is_cut(tiny) -> None:
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_an_l2_run_not_loaded_resumes_where_its_l1_part_has_windows(tiny) -> None:
+    """A match whose L2 run is not loaded back (L1 has no room for it: forced here, as the tree answers when
+    no page can be freed) resumes at its L1 part only where the window before has its window KV (or can be
+    restored), else earlier: HF's tokens. Before, it resumed at the end of its L1 part whatever its windows
+    held, and the sliding layers read window pages that were not there (wrong tokens)."""
+    import random
+
+    _, path, _, _, _, _ = tiny
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 511) for _ in range(40)]
+    two = [shared + [rng.randrange(1, 511) for _ in range(n)] for n in (20, 24)]
+    ref = hf_greedy(path, two, GREEDY["max_new_tokens"])
+    eng = _engine(path)
+    try:
+        assert ids_of(generate_checked(eng, two, GREEDY)) == ref
+        tree = eng.core.tree
+        tree.evict_device(12)  # the two suffixes leave L1 (their L2 copies stay); the shared 40 tokens stay
+        eng.core.req_cache.flush_transfers()
+        m = tree.match_prefix(two[0][:-1])
+        assert m.device_hit_tokens == 40 and m.host_hit_tokens > 0, m
+        tree.load_back = lambda match: match  # no L1 room for any L2 run
+        outs = generate_checked(eng, two, GREEDY)
+        assert ids_of(outs) == ref, [o["meta_info"] for o in outs]
+        assert hits(outs, "host") == [0, 0]
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
