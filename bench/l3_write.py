@@ -2,6 +2,7 @@
 
     python3 bench/l3_write.py [--shape 8b|small] [--pages 256] [--shards 1,2,4,8] [--sync on|off]
                               [--writers 4] [--rounds 2] [--workdir DIR] [--writemap] [--malloc-keep-mb N]
+                              [--value-files]
                               [--json PATH]
 
 ``--pages`` page values (the tier's own format: payload + verified trailer; 8b: 2 MiB each,
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--writers", type=int, default=4, help="threads calling batch_set (the write-back's writers)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--writemap", action="store_true", help="LMDB's MDB_WRITEMAP")
+    p.add_argument("--value-files", action="store_true",
+                   help="LMDBConfig.value_files: page values pwrite'd into slot files (hicache.tiers.lmdb.value_files)")
     p.add_argument("--malloc-keep-mb", type=int, default=LMDBConfig.malloc_keep_mb,
                    help="LMDBConfig.malloc_keep_mb (0: the C allocator's defaults; hicache.tiers.lmdb.malloc)")
     p.add_argument("--workdir", default=".hicache", help="where the stores and raw files are written")
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
         view[i] = rng.integers(0, 255, view.shape[1], dtype=np.uint8)
     keys = [f"{i:032x}" for i in range(n)]
     probe = StorageTier(LMDBStore(LMDBConfig(path=os.path.join(work, "probe"), capacity_gb=0.01,
-                                             malloc_keep_mb=args.malloc_keep_mb)), layout, PAGE_SIZE)
+                                             malloc_keep_mb=args.malloc_keep_mb, value_files=args.value_files)),
+                       layout, PAGE_SIZE)
     value_nbytes, batch = probe.codec.value_nbytes, probe.batch_pages
     probe.close()
     shutil.rmtree(os.path.join(work, "probe"))
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     gib = nbytes / 2**30
     res: dict = {"shape": args.shape, "pages": n, "value_bytes": value_nbytes, "gib": gib, "sync": sync,
                  "writers": args.writers, "batch_pages": batch, "writemap": args.writemap,
-                 "malloc_keep_mb": args.malloc_keep_mb,
+                 "malloc_keep_mb": args.malloc_keep_mb, "value_files": args.value_files,
                  "filesystem": filesystem(work), "workdir": os.path.abspath(args.workdir),
                  "default_shards": DEFAULT_SHARDS, "date": time.strftime("%Y-%m-%d"), **cpu_info()}
     batches = [list(range(lo, min(n, lo + batch))) for lo in range(0, n, batch)]
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     def store_for(shards: int) -> tuple[LMDBStore, str]:
         path = tempfile.mkdtemp(prefix=f"s{shards}-", dir=work)
         cfg = LMDBConfig(path=path, capacity_gb=max(0.25 * shards, 3 * gib), sync=sync, writemap=args.writemap,
-                         shards=shards, malloc_keep_mb=args.malloc_keep_mb)
+                         shards=shards, malloc_keep_mb=args.malloc_keep_mb, value_files=args.value_files)
         return LMDBStore(cfg), path
 
     try:

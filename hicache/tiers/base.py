@@ -112,6 +112,9 @@ class StorageBackend(ABC):
     # Whether other servers may read this store's pages (see the module docstring): a shared
     # store's pages are never deleted because this server moved them up to L2.
     shared: bool = True
+    # Whether :meth:`batch_set_parts` writes a value from its parts without joining them first
+    # (the storage tier then hands it each L2 page and its trailer: hicache.tiers.storage_write).
+    writes_parts: bool = False
 
     # ------------------------------------------------------------------ single key
     @abstractmethod
@@ -230,6 +233,17 @@ class StorageBackend(ABC):
         """Store each key's value, the bytes of ``buf`` at its ``(offset, size)`` span."""
         same_len(keys, spans)
         return self.batch_set(keys, [buf.view(off, size) for off, size in spans])
+
+    def batch_set_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """Store each key's value, the concatenation of its parts (here joined, one copy; a backend with
+        ``writes_parts`` writes them as they are)."""
+        same_len(keys, parts)
+        return self.batch_set(keys, [join(p) for p in parts])
+
+
+def join(parts: Sequence[Buffer]) -> np.ndarray:
+    """The parts of a value as one contiguous uint8 array (one copy)."""
+    return np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
 
 
 def copy_each(srcs: Sequence[Any], dsts: Sequence[Any]) -> None:

@@ -12,7 +12,9 @@ prefix grows while it runs. Two data paths, chosen per call:
   copied and hashed in one GIL-free call (:mod:`hicache.tiers.native_copy`: a reader needs
   the GIL once per group, not twice per page) and each page is checked against its trailer
   before the group counts as landed. A write copies (and hashes) the page once into staging
-  (payload + trailer, one contiguous value) and hands that to the backend.
+  (payload + trailer, one contiguous value) and hands that to the backend, or, to a backend that
+  writes values from parts (LMDB with ``value_files``), hands it the page itself and its trailer
+  (:mod:`hicache.tiers.storage_write`).
 - **staged** (any other pool or backend, e.g. Mooncake with its registered buffers): values
   land in a staging buffer of the reader thread and are scattered into the pool's layout.
 An L2 with a host window pool always takes the staged path: a page whose sliding part it did not keep is
@@ -42,7 +44,8 @@ from hicache.tiers.mooncake.store import MooncakeStore
 from hicache.tiers.native_copy import copy_and_hash
 from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec, host_page_bytes
 from hicache.tiers.storage_read import ReadJob
-from hicache.tiers.storage_windows import frame, is_short_page, land, read_direct, reads_direct, short_codec, windowed
+from hicache.tiers.storage_windows import is_short_page, land, read_direct, reads_direct, short_codec, windowed
+from hicache.tiers.storage_write import frame_values, value_parts
 
 __all__ = ["TRAILER_SIZE", "PageCodec", "ReadJob", "StorageTier", "STORAGE_BACKENDS", "make_storage",
            "default_read_threads"]
@@ -181,13 +184,19 @@ class StorageTier:
         # backend stores batch k (both drop the GIL for the bulk of their work).
         bufs = (self._staging(0), self._staging(1))
         prep = self._preparer.submit(self._frame, *batches[0], host_pool, bufs[0]) if batches else None
+        parts = self._parts(host_pool)
         for k, (ck, _) in enumerate(batches):
             buf = bufs[k % 2]
-            sizes = prep.result()
+            got = prep.result()
             if k + 1 < len(batches):
                 prep = self._preparer.submit(self._frame, *batches[k + 1], host_pool, bufs[(k + 1) % 2])
             n = len(ck)
-            res = self.backend.batch_set_from(ck, buf, [(i * slot, sizes[i]) for i in range(n)])
+            if parts:
+                sizes = [self.codec.value_nbytes] * n
+                res = self.backend.batch_set_parts(ck, got)
+            else:
+                sizes = got
+                res = self.backend.batch_set_from(ck, buf, [(i * slot, sizes[i]) for i in range(n)])
             ok = 0
             for r in res:
                 if not r:
@@ -210,28 +219,21 @@ class StorageTier:
                                f": {why}" if why else "")
         return done
 
-    def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> list[int]:
-        """Lay out ``pages`` as values (payload + trailer) in ``buf``, one slot each; returns their sizes."""
-        n, nb, slot = len(keys), self.codec.page_nbytes, self.slot
-        rows = buf.array[: n * slot].reshape(n, slot)
-        if windowed(pool, self.codec):  # a page without its sliding part: a smaller value
-            return frame(self.codec, keys, pages, pool, rows, buf.tensor[: n * slot].view(n, slot))
-        if pool.layout_name == "page_first" and pool.encoding == self.encoding.name:
-            view = self._pool_view(pool)
-            hashes = copy_and_hash([view[p] for p in pages], [rows[i, :nb] for i in range(n)])
-            for i in range(n):
-                self.codec.pack_trailer_hashed(rows[i], nb, keys[i], hashes[i], _flags(pool, pages[i]))
-            return [self.codec.value_nbytes] * n
-        else:
-            kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X], decoded
-            dst = buf.tensor[: n * slot].view(n, slot)[:, :nb]
-            if self.encoding.lossy or pool.encoding != self.encoding.name:  # transcode into this tier's encoding
-                dst.copy_(self.encoding.encode_pages(kv, self.layout, self.page_size))
-            else:
-                dst.view(kv.dtype).view(n, 2 * self.layout.num_layers, -1).copy_(kv.transpose(0, 1))
-        for i in range(n):
-            self.codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb], _flags(pool, pages[i]))
-        return [self.codec.value_nbytes] * n
+    def _frame(self, keys: list[str], pages: list[int], pool: HostKVPool, buf: StagingBuffer) -> list:
+        """Lay out ``pages`` as values (payload + trailer) in ``buf``, one slot each, and return their sizes;
+        or, for a backend that writes parts (:meth:`_parts`), return each value's parts
+        (hicache.tiers.storage_write)."""
+        if self._parts(pool):
+            return value_parts(self.codec, keys, pages, pool, self._pool_view(pool))
+        n, slot = len(keys), self.slot
+        direct = pool.layout_name == "page_first" and pool.encoding == self.encoding.name
+        return frame_values(self.codec, self.layout, self.page_size, keys, pages, pool,
+                            buf.array[: n * slot].reshape(n, slot), buf.tensor[: n * slot].view(n, slot),
+                            self._pool_view(pool) if direct and not windowed(pool, self.codec) else None)
+
+    def _parts(self, pool: HostKVPool) -> bool:
+        """Whether values go to the backend as parts (the L2 page and its trailer: no framing copy)."""
+        return getattr(self.backend, "writes_parts", False) and self._direct(pool)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -384,11 +386,6 @@ def make_storage(name: str, config: Mapping[str, Any] | None = None) -> StorageB
     except KeyError:
         raise ValueError(f"unknown storage backend {name!r}; choose from {sorted(STORAGE_BACKENDS)}") from None
     return factory(dict(config or {}))
-
-
-def _flags(pool: HostKVPool, page: int) -> int:
-    """The trailer flags of host page ``page``: its sliding layers stale or not (hicache/tiers/window_pages.py)."""
-    return 0 if pool.sliding_valid[page] else SLIDING_INVALID
 
 
 def _set_valid(pool: HostKVPool, page: int, flags: int) -> None:

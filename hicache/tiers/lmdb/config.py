@@ -44,6 +44,10 @@ class LMDBConfig:
     # Freed C-heap memory each writer thread keeps for the next write (hicache.tiers.lmdb.malloc: LMDB's
     # overflow pages and the framed values come from the heap instead of fresh mmaps). 0: allocator defaults.
     malloc_keep_mb: int = 256
+    # Page values (4 KiB and more) written with pwrite into a slot file per value size, LMDB holding the index
+    # (hicache.tiers.lmdb.value_files): one copy of each byte where LMDB's own values take two. Reads of slotted
+    # values work either way (a process with it off still reads what one with it on wrote).
+    value_files: bool = False
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -1,4 +1,4 @@
-"""The open LMDB environment of one store and its four named databases; what opening it did
+"""The open LMDB environment of one store and its six named databases; what opening it did
 about ``writemap`` (hicache.tiers.lmdb.disk), and a store that cannot be opened in one line."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ FLAG = "--hicache-storage-backend-extra-config"
 
 @dataclass(frozen=True)
 class LMDBHandles:
-    """The environment, its databases (layout in :mod:`hicache.tiers.lmdb.store`) and the
+    """The environment, its databases (layout in :mod:`hicache.tiers.lmdb.store`; ``slots`` and ``free``:
+    :mod:`hicache.tiers.lmdb.value_files`) and the
     :class:`RWLock` every transaction shares and a map resize takes alone. Immutable: opened
     once by the store, closed by :meth:`hicache.tiers.lmdb.store.LMDBStore.close`.
 
@@ -35,6 +36,8 @@ class LMDBHandles:
     kseq: Any
     order: Any
     meta: Any
+    slots: Any  # key -> (size, slot) of a value in a value file (hicache.tiers.lmdb.value_files)
+    free: Any  # (size, slot) -> empty: the value files' slots given back
     rw: RWLock
     writemap: bool
     path: str  # the directory, absolute
@@ -72,7 +75,7 @@ class LMDBHandles:
             lock = os.path.join(path, "lock.mdb")
             if os.path.exists(lock):
                 allocate(lock, os.path.getsize(lock))
-            dbs = [env.open_db(name) for name in (b"data", b"kseq", b"order", b"meta")]
+            dbs = [env.open_db(name) for name in (b"data", b"kseq", b"order", b"meta", b"slots", b"free")]
         except lmdb.Error as e:
             env.close()
             raise StorageOpenError(open_failure(e, path)) from None
@@ -87,7 +90,7 @@ def _open_env(config: LMDBConfig, path: str, map_size: int, writemap: bool) -> A
         return lmdb.open(
             path,
             map_size=map_size,  # the whole capacity unless initial_map_mb says otherwise: no resize under load
-            max_dbs=4,
+            max_dbs=6,
             max_readers=config.max_readers,
             sync=config.sync,
             metasync=config.sync,

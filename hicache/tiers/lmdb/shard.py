@@ -22,6 +22,7 @@ from hicache.tiers.lmdb.accounting import LMDBAccounting
 from hicache.tiers.lmdb.config import LMDBConfig, MapGeometry
 from hicache.tiers.lmdb.disk import mib, write_failure
 from hicache.tiers.lmdb.handles import LMDBHandles, open_failure
+from hicache.tiers.lmdb.value_files import SLOT, Value, value_len
 
 
 class LMDBShard:
@@ -61,6 +62,19 @@ class LMDBShard:
         return 0 < len(kb) <= 500 and self.acct.cost(len(kb), nbytes) <= self.capacity * self.config.low_watermark
 
     # ------------------------------------------------------------------ reads
+    def value(self, txn, kb: bytes, buffers: bool) -> Any:
+        """``kb``'s value in ``txn`` (a view with ``buffers``, valid while it is open), inline or in a value
+        file (hicache.tiers.lmdb.value_files); None: no such key."""
+        h = self.handles
+        val = txn.get(kb, db=h.data)
+        if val is not None:
+            return val
+        rec = txn.get(kb, db=h.slots)
+        if rec is None:
+            return None
+        view = self.acct.files.view(*SLOT.unpack(rec))
+        return view if buffers else view.tobytes()
+
     @contextmanager
     def txn(self, buffers: bool = False) -> Iterator[Any]:
         """A read transaction, under the RWLock's shared side; a map another process grew is
@@ -81,10 +95,10 @@ class LMDBShard:
                 self.handles.env.set_mapsize(0)
 
     # ------------------------------------------------------------------ writes
-    def store(self, items: list[tuple[bytes, Buffer]]) -> str | None:
+    def store(self, items: list[tuple[bytes, Buffer | Value]]) -> str | None:
         """Write ``items`` (keys that :meth:`fits`) in one transaction, evicting first where they
         would cross the high watermark. None when committed, else why not (counted in ``errors``)."""
-        incoming = sum(self.acct.cost(len(k), len(v)) for k, v in items)
+        incoming = sum(self.acct.cost(len(k), value_len(v)) for k, v in items)
         with self._wlock:
             self.acct.make_room(incoming)
             touched = self.acct.take_touched()
@@ -94,6 +108,10 @@ class LMDBShard:
                 for kb, v in items:
                     self.acct.put(txn, kb, v)
                 self.acct.put_used(txn)
+                if self.config.sync:  # the value files' bytes are on disk before the index names them
+                    self.acct.files.sync()
+                else:
+                    self.acct.files.discard()
 
             cause = self._write(run, incoming)
         if cause is not None:
@@ -131,13 +149,14 @@ class LMDBShard:
     def stats(self) -> dict[str, float]:
         try:
             with self.txn() as txn:
-                entries = txn.stat(self.handles.data)["entries"]
+                entries = txn.stat(self.handles.data)["entries"] + txn.stat(self.handles.slots)["entries"]
             file_bytes = os.path.getsize(self.handles.data_file)
         except (lmdb.Error, OSError):
             entries = file_bytes = -1
         out = self.acct.counts()
         out.update(entries=entries, used_bytes=self.acct.used, capacity_bytes=self.capacity,
-                   map_size=self.handles.env.info()["map_size"], file_bytes=file_bytes)
+                   map_size=self.handles.env.info()["map_size"], file_bytes=file_bytes,
+                   value_file_bytes=self.acct.files.allocated_bytes())
         return out
 
     def check(self, owns) -> dict[str, int]:  # noqa: ANN001 - owns: Callable[[bytes], bool]
@@ -150,6 +169,7 @@ class LMDBShard:
     def close(self) -> None:
         with self._wlock, self.handles.rw.exclusive():
             self.handles.env.close()
+            self.acct.files.close()
 
     # ------------------------------------------------------------------ internals
     def _write(self, fn, needed: int = 0) -> str | None:
@@ -177,8 +197,9 @@ class LMDBShard:
                 self.acct.used = used_before
                 with self.handles.rw.exclusive():
                     self.handles.env.set_mapsize(0)
-            except lmdb.Error as e:
+            except (lmdb.Error, OSError) as e:  # OSError: a value file's pwrite / fdatasync
                 self.acct.used = used_before
+                self.acct.files.discard()
                 return write_failure(e, self.handles.path, needed)
         return self._map_full()
 

@@ -9,11 +9,13 @@ transaction per shard touched, all open together). Each shard holds an equal sha
 ``capacity_gb`` and keeps every rule below on its own (its own ``used``, recency order and
 eviction); the store's stats are the sums.
 
-Layout of each environment (four named databases):
+Layout of each environment (six named databases):
 - ``data``:  key -> value (the page values, header included)
 - ``kseq``:  key -> sequence number (u64 big-endian) of its last write or read
 - ``order``: sequence number -> key (ascending = least recently used first)
 - ``meta``:  ``used`` -> logical bytes held (u64), the basis of eviction
+- ``slots`` / ``free``: with ``value_files``, values written into slot files beside the environment
+  instead of ``data`` (hicache.tiers.lmdb.value_files: one copy less per byte); read either way
 
 Capacity and growth: the memory map starts at ``initial_map_mb`` and doubles (``set_mapsize``)
 whenever a write needs more room, never beyond ``capacity_gb``; the data file can therefore
@@ -79,6 +81,7 @@ from hicache.tiers.lmdb.handles import LMDBHandles
 from hicache.tiers.lmdb.layout import shard_configs, shard_of
 from hicache.tiers.lmdb.malloc import keep_freed_memory
 from hicache.tiers.lmdb.shard import LMDBShard
+from hicache.tiers.lmdb.value_files import Value, value_len
 
 
 class LMDBStore(StorageBackend):
@@ -99,6 +102,10 @@ class LMDBStore(StorageBackend):
 
     name = "lmdb"
     direct_reads = True  # values are read as views into the map and copied once, GIL released
+
+    @property
+    def writes_parts(self) -> bool:  # (StorageBackend.writes_parts) value files pwritev a value's parts
+        return self.config.value_files
 
     def __init__(self, config: LMDBConfig) -> None:
         self.config = config
@@ -227,15 +234,20 @@ class LMDBStore(StorageBackend):
     def write_error(self) -> str | None:
         return getattr(self._cause, "text", None)
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+    def batch_set_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """As :meth:`batch_set`, each value given as its parts: with ``value_files`` written as they are
+        (``pwritev``), else joined into LMDB's value."""
+        return self.batch_set(keys, [tuple(p) for p in parts])
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Buffer | Value]) -> list[bool]:
         same_len(keys, values)
         self._cause.text = None
         ok = [False] * len(keys)
-        parts: dict[int, tuple[list[int], list[tuple[bytes, Buffer]]]] = {}
+        parts: dict[int, tuple[list[int], list[tuple[bytes, Buffer | Value]]]] = {}
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             kb = k.encode()
             s = shard_of(kb, len(self.shards))
-            if self.shards[s].fits(kb, len(v)):
+            if self.shards[s].fits(kb, value_len(v)):
                 idx, items = parts.setdefault(s, ([], []))
                 idx.append(i)
                 items.append((kb, v))
@@ -323,9 +335,8 @@ class LMDBStore(StorageBackend):
         try:
             with ExitStack() as stack:
                 txns = {s: stack.enter_context(self.shards[s].txn(buffers)) for s in touched}
-                dbs = {s: self.shards[s].handles.data for s in touched}
                 enc = [k.encode() for k in keys]
-                return fn(lambda i: txns[idx[i]].get(enc[i], db=dbs[idx[i]]))
+                return fn(lambda i: self.shards[idx[i]].value(txns[idx[i]], enc[i], buffers))
         except lmdb.Error:
             self.shards[touched[0]].acct.count("errors")
             return None

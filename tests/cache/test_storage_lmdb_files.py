@@ -1,0 +1,250 @@
+"""LMDB value files (hicache/tiers/lmdb/value_files.py, ``value_files: true``): page values pwrite'd into slot
+files, LMDB holding the index, through the StorageTier with real host pools: round trips, overwrites,
+restarts, misses and capacity eviction with the values in the files; the tier writes an L2 page and its
+trailer as parts (no framing copy); a byte flipped in a file is a corrupt value; slots given back are not
+handed out while a reader may still read them (concurrent writers, readers, overwrites, deletes and eviction:
+no corrupt value); a killed writer leaves every committed page; a store without the option reads what one
+with it wrote (and the reverse); ``check_integrity`` after each step."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store
+from hicache.tiers.device import KVLayout
+from hicache.tiers.host import make_host_pool
+from hicache.tiers.lmdb.value_files import SLOT
+from hicache.tiers.storage import StorageTier
+
+REPO = Path(__file__).resolve().parents[2]
+BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=32, dtype=torch.float16)  # 32 KiB pages
+files_store = functools.partial(open_store, value_files=True)
+
+
+def page_data(layout: KVLayout, i: int) -> torch.Tensor:
+    """Deterministic content of page number ``i``: ``[2 * layers, 1, row_elems]``."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(2 * layout.num_layers, 1, PS * layout.num_kv_heads * layout.head_dim, generator=g).to(
+        layout.dtype)
+
+
+@pytest.mark.parametrize("src_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("dst_layout", ["layer_first", "page_first"])
+def test_round_trip_restart_and_misses(tmp_path, src_layout, dst_layout):
+    """Pages written from either host layout read back into either, after a restart too, from the files (not
+    data.mdb); a read stops at the first missing page."""
+    store = files_store(tmp_path / "db", capacity_gb=0.05, initial_map_mb=1)
+    tier = StorageTier(store, SMALL, PS, max_batch_pages=4)
+    src, dst = make_host_pool(src_layout, SMALL, 16, PS), make_host_pool(dst_layout, SMALL, 16, PS)
+    fill(src, 1)
+    keys, src_pages = keys_for(10), [9, 3, 0, 15, 7, 1, 2, 12, 4, 5]
+    for seed in (1, 2):  # the second pass overwrites every value (new slots, the old ones given back)
+        fill(src, seed)
+        assert tier.batch_set(keys, src, src_pages) == 10
+    want = src.read_pages(torch.tensor(src_pages))
+    store.check_integrity()
+    store.close()
+    store = files_store(tmp_path / "db", capacity_gb=0.05)
+    tier = StorageTier(store, SMALL, PS)
+    assert tier.batch_get(keys, dst, list(range(10))) == 10
+    assert torch.equal(dst.read_pages(torch.arange(10)), want)
+    st = store.stats()
+    assert st["entries"] == 10 and st["value_file_bytes"] >= 10 * 4096, st
+    with store.handles.env.begin() as txn:
+        assert txn.stat(store.handles.data)["entries"] == 0 and txn.stat(store.handles.slots)["entries"] == 10
+    store.delete(keys[3])
+    assert tier.batch_exists(keys) == 3 and tier.batch_get(keys, dst, list(range(10))) == 3
+    assert tier.stats()["corrupt"] == 0
+    store.check_integrity()
+    store.close()
+
+
+def test_capacity_eviction_keeps_the_files_within_capacity(tmp_path):
+    """5 MiB of 32 KiB pages through a 2 MiB store: evicted by age (a page read after every write stays), the
+    index and the value file within the capacity."""
+    store = files_store(tmp_path / "db", capacity_gb=2 / 1024, initial_map_mb=1)
+    tier = StorageTier(store, BIG, PS)
+    pool = make_host_pool("page_first", BIG, 8, PS)
+    fill(pool, 4)
+    keep = keys_for(1, salt=999)
+    assert tier.batch_set(keep, pool, [7]) == 1
+    written = []
+    for b in range(40):
+        keys = keys_for(4, salt=b)
+        assert tier.batch_set(keys, pool, [0, 1, 2, 3]) == 4
+        written += keys
+        assert tier.batch_get(keep, pool, [7]) == 1
+        st = store.stats()
+        assert st["value_file_bytes"] <= 2 << 20 and st["used_bytes"] <= store.capacity, st
+    st = store.stats()
+    assert st["evicted"] > 0 and st["errors"] == 0 and 0 < st["entries"] < len(written)
+    present = [store.exists(k) for k in written]
+    assert all(present[-8:]) and not any(present[:8]) and store.exists(keep[0])
+    store.check_integrity()
+    store.close()
+
+
+def test_the_tier_writes_pages_as_parts_and_a_flipped_file_byte_is_caught(tmp_path):
+    """A ``page_first`` pool: the tier hands the backend each L2 page and its trailer (batch_set_parts); a
+    byte flipped in the value file is a corrupt value: dropped, its slot given back, written again."""
+    store = files_store(tmp_path / "db", capacity_gb=0.05)
+    assert store.writes_parts
+    tier = StorageTier(store, SMALL, PS, max_batch_pages=4)
+    src = make_host_pool("page_first", SMALL, 16, PS)
+    fill(src, 8)
+    keys = keys_for(12)
+    calls = []
+    parts = store.batch_set_parts
+    store.batch_set_parts = lambda k, p: calls.append(len(k)) or parts(k, p)
+    assert tier.batch_set(keys, src, list(range(12))) == 12
+    assert calls == [4, 4, 4]
+    store.check_integrity()
+    kb = keys[5].encode()
+    shard = store.shard_for(keys[5])
+    with shard.txn() as txn:
+        size, slot = SLOT.unpack(txn.get(kb, db=shard.handles.slots))
+    with open(shard.acct.files.file(size), "r+b") as f:
+        f.seek(slot * size + 100)
+        b = f.read(1)
+        f.seek(slot * size + 100)
+        f.write(bytes([b[0] ^ 1]))
+    dst = make_host_pool("page_first", SMALL, 16, PS)
+    assert tier.batch_get(keys, dst, list(range(12))) == 5
+    assert tier.stats()["corrupt"] == 1 and not store.exists(keys[5])
+    store.check_integrity()
+    assert tier.batch_set(keys[5:6], src, [5]) == 1
+    assert tier.batch_get(keys, dst, list(range(12))) == 12
+    assert torch.equal(dst.buffer[:12], src.buffer[:12])
+    store.check_integrity()
+    store.close()
+
+
+def test_writers_readers_overwrites_and_eviction_read_no_reused_slot(tmp_path):
+    """One writer rewriting and deleting keys through a store that evicts, two readers: a slot given back is
+    handed out again only once no open read transaction can still find it under its old key, so no reader
+    ever copies another key's bytes (no corrupt value; handing freed slots out at once gave 2-3 of them)."""
+    store = files_store(tmp_path / "db", capacity_gb=2 / 1024, initial_map_mb=1)
+    tier = StorageTier(store, SMALL, PS, max_batch_pages=8)
+    src = make_host_pool("page_first", SMALL, 256, PS)
+    fill(src, 6)
+    keys = keys_for(256)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer():
+        try:
+            for r in range(60):
+                lo = 16 * (r % 16)
+                assert tier.batch_set(keys[lo: lo + 16], src, list(range(lo, lo + 16))) == 16
+                if r % 5 == 0:
+                    store.delete(keys[r])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def reader(seed):
+        dst = make_host_pool("layer_first", SMALL, 16, PS)
+        r = seed
+        try:
+            while not stop.is_set():
+                lo = 16 * (r % 16)
+                r += 3
+                n = tier.batch_get(keys[lo: lo + 16], dst, list(range(16)))
+                assert torch.equal(dst.read_pages(torch.arange(n)), src.read_pages(torch.arange(lo, lo + n)))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    st = tier.stats()
+    assert st["corrupt"] == 0 and st["backend.errors"] == 0 and st["hits"] > 0 and st["backend.evicted"] > 0, st
+    store.check_integrity()
+    store.close()
+
+
+def test_a_store_without_value_files_reads_theirs_and_the_reverse(tmp_path):
+    """Servers sharing a directory need not agree on the option: reads find a value wherever it is; writes
+    follow each store's own option; the index stays whole."""
+    keys = keys_for(8)
+    src = make_host_pool("page_first", SMALL, 8, PS)
+    fill(src, 9)
+    on = StorageTier(files_store(tmp_path / "db", capacity_gb=0.05), SMALL, PS)
+    assert on.batch_set(keys[:4], src, [0, 1, 2, 3]) == 4
+    on.close()
+    off = StorageTier(open_store(tmp_path / "db", capacity_gb=0.05), SMALL, PS)
+    assert off.batch_set(keys[4:], src, [4, 5, 6, 7]) == 4  # inline
+    assert off.batch_set(keys[:1], src, [0]) == 1  # an overwrite moves it inline, its slot given back
+    dst = make_host_pool("layer_first", SMALL, 8, PS)
+    assert off.batch_get(keys, dst, list(range(8))) == 8
+    assert torch.equal(dst.read_pages(torch.arange(8)), src.read_pages(torch.arange(8)))
+    off.backend.check_integrity()
+    off.close()
+    on = StorageTier(files_store(tmp_path / "db", capacity_gb=0.05), SMALL, PS)
+    dst.buffer.zero_()
+    assert on.batch_get(keys, dst, list(range(8))) == 8 and on.stats()["corrupt"] == 0
+    assert torch.equal(dst.read_pages(torch.arange(8)), src.read_pages(torch.arange(8)))
+    on.backend.check_integrity()
+    on.close()
+
+
+def test_killed_writer_leaves_committed_pages_intact(tmp_path):
+    """A writer process killed while writing: every page it printed as committed reads back whole (the value
+    file is synced before the index names it), and the store takes writes again."""
+    path = tmp_path / "db"
+    proc = subprocess.Popen([sys.executable, __file__, "writer", str(path)], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    committed = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(committed) < 120 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            committed.append(int(line))
+        time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert len(committed) >= 120, f"writer printed only {len(committed)} pages"
+    store = files_store(path, capacity_gb=0.05)
+    store.check_integrity()
+    tier = StorageTier(store, SMALL, PS)
+    keys = keys_for(10_000)
+    pool = make_host_pool("layer_first", SMALL, 1, PS)
+    for i in committed:
+        assert tier.batch_get([keys[i]], pool, [0]) == 1, f"committed page {i} lost"
+        assert torch.equal(pool.read_pages(torch.tensor([0])), page_data(SMALL, i))
+    assert tier.stats()["corrupt"] == 0
+    assert tier.batch_set(keys[-1:], pool, [0]) == 1
+    store.check_integrity()
+    tier.close()
+
+
+def _writer(path: str) -> None:
+    tier = StorageTier(files_store(Path(path), capacity_gb=0.05, initial_map_mb=1), SMALL, PS)
+    pool = make_host_pool("page_first", SMALL, 2, PS)
+    keys = keys_for(10_000)
+    for i in range(0, 10_000, 2):
+        pool.write_pages(torch.tensor([0, 1]), torch.cat([page_data(SMALL, i), page_data(SMALL, i + 1)],
+                                                         dim=1))
+        if tier.batch_set(keys[i: i + 2], pool, [0, 1]) == 2:
+            print(f"{i}\n{i + 1}", flush=True)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "writer":
+    _writer(sys.argv[2])
