@@ -279,7 +279,7 @@ def test_direct_reads_on_threads_stop_at_the_first_bad_page(tmp_path):
     """page_first pool + LMDB: pages are copied straight from the map into L2 by 4 reader
     threads; a missing page (in the third thread's share) or a corrupt one (in the first's)
     ends the count there, whatever the other threads read."""
-    store = open_store(tmp_path / "db", capacity_gb=0.05)
+    store = open_store(tmp_path / "db", capacity_gb=0.05, value_files=False)  # values in the map (flipped below)
     tier = StorageTier(store, SMALL, PS, read_threads=4)
     assert tier._readers is not None
     src = make_host_pool("page_first", SMALL, 64, PS)

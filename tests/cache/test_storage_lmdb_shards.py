@@ -182,10 +182,9 @@ def test_a_corrupted_page_in_one_shard_is_a_miss(tmp_path):
     keys = keys_for(32)
     assert tier.batch_set(keys, src, list(range(32))) == 32
     shard = store.shard_for(keys[10])
-    with shard.handles.env.begin(write=True, db=shard.handles.data) as txn:
-        bad = bytearray(txn.get(keys[10].encode()))
-        bad[100] ^= 0x01
-        txn.put(keys[10].encode(), bytes(bad))
+    bad = bytearray(store.get(keys[10]))  # where the store keeps it (a value file or its map)
+    bad[100] ^= 0x01
+    assert store.set(keys[10], bytes(bad)) and store.shard_for(keys[10]) is shard
     dst = make_host_pool("page_first", SMALL, 32, PS)
     assert tier.batch_get(keys, dst, list(range(32))) == 10
     assert torch.equal(dst.buffer[:10], src.buffer[:10])

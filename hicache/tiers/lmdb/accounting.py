@@ -52,7 +52,9 @@ class LMDBAccounting:
         self._counts = {"errors": 0, "evicted": 0, "map_grows": 0, "deleted": 0}
         self.grow_error: str | None = None
         self.files = ValueFiles(handles.path, geometry.capacity)
-        self._to_files = config.value_files  # new values of MIN_BYTES and more go to value files
+        # new values of MIN_BYTES and more go to value files (not with writemap: the map's blocks are allocated
+        # up front so that a full disk never meets a write, and values written into it take one copy already)
+        self._to_files = config.value_files and not handles.writemap
         self._oldest: tuple[int, int] | None = None  # (write txn id, the oldest open reader then)
         with handles.env.begin() as txn:
             raw = txn.get(b"used", db=handles.meta)

@@ -143,6 +143,8 @@ class LMDBShard:
         with self._wlock:
             if self._write(self.acct.drop_all) is not None:
                 self.acct.count("errors")
+            else:
+                self.acct.files.reset()
             self.acct.clear_touched()
 
     # ------------------------------------------------------------------ state

@@ -105,7 +105,7 @@ class LMDBStore(StorageBackend):
 
     @property
     def writes_parts(self) -> bool:  # (StorageBackend.writes_parts) value files pwritev a value's parts
-        return self.config.value_files
+        return self.config.value_files and not any(s.handles.writemap for s in self.shards)
 
     def __init__(self, config: LMDBConfig) -> None:
         self.config = config

@@ -115,6 +115,16 @@ class ValueFiles:
         assert m is not None
         return memoryview(m)[slot * size: (slot + 1) * size]
 
+    def reset(self) -> None:
+        """Give every file's blocks back (a cleared store: no index entry names a slot any more)."""
+        with self._lock:
+            for name in os.listdir(self.path):
+                if name.startswith("values-") and name.endswith(".dat"):
+                    path = os.path.join(self.path, name)
+                    length = os.path.getsize(path)
+                    os.truncate(path, 0)
+                    os.truncate(path, length)  # sparse again, the same length (open maps stay valid)
+
     def allocated_bytes(self) -> int:
         """Bytes the files hold on disk (their blocks; sparse files hold only what was written)."""
         total = 0
