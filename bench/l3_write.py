@@ -2,7 +2,7 @@
 
     python3 bench/l3_write.py [--shape 8b|small] [--pages 256] [--shards 1,2,4,8] [--sync on|off]
                               [--writers 4] [--rounds 2] [--workdir DIR] [--writemap] [--malloc-keep-mb N]
-                              [--value-files]
+                              [--value-files on|off]
                               [--json PATH]
 
 ``--pages`` page values (the tier's own format: payload + verified trailer; 8b: 2 MiB each,
@@ -134,12 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--writers", type=int, default=4, help="threads calling batch_set (the write-back's writers)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--writemap", action="store_true", help="LMDB's MDB_WRITEMAP")
-    p.add_argument("--value-files", action="store_true",
+    p.add_argument("--value-files", choices=["on", "off"], default="on" if LMDBConfig.value_files else "off",
                    help="LMDBConfig.value_files: page values pwrite'd into slot files (hicache.tiers.lmdb.value_files)")
     p.add_argument("--malloc-keep-mb", type=int, default=LMDBConfig.malloc_keep_mb,
                    help="LMDBConfig.malloc_keep_mb (0: the C allocator's defaults; hicache.tiers.lmdb.malloc)")
     p.add_argument("--workdir", default=".hicache", help="where the stores and raw files are written")
     args = p.parse_args(argv)
+    args.value_files = args.value_files == "on"
     layout, n, sync = SHAPES[args.shape], args.pages, args.sync == "on"
     counts = [int(s) for s in args.shards.split(",")]
     os.makedirs(args.workdir, exist_ok=True)

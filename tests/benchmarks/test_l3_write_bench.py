@@ -23,4 +23,5 @@ def test_l3_write_bench_reports_raw_and_every_shard_count(tmp_path):
         assert row["store"] > 0 and row["tier"] > 0
         assert row["tier_over_raw"] == row["tier"] / data["raw"]["best"]
     assert data["cpu"] and isinstance(data["avx512"], bool) and data["pages"] == 24
+    assert data["value_files"] is True  # the store's default (LMDBConfig.value_files)
     assert not any((tmp_path / "work").iterdir())  # every store and raw file removed
