@@ -139,6 +139,8 @@ STORAGE_METRICS: dict[str, StorageMetric] = {
     "backend.shards": StorageMetric("gauge", "storage_shards", "LMDB environments the store is sharded into"),
     "backend.file_bytes": StorageMetric("gauge", "storage_file_size_bytes", "LMDB data file size",
                                         skip_negative=True),
+    "backend.value_file_bytes": StorageMetric("gauge", "storage_value_file_bytes",
+                                              "Bytes the LMDB value files hold on disk"),
     "backend.connected": StorageMetric("gauge", "storage_connected", "1 while the backend is connected"),
 }
 

@@ -68,7 +68,9 @@ def test_a_corrupt_value_is_logged(tmp_path, caplog: pytest.LogCaptureFixture) -
 
 def test_a_failed_write_is_logged(tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     tier, store, pool = _tier(tmp_path)
-    monkeypatch.setattr(store, "batch_set_from", lambda keys, buf, spans: [True] + [False] * (len(keys) - 1))
+    failing = lambda keys, *_: [True] + [False] * (len(keys) - 1)  # noqa: E731 (framed values, or parts)
+    monkeypatch.setattr(store, "batch_set_from", failing)
+    monkeypatch.setattr(store, "batch_set_parts", failing)
     with caplog.at_level(logging.WARNING, logger="hicache.storage"):
         assert tier.batch_set(KEYS, pool, list(range(6))) == 1
     assert tier.stats()["store_failed"] == 5

@@ -50,15 +50,18 @@ def gen(s: ServerProcess, ids: list[int], new_tokens: int = 4) -> tuple[int, lis
     return 200, body["output_ids"], body["meta_info"]["cached_tokens_details"].get("storage", 0)
 
 
-def block_until(s: ServerProcess, ids: list[int], release: threading.Event) -> None:
+def block_until(s: ServerProcess, ids: list[int], release: threading.Event) -> tuple[int, int, str]:
     """A long streamed request that keeps C's one running slot busy until ``release`` is set (then the
-    stream is closed: the server aborts it), or it ends on its own."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 380, "ignore_eos": True}}
+    stream is closed: the server aborts it), or it ends on its own; (status, lines read, the last line)."""
+    body = {"input_ids": ids, "stream": True,  # most of the 4,096-token context: several seconds
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3900, "ignore_eos": True}}
+    n, last = 0, ""
     with httpx.stream("POST", s.url + "/generate", json=body, timeout=120) as r:
-        for _ in r.iter_lines():
+        for line in r.iter_lines():
+            n, last = n + 1, line or last
             if release.is_set():
-                return
+                break
+        return r.status_code, n, last[-200:]
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -102,9 +105,13 @@ def main() -> None:
             blocker = pool.submit(block_until, c, prompts(3, 1)[0], release)  # while their best-effort
             wait_for(lambda: running(c) > 0 or blocker.done(), 20)  # prefetches land (then it stops)
             queued = [pool.submit(gen, c, x) for x in p]
-            out["c_prefetched_while_queued"] = wait_for(
-                lambda: metric(c, "hicache_storage_events_total", "pages_prefetched") > 0
-                and gauge(c, "hicache_storage_fetches_in_flight") == 0, 60)
+            # their fetches read L3 (pages verified into L2) while the blocker still runs (pages_prefetched
+            # counts them only once their requests are admitted)
+            read = wait_for(lambda: blocker.done() or metric(c, "hicache_storage_events_total", "hits") > 0, 60)
+            out["c_blocker_ended_early"] = blocker.done()
+            if blocker.done():  # (why: its status, lines, last line)
+                out["c_blocker"] = blocker.result()
+            out["c_prefetched_while_queued"] = read and not out["c_blocker_ended_early"]
             release.set()
             res_c = [f.result() for f in queued]
             blocker.result()

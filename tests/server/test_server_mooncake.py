@@ -7,17 +7,22 @@ from pathlib import Path
 
 import pytest
 
+from harness.model_utils import tiny_model
 from harness.netns import run_mooncake_script
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_servers_share_mooncake(tmp_path, tiny_chat_model):
-    res = run_mooncake_script(Path(__file__).parent / "mooncake_two_servers.py", str(tiny_chat_model), str(tmp_path))
+def test_two_servers_share_mooncake(tmp_path):
+    # a context of 4,096: C's blocking request decodes long enough that the queued requests' prefetches land
+    # before it ends (with 512 it ended in about a second, and a slow lookup let them be admitted first)
+    model = tiny_model(tmp_path / "model", with_tokenizer=True, max_position_embeddings=4096)
+    res = run_mooncake_script(Path(__file__).parent / "mooncake_two_servers.py", str(model), str(tmp_path))
     assert res["a_stored"], res
     assert res["b_same_output"], res
     assert res["b_storage_hit_tokens"] > 0, res  # B served KV that A computed (prefetch policy timeout)
+    assert not res["c_blocker_ended_early"], res  # the scenario held: the requests queued behind the blocker
     assert res["c_prefetched_while_queued"], res  # C (best_effort): prefetches land while requests queue
     assert res["c_same_output"] and res["c_storage_hit_tokens"] > 0, res  # and they take them
     assert res["c_integrity"] and res["c_exit"] == 0, res
