@@ -17,6 +17,16 @@ def tier_prompts() -> tuple[list[list[int]], list[list[int]]]:
     return prompts(4, 512, seed=3, lo=40, hi=60), prompts(6, 512, seed=4, lo=40, hi=60)
 
 
+def window_case(arch: str, where, max_new_tokens: int) -> tuple:  # noqa: ANN001 (a Path)
+    """A sliding-window model's tier scenario: (arch, a tiny random checkpoint of ``arch`` in ``where``, the
+    tier prompts, the others, HF's greedy tokens for each)."""
+    from harness.model_utils import hf_greedy, tiny_model
+
+    path = tiny_model(where, arch)
+    ps, others = tier_prompts()
+    return arch, path, ps, others, hf_greedy(path, ps, max_new_tokens), hf_greedy(path, others, max_new_tokens)
+
+
 def ids_of(outs):
     return [o["output_ids"] for o in outs]
 

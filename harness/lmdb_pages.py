@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -30,3 +31,45 @@ def keys_for(n: int, salt: int = 0) -> list[str]:
 
 def open_store(path: Path, **kw) -> LMDBStore:
     return make_storage("lmdb", {"path": str(path), **kw})
+
+
+def writer_and_readers(store: LMDBStore, tier, src, keys: list[str], rounds: int) -> list[BaseException]:  # noqa: ANN001
+    """One writer rewriting 16-page slices of ``keys`` (from ``src``'s pages of the same index) for ``rounds``
+    rounds and deleting a key every fifth, two readers reading slices meanwhile and checking every page they
+    got against ``src``; returns what any thread raised (nothing: every read was right)."""
+    from hicache.tiers.host import make_host_pool
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        try:
+            for r in range(rounds):
+                lo = 16 * (r % 16)
+                assert tier.batch_set(keys[lo: lo + 16], src, list(range(lo, lo + 16))) == 16
+                if r % 5 == 0:
+                    store.delete(keys[r])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def reader(seed: int) -> None:
+        dst = make_host_pool("layer_first", SMALL, 16, PS)
+        r = seed
+        try:
+            while not stop.is_set():
+                lo = 16 * (r % 16)
+                r += 3
+                n = tier.batch_get(keys[lo: lo + 16], dst, list(range(16)))
+                got, want = dst.read_pages(torch.arange(n)), src.read_pages(torch.arange(lo, lo + n))
+                assert torch.equal(got, want), "a reader got wrong bytes"
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors

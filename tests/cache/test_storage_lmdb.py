@@ -11,14 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store
+from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store, writer_and_readers
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
 from hicache.tiers.storage import StorageTier
@@ -184,39 +183,7 @@ def test_one_writer_and_readers_in_threads(tmp_path):
     src = make_host_pool("page_first", SMALL, 256, PS)  # 256 pages, ~2 MiB in the store
     fill(src, 6)
     keys = keys_for(256)
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def writer():
-        try:
-            for r in range(40):
-                lo = 16 * (r % 16)
-                assert tier.batch_set(keys[lo : lo + 16], src, list(range(lo, lo + 16))) == 16
-                if r % 5 == 0:
-                    store.delete(keys[r])
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-        finally:
-            stop.set()
-
-    def reader(seed):
-        dst = make_host_pool("layer_first", SMALL, 16, PS)
-        r = seed
-        try:
-            while not stop.is_set():
-                lo = 16 * (r % 16)
-                r += 3
-                n = tier.batch_get(keys[lo : lo + 16], dst, list(range(16)))
-                got, want = dst.read_pages(torch.arange(n)), src.read_pages(torch.arange(lo, lo + n))
-                assert torch.equal(got, want), "a reader got wrong bytes"
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = writer_and_readers(store, tier, src, keys, rounds=40)
     assert not errors, errors
     st = tier.stats()
     assert st["corrupt"] == 0 and st["backend.errors"] == 0 and st["hits"] > 0

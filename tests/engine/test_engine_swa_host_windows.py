@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine_cases import generate_checked, ids_of, tier_prompts
-from harness.model_utils import hf_greedy, tiny_model
+from harness.engine_cases import generate_checked, ids_of, window_case
 from serving.engine import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
@@ -21,10 +20,7 @@ RATIO = 0.1  # --swa-full-tokens-ratio: 6 window pages of L1's 64 (a 256-token L
 
 @pytest.fixture(scope="module", params=["gemma3", "mistral"])
 def tiny(request, tmp_path_factory):
-    path = tiny_model(tmp_path_factory.mktemp(request.param), request.param)
-    ps, others = tier_prompts()
-    n = GREEDY["max_new_tokens"]
-    return request.param, path, ps, others, hf_greedy(path, ps, n), hf_greedy(path, others, n)
+    return window_case(request.param, tmp_path_factory.mktemp(request.param), GREEDY["max_new_tokens"])
 
 
 def _engine(path, tmp_path=None, **kw) -> Engine:
