@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -73,3 +78,43 @@ def writer_and_readers(store: LMDBStore, tier, src, keys: list[str], rounds: int
     for t in threads:
         t.join(60)
     return errors
+
+
+def page_data(layout: KVLayout, i: int) -> torch.Tensor:
+    """Deterministic content of page number ``i``: ``[2 * layers, 1, row_elems]``."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(2 * layout.num_layers, 1, PS * layout.num_kv_heads * layout.head_dim, generator=g).to(
+        layout.dtype)
+
+
+def kill_writer(script: str, path: Path, repo: Path, pages: int = 120) -> list[int]:
+    """Run ``script writer PATH`` (a writer process that prints each page number once it is committed), kill it
+    (SIGKILL) once it printed ``pages`` pages, in the middle of its next transactions; the pages it printed."""
+    proc = subprocess.Popen([sys.executable, script, "writer", str(path)], stdout=subprocess.PIPE, text=True,
+                            cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    committed: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(committed) < pages and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            committed.append(int(line))
+        time.sleep(0.05)  # let it be in the middle of the next transactions
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(committed) >= pages, f"writer printed only {len(committed)} pages"
+    return committed
+
+
+def assert_committed(tier, committed: list[int]) -> None:  # noqa: ANN001 (a StorageTier of SMALL pages)
+    """Every page a killed writer printed as committed (:func:`kill_writer`) reads back whole."""
+    from hicache.tiers.host import make_host_pool
+
+    keys = keys_for(10_000)
+    pool = make_host_pool("layer_first", SMALL, 1, PS)
+    for i in committed:
+        assert tier.batch_get([keys[i]], pool, [0]) == 1, f"committed page {i} lost"
+        assert torch.equal(pool.read_pages(torch.tensor([0])), page_data(SMALL, i))

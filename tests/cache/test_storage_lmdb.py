@@ -7,31 +7,29 @@ once its transaction is committed.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store, writer_and_readers
+from harness.lmdb_pages import (
+    PS,
+    SMALL,
+    assert_committed,
+    fill,
+    keys_for,
+    kill_writer,
+    open_store,
+    page_data,
+    writer_and_readers,
+)
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
 from hicache.tiers.storage import StorageTier
 
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=32, dtype=torch.float16)  # 32 KiB pages
 REPO = Path(__file__).resolve().parents[2]
-
-
-def page_data(layout: KVLayout, i: int) -> torch.Tensor:
-    """Deterministic content of page number ``i``: ``[2 * layers, 1, row_elems]``."""
-    g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(2 * layout.num_layers, 1, PS * layout.num_kv_heads * layout.head_dim, generator=g).to(
-        layout.dtype
-    )
 
 
 def test_writemap_store_round_trips_overwrites_and_reopens(tmp_path):
@@ -134,9 +132,10 @@ def test_flipped_byte_is_rejected_counted_and_dropped(tmp_path):
     assert other.stats()["corrupt"] == 1
 
 
-def test_capacity_eviction_keeps_the_store_within_capacity(tmp_path):
+@pytest.mark.parametrize("value_files", [True, False], ids=["value-files", "inline"])
+def test_capacity_eviction_keeps_the_store_within_capacity(tmp_path, value_files):
     cap_mb = 2
-    store = open_store(tmp_path / "db", capacity_gb=cap_mb / 1024, initial_map_mb=1)
+    store = open_store(tmp_path / "db", capacity_gb=cap_mb / 1024, initial_map_mb=1, value_files=value_files)
     tier = StorageTier(store, BIG, PS)
     pool = make_host_pool("page_first", BIG, 8, PS)
     fill(pool, 4)
@@ -150,6 +149,7 @@ def test_capacity_eviction_keeps_the_store_within_capacity(tmp_path):
         assert tier.batch_get(keep, pool, [7]) == 1  # read often: recency keeps it
         st = store.stats()
         assert st["file_bytes"] <= cap_mb << 20 and st["map_size"] <= cap_mb << 20
+        assert st["value_file_bytes"] <= cap_mb << 20 and (st["value_file_bytes"] > 0) == value_files
         assert st["used_bytes"] <= store.capacity
     st = store.stats()
     assert st["evicted"] > 0 and st["errors"] == 0
@@ -192,34 +192,12 @@ def test_one_writer_and_readers_in_threads(tmp_path):
 
 def test_killed_writer_leaves_committed_pages_intact(tmp_path):
     path = tmp_path / "db"
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "writer", str(path)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    committed = []
-    try:
-        deadline = time.monotonic() + 30
-        while len(committed) < 120 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            committed.append(int(line))
-        time.sleep(0.05)  # let it be in the middle of the next transactions
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    assert proc.returncode == -signal.SIGKILL
-    assert len(committed) >= 120, f"writer printed only {len(committed)} pages"
+    committed = kill_writer(__file__, path, REPO)
     store = open_store(path, capacity_gb=0.05)
     tier = StorageTier(store, SMALL, PS)
+    assert_committed(tier, committed)
     keys = keys_for(10_000)
     pool = make_host_pool("layer_first", SMALL, 1, PS)
-    for i in committed:
-        assert tier.batch_get([keys[i]], pool, [0]) == 1, f"committed page {i} lost"
-        assert torch.equal(pool.read_pages(torch.tensor([0])), page_data(SMALL, i))
     st = tier.stats()
     assert st["corrupt"] == 0 and st["backend.errors"] == 0
     # the store still takes writes after the crash

@@ -1,6 +1,7 @@
 """LMDB value files (hicache/tiers/lmdb/value_files.py, ``value_files: true``): page values pwrite'd into slot
 files, LMDB holding the index, through the StorageTier with real host pools: round trips, overwrites,
-restarts, misses and capacity eviction with the values in the files; the tier writes an L2 page and its
+restarts and misses with the values in the files (capacity eviction: tests/cache/test_storage_lmdb.py); the
+tier writes an L2 page and its
 trailer as parts (no framing copy); a byte flipped in a file is a corrupt value; slots given back are not
 handed out while a reader may still read them (concurrent writers, readers, overwrites, deletes and eviction:
 no corrupt value); a killed writer leaves every committed page; a store without the option reads what one
@@ -9,17 +10,23 @@ with it wrote (and the reverse); ``check_integrity`` after each step."""
 from __future__ import annotations
 
 import functools
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.lmdb_pages import PS, SMALL, fill, keys_for, open_store, writer_and_readers
+from harness.lmdb_pages import (
+    PS,
+    SMALL,
+    assert_committed,
+    fill,
+    keys_for,
+    kill_writer,
+    open_store,
+    page_data,
+    writer_and_readers,
+)
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
 from hicache.tiers.lmdb.value_files import SLOT
@@ -28,13 +35,6 @@ from hicache.tiers.storage import StorageTier
 REPO = Path(__file__).resolve().parents[2]
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=32, dtype=torch.float16)  # 32 KiB pages
 files_store = functools.partial(open_store, value_files=True)
-
-
-def page_data(layout: KVLayout, i: int) -> torch.Tensor:
-    """Deterministic content of page number ``i``: ``[2 * layers, 1, row_elems]``."""
-    g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(2 * layout.num_layers, 1, PS * layout.num_kv_heads * layout.head_dim, generator=g).to(
-        layout.dtype)
 
 
 @pytest.mark.parametrize("src_layout", ["layer_first", "page_first"])
@@ -64,31 +64,6 @@ def test_round_trip_restart_and_misses(tmp_path, src_layout, dst_layout):
     store.delete(keys[3])
     assert tier.batch_exists(keys) == 3 and tier.batch_get(keys, dst, list(range(10))) == 3
     assert tier.stats()["corrupt"] == 0
-    store.check_integrity()
-    store.close()
-
-
-def test_capacity_eviction_keeps_the_files_within_capacity(tmp_path):
-    """5 MiB of 32 KiB pages through a 2 MiB store: evicted by age (a page read after every write stays), the
-    index and the value file within the capacity."""
-    store = files_store(tmp_path / "db", capacity_gb=2 / 1024, initial_map_mb=1)
-    tier = StorageTier(store, BIG, PS)
-    pool = make_host_pool("page_first", BIG, 8, PS)
-    fill(pool, 4)
-    keep = keys_for(1, salt=999)
-    assert tier.batch_set(keep, pool, [7]) == 1
-    written = []
-    for b in range(40):
-        keys = keys_for(4, salt=b)
-        assert tier.batch_set(keys, pool, [0, 1, 2, 3]) == 4
-        written += keys
-        assert tier.batch_get(keep, pool, [7]) == 1
-        st = store.stats()
-        assert st["value_file_bytes"] <= 2 << 20 and st["used_bytes"] <= store.capacity, st
-    st = store.stats()
-    assert st["evicted"] > 0 and st["errors"] == 0 and 0 < st["entries"] < len(written)
-    present = [store.exists(k) for k in written]
-    assert all(present[-8:]) and not any(present[:8]) and store.exists(keep[0])
     store.check_integrity()
     store.close()
 
@@ -174,29 +149,13 @@ def test_killed_writer_leaves_committed_pages_intact(tmp_path):
     """A writer process killed while writing: every page it printed as committed reads back whole (the value
     file is synced before the index names it), and the store takes writes again."""
     path = tmp_path / "db"
-    proc = subprocess.Popen([sys.executable, __file__, "writer", str(path)], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    committed = []
-    try:
-        deadline = time.monotonic() + 30
-        while len(committed) < 120 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            committed.append(int(line))
-        time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    assert len(committed) >= 120, f"writer printed only {len(committed)} pages"
+    committed = kill_writer(__file__, path, REPO)
     store = files_store(path, capacity_gb=0.05)
     store.check_integrity()
     tier = StorageTier(store, SMALL, PS)
+    assert_committed(tier, committed)
     keys = keys_for(10_000)
     pool = make_host_pool("layer_first", SMALL, 1, PS)
-    for i in committed:
-        assert tier.batch_get([keys[i]], pool, [0]) == 1, f"committed page {i} lost"
-        assert torch.equal(pool.read_pages(torch.tensor([0])), page_data(SMALL, i))
     assert tier.stats()["corrupt"] == 0
     assert tier.batch_set(keys[-1:], pool, [0]) == 1
     store.check_integrity()
