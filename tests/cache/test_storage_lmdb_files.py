@@ -175,3 +175,27 @@ def _writer(path: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "writer":
     _writer(sys.argv[2])
+
+
+def test_a_cleared_store_gives_the_files_blocks_back(tmp_path):
+    """clear(): no entry left, the files' blocks given back (holes punched, the length kept: a map still open
+    reads zeros, never past the end), and the store takes writes again."""
+    store = files_store(tmp_path / "db", capacity_gb=0.05)
+    tier = StorageTier(store, SMALL, PS)
+    src = make_host_pool("page_first", SMALL, 16, PS)
+    fill(src, 3)
+    keys = keys_for(16)
+    assert tier.batch_set(keys, src, list(range(16))) == 16
+    before = store.stats()["value_file_bytes"]
+    view = store.shard_for(keys[0]).acct.files.view(tier.codec.value_nbytes, 0)  # a reader's map stays valid
+    store.clear()
+    st = store.stats()
+    assert st["entries"] == 0 and before >= 16 * 4096 and st["value_file_bytes"] < before // 4, (before, st)
+    assert bytes(view[:64]) == bytes(64)
+    store.check_integrity()
+    assert tier.batch_set(keys[:4], src, [0, 1, 2, 3]) == 4
+    dst = make_host_pool("page_first", SMALL, 16, PS)
+    assert tier.batch_get(keys, dst, list(range(16))) == 4 and torch.equal(dst.buffer[:4], src.buffer[:4])
+    store.check_integrity()
+    del view
+    store.close()

@@ -27,6 +27,8 @@ from any thread (``_lock`` guards opening a class's file and map, once).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 import struct
@@ -44,6 +46,25 @@ def value_len(value: Buffer | Value) -> int:
     if isinstance(value, tuple):
         return sum(memoryview(p).nbytes for p in value)
     return len(value)
+
+
+def punch_hole(fd: int, length: int) -> bool:
+    """Free the blocks of ``fd``'s first ``length`` bytes, its size unchanged (``fallocate`` with
+    ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE``); False where that is not supported."""
+    libc = _libc()
+    if libc is None or length <= 0:
+        return False
+    return libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(length)) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def next_key(size: int) -> bytes:
@@ -116,14 +137,19 @@ class ValueFiles:
         return memoryview(m)[slot * size: (slot + 1) * size]
 
     def reset(self) -> None:
-        """Give every file's blocks back (a cleared store: no index entry names a slot any more)."""
+        """Give every file's blocks back (a cleared store: no index entry names a slot any more) by punching
+        holes, the length kept: a reader still copying from a map (any process) reads zeros, which its
+        trailer check rejects, never past the end of the file (SIGBUS). Where the file system cannot punch
+        holes the blocks stay (reused by later writes)."""
         with self._lock:
             for name in os.listdir(self.path):
                 if name.startswith("values-") and name.endswith(".dat"):
                     path = os.path.join(self.path, name)
-                    length = os.path.getsize(path)
-                    os.truncate(path, 0)
-                    os.truncate(path, length)  # sparse again, the same length (open maps stay valid)
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        punch_hole(fd, os.fstat(fd).st_size)
+                    finally:
+                        os.close(fd)
 
     def allocated_bytes(self) -> int:
         """Bytes the files hold on disk (their blocks; sparse files hold only what was written)."""
