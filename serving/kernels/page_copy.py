@@ -12,7 +12,9 @@ host flag is valid and whose window KV a reader needs). An L2 with a host window
 (``host.windows``, hicache/tiers/host_windows.py) mirrors that: its pages hold the full layers, and a
 backup gives each page with an L1 window page a host window page (``HostWindows.take``: reclaiming
 under pressure; a page that gets none keeps no sliding part), into which its sliding layers go; a
-load reads a page's sliding layers from its host window page.
+load reads a page's sliding layers from its host window page. A window-only load (``full=False``) moves the
+sliding layers alone, into the window pages of pages whose full layers are on L1 already
+(serving/cache/request_windows.py, ``restore``).
 
 - CUDA with a pinned host pool: one Triton kernel per move (``page_copy_triton``) reads the
   device pool and writes pinned host memory through its UVA address (or the reverse), in
