@@ -226,10 +226,9 @@ class StorageTier:
         if self._parts(pool):
             return value_parts(self.codec, keys, pages, pool, self._pool_view(pool))
         n, slot = len(keys), self.slot
-        direct = pool.layout_name == "page_first" and pool.encoding == self.encoding.name
         return frame_values(self.codec, self.layout, self.page_size, keys, pages, pool,
                             buf.array[: n * slot].reshape(n, slot), buf.tensor[: n * slot].view(n, slot),
-                            self._pool_view(pool) if direct and not windowed(pool, self.codec) else None)
+                            self._pool_view(pool) if self._payloads(pool) else None)
 
     def _parts(self, pool: HostKVPool) -> bool:
         """Whether values go to the backend as parts (the L2 page and its trailer: no framing copy)."""
@@ -259,10 +258,14 @@ class StorageTier:
         return self.read_group if self._windowed_direct(pool) else self.batch_pages
 
     # ------------------------------------------------------------------ direct path
-    def _direct(self, pool: HostKVPool) -> bool:
-        """A page's L2 bytes are its L3 payload: same layout order and same encoding."""
+    def _payloads(self, pool: HostKVPool) -> bool:
+        """A page's L2 bytes are its L3 payload: same layout order and same encoding, every layer in the page."""
         return pool.layout_name == "page_first" and pool.encoding == self.encoding.name and \
-            getattr(self.backend, "direct_reads", False) and not windowed(pool, self.codec)
+            not windowed(pool, self.codec)
+
+    def _direct(self, pool: HostKVPool) -> bool:
+        """Reads copy values straight into L2 pages (:meth:`_payloads`, over a backend with direct reads)."""
+        return self._payloads(pool) and getattr(self.backend, "direct_reads", False)
 
     def _windowed_direct(self, pool: HostKVPool) -> bool:
         """An L2 with a host window pool over a backend whose reads are plain copies (LMDB): on every reader
