@@ -151,7 +151,7 @@ def ttft_section(res: dict, args, model_dir: str, work: str) -> None:
         res["l3_warm_effective_gbps"] = res["kv_bytes_per_prompt"] / extra / 1e9
     close(eng)
     # -- L3 cold, cost model ---------------------------------------------------------------------
-    drop_page_cache(os.path.join(l3, "data.mdb"))
+    drop_page_cache(l3)  # every shard's map and value files
     eng = make_engine(args, model_dir, l3, max_total_tokens=tokens, hicache_size=args.l2_gb)  # cost_model
     for p in rand_prompts(4, args.context, vocab, seed=23):  # never stored: the prefill rate
         eng.generate(input_ids=p, sampling_params=ONE)

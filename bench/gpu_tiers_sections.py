@@ -20,7 +20,13 @@ ONE = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1}
 
 
 def drop_page_cache(path: str) -> None:
-    """Drop a file's pages from the page cache (they are read from disk next time)."""
+    """Drop a file's pages from the page cache (they are read from disk next time); a directory:
+    every file under it (a sharded LMDB store: its shards' maps and value files)."""
+    if os.path.isdir(path):
+        for root, _, names in os.walk(path):
+            for name in names:
+                drop_page_cache(os.path.join(root, name))
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
