@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import parser, print_table, write_json  # noqa: E402
+from bench.common import parser, print_table, raw_write, write_json  # noqa: E402
 from hicache.tiers.device import KVLayout  # noqa: E402
 from hicache.tiers.host import PageFirstHostPool  # noqa: E402
 from hicache.tiers.lmdb.config import DEFAULT_SHARDS, LMDBConfig  # noqa: E402
@@ -52,7 +52,6 @@ from hicache.tiers.storage import StorageTier  # noqa: E402
 
 SHAPES = {"8b": KVLayout(32, 8, 128, torch.bfloat16), "small": KVLayout(4, 4, 64, torch.bfloat16)}
 PAGE_SIZE = 16
-CHUNK = 8 << 20
 
 
 def cpu_info() -> dict:
@@ -67,40 +66,6 @@ def cpu_info() -> dict:
     except OSError:
         pass
     return {"cpu": model, "avx512": "avx512f" in flags.split(), "cpus": os.cpu_count()}
-
-
-def raw_write(work: str, nbytes: int, files: int, sync: bool, every: int = 0) -> float:
-    """Seconds for ``files`` threads to write ``nbytes`` in all, sequentially, one file each
-    (with ``sync``: ``fdatasync`` at the end, and after every ``every`` bytes when given)."""
-    buf = np.random.default_rng(1).integers(0, 255, CHUNK, dtype=np.uint8).tobytes()
-    share = nbytes // files
-    paths = [os.path.join(work, f"raw-{i}") for i in range(files)]
-
-    def one(path: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            left, since = share, 0
-            while left > 0:
-                n = os.write(fd, buf[: min(CHUNK, left)])
-                left, since = left - n, since + n
-                if sync and every and since >= every:
-                    os.fdatasync(fd)
-                    since = 0
-            if sync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-    ts = [threading.Thread(target=one, args=(p,)) for p in paths]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    for p in paths:
-        os.unlink(p)
-    return dt
 
 
 def in_threads(n: int, parts: list, fn) -> float:  # noqa: ANN001
