@@ -12,8 +12,10 @@ import lmdb
 import numpy as np
 import torch
 
+from bench.common import raw_write
 from bench.gpu_model import rand_prompts
 from bench.gpu_sections import sync
+from hicache.tiers.lmdb.config import DEFAULT_SHARDS
 
 CHUNK = 2 << 20  # one 8B-shape page (16 tokens x 128 KiB)
 ONE = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1}
@@ -51,9 +53,11 @@ def in_threads(n: int, fn, total: int) -> float:
 
 
 # -- engines ----------------------------------------------------------------------------------
-def make_engine(args, model_dir, l3_dir: str | None, **kw):
+def make_engine(args, model_dir, l3_dir: str | dict | None, *, wait_pinned: bool = True, **kw):
     """An offline Engine with the engine's default graph and overlap settings (what a user
-    serves with; ``--eager`` turns both off for a comparison)."""
+    serves with; ``--eager`` turns both off for a comparison). ``l3_dir``: a path (LMDB there),
+    a dict (Mooncake Store with these options) or None (no L3). ``wait_pinned``: return once L2
+    is fully pinned (False: at once, as a server starts serving)."""
     from serving.engine import Engine
 
     base = dict(model_path=model_dir, load_format="dummy", dtype=args.dtype, device=args.device, page_size=16,
@@ -63,24 +67,39 @@ def make_engine(args, model_dir, l3_dir: str | None, **kw):
     if getattr(args, "quantization", None):  # bench/models.py: every engine of a section quantized alike
         base.update(quantization=args.quantization)
     if l3_dir is not None:
-        base.update(hicache_storage_backend="lmdb", hicache_storage_prefetch_policy="wait_complete",
+        backend, extra = ("mooncake", dict(l3_dir)) if isinstance(l3_dir, dict) else \
+            ("lmdb", {"path": l3_dir, "capacity_gb": args.l3_gb, "sync": False})
+        base.update(hicache_storage_backend=backend, hicache_storage_prefetch_policy="wait_complete",
                     hicache_storage_prefetch_timeout_base=60.0, hicache_storage_prefetch_threshold=256,
-                    hicache_storage_read_threads=args.read_threads,
-                    hicache_storage_backend_extra_config={"path": l3_dir, "capacity_gb": args.l3_gb, "sync": False})
+                    hicache_storage_read_threads=args.read_threads, hicache_storage_backend_extra_config=extra)
     base.update(kw)
     t0 = time.perf_counter()
     eng = Engine(**base)
     args.engine_init_s.append(round(time.perf_counter() - t0, 2))
+    eng.started_at = t0  # bench/gpu_tiers_l3.py: requests timed from the engine's start
     # L2 is pinned in chunks on a background thread while the engine already serves (issue 27);
     # each cudaHostRegister holds the driver's lock and stalls kernel launches (measured on the
     # H200: 15 ms and 12 ms stalls inside one L3 hit right after a restart, 57 vs 36 ms). The
     # tiers are timed in the steady state: wait until every L2 page is pinned.
     t1 = time.perf_counter()
     host = eng.core.host_pool
-    if host is not None and host.pinner is not None:
+    if wait_pinned and host is not None and host.pinner is not None:
         host.pinner.join()
-    args.__dict__.setdefault("l2_pin_wait_s", []).append(round(time.perf_counter() - t1, 2))
+    if wait_pinned:
+        args.__dict__.setdefault("l2_pin_wait_s", []).append(round(time.perf_counter() - t1, 2))
     return eng
+
+
+def server_warmup(eng) -> None:
+    """What a server does before it reports ready (serving/server/serve.py ``_warmup``): one
+    token of a one-token prompt."""
+    eng.generate(input_ids=[0], sampling_params=ONE)
+
+
+def bytes_per_token(shape: dict, dtype: str) -> int:
+    """L1's KV bytes per token of a bench model (K and V of every layer; L2 and L3 hold the same raw)."""
+    elem = 2 if dtype in ("bfloat16", "float16") else 4
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elem
 
 
 def close(eng, persist: bool = False) -> None:
@@ -162,6 +181,19 @@ def ceilings(res: dict, args, work: str) -> None:
         for k in keys:
             txn.put(k, block)
     res["lmdb_put_gbps"] = nbytes / (time.perf_counter() - t0) / 1e9
+    # the disk's raw write rate (the L3 write goal's reference): the same bytes written sequentially
+    # to 1 file and to one file per shard of the store at once, then fdatasync; the faster counts, each
+    # the best of 2 rounds (a first write can be several times slower: bench/l3_write.py's medians).
+    # Each starts on an idle disk (os.sync: no other dirty pages, such as LMDB's, written back beside it)
+    for files in sorted({1, DEFAULT_SHARDS}):
+        secs = []
+        for _ in range(2):
+            os.sync()
+            secs.append(raw_write(work, nbytes, files, sync=True))
+        res[f"disk_write_{files}f_gbps"] = nbytes / min(secs) / 1e9
+    res["disk_write_gbps"] = max(res[f"disk_write_{f}f_gbps"] for f in {1, DEFAULT_SHARDS})
+    os.sync()
+    res["page_cache_write_gbps"] = nbytes / raw_write(work, nbytes, 1, sync=False) / 1e9  # no fdatasync
 
     def lmdb_reader(i, n):
         with env.begin(buffers=True) as txn:
