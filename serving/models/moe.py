@@ -209,17 +209,29 @@ class SparseMoE(nn.Module):
         self.quant: ExpertWeights | None = None  # quantized experts (quantize_experts), the floats gone
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k], expert ids [T, k])`` by the options' scoring (``SCORINGS``)."""
+        """``(weights [T, k], expert ids [T, k])`` by the options' scoring (``SCORINGS``); a few tokens on
+        the fused path through the routing kernel where it computes that scoring (one launch after the
+        router's GEMM instead of four)."""
+        if self._decode_sized(x):
+            from serving.kernels import triton_moe_decode as dec  # triton: a GPU-side import
+
+            if self.opts.scoring in dec.SCORINGS:
+                return dec.route_topk(self.gate(x), self.top_k, self.opts.scoring, self.opts.renormalize, x.dtype)
         return SCORINGS[self.opts.scoring](self.gate, x, self.opts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        if self.quant is None and self._fused(x):
-            from serving.kernels.triton_moe import fused_moe  # triton: a GPU-side import
+    def _decode_sized(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s tokens take the fused matrix-vector kernels (serving/kernels/triton_moe_decode.py)."""
+        if not self._fused(x):
+            return False
+        from serving.kernels.triton_moe_decode import use_decode_path
 
-            out = fused_moe(x, weights, ids, self.w13, self.w2, self.b13, self.b2 if self.tp.rank == 0 else None,
-                            self.opts.activation, self.opts.swiglu_alpha, self.opts.swiglu_limit)
+        return use_decode_path(x.shape[0], self.top_k, self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is None and self._fused(x):
+            out = self._forward_fused(x)
             return self.tp.all_reduce(out) if self.tp.is_parallel else out
+        weights, ids = self.route(x)
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -239,6 +251,21 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, (y * w[start:start + n, None]).to(out.dtype))
             start += n
         return self.tp.all_reduce(out) if self.tp.is_parallel else out
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The Triton kernels (GPU-side imports): a few tokens through the matrix-vector kernels
+        (serving/kernels/triton_moe_decode.py), more through the blocked ones (serving/kernels/triton_moe.py)."""
+        from serving.kernels import triton_moe
+        from serving.kernels import triton_moe_decode as dec
+
+        o = self.opts
+        b2 = self.b2 if self.tp.rank == 0 else None
+        weights, ids = self.route(x)
+        if self._decode_sized(x):
+            return dec.moe_decode(x, weights, ids, self.w13, self.w2, self.b13, b2, o.activation,
+                                  o.swiglu_alpha, o.swiglu_limit)
+        return triton_moe.fused_moe(x, weights, ids, self.w13, self.w2, self.b13, b2, o.activation,
+                                    o.swiglu_alpha, o.swiglu_limit)
 
     def project(self, x: torch.Tensor, expert: int, which: int, bias: torch.Tensor | None) -> torch.Tensor:
         """Expert ``expert``'s gate/up (``which`` 0) or down (1) projection of ``x``, float or quantized."""

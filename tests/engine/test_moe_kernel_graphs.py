@@ -1,4 +1,5 @@
-"""Mixture-of-experts models through the fused Triton MoE (serving/kernels/triton_moe.py), the CUDA path,
+"""Mixture-of-experts models through the fused Triton MoE (serving/kernels/triton_moe.py, and for one
+token of Qwen3-MoE's 8 experts serving/kernels/triton_moe_decode.py), the CUDA path,
 exercised on a CPU: a tiny random Qwen3-MoE (8 experts, top 2) and GPT-OSS (4 experts, biases, the clamped
 activation) with the Triton backend under the interpreter (in a child process), every MoE layer forced onto
 the kernel (``moe.FUSED_KERNEL``), so ``syncs_host`` is False and the decode and extend graph runners' static
@@ -28,6 +29,13 @@ def spy(x, *args, **kw):
     calls.append(x.shape[0])
     return kernel(x, *args, **kw)
 triton_moe.fused_moe = spy
+from serving.kernels import triton_moe_decode
+dec_calls = []
+dec_kernel = triton_moe_decode.moe_decode
+def dec_spy(x, *args, **kw):
+    dec_calls.append(x.shape[0])
+    return dec_kernel(x, *args, **kw)
+triton_moe_decode.moe_decode = dec_spy
 path = tiny_model(sys.argv[1], sys.argv[2])
 ps = prompts(3, 512, seed=11, lo=20, hi=40)
 params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -43,6 +51,8 @@ outs = eng.generate(input_ids=ps, sampling_params=params)
 assert [o["output_ids"] for o in outs] == ref, ([o["output_ids"] for o in outs], ref)
 assert runner.graphs.replays > 0 and runner.extend_graphs.replays > 0
 assert 4 in calls and 16 in calls, sorted(set(calls))  # a padded decode size and a padded extend bucket
+# one token a step takes the matrix-vector kernels where its pairs are few against the experts (8 x top 2)
+assert (1 in dec_calls) == (sys.argv[2] == "qwen3_moe"), sorted(set(dec_calls))
 ps2 = [p + o["output_ids"] + [17 + i, 23] for i, (p, o) in enumerate(zip(ps, outs))]
 outs2 = eng.generate(input_ids=ps2, sampling_params=params)
 assert [o["output_ids"] for o in outs2] == hf_greedy(path, ps2, 6)
