@@ -260,8 +260,12 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--swa-full-tokens-ratio", type=float, default=None,
                    help="the hybrid SWA L1 on (the window pool), this share of the logical pages")
+    for name, kind in (("conversations", int), ("context", int), ("mt_l1_tokens", int), ("mt_l2_gb", float)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help="multiturn: overrides the shape's")
     args = p.parse_args()
     s = args.small
+    given = {k: getattr(args, k) for k in ("conversations", "context", "mt_l1_tokens", "mt_l2_gb")
+             if getattr(args, k) is not None}
     args.__dict__.update(
         dtype="bfloat16" if args.device == "cuda" else "float32", eager=False, l3_gb=1.0 if s else 40.0,
         read_threads=default_read_threads(),  # the engine's own default (one per CPU, at most 16)
@@ -269,6 +273,7 @@ def main() -> None:
         seq_len=8192, ttft_ctx=256 if s else 8192, prompts=2 if s else 3, l2_gb=0.25 if s else 32.0,
         conversations=4 if s else 16, turns=3, context=128 if s else 4096, mt_l1_tokens=2048 if s else 16384,
         mt_l2_gb=0.1 if s else 4.0, mt_user=32 if s else 256, mt_answer=8 if s else 32)
+    args.__dict__.update(given)
     sections = set(args.sections.split(","))
     results = {}
     for name in args.models.split(","):

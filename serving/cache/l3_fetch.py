@@ -85,6 +85,9 @@ class Fetches:
         self.on_load: Callable[[MatchResult, MatchResult], None] | None = None
         # ... and whether an early load may run now (its last window's window pages can be had); None: always
         self.can_load: Callable[[], bool] | None = None
+        # ... and host window pages for a fetch's pages in the last window before its end, before its read
+        # starts (the readers never reclaim): (start page, host pages) -> None; None: no host window pool
+        self.on_start: Callable[[int, list[int]], None] | None = None
         # a private L3 in the exclusive mode: the keys of committed pages whose L3 copy the tree gave up
         # (an L3 hit promotes: serving/cache/l3_promote.py deletes them); None: no promotion
         self.on_promote: Callable[[list[str]], None] | None = None
@@ -106,6 +109,8 @@ class Fetches:
         """Read ``keys`` (pages ``start_page`` on of ``tokens``) into ``host_pages``; ``node``
         (where the prefix ends) is locked by the caller and becomes the fetch's."""
         op = FetchOp(start_page, tokens[: (start_page + len(keys)) * self.page_size], keys, node, host_pages)
+        if self.on_start is not None:
+            self.on_start(start_page, host_pages)
         if self._workers is None:
             op.job = self.tier.start_read(keys, self.host_pool, host_pages)
         else:  # a tier with only batch_get (tensor parallel: every rank reads its part)

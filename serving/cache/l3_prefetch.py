@@ -95,6 +95,11 @@ class Prefetcher:
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-l3-lookup")
         self.fetches = Fetches(tree, host_pool, tier, transfers, self.load_policy.observe_read)
         self.states = states  # (L2 state pool, its L3 store) of a model with state layers
+        # a hybrid SWA L1 (serving/cache/request_windows.py): where a lookup starts (tokens cached above L3,
+        # after dropping a stale tail L3 holds whole); None: the tree's cached prefix
+        self.window_cut: Callable[[list[int]], int] | None = None
+        # ... and whether a fetch (start page, pages) may start now (host window room for its last window)
+        self.window_room: Callable[[int, int], bool] | None = None
         self.snapshots_fetched = 0  # state snapshots from L3 the tree took
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
@@ -152,7 +157,10 @@ class Prefetcher:
         ps = self.page_size
         prompt = req.fill_ids[: req.seq_len - 1]
         full = len(prompt) // ps
-        cached = (self.tree.peek_prefix_len(prompt) if self.states is None else resume_point(self.tree, prompt)) // ps
+        if self.states is not None:
+            cached = resume_point(self.tree, prompt) // ps
+        else:
+            cached = (self.tree.peek_prefix_len if self.window_cut is None else self.window_cut)(prompt) // ps
         lookup = (full - cached) * ps >= self.threshold_tokens
         if lookup:
             d = self.load_policy.decide(full - cached, backlog_tokens=self.backlog(req))
@@ -235,6 +243,9 @@ class Prefetcher:
             tree.unlock(node)
             self._watch(req, op)
             return
+        if self.window_room is not None and not self.window_room(op.start_page, n):
+            tree.unlock(node)
+            return  # the host window pool is held (fetches, locked nodes): retry once some is given back
         pages = host.alloc(n)  # cannot fail: n <= num_free
         try:
             op.fetch = self.fetches.start(op.start_page, op.tokens, op.keys[:n], node, pages)

@@ -138,6 +138,9 @@ class ReqCache:
             self.release(req)
             if first:
                 kv.admitted = False
+            # its prefetch is over (what landed is on L2, unlocked): it waits on, so its prefix is watched
+            # again (a new lookup next step: pins, L3 if the prefix or its last window leaves L2 meanwhile)
+            kv.prefetch_checked = False
             return Admission(Answer.NO_ROOM)
         return Admission(Answer.READY if self.poll_load(req) else Answer.LOADING, n, first)
 
@@ -298,7 +301,10 @@ class ReqCache:
         if pages is None:
             return False
         if self.windows is not None:  # the sliding layers' KV of these pages: window pages
-            ok = self.windows.ensure(pages[max(0, windows_from - len(req.kv.pages)):])
+            want = pages[max(0, windows_from - len(req.kv.pages)):]
+            ok = self.windows.ensure(want)
+            if not ok and self._holders == {req.rid} and self.windows.free_behind(req):
+                ok = self.windows.ensure(want)  # alone: its own prefix behind its window held them
             self.flush_transfers()
             if not ok:
                 self.allocator.free(pages)

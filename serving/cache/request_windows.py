@@ -58,6 +58,7 @@ class RequestWindows:
         self._loading: dict[int, PendingLoad] = {}  # L1 page -> the window-only load filling its window page
         self._pinned: list[tuple[PendingLoad, list[int]]] = []  # window-only loads in flight, their L2 pages
         self.restored_pages = 0  # window pages filled by window-only loads (scheduler thread)
+        self.tails_dropped = 0  # stale L2 tails dropped for an L3 fetch to read again (cut_stale_tail)
         self.tree = tree
         self.page_size = page_size
         self.window = window  # the largest window of the model's sliding layers
@@ -86,6 +87,24 @@ class RequestWindows:
         pages = max(1, self.windows.num_pages - 2 * pages_per_window(self.window, ps) - 1)
         return max(1, pages * ps - req.kv.kv_len % ps)
 
+    def free_behind(self, req: Req) -> int:
+        """Window pages of ``req``'s prefix pages from the tree that no token of it reads any more (below the
+        window before its position), demoted to L2 first as under pressure (their nodes stay on L1); for a
+        request alone on L1, whom no other holder of that prefix needs them for. Its own locked prefix could
+        hold the window pool it needed: a lone request's decode was ended for a pool too small (7 window pages,
+        5 of them on its prefix). Returns how many were freed."""
+        kv, ps, m = req.kv, self.page_size, self.windows.map
+        upto = min(kv.tree_pages, self.first_needed(kv.kv_len // ps * ps))
+        pages = {p for p in kv.pages[:upto] if m[p] >= 0}
+        if not pages:
+            return 0
+        node, _ = self.tree.lookup(req.fill_ids[: upto * ps])
+        bare = [nd for nd in node.path_to_root() if nd.device_pages is not None and nd.host_pages is None
+                and not pages.isdisjoint(nd.device_pages)]
+        if self._runner is not None and self.host is not None and self.tree.demote(bare):
+            self._runner.flush()  # the backups read the window pages: copied before they are freed
+        return self.windows.drop(sorted(pages))
+
     def prompt_end(self, req: Req) -> int:
         """Where the same prompt asked again would resume (its matchable end, whole pages)."""
         return (len(req.input_ids) - 1) // self.page_size * self.page_size
@@ -104,6 +123,37 @@ class RequestWindows:
     def usable_prefix(self, tokens: Sequence[int]) -> int:
         """The longest prefix of ``tokens`` (whole pages) the tree holds whose last window has its
         window KV on L1 or on L2 (see the module docstring); read-only."""
+        valid = self._valid_pages(tokens)
+        bad = -1  # the last invalid page below the candidate end
+        best = 0
+        for e in range(1, len(valid) + 1):  # candidate end: e pages
+            if not valid[e - 1]:
+                bad = e - 1
+            if bad < self.first_needed(e * self.page_size):
+                best = e
+        return best * self.page_size
+
+    def cut_stale_tail(self, tokens: Sequence[int]) -> int:
+        """Where an L3 lookup for ``tokens`` should start (tokens cached on L1 / L2), before it is made: when
+        the cached path's last window has pages whose window KV is nowhere above L3 (L2-only pages whose
+        host window pages were reclaimed), those pages and the path's tail after them leave the tree if
+        L3 holds them (``HiRadixTree.drop_host_tail``), so the fetch reads them again, their sliding parts
+        with them (``for_fetch`` gives them host window pages). A windowed L2 keeps about one window per
+        ``swa_full_tokens_ratio`` of its pages' worth of sequence ends; L3 keeps every one that was
+        written with its window, and without this their L2 copies hid them: a match was cut to where a
+        window was whole, mostly 0 (the H200's Gemma-3 12B multi-turn: 0.26 of its prompts cached)."""
+        valid = self._valid_pages(tokens)
+        n = len(valid)
+        lo = self.first_needed(n * self.page_size)
+        stale = next((i for i in range(lo, n) if not valid[i]), None)
+        if stale is not None and self.tree.drop_host_tail(tokens, stale):
+            self.tails_dropped += 1
+            return stale * self.page_size
+        return n * self.page_size
+
+    def _valid_pages(self, tokens: Sequence[int]) -> list[bool]:
+        """Per page of the cached path of ``tokens`` (L1 or L2): whether its window KV is at hand (an L1
+        window page, or a valid sliding part on L2)."""
         node, matched = self.tree.lookup(tokens)
         ps = self.page_size
         n = matched // ps
@@ -125,15 +175,7 @@ class RequestWindows:
                 valid += [False] * k
             if len(valid) >= n:
                 break
-        valid = valid[:n]
-        bad = -1  # the last invalid page below the candidate end
-        best = 0
-        for e in range(1, n + 1):  # candidate end: e pages
-            if not valid[e - 1]:
-                bad = e - 1
-            if bad < self.first_needed(e * ps):
-                best = e
-        return best * ps
+        return valid[:n]
 
     def for_load(self, prefix_pages: int, loaded: Sequence[int]) -> list[int]:
         """Of the pages an L2 -> L1 load fills (the match's pages ``prefix_pages ..``), those in the last
@@ -219,6 +261,38 @@ class RequestWindows:
         L1 run without window pages at its end would cut every match there (recomputed)."""
         return self.windows.num_free - min_window_pages(self.window, self.page_size) >= \
             pages_per_window(self.window, self.page_size)
+
+    def fetch_room(self, start_page: int, n: int) -> bool:
+        """Whether an L3 fetch of ``n`` pages from ``start_page`` may start now: host window pages for those in
+        the last window before its end are free, or made free (``make_host_room``). Without them every whole
+        value of that window would land without its sliding part and the match be cut before it: the fetch
+        waits instead (the prefetcher retries each step), as for L2 room. A window larger than the host window
+        pool never waits."""
+        hw = self.host.windows if self.host is not None else None
+        if hw is None or n <= 0:
+            return True
+        end = start_page + n
+        need = end - max(start_page, self.first_needed(end * self.page_size))
+        if need > hw.num_pages:
+            return True
+        short = need - hw.num_free
+        if short > 0:
+            hw.reclaimed += self.make_host_room(short)
+        return hw.num_free >= need
+
+    def for_fetch(self, start_page: int, host_pages: list[int]) -> None:
+        """An L3 fetch of pages ``start_page ..`` into ``host_pages`` (serving/cache/l3_fetch.py), before its read
+        starts: host window pages for those in the last window before its end, reclaimed from unlocked nodes
+        (LRU) if need be, as a backup takes them. The readers only take free ones (a whole value's page keeps
+        its sliding part if one is free, ``land``), so with the host window pool full every whole value lost
+        its sliding part and every match cut back to where a window was still whole (the H200's Gemma-3 12B
+        multi-turn: 0.26 of its prompts cached with L1+L2+L3). A page whose value turns out short gives its
+        host window page back."""
+        if self.host is None or self.host.windows is None or not host_pages:
+            return
+        end = start_page + len(host_pages)
+        lo = max(start_page, self.first_needed(end * self.page_size))
+        self.host.windows.take(host_pages[lo - start_page:])
 
     def on_early_load(self, before: MatchResult, after: MatchResult) -> None:
         """An L3 prefetch's early L2 -> L1 load (``before`` -> ``after``, serving/cache/l3_fetch.py): the

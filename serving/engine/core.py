@@ -154,6 +154,9 @@ class EngineCore:
             if self.storage is not None:  # an L3 prefetch's early loads on to L1 bring their windows too
                 self.storage.prefetcher.fetches.on_load = windows.on_early_load
                 self.storage.prefetcher.fetches.can_load = windows.early_load_ok
+                self.storage.prefetcher.fetches.on_start = windows.for_fetch
+                self.storage.prefetcher.window_cut = windows.cut_stale_tail
+                self.storage.prefetcher.window_room = windows.fetch_room
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
                                   self.runner.state_pool, windows)
         self.req_cache.reuse_prefixes = not cache.disable_radix_cache

@@ -176,3 +176,58 @@ def test_insert_host_from_start_page_below_a_cached_prefix():
     t.check_integrity(host_in_use=2)
     with pytest.raises(ValueError):
         t.insert_host([1, 2], [], start_page=2)
+
+
+# ---- drop_host_tail: an L2-only tail L3 holds leaves the tree (a windowed L2 refetches it whole) ----------
+
+
+def _l2_chain(t: HiRadixTree, tokens: list[int]) -> list[int]:
+    """``tokens`` on L2 only, and on L3 (as from a fetch); returns the path's L2 pages."""
+    hp = t.host.alloc(len(tokens) // PS)
+    dup = t.insert_host(tokens, hp)
+    t.host.free(dup)
+    return [p for nd in reversed(t.node_at(tokens).path_to_root()) if nd.host_pages for p in nd.host_pages]
+
+
+def test_drop_host_tail_removes_the_tail_from_a_page_on():
+    t = make()
+    toks = list(range(1, 13))  # 6 pages
+    hp = _l2_chain(t, toks[:8])
+    _l2_chain(t, toks)  # a child of 2 more pages below it
+    assert t.drop_host_tail(toks, 3) == 3  # pages 3..5: the split node's tail and its child
+    t.check_integrity()
+    assert t.peek_prefix_len(toks) == 3 * PS and t.cached_pages("host") == 3
+    assert all(t.host.is_allocated(p) for p in hp[:3]) and not any(t.host.is_allocated(p) for p in hp[3:])
+
+
+@pytest.mark.parametrize("why", ["locked", "pinned", "on_l1", "not_on_l3", "branches", "no_tail", "page_0"])
+def test_drop_host_tail_changes_nothing_it_cannot_drop(why: str):
+    t = make()
+    toks = list(range(1, 9))  # 4 pages
+    hp = _l2_chain(t, toks)
+    node = t.node_at(toks)
+    frm = 2
+    if why == "locked":
+        t.lock(node)
+    elif why == "pinned":
+        t.pin_host(hp[3:])
+    elif why == "on_l1":
+        t.reset()
+        put_device(t, toks)
+        t.host.free(t.insert_host(toks, t.host.alloc(4)))  # an L2 copy from L3 beside the L1 one
+    elif why == "not_on_l3":
+        node.storage_pages = 0
+    elif why == "branches":
+        _l2_chain(t, toks[:6] + [99, 98])
+    elif why == "no_tail":
+        frm = 4
+    else:
+        frm = 0
+    before = t.cached_pages("host")
+    assert t.drop_host_tail(toks, frm) == 0
+    assert t.cached_pages("host") == before and t.peek_prefix_len(toks) == len(toks)
+    if why == "locked":
+        t.unlock(node)
+    if why == "pinned":
+        t.unpin_host(hp[3:])
+    t.check_integrity(host_in_use=0)
