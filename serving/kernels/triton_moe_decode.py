@@ -33,7 +33,9 @@ from serving.kernels.triton_common import next_pow2
 from serving.kernels.triton_moe import ACTIVATIONS
 
 SCORINGS = {"softmax_topk": 0, "topk_softmax": 1}  # moe.py's scorings this router kernel computes
-BLOCK_N_UP, BLOCK_N_DOWN, BLOCK_K = 16, 16, 256  # tiles (bench: scratch sweeps on the H200)
+# tiles and warps: the best of a sweep on the H200 at Qwen3-30B-A3B's shape, 1 and 4 tokens
+# (bench/results/diag/moe-decode-prof-h200-2026-12-05.json: gate/up 13.6 / 43.4 us, down 11.0 / 25.3 us)
+BLOCK_N_UP, BLOCK_N_DOWN, BLOCK_K, WARPS = 8, 16, 256, 8
 
 
 def use_decode_path(tokens: int, top_k: int, experts: int) -> bool:
@@ -193,11 +195,11 @@ def moe_decode(
         x, w13, w13 if b13 is None else b13, act, ids, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), act.stride(0),
         float(alpha), float(limit), TOP_K=top_k, ACT=ACTIVATIONS[activation], HAS_BIAS=b13 is not None,
-        BLOCK_N=bn_up, BLOCK_K=bk_up, num_warps=4,
+        BLOCK_N=bn_up, BLOCK_K=bk_up, num_warps=WARPS,
     )  # fmt: skip
     _down_gemv_kernel[(tokens, triton.cdiv(hidden, bn_dn))](
         act, w2, w2 if b2 is None else b2, topw, ids, out, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_BIAS=b2 is not None, BLOCK_N=bn_dn, BLOCK_K=bk_dn, num_warps=4,
+        TOP_K=top_k, HAS_BIAS=b2 is not None, BLOCK_N=bn_dn, BLOCK_K=bk_dn, num_warps=WARPS,
     )  # fmt: skip
     return out
