@@ -47,6 +47,19 @@ def align_sizes(tokens: int, top_k: int, experts: int, block_m: int) -> tuple[in
     return rows, triton.cdiv(rows, block_m)
 
 
+def moe_shapes(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               activation: str) -> tuple[int, int, int, int, int]:
+    """``(tokens, hidden, top_k, experts, inter)`` of a fused MoE call, its activation and expert weights
+    checked (ValueError naming what does not fit)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"the fused MoE kernel has no activation {activation!r}; it has {sorted(ACTIVATIONS)}")
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    if w13.shape[2] != hidden or w2.shape != (experts, hidden, inter):
+        raise ValueError(f"expert weights w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit hidden {hidden}")
+    return tokens, hidden, ids.shape[1], experts, inter
+
+
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, num_blocks,
                   E: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
@@ -216,13 +229,7 @@ def fused_moe(
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token: ``[T, H]`` in ``x``'s dtype.
     ``buffers``: the ``(act [N, I], y [N, H])`` the kernels write (tests pass oversized ones to see
     that padding writes nothing); new ones by default."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"the fused MoE kernel has no activation {activation!r}; it has {sorted(ACTIVATIONS)}")
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    experts, inter = w13.shape[0], w13.shape[1] // 2
-    if w13.shape[2] != hidden or w2.shape != (experts, hidden, inter):
-        raise ValueError(f"expert weights w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit hidden {hidden}")
+    tokens, hidden, top_k, experts, inter = moe_shapes(x, ids, w13, w2, activation)
     n = tokens * top_k
     if n == 0:
         return torch.zeros_like(x)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from serving.kernels.triton_common import next_pow2
-from serving.kernels.triton_moe import ACTIVATIONS
+from serving.kernels.triton_moe import ACTIVATIONS, moe_shapes
 
 SCORINGS = {"softmax_topk": 0, "topk_softmax": 1}  # moe.py's scorings this router kernel computes
 # tiles and warps: the best of a sweep on the H200 at Qwen3-30B-A3B's shape, 1 and 4 tokens
@@ -175,13 +175,7 @@ def moe_decode(
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, ``[T, H]`` in ``x``'s dtype (module docstring).
     ``tiles``: ``(BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K)``, for sweeps."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"the fused MoE kernel has no activation {activation!r}; it has {sorted(ACTIVATIONS)}")
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    experts, inter = w13.shape[0], w13.shape[1] // 2
-    if w13.shape[2] != hidden or w2.shape != (experts, hidden, inter):
-        raise ValueError(f"expert weights w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit hidden {hidden}")
+    tokens, hidden, top_k, _, inter = moe_shapes(x, ids, w13, w2, activation)
     out = torch.empty_like(x)
     if tokens == 0:
         return out
