@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 from hicache.hiradix import HiRadixTree, MatchResult, PendingLoad, Transfer, TreeNode
 from hicache.tiers.host import HostKVPool
-from hicache.tiers.window_pages import WindowPages, min_window_pages, pages_per_window
+from hicache.tiers.window_pages import WindowPages, pages_per_window
 from serving.cache.transfers import TransferRunner
 from serving.structs.request import Req
 
@@ -58,7 +58,6 @@ class RequestWindows:
         self._loading: dict[int, PendingLoad] = {}  # L1 page -> the window-only load filling its window page
         self._pinned: list[tuple[PendingLoad, list[int]]] = []  # window-only loads in flight, their L2 pages
         self.restored_pages = 0  # window pages filled by window-only loads (scheduler thread)
-        self.tails_dropped = 0  # stale L2 tails dropped for an L3 fetch to read again (cut_stale_tail)
         self.tree = tree
         self.page_size = page_size
         self.window = window  # the largest window of the model's sliding layers
@@ -123,7 +122,7 @@ class RequestWindows:
     def usable_prefix(self, tokens: Sequence[int]) -> int:
         """The longest prefix of ``tokens`` (whole pages) the tree holds whose last window has its
         window KV on L1 or on L2 (see the module docstring); read-only."""
-        valid = self._valid_pages(tokens)
+        valid = self.valid_pages(tokens)
         bad = -1  # the last invalid page below the candidate end
         best = 0
         for e in range(1, len(valid) + 1):  # candidate end: e pages
@@ -133,25 +132,7 @@ class RequestWindows:
                 best = e
         return best * self.page_size
 
-    def cut_stale_tail(self, tokens: Sequence[int]) -> int:
-        """Where an L3 lookup for ``tokens`` should start (tokens cached on L1 / L2), before it is made: when
-        the cached path's last window has pages whose window KV is nowhere above L3 (L2-only pages whose
-        host window pages were reclaimed), those pages and the path's tail after them leave the tree if
-        L3 holds them (``HiRadixTree.drop_host_tail``), so the fetch reads them again, their sliding parts
-        with them (``for_fetch`` gives them host window pages). A windowed L2 keeps about one window per
-        ``swa_full_tokens_ratio`` of its pages' worth of sequence ends; L3 keeps every one that was
-        written with its window, and without this their L2 copies hid them: a match was cut to where a
-        window was whole, mostly 0 (the H200's Gemma-3 12B multi-turn: 0.26 of its prompts cached)."""
-        valid = self._valid_pages(tokens)
-        n = len(valid)
-        lo = self.first_needed(n * self.page_size)
-        stale = next((i for i in range(lo, n) if not valid[i]), None)
-        if stale is not None and self.tree.drop_host_tail(tokens, stale):
-            self.tails_dropped += 1
-            return stale * self.page_size
-        return n * self.page_size
-
-    def _valid_pages(self, tokens: Sequence[int]) -> list[bool]:
+    def valid_pages(self, tokens: Sequence[int]) -> list[bool]:
         """Per page of the cached path of ``tokens`` (L1 or L2): whether its window KV is at hand (an L1
         window page, or a valid sliding part on L2)."""
         node, matched = self.tree.lookup(tokens)
@@ -253,70 +234,6 @@ class RequestWindows:
                 flying.append((w, hosts))
         self._pinned = flying
         self._loading = {p: w for p, w in self._loading.items() if id(w) not in landed}
-
-    def early_load_ok(self) -> bool:
-        """Whether an L3 prefetch may load its landed run on to L1 now (serving/cache/l3_fetch.py): only while
-        its last window's window pages can be had beside one request's need (see :meth:`on_early_load`); else
-        the run stays on L2 and its request's admission loads it back with its window (``room_for_load``). An
-        L1 run without window pages at its end would cut every match there (recomputed)."""
-        return self.windows.num_free - min_window_pages(self.window, self.page_size) >= \
-            pages_per_window(self.window, self.page_size)
-
-    def fetch_room(self, start_page: int, n: int) -> bool:
-        """Whether an L3 fetch of ``n`` pages from ``start_page`` may start now: host window pages for those in
-        the last window before its end are free, or made free (``make_host_room``). Without them every whole
-        value of that window would land without its sliding part and the match be cut before it: the fetch
-        waits instead (the prefetcher retries each step), as for L2 room. A window larger than the host window
-        pool never waits."""
-        hw = self.host.windows if self.host is not None else None
-        if hw is None or n <= 0:
-            return True
-        end = start_page + n
-        need = end - max(start_page, self.first_needed(end * self.page_size))
-        if need > hw.num_pages:
-            return True
-        short = need - hw.num_free
-        if short > 0:
-            hw.reclaimed += self.make_host_room(short)
-        return hw.num_free >= need
-
-    def for_fetch(self, start_page: int, host_pages: list[int]) -> None:
-        """An L3 fetch of pages ``start_page ..`` into ``host_pages`` (serving/cache/l3_fetch.py), before its read
-        starts: host window pages for those in the last window before its end, reclaimed from unlocked nodes
-        (LRU) if need be, as a backup takes them. The readers only take free ones (a whole value's page keeps
-        its sliding part if one is free, ``land``), so with the host window pool full every whole value lost
-        its sliding part and every match cut back to where a window was still whole (the H200's Gemma-3 12B
-        multi-turn: 0.26 of its prompts cached with L1+L2+L3). A page whose value turns out short gives its
-        host window page back."""
-        if self.host is None or self.host.windows is None or not host_pages:
-            return
-        end = start_page + len(host_pages)
-        lo = max(start_page, self.first_needed(end * self.page_size))
-        self.host.windows.take(host_pages[lo - start_page:])
-
-    def on_early_load(self, before: MatchResult, after: MatchResult) -> None:
-        """An L3 prefetch's early L2 -> L1 load (``before`` -> ``after``, serving/cache/l3_fetch.py): the
-        loaded pages of the last window before the load's end (where the fetch's request resumes) whose L2
-        sliding part is valid get window pages, as far as the window pool has free ones (no eviction: the load
-        itself evicts nothing), leaving one request's need (``min_window_pages``) free. Only that window, and
-        that reserve: a fetch's early-loaded nodes stay locked until its request is admitted, and requests that
-        found no window pages to compute into waited for one another for ever (4 restarted prompts, a pool of
-        7 window pages)."""
-        flags = self.host.sliding_valid if self.host is not None else None
-        if flags is None:
-            return
-        chain: list[tuple[int, int]] = []  # (L1, L2) pages of the loaded run, deepest node first
-        nd, top = after.last_device_node, before.last_device_node
-        while nd is not None and nd is not top:
-            if nd.device_pages is not None and nd.host_pages is not None:
-                chain = list(zip(nd.device_pages, nd.host_pages, strict=False)) + chain
-            nd = nd.parent
-        last = chain[-pages_per_window(self.window, self.page_size):]
-        # never below what one request needs to run: early-loaded nodes stay locked by their fetch until its
-        # request is admitted, and requests that found no window pages would wait for one another for ever
-        spare = self.windows.num_free - min_window_pages(self.window, self.page_size)
-        want = [d for d, h in last if flags[h]][: max(0, spare)]
-        self.windows.assign(want)
 
     def adopt(self, tokens: Sequence[int], own: Sequence[int], dup: Sequence[int]) -> None:
         """After ``tree.insert(tokens, own)``: each page of ``own`` that duplicated a tree page (``dup``)

@@ -29,6 +29,7 @@ from hicache.tiers.kv_codec import get_encoding
 from hicache.tiers.storage import StorageTier, make_storage
 from serving.cache.cache_controller import CacheController
 from serving.cache.cost_model import make_load_policy, prefill_backlog
+from serving.cache.l3_windows import L3Windows
 from serving.cache.prefill_timer import PrefillTimer
 from serving.cache.req_cache import ReqCache
 from serving.cache.request_windows import RequestWindows
@@ -151,12 +152,8 @@ class EngineCore:
         if pool.windows is not None:  # a hybrid SWA L1: the sliding layers keep their windows only
             window = max(w for w in self.runner.layer_stack.windows if w is not None)
             windows = RequestWindows(pool.windows, self.tree, cache.page_size, window, self.host_pool, transfers)
-            if self.storage is not None:  # an L3 prefetch's early loads on to L1 bring their windows too
-                self.storage.prefetcher.fetches.on_load = windows.on_early_load
-                self.storage.prefetcher.fetches.can_load = windows.early_load_ok
-                self.storage.prefetcher.fetches.on_start = windows.for_fetch
-                self.storage.prefetcher.window_cut = windows.cut_stale_tail
-                self.storage.prefetcher.window_room = windows.fetch_room
+            if self.storage is not None:  # L3 fetches bring the windows where their matches resume
+                L3Windows(windows).attach(self.storage.prefetcher)
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
                                   self.runner.state_pool, windows)
         self.req_cache.reuse_prefixes = not cache.disable_radix_cache

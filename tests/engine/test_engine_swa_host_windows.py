@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine_cases import generate_checked, ids_of, window_case
+from serving.cache.l3_windows import L3Windows
 from serving.engine import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
@@ -176,7 +177,7 @@ def test_an_early_load_leaves_one_requests_window_pages_free(tiny) -> None:
         tree = eng.core.tree
         after = tree.match_prefix(ps[0])
         assert after.device_hit_tokens > 0 and pool.num_free == pool.num_pages == 7
-        rw.on_early_load(tree.match_prefix([]), after)
+        L3Windows(rw).on_early_load(tree.match_prefix([]), after)
         need = min_window_pages(rw.window, PS)
         assert pool.num_free >= need, (pool.num_free, need)
         eng.check_integrity()

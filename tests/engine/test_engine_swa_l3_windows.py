@@ -1,5 +1,5 @@
 """Returning conversations of a sliding-window model whose last windows only L3 still holds whole (the hybrid SWA
-L1 with a host window pool far smaller than the conversations: serving/cache/request_windows.py, ``fetch_room``,
+L1 with a host window pool far smaller than the conversations: serving/cache/l3_windows.py, ``fetch_room``,
 ``for_fetch``, ``cut_stale_tail``; serving/cache/req_cache.py's re-armed prefetch after NO_ROOM). A tiny random
 Gemma-3 (an 8-token window, page size 4), float32 on CPU, 16 conversations of 44-56 tokens, L1 of 64 pages with
 7 window pages, L2 of 128 pages with 13 host window pages (about 4 windows), LMDB L3: the second turn of every
