@@ -9,7 +9,8 @@ in ``serving/models`` (float32 inside, the same casts), so outputs agree to roun
 - ``rmsnorm``: HF's LlamaRMSNorm (normalize in float32, cast back, times the weight);
 - ``add_rmsnorm``: the residual add before it too (``h = residual + x``, then the norm of h);
 - ``rope_qk``: rotary embedding of q and k straight out of the fused qkv projection, reading
-  the cos/sin tables at each token's position (float32, ``rotate_half`` convention);
+  the cos/sin tables at each token's position (float32, ``rotate_half`` convention), with each
+  head's RMSNorm before it where the family has one (Qwen3's ``q_norm`` / ``k_norm``);
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up projection.
 
 ``ENABLED`` switches them off (tests compare both paths).
@@ -92,8 +93,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 @triton.jit
 def _rope_qk_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, o_ptr, stride_t, stride_ot, stride_table,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, o_ptr, qw_ptr, kw_ptr, stride_t, stride_ot, stride_table, eps,
+    NUM_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # q heads, then k heads: consecutive in both qkv and the output
@@ -101,8 +102,19 @@ def _rope_qk_kernel(
     ok = d < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
     src = qkv_ptr + t * stride_t + h * HEAD_DIM
-    x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + d, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=ok, other=0.0)
+    if NORM:  # the head's RMSNorm first (Qwen3's q_norm / k_norm), rounded as rmsnorm rounds
+        xf1, xf2 = x1.to(tl.float32), x2.to(tl.float32)
+        r = tl.rsqrt((tl.sum(xf1 * xf1, 0) + tl.sum(xf2 * xf2, 0)) / HEAD_DIM + eps)
+        is_q = h < NUM_Q
+        w1 = tl.where(is_q, tl.load(qw_ptr + d, mask=ok, other=0.0), tl.load(kw_ptr + d, mask=ok, other=0.0))
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d, mask=ok, other=0.0),
+                      tl.load(kw_ptr + HALF + d, mask=ok, other=0.0))
+        x1 = (w1.to(tl.float32) * (xf1 * r).to(x1.dtype).to(tl.float32)).to(o_ptr.dtype.element_ty)
+        x2 = (w2.to(tl.float32) * (xf2 * r).to(x2.dtype).to(tl.float32)).to(o_ptr.dtype.element_ty)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     c1 = tl.load(cos_ptr + pos * stride_table + d, mask=ok, other=0.0)
     c2 = tl.load(cos_ptr + pos * stride_table + HALF + d, mask=ok, other=0.0)
     s1 = tl.load(sin_ptr + pos * stride_table + d, mask=ok, other=0.0)
@@ -122,18 +134,23 @@ def rope_qk(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated ``q [T, H, D]`` and ``k [T, KH, D]`` (views of one new tensor; rows strided)."""
+    """Rotated ``q [T, H, D]`` and ``k [T, KH, D]`` (views of one new tensor; rows strided). ``norms``:
+    ``(q_weight, k_weight, eps)``, each head's RMSNorm before the rotation (``rmsnorm``'s arithmetic; the
+    weights of ``qkv``'s dtype), one launch for what Qwen3's attention did in about twenty."""
     t = qkv.shape[0]
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     heads = num_heads + num_kv_heads
     qk = torch.empty((t, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    qw, kw, eps = norms if norms is not None else (qk, qk, 0.0)  # unread without norms
     if t:
         half = head_dim // 2
         _rope_qk_kernel[(t, heads)](
-            qkv, positions, cos, sin, qk, qkv.stride(0), qk.stride(0), cos.stride(0),
-            HEAD_DIM=head_dim, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+            qkv, positions, cos, sin, qk, qw, kw, qkv.stride(0), qk.stride(0), cos.stride(0), eps,
+            NUM_Q=num_heads, HEAD_DIM=head_dim, HALF=half, BLOCK=triton.next_power_of_2(half),
+            NORM=norms is not None, num_warps=1,
         )  # fmt: skip
     return qk[:, :num_heads], qk[:, num_heads:]
 

@@ -123,7 +123,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None and self.k_norm is not None:  # per-head norms of q and k, then RoPE
+        fused = _fused_for(x) if cos.dim() == 2 else None
+        qk_norm = self.q_norm is not None and self.k_norm is not None
+        if qk_norm and fused is not None and self.q_norm.weight.dtype == self.k_norm.weight.dtype == qkv.dtype:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # the norms and RoPE in one launch
+            q, k = fused.rope_qk(qkv, batch.positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 norms=norms)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        elif qk_norm:  # per-head norms of q and k, then RoPE
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)

@@ -94,6 +94,18 @@ def test_fused_kernels_match_torch_path(dtype):
     k_ref = apply_rope(qkv[:, h * d: (h + kh) * d].view(37, kh, d), cos[pos][:, None], sin[pos][:, None])
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(q.float(), q_ref.float()) < tol and rel_err(k.float(), k_ref.float()) < tol
+    qn, kn = RMSNorm(d, 1e-6).to("cuda", dtype), RMSNorm(d, 1e-6).to("cuda", dtype)  # Qwen3's q/k norms
+    qn.weight.data.normal_(1.0, 0.3, generator=g)
+    kn.weight.data.normal_(1.0, 0.3, generator=g)
+    q, k = tf.rope_qk(qkv, pos, cos, sin, h, kh, d, norms=(qn.weight, kn.weight, 1e-6))
+    tf.ENABLED = False
+    try:
+        q_ref = apply_rope(qn(qkv[:, : h * d].reshape(-1, d)).view(37, h, d), cos[pos][:, None], sin[pos][:, None])
+        k_ref = apply_rope(kn(qkv[:, h * d: (h + kh) * d].reshape(-1, d)).view(37, kh, d), cos[pos][:, None],
+                           sin[pos][:, None])
+    finally:
+        tf.ENABLED = True
+    assert rel_err(q.float(), q_ref.float()) < tol and rel_err(k.float(), k_ref.float()) < tol
     gu = torch.randn(37, 2 * 14336, device="cuda", generator=g).to(dtype)
     ref = torch.nn.functional.silu(gu[:, :14336]) * gu[:, 14336:]
     assert rel_err(tf.silu_mul(gu, 14336).float(), ref.float()) < tol
