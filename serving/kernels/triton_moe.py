@@ -142,6 +142,16 @@ def align(ids: torch.Tensor, experts: int, block_m: int,
 
 
 @triton.jit
+def activate(acc_g, acc_u, alpha, limit, ACT: tl.constexpr):
+    """An expert's activation of its gate and up rows (float32), by ``ACTIVATIONS``' code."""
+    if ACT == 0:  # silu(gate) * up
+        return acc_g * tl.sigmoid(acc_g) * acc_u
+    g = tl.minimum(acc_g, limit)  # gpt_oss: (clamp(up, -l, l) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=l)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    return (u + 1) * (g * tl.sigmoid(g * alpha))
+
+
+@triton.jit
 def _up_kernel(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr, N, H, INTER,
                stride_x, stride_we, stride_wn, stride_be, stride_act, alpha, limit,
                TOP_K: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -172,12 +182,7 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr, N, H,
         b_e = b_ptr + e.to(tl.int64) * stride_be
         acc_g += tl.load(b_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_e + INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:  # silu(gate) * up
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:  # gpt_oss: (clamp(up, -l, l) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=l)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        out = (u + 1) * (g * tl.sigmoid(g * alpha))
+    out = activate(acc_g, acc_u, alpha, limit, ACT)
     dst = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
     tl.store(dst, out.to(act_ptr.dtype.element_ty), mask=ok[:, None] & col_ok[None, :])
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from serving.kernels.triton_common import next_pow2
-from serving.kernels.triton_moe import ACTIVATIONS, moe_shapes
+from serving.kernels.triton_moe import ACTIVATIONS, activate, moe_shapes
 
 SCORINGS = {"softmax_topk": 0, "topk_softmax": 1}  # moe.py's scorings this router kernel computes
 # tiles and warps: the best of a sweep on the H200 at Qwen3-30B-A3B's shape, 1 and 4 tokens
@@ -125,12 +125,7 @@ def _up_gemv_kernel(x_ptr, w_ptr, b_ptr, act_ptr, ids_ptr, H, INTER,
         b_e = b_ptr + e * stride_be
         acc_g += tl.load(b_e + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc_u += tl.load(b_e + INTER + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if ACT == 0:  # silu(gate) * up
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:  # gpt_oss: (clamp(up, -l, l) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=l)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        out = (u + 1) * (g * tl.sigmoid(g * alpha))
+    out = activate(acc_g, acc_u, alpha, limit, ACT)
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + cols, out, mask=col_ok)
 
 
