@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.models.state_scan import StatePlan, scan
+from serving.models.state_scan import StatePlan, StepFn, scan
 
 _FLA: dict[str, object] = {}
 
@@ -69,15 +69,27 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      scale: float, recurrent: torch.Tensor, plan: StatePlan, backend: str) -> torch.Tensor:
     """q, k ``[T, Hk, Dk]`` (L2-normalized), v ``[T, Hv, Dv]``, g (log decay) and beta ``[T, Hv]``
     float32 -> o ``[T, Hv, Dv]``; ``recurrent [slots, Hv, Dk, Dv]`` updated at the plan's slots."""
-    if backend == "fla":
-        ops = _fla()
+    if backend == "fla" or plan.graph is not None:  # whole sequences from an initial state (an extend graph's too)
         dt = v.dtype
+        if backend == "fla":
+            ops = _fla()
 
-        def run(q_, k_, v_, g_, b_, h0, cu, recurrent):
-            kern = ops["gdn_recurrent"] if recurrent else ops["gdn_chunk"]
-            return kern(q_, k_, v_, g=g_, beta=b_, scale=scale, initial_state=h0, output_final_state=True,
-                        cu_seqlens=cu)
+            def run(q_, k_, v_, g_, b_, h0, cu, recurrent):
+                kern = ops["gdn_recurrent"] if recurrent else ops["gdn_chunk"]
+                return kern(q_, k_, v_, g=g_, beta=b_, scale=scale, initial_state=h0, output_final_state=True,
+                            cu_seqlens=cu)
+        else:
+            def run(q_, k_, v_, g_, b_, h0, cu, recurrent):
+                return _pieces(_gdn_step(q_[0], k_[0], v_[0], g_[0], b_[0], scale), v_.shape[1:], h0, cu)
         return run_segments(run, [q.to(dt), k.to(dt), v, g.float(), beta.to(dt)], recurrent, plan)
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    scan(recurrent, plan, o, _gdn_step(q, k, v, g, beta, scale))
+    return o
+
+
+def _gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float) -> StepFn:
+    """The gated delta rule's step over token rows (float32; see the module docstring)."""
     rep = v.shape[1] // q.shape[1]
     qf = q.float().repeat_interleave(rep, dim=1) * scale
     kf = k.float().repeat_interleave(rep, dim=1)
@@ -90,10 +102,33 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         delta = (vf[rows] - mem) * beta[rows][..., None]
         s = s + kr[..., :, None] * delta[..., None, :]
         return s, torch.einsum("ahkv,ahk->ahv", s, qf[rows])
+    return step
 
-    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    scan(recurrent, plan, o, step)
-    return o
+
+def _gla_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> StepFn:
+    """Simple GLA's step in the value-first layout: ``S = exp(g) S + v k^T``, ``o = S q`` (float32)."""
+    qf, kf, vf, decay = q.float(), k.float(), v.float(), g.float().exp()
+
+    def step(s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = s * decay[rows][..., None, None] + vf[rows][..., :, None] * kf[rows][..., None, :]
+        return s, torch.einsum("ahpn,ahn->ahp", s, qf[rows])
+    return step
+
+
+def _pieces(step: StepFn, shape: torch.Size, h0: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's whole-sequence contract in torch (the reference on CPU, where an extend graph's static plan runs
+    eagerly): the pieces ``cu`` cuts token rows into, each from its initial state in ``h0``; returns
+    (outputs ``[1, *shape]``, final states). Reads ``cu`` on the host: never inside a CUDA graph."""
+    bounds = cu.tolist()
+    starts, lens = bounds[:-1], [z - a for a, z in zip(bounds, bounds[1:], strict=False)]
+    state = h0.float().clone()
+    out = torch.zeros(shape, dtype=torch.float32, device=h0.device)
+    for t in range(max(lens, default=0)):
+        seqs = [i for i, n in enumerate(lens) if n > t]
+        idx = torch.tensor(seqs, device=h0.device)
+        rows = torch.tensor([starts[i] + t for i in seqs], device=h0.device)
+        state[idx], out[rows] = step(state[idx], rows)
+    return out.unsqueeze(0), state
 
 
 def ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -103,29 +138,25 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: 
     ``recurrent [slots, H, P, N]`` updated at the plan's slots. ``io_dtype``: fla's input dtype
     (the model's; default x's)."""
     rep = x.shape[1] // b.shape[1]
-    if backend == "fla":
-        ops = _fla()
-        dtype = io_dtype or x.dtype
+    dtype = (io_dtype or x.dtype) if backend == "fla" else torch.float32
+    q = c.to(dtype).repeat_interleave(rep, dim=1)  # fla's simple GLA: queries C, keys B, values dt x
+    k = b.to(dtype).repeat_interleave(rep, dim=1)
+    v = (dt[..., None] * x.float()).to(dtype)
+    g = dt * a.float()
+    if backend == "fla" or plan.graph is not None:  # whole sequences from an initial state (an extend graph's too)
+        if backend == "fla":
+            ops = _fla()
 
-        def run(q_, k_, v_, g_, h0, cu, recurrent):
-            kern = ops["gla_recurrent"] if recurrent else ops["gla_chunk"]
-            return kern(q_, k_, v_, g=g_, scale=1.0, initial_state=h0, output_final_state=True,
-                        state_v_first=True, cu_seqlens=cu)
-        v = (dt[..., None] * x.float()).to(dtype)
-        q = c.to(dtype).repeat_interleave(rep, dim=1)
-        k = b.to(dtype).repeat_interleave(rep, dim=1)
-        return run_segments(run, [q, k, v, dt * a.float()], recurrent, plan)
-    bf = b.float().repeat_interleave(rep, dim=1)  # [T, H, N]
-    cf = c.float().repeat_interleave(rep, dim=1)
-    decay = torch.exp(dt * a.float())
-    dtx = dt[..., None] * x.float()  # [T, H, P]
-
-    def step(s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = s * decay[rows][..., None, None] + dtx[rows][..., :, None] * bf[rows][..., None, :]
-        return s, torch.einsum("ahpn,ahn->ahp", s, cf[rows])
-
+            def run(q_, k_, v_, g_, h0, cu, recurrent):
+                kern = ops["gla_recurrent"] if recurrent else ops["gla_chunk"]
+                return kern(q_, k_, v_, g=g_, scale=1.0, initial_state=h0, output_final_state=True,
+                            state_v_first=True, cu_seqlens=cu)
+        else:
+            def run(q_, k_, v_, g_, h0, cu, recurrent):
+                return _pieces(_gla_step(q_[0], k_[0], v_[0], g_[0]), v_.shape[1:], h0, cu)
+        return run_segments(run, [q, k, v, g], recurrent, plan)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    scan(recurrent, plan, y, step)
+    scan(recurrent, plan, y, _gla_step(q, k, v, g))
     return y
 
 
@@ -143,6 +174,8 @@ def run_segments(run: RunFn, inputs: list[torch.Tensor], recurrent: torch.Tensor
     left them, the snapshot slots take the state after their offset's token, the working slots end
     at each sequence's last state. A pass of one token per sequence (decode; a verify row's drafts)
     is the decode kernel's launch. Returns the outputs ``[T, ...]``."""
+    if plan.graph is not None:  # an extend graph's static passes (serving/models/state_graph.py)
+        return plan.graph.run(run, inputs, recurrent, plan.slots)
     state = recurrent[plan.slots].float()
     out: torch.Tensor | None = None
     for ps in plan.passes:

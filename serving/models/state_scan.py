@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -75,6 +76,8 @@ class StatePlan:
     snap_tails: torch.Tensor  # [S, width - 1] its conv history
     lens: tuple[int, ...]  # new tokens per sequence
     snaps: tuple[tuple[int, int, int], ...]  # (sequence, offset, slot) per snapshot, by sequence
+    # the static passes of an extend graph's plan (serving/models/state_graph.py; None: ``passes``)
+    graph: Any = None
 
     @property
     def device(self) -> torch.device:

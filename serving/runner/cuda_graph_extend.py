@@ -29,6 +29,11 @@ output is ``[sequences + tokens, vocab]`` and the batch's rows are cut from it.
 A hybrid SWA L1: the static batches have a static window view (``ForwardBatch.win``), filled per
 replay as in the decode graphs (``serving.runner.cuda_graph.WindowBuffers``).
 
+State layers (Gated DeltaNet, Mamba2): each bucket has a state plan on static buffers
+(``serving.models.state_graph.ExtendStatePlan``: the conv's rows and two passes of the whole-sequence
+kernel, padding on the state pool's scratch row), filled per replay from the batch's host lists. A batch
+with a speculative verify row (a snapshot after every token) runs eagerly.
+
 ``capture=False`` keeps the buckets, static buffers and padding but runs the forward pass
 eagerly on them: the same code path for tests on a CPU (Triton's interpreter).
 """
@@ -41,6 +46,7 @@ from collections.abc import Callable
 
 import torch
 
+from serving.models.state_graph import ExtendStatePlan
 from serving.runner.cuda_graph import WindowBuffers
 from serving.structs.forward_batch import ForwardBatch, GraphLayerWaits
 
@@ -85,8 +91,10 @@ class ExtendGraphRunner:
         keep_alive: object = None,
         row_buckets: list[tuple[int, int]] = (),
         windows: bool = False,
+        make_state_plan: Callable[[int, int], ExtendStatePlan] | None = None,
     ) -> None:
-        """``windows``: the pool has a window pool (a hybrid SWA L1): batches come with a window view."""
+        """``windows``: the pool has a window pool (a hybrid SWA L1): batches come with a window view.
+        ``make_state_plan`` (tokens, sequences) -> a bucket's state plan, for a model with state layers."""
         self.forward = forward
         self.buckets = sorted(set(buckets))  # by tokens, then sequences: the first fit is the smallest
         self.max_tokens = max(t for t, _ in self.buckets)
@@ -112,6 +120,7 @@ class ExtendGraphRunner:
         self.win = WindowBuffers(n, t, self.max_pages, device) if windows else None
         self.waits = GraphLayerWaits.create(num_layers, device)
         self.row_buckets = sorted(set(row_buckets) & set(self.buckets))
+        self.state_plans = {b: make_state_plan(*b) for b in self.buckets} if make_state_plan else None
         # key (tokens, sequences, rows?): the row graphs ask for every token row besides the last ones
         self.batches = {(*b, False): self._static_batch(*b) for b in self.buckets}
         self.batches.update({(*b, True): self._static_batch(*b, rows=True) for b in self.row_buckets})
@@ -132,6 +141,9 @@ class ExtendGraphRunner:
             prefix_lens_list=[self.context_len] * s, extend_lens_list=[0] * s,
             extend_bucket=(t, s), layer_waits=self.waits, logit_rows=self.logit_rows[:t] if rows else None,
         )
+        if self.state_plans is not None:
+            fb.state_plan = self.state_plans[(t, s)].plan
+            fb.state_slots = fb.state_plan.slots
         return fb if self.win is None else self.win.attach(fb, s, t)
 
     @torch.inference_mode()
@@ -170,6 +182,8 @@ class ExtendGraphRunner:
             and batch.page_table.shape[1] <= self.max_pages
             and batch.max_seq_len <= self.context_len
             and (batch.win is not None) == (self.win is not None)
+            and (batch.state_slots is not None) == (self.state_plans is not None)
+            and (self.state_plans is None or ExtendStatePlan.fits(batch))
             and self.bucket_for(batch.num_tokens, batch.batch_size, batch.logit_rows is not None) is not None
         )
 
@@ -191,6 +205,8 @@ class ExtendGraphRunner:
         self.page_table[:b, :w].copy_(batch.page_table, non_blocking=True)
         if self.win is not None:
             self.win.fill(batch.win, tb)
+        if self.state_plans is not None:
+            self.state_plans[bucket].fill_batch(batch)
         if tb > t:  # padding tokens: no KV stored, cut from the output
             self.input_ids[t:tb].zero_()
             self.positions[t:tb].zero_()

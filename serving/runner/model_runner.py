@@ -16,6 +16,8 @@ from serving.config import ModelConfig, SchedulerConfig
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
 from serving.models.loader import load_model
+from serving.models.state_graph import ExtendStatePlan
+from serving.models.state_kernels import backend_for
 from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
 from serving.runner.cuda_graph import CudaGraphRunner, capture_sizes
@@ -161,13 +163,12 @@ class ModelRunner:
         elif self.device.type == "cuda" and backend == "triton" and not model.disable_cuda_graph:
             with timed("capturing CUDA graphs"):
                 self.graphs = self._decode_graphs(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
-                # state layers: decode graphs only (an extend's state plan is cut per batch on the host)
-                if not model.disable_extend_cuda_graph and self.state_pool is None:
+                if not model.disable_extend_cuda_graph and self._state_extend_graphs_ok():
                     max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
                     buckets = extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs)
                     # speculative verification asks for every position's logits: small buckets get graphs for that too
                     rows = [(t, s) for t, s in buckets if t <= 128 and s <= 16] if sched.speculative_algorithm else []
-                    self.extend_graphs = self.make_extend_graph_runner(buckets, row_buckets=rows)
+                    self.extend_graphs = self._extend_graphs(buckets, rows)
 
     def _decode_graphs(self, sizes: list[int]) -> CudaGraphRunner | None:
         """The decode graphs. A model with state layers whose graphs fail to capture (their state
@@ -179,6 +180,25 @@ class ModelRunner:
         except RuntimeError as e:
             log.warning("CUDA graphs for a model with state layers did not capture (%s: %s): decode runs eagerly",
                         type(e).__name__, str(e)[:300])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
+
+    def _state_extend_graphs_ok(self) -> bool:
+        """Extend graphs for this model: any without state layers; with them only on fla-core's kernels (the
+        torch scan cuts its steps on the host, serving/models/state_kernels.py)."""
+        return self.state_pool is None or backend_for(torch.empty(0, device=self.device)) == "fla"
+
+    def _extend_graphs(self, buckets: list[tuple[int, int]], rows: list[tuple[int, int]]) -> ExtendGraphRunner | None:
+        """The extend graphs. A model with state layers whose extend graphs fail to capture runs its extends
+        eagerly, with a warning (as its decode graphs do)."""
+        if self.state_pool is None:
+            return self.make_extend_graph_runner(buckets, row_buckets=rows)
+        try:
+            return self.make_extend_graph_runner(buckets, row_buckets=rows)
+        except RuntimeError as e:
+            log.warning("extend CUDA graphs for a model with state layers did not capture (%s: %s): extends run "
+                        "eagerly", type(e).__name__, str(e)[:300])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
@@ -214,9 +234,16 @@ class ModelRunner:
                                  row_buckets: list[tuple[int, int]] = ()) -> ExtendGraphRunner:
         """Static extend buffers (and, with ``capture``, CUDA graphs) for (tokens, sequences) ``buckets``
         (``row_buckets``: also for batches asking the logits of every position, see ExtendGraphRunner)."""
+        make_plan = None
+        if self.state_pool is not None:  # each bucket's state plan on static buffers, padding on the scratch row
+            width, scratch = self.model.conv_kernel, self.state_pool.pad_slot
+
+            def make_plan(t: int, s: int) -> ExtendStatePlan:
+                return ExtendStatePlan(t, s, width, scratch, self.device)
         runner = ExtendGraphRunner(
             self._forward_eager, buckets, self.context_len, self.pool.page_size, len(self.layer_stack.kv_layers),
-            self.device, capture=capture, row_buckets=row_buckets, windows=self.pool.windows is not None)
+            self.device, capture=capture, row_buckets=row_buckets, windows=self.pool.windows is not None,
+            make_state_plan=make_plan)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # the graphs read these cos/sin tables (built by the capture): keep them
             runner.keep_alive = rotary.built_tables()

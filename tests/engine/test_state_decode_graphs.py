@@ -81,3 +81,27 @@ def test_a_state_model_whose_graphs_fail_to_capture_decodes_eagerly(tmp_path, mo
             runner._decode_graphs([1, 2])
     else:
         assert runner._decode_graphs([1, 2]) is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_a_state_model_whose_extend_graphs_fail_to_capture_extends_eagerly(tmp_path, monkeypatch, family):
+    """As for decode: a state model whose extend graphs raise at capture runs its extends eagerly (a warning);
+    a model without state layers still fails. Extend graphs of a state model need fla-core's kernels."""
+    from harness.model_utils import tiny_model
+    from serving.config import ModelConfig, SchedulerConfig
+    from serving.runner.model_runner import ModelRunner
+
+    path = tiny_model(tmp_path, family, **FAMILIES.get(family, {}))
+    runner = ModelRunner(ModelConfig(model_path=str(path), device="cpu", dtype="float32"),
+                         SchedulerConfig(max_total_tokens=256, max_running_requests=4), 4)
+
+    def broken(buckets, capture=True, row_buckets=()):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(runner, "make_extend_graph_runner", broken)
+    if family == "llama":
+        assert runner._state_extend_graphs_ok()
+        with pytest.raises(RuntimeError, match="capturing"):
+            runner._extend_graphs([(16, 1)], [])
+    else:
+        assert not runner._state_extend_graphs_ok()  # the torch scan on a CPU
+        assert runner._extend_graphs([(16, 1)], []) is None
