@@ -270,7 +270,7 @@ def main() -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32", eager=False, l3_gb=1.0 if s else 40.0,
         read_threads=default_read_threads(),  # the engine's own default (one per CPU, at most 16)
         engine_init_s=[], decode_ctx=64 if s else 1024, decode_steps=8 if s else 32, decode_tokens=8192 if s else 80000,
-        seq_len=8192, ttft_ctx=256 if s else 8192, prompts=2 if s else 3, l2_gb=0.25 if s else 32.0,
+        seq_len=8192, ttft_ctx=512 if s else 8192, prompts=2 if s else 3, l2_gb=0.25 if s else 32.0,
         conversations=4 if s else 16, turns=3, context=128 if s else 4096, mt_l1_tokens=2048 if s else 16384,
         mt_l2_gb=0.1 if s else 4.0, mt_user=32 if s else 256, mt_answer=8 if s else 32)
     args.__dict__.update(given)
