@@ -3,8 +3,7 @@ through captured CUDA graphs (the working and snapshot state slots in static buf
 the pool's scratch row) against the same engine with graphs off, with the torch scan (then also
 against HF's greedy tokens) and with fla-core's kernels; a second turn resumes from the snapshots
 decode steps took, its suffix through the extend graphs with fla-core's kernels. Skips without CUDA
-(the static-buffer paths run on CPU in tests/engine/test_state_decode_graphs.py and
-test_state_extend_graphs.py)."""
+(the static-buffer paths run on CPU in tests/engine/test_state_graph_buffers.py)."""
 
 from __future__ import annotations
 

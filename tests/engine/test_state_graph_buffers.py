@@ -1,11 +1,17 @@
-"""Decode of models with state layers (tiny random Qwen3.5 and Nemotron-H) through the decode CUDA
-graphs' static buffers, on a CPU: the Triton attention backend under its interpreter, graphs not
-captured (``capture=False`` runs the same padded static batches eagerly, on the fixed state plan of
-``StatePlan.for_decode``). Every decode step of three concurrent requests goes through the graph
-runner (padded to 4: one padding row on the pool's scratch row); greedy outputs equal HF's, the
-snapshots decode steps take (where a token ends a page) let the next turn resume past its prompt,
-again equal to HF, and no state slot leaks (the scratch row is never allocated). On the GPU the
-graphs are captured: bench/hybrid.py times decode with them."""
+"""Models with state layers (tiny random Qwen3.5 and Nemotron-H) through the CUDA graph runners' static
+buffers, on a CPU: the Triton attention backend under its interpreter, graphs not captured (``capture=False``
+runs the same padded static batches eagerly).
+
+- Decode, on the fixed state plan of ``StatePlan.for_decode``: every decode step of three concurrent requests
+  goes through the graph runner (padded to 4: one padding row on the pool's scratch row); greedy outputs
+  equal HF's, the snapshots decode steps take (where a token ends a page) let the next turn resume past its
+  prompt, again equal to HF, and no state slot leaks (the scratch row is never allocated).
+- Extend, on each bucket's static state plan (serving/models/state_graph.py, with fla's whole-sequence
+  contract in torch): returning turns' suffixes go through the extend graph runner, equal to HF, and the
+  next turn resumes from the snapshots those replays took.
+- A capture that raises leaves a state model decoding / extending eagerly.
+
+On the GPU the graphs are captured: tests/engine/test_gpu_state_graphs.py, bench/hybrid.py."""
 
 from __future__ import annotations
 
@@ -15,15 +21,19 @@ from harness.interpreted import run_interpreted
 
 FAMILIES = {"qwen3_5": {}, "nemotron_h": {"hybrid_override_pattern": "M*-MM*-", "time_step_min": 1e-9}}
 
-CODE = """
+SETUP = """
 import sys
 from serving.engine import Engine
+from serving.runner.cuda_graph_extend import extend_buckets
 from harness.engine_cases import prompts
 from harness.model_utils import hf_greedy, tiny_model
 path = tiny_model(sys.argv[1], FAMILY, **KW)
 eng = Engine(model_path=str(path), page_size=4, max_total_tokens=1024, attention_backend="triton",
              context_length=256, device="cpu", dtype="float32")
 runner = eng.core.runner
+"""
+
+DECODE = SETUP + """
 assert runner.graphs is None  # a CPU engine captures none: put the static-buffer runner in
 runner.graphs = runner.make_graph_runner([1, 2, 4], capture=False)
 sizes = []
@@ -51,14 +61,58 @@ print("OK", sizes[:12], cached)
 """
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(),
-                    reason="an interpreter test for CPU machines; on CUDA the graphs are captured (bench/hybrid.py)")
+EXTEND = SETUP + """
+assert runner.extend_graphs is None  # a CPU engine captures none: put the static-buffer runner in
+runner.extend_graphs = runner.make_extend_graph_runner(extend_buckets(32, 4), capture=False)
+seen = []
+run = runner.extend_graphs.run
+def spy(b):
+    seen.append((b.batch_size, sum(o >= 0 for o in b.snap_offsets_list)))
+    return run(b)
+runner.extend_graphs.run = spy
+params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+ps = prompts(3, 512, seed=5, lo=9, hi=15)
+turns = [ps]
+for t in range(3):
+    ref = hf_greedy(path, turns[-1], 6)
+    before = len(seen)
+    outs = eng.generate(input_ids=turns[-1], sampling_params=params)
+    assert [o["output_ids"] for o in outs] == ref, (t, [o["output_ids"] for o in outs], ref)
+    eng.check_integrity()
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    if t:  # a returning turn: its suffixes through the graphs, resuming past the turn before's prompt
+        assert len(seen) > before, seen
+        assert all(c > len(p) for c, p in zip(cached, turns[-2])), (cached, [len(p) for p in turns[-2]])
+    turns.append([p + r + [7, 8, 9, 10, 11] for p, r in zip(turns[-1], ref)])
+assert max(b for b, _ in seen) >= 2 and any(s > 0 for _, s in seen), seen  # batched, with snapshots
+eng.shutdown()
+print("OK", seen)
+"""
+
+
+def _run(code: str, tmp_path, family: str) -> None:
+    pytest.importorskip("triton")
+    run_interpreted(code.replace("sys.argv[1]", repr(str(tmp_path))).replace("FAMILY", repr(family))
+                    .replace("**KW", f"**{FAMILIES[family]!r}"))
+
+
+CPU_ONLY = pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                              reason="an interpreter test for CPU machines; on CUDA the graphs are captured")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_state_model_decode_through_graph_buffers_equals_hf(tmp_path, family):
-    pytest.importorskip("triton")
-    code = CODE.replace("sys.argv[1]", repr(str(tmp_path))).replace("FAMILY", repr(family)) \
-        .replace("**KW", f"**{FAMILIES[family]!r}")
-    run_interpreted(code)
+    _run(DECODE, tmp_path, family)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_state_model_extends_through_graph_buffers_equal_hf(tmp_path, family):
+    """The returning turns' suffixes (a few sequences at once, snapshots where their prompts end a page) through
+    the extend graph runner's buffers, each bucket's static state plan (serving/models/state_graph.py, with
+    fla's whole-sequence contract in torch); a third turn resumes from the snapshots those replays took."""
+    _run(EXTEND, tmp_path, family)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
