@@ -8,11 +8,6 @@ pytest, as in test_attention_window.py)."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -20,14 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from harness.cpu_variants import ext  # noqa: F401 - the fixture
-from harness.kernel_cases import DEVICE, INTERPRET, Case, make_case
+from harness.interpreted import run_file_interpreted, triton_module
+from harness.kernel_cases import DEVICE, Case, make_case
 from serving.kernels import attention_cpu, cpu_ext
 from serving.kernels.attention import get_attention_backend
 from serving.structs.forward_batch import ForwardBatch
 
 ATOL = 1e-4
 SCALE = 0.25
-TRITON_HERE = INTERPRET or torch.cuda.is_available()
 # (prefix, new) per sequence
 DECODE = [(0, 1), (6, 1), (11, 1), (40, 1), (70, 1)]
 EXTEND = [(0, 13), (5, 3), (16, 9), (33, 20), (8, 1)]
@@ -229,23 +224,12 @@ def test_fused_decoder_sinks_match_a_torch_layer(ext, window: int | None) -> Non
 
 @pytest.fixture(scope="module")
 def triton() -> ModuleType:
-    if not TRITON_HERE:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 at start; run by test_sinks_in_triton_interpreter")
-    pytest.importorskip("triton")
-    return importlib.import_module("serving.kernels.attention_triton")
+    return triton_module("serving.kernels.attention_triton", "test_sinks_in_triton_interpreter")
 
 
 def test_sinks_in_triton_interpreter() -> None:
     """Run this file's Triton tests in a child process under the interpreter."""
-    if TRITON_HERE:
-        pytest.skip("the Triton tests run in this process")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "-k", "test_triton_"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).parents[2])
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-3000:]
+    run_file_interpreted(__file__, "test_triton_")
 
 
 @pytest.mark.parametrize("window", [None, 5])

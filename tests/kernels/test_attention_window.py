@@ -6,22 +6,17 @@ test_kernels.py)."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-from harness.kernel_cases import INTERPRET, Case, make_case, run_backend
+from harness.interpreted import run_file_interpreted, triton_module
+from harness.kernel_cases import Case, make_case, run_backend
 from serving.kernels import cpu_ext
 from serving.kernels.attention import get_attention_backend
 
 ATOL = 1e-4
-TRITON_HERE = INTERPRET or torch.cuda.is_available()
 # (prefix, new) per sequence
 DECODE = [(0, 1), (6, 1), (11, 1), (40, 1), (70, 1)]
 EXTEND = [(0, 13), (5, 3), (16, 9), (33, 20), (8, 1)]
@@ -103,22 +98,12 @@ def test_cpu_window_same_bits_decode_prefill_alone() -> None:
 
 @pytest.fixture(scope="module")
 def triton() -> ModuleType:
-    if not TRITON_HERE:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 at start; run by test_window_in_triton_interpreter")
-    pytest.importorskip("triton")
-    return importlib.import_module("serving.kernels.attention_triton")
+    return triton_module("serving.kernels.attention_triton", "test_window_in_triton_interpreter")
 
 
 def test_window_in_triton_interpreter() -> None:
     """Run this file's Triton tests in a child process under the interpreter."""
-    if TRITON_HERE:
-        pytest.skip("the Triton tests run in this process")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "test_triton_"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).parents[2])
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-3000:]
+    run_file_interpreted(__file__, "test_triton_")
 
 
 @pytest.mark.parametrize("window", [1, 5, 8, 200])

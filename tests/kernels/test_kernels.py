@@ -12,7 +12,6 @@ environment before ``triton`` is imported at all. Hence:
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -22,45 +21,22 @@ from types import ModuleType
 import pytest
 import torch
 
-from harness.kernel_cases import DEVICE, EXTEND_CASES, INTERPRET, dense_reference, make_case, run_backend
+from harness.interpreted import run_file_interpreted, triton_module
+from harness.kernel_cases import DEVICE, EXTEND_CASES, dense_reference, make_case, run_backend
 from serving.kernels.attention import get_attention_backend
 from serving.structs.forward_batch import ForwardBatch
 
 ATOL = 1e-4
-TRITON_HERE = INTERPRET or torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
 def triton() -> ModuleType:
-    if not TRITON_HERE:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 at start; run by test_kernels_in_triton_interpreter")
-    pytest.importorskip("triton")
-    return importlib.import_module("serving.kernels.attention_triton")
+    return triton_module("serving.kernels.attention_triton", "test_kernels_in_triton_interpreter")
 
 
 def test_kernels_in_triton_interpreter() -> None:
     """Run this file's Triton tests in a child process under the interpreter."""
-    if TRITON_HERE:
-        pytest.skip("the Triton tests run in this process")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        "test_triton_",
-    ]
-    res = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).parents[2]
-    )
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-3000:]
+    run_file_interpreted(__file__, "test_triton_")
 
 
 HEADS = [(4, 2), (3, 1), (2, 2)]

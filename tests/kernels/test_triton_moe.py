@@ -6,21 +6,16 @@ Triton runs here with CUDA or under TRITON_INTERPRET=1 (a child pytest, as in te
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-from harness.kernel_cases import DEVICE, INTERPRET
+from harness.interpreted import run_file_interpreted, triton_module
+from harness.kernel_cases import DEVICE
 from serving.models import moe as moe_mod
 from serving.models.moe import MoEOptions, SparseMoE
 
-TRITON_HERE = INTERPRET or torch.cuda.is_available()
 HIDDEN, INTER = 48, 40  # not multiples of the kernels' tiles: the masks are exercised
 
 
@@ -78,22 +73,12 @@ def test_align_sizes_depend_on_the_shapes_only() -> None:
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    if not TRITON_HERE:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 at start; run by test_moe_in_triton_interpreter")
-    pytest.importorskip("triton")
-    return importlib.import_module("serving.kernels.triton_moe")
+    return triton_module("serving.kernels.triton_moe", "test_moe_in_triton_interpreter")
 
 
 def test_moe_in_triton_interpreter() -> None:
     """Run this file's Triton tests in a child process under the interpreter."""
-    if TRITON_HERE:
-        pytest.skip("the Triton tests run in this process")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "test_kernel_"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).parents[2])
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-3000:]
+    run_file_interpreted(__file__, "test_kernel_")
 
 
 @pytest.mark.parametrize("experts", [4, 8])
