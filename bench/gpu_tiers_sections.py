@@ -225,8 +225,10 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
     more = rand_prompts(convs * turns, args.mt_user + args.mt_answer, vocab, seed=32)
     for p in rand_prompts(4, 1024, vocab, 33):
         eng.generate(input_ids=p, sampling_params=ONE)
-    times, tokens, hits = [], 0, {"device": 0, "host": 0, "storage": 0}
+    times, tokens, hits, forwards = [], 0, {"device": 0, "host": 0, "storage": 0}, 0
+    stats = eng.core.scheduler.stats
     for t in range(turns):
+        before = stats.forward_passes
         if concurrent:
             dt, outs = timed(eng, hist)
             per = [(dt, o) for o in outs]
@@ -236,6 +238,8 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
             per = [timed(eng, hist[c]) for c in range(convs)]
             if t > 0:
                 times.extend(dt for dt, _ in per)
+        if t > 0:
+            forwards += stats.forward_passes - before
         for c, (_, o) in enumerate(per):
             if t > 0:
                 tokens += len(hist[c])
@@ -245,7 +249,8 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
         if eng.core.storage is not None:  # the users think; write-backs drain (not timed)
             eng.core.storage.poll(wait=True)
     out = {"prompt_tok_s": tokens / sum(times), "hit_tokens": hits, "prompt_tokens": tokens,
-           "hit_share": sum(hits.values()) / tokens if tokens else 0.0}
+           "hit_share": sum(hits.values()) / tokens if tokens else 0.0,
+           "forwards_per_turn": forwards / max(1, turns - 1)}  # forward passes of a returning turn (all requests)
     if not concurrent:
         out.update(ttft_p50_s=statistics.median(times), ttft_mean_s=statistics.mean(times), ttft_max_s=max(times))
     else:
