@@ -1,43 +1,38 @@
 """HiRadixTree: a radix tree over token pages recording which tier holds each page's KV.
 
-Pure bookkeeping: no tensors. The tree decides; a controller elsewhere moves bytes
-according to the :class:`Transfer` orders drained with :meth:`HiRadixTree.take_transfers`.
+Pure bookkeeping: no tensors. The tree decides; a controller elsewhere moves bytes according to the
+:class:`Transfer` orders drained with :meth:`HiRadixTree.take_transfers`.
 
 Invariants (checked by :meth:`HiRadixTree.check_integrity`):
-- Every non-root node holds at least one copy (L1 and/or L2). A node that loses its
-  last copy leaves the tree together with its subtree (whose nodes are L2-only and
-  unlocked, since locks cover whole paths).
-- L1 residency is prefix-closed: a node on L1 has its parent on L1 (or is a child of
-  the root). So a match is: an L1 run from the root, then an L2-only run.
-- Locks cover the path root→node; locked nodes are never evicted from L1 nor
-  dropped from L2. A loading node is locked (by the load itself).
-- L2 pages pinned by a reader outside the tree (an L3 write-back, :meth:`pin_host`) are
-  never handed out again while pinned: the node keeps them, or, if the tree drops the
-  node meanwhile, the pages wait in a deferred set until :meth:`unpin_host` frees them.
-  Pins do not lock: a pinned node may still lose its L1 copy (write-back never pins L1).
-- Write policy ``exclusive``: a node on both L1 and L2 is hot, loading, pinned or backed up on
-  purpose (hicache/hiradix/exclusive.py).
+- Every non-root node holds at least one copy (L1 and/or L2). A node that loses its last copy leaves the
+  tree together with its subtree (whose nodes are L2-only and unlocked, since locks cover whole paths).
+- L1 residency is prefix-closed: a node on L1 has its parent on L1 (or is a child of the root). So a
+  match is: an L1 run from the root, then an L2-only run.
+- Locks cover the path root→node; locked nodes are never evicted from L1 nor dropped from L2. A loading
+  node is locked (by the load itself).
+- L2 pages pinned by a reader outside the tree (an L3 write-back, :meth:`pin_host`) are never handed out
+  again while pinned: the node keeps them, or, if the tree drops the node meanwhile, the pages wait in a
+  deferred set until :meth:`unpin_host` frees them. Pins do not lock: a pinned node may still lose its L1
+  copy (write-back never pins L1).
+- Write policy ``exclusive``: a node on both L1 and L2 is hot, loading, pinned or backed up on purpose
+  (hicache/hiradix/exclusive.py).
 
-Parts (each owns its state; the tree composes them and is the one face callers use):
-:class:`~hicache.hiradix.shape.TreeShape` (nodes, keys, walks, splits),
-:class:`~hicache.hiradix.residency.Residency` (tier copies, counters, locks, eviction candidates),
-:class:`~hicache.hiradix.pins.HostPins` (``tree.pins``: L2 pages read outside the tree),
-:class:`~hicache.hiradix.events.TreeEvents` (listeners, tenant ledger),
-:class:`~hicache.hiradix.tiering.Tiering` (eviction, backup, load-back, the transfer outbox),
-:class:`~hicache.hiradix.l3_marks.L3Marks` (pages from and to L3),
-:class:`~hicache.hiradix.matcher.Matcher` (matches, lookups, load-backs),
-:class:`~hicache.hiradix.state_snapshots.StateSnapshots` (``tree.state``: recurrent-state
-snapshots, for a model with state layers; None otherwise).
+Parts (each owns its state; the tree composes them and is the one face callers use), in hicache/hiradix/:
+``TreeShape`` (shape.py: nodes, keys, walks, splits), ``Residency`` (residency.py: tier copies, counters,
+locks, eviction candidates), ``HostPins`` (pins.py, ``tree.pins``: L2 pages read outside the tree),
+``TreeEvents`` (events.py: listeners, tenant ledger), ``Tiering`` (tiering.py: eviction, backup, load-back,
+the transfer outbox), ``L3Marks`` (l3_marks.py: pages from and to L3), ``Matcher`` (matcher.py: matches,
+lookups, load-backs), ``StateSnapshots`` (state_snapshots.py, ``tree.state``: recurrent-state snapshots
+for a model with state layers; None otherwise).
 
-Transfer ordering contract: the caller drains :meth:`take_transfers` right after each
-tree operation and executes the transfers in the order given, and it must execute
-(or at least order on its copy stream) the drained backups before it writes to any
-L1 page freed meanwhile: eviction frees L1 pages into the allocator immediately,
-right after emitting the backup that still reads them. ``load_back`` may reuse such
-a page as a load destination in the same operation; the order of the outbox covers it.
-Nodes being loaded report as L1 hits to later matches, with the load's
-:class:`~hicache.hiradix.match.PendingLoad` in ``MatchResult.pending_loads``: every reader,
-like the request that started the load, waits until it is done before computing on them.
+Transfer ordering contract: the caller drains :meth:`take_transfers` right after each tree operation and
+executes the transfers in the order given, and it must execute (or at least order on its copy stream) the
+drained backups before it writes to any L1 page freed meanwhile: eviction frees L1 pages into the
+allocator immediately, right after emitting the backup that still reads them. ``load_back`` may reuse
+such a page as a load destination in the same operation; the order of the outbox covers it. Nodes being
+loaded report as L1 hits to later matches, with the load's :class:`~hicache.hiradix.match.PendingLoad`
+in ``MatchResult.pending_loads``: every reader, like the request that started the load, waits until it is
+done before computing on them.
 
 Typical request (scheduler)::
 
@@ -52,12 +47,11 @@ Typical request (scheduler)::
     tree.finish_load(node) once the controller reports the load done (if one was started)
     transfers = tree.take_transfers()     # after every call above that may emit
 
-A model with state layers (a tree built with ``state_device``): the match stops at the deepest
-snapshot (``m.state``); after ``load_back`` a request with ``m.resumable`` copies the snapshot
-(``m.state.device_slot``; none: the zero state) into its working slot once ``m.pending_loads`` are
-done, else it starts from scratch; at the end it inserts, then ``tree.attach_state(
-tree.node_at(tokens), snap_slot)`` gives the tree the state at its last full page (a refused slot
-is the caller's to free).
+A model with state layers (a tree built with ``state_device``): the match stops at the deepest snapshot
+(``m.state``); after ``load_back`` a request with ``m.resumable`` copies the snapshot (``m.state.device_slot``;
+none: the zero state) into its working slot once ``m.pending_loads`` are done, else it starts from scratch;
+at the end it inserts, then ``tree.attach_state(tree.node_at(tokens), snap_slot)`` gives the tree the state
+at its last full page (a refused slot is the caller's to free).
 """
 
 from __future__ import annotations
@@ -90,11 +84,11 @@ if TYPE_CHECKING:
 class HiRadixTree:
     """See the module docstring.
 
-    Concurrency contract: not thread-safe; the scheduler thread owns the tree and every part
-    (callers that read L2 pages on other threads pin them first: :meth:`pin_host`).
+    Concurrency contract: not thread-safe; the scheduler thread owns the tree and every part (callers
+    that read L2 pages on other threads pin them first: :meth:`pin_host`).
 
-    Eviction, backup and load-back are :class:`Tiering`'s (``self.tiering``); the L3 inserts
-    and stored marks :class:`L3Marks`' (``self.l3``); the methods below are the public API.
+    Eviction, backup and load-back are :class:`Tiering`'s (``self.tiering``); the L3 inserts and stored
+    marks :class:`L3Marks`' (``self.l3``); the methods below are the public API.
     """
 
     def __init__(
