@@ -164,7 +164,7 @@ class Tiering:
         starting there and the chain below it) when every node of it is on L2 only, on L3, unlocked,
         unpinned and not loading, and branches nowhere: a lookup then finds those pages on L3 alone, so
         the next fetch reads them again. (A windowed L2 whose copies lost their sliding part: L3 may still
-        hold it; serving/cache/request_windows.py.) Returns the pages dropped (0: nothing changed, except
+        hold it; serving/cache/l3_windows.py.) Returns the pages dropped (0: nothing changed, except
         a split at ``from_page``)."""
         ps = self.shape.page_size
         if from_page <= 0:

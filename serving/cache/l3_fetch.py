@@ -80,7 +80,7 @@ class Fetches:
         self.tier = tier
         self.page_size = tree.page_size
         self.on_read = on_read  # (bytes, seconds) of every finished read (the load policy learns)
-        # a hybrid SWA L1 (serving/cache/request_windows.py): window pages for an early load's chain
+        # a hybrid SWA L1 (serving/cache/l3_windows.py): window pages for an early load's chain
         # (before, after) -> None, before its transfers run; None: no window pool
         self.on_load: Callable[[MatchResult, MatchResult], None] | None = None
         # ... and whether an early load may run now (its last window's window pages can be had); None: always

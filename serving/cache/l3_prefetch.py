@@ -95,7 +95,7 @@ class Prefetcher:
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-l3-lookup")
         self.fetches = Fetches(tree, host_pool, tier, transfers, self.load_policy.observe_read)
         self.states = states  # (L2 state pool, its L3 store) of a model with state layers
-        # a hybrid SWA L1 (serving/cache/request_windows.py): where a lookup starts (tokens cached above L3,
+        # a hybrid SWA L1 (serving/cache/l3_windows.py): where a lookup starts (tokens cached above L3,
         # after dropping a stale tail L3 holds whole); None: the tree's cached prefix
         self.window_cut: Callable[[list[int]], int] | None = None
         # ... and whether a fetch (start page, pages) may start now (host window room for its last window)

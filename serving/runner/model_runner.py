@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +28,7 @@ from serving.startup_log import timed
 from serving.structs.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
@@ -170,19 +173,23 @@ class ModelRunner:
                     rows = [(t, s) for t, s in buckets if t <= 128 and s <= 16] if sched.speculative_algorithm else []
                     self.extend_graphs = self._extend_graphs(buckets, rows)
 
-    def _decode_graphs(self, sizes: list[int]) -> CudaGraphRunner | None:
-        """The decode graphs. A model with state layers whose graphs fail to capture (their state
-        plan on static buffers has not yet run on a GPU) decodes eagerly, with a warning."""
+    def _capture(self, make: Callable[[], R], what: str) -> R | None:
+        """``make()``: graphs captured. A model with state layers whose graphs fail to capture (their state
+        plans on static buffers have not all run on a GPU) runs ``what`` eagerly, with a warning."""
         if self.state_pool is None:
-            return self.make_graph_runner(sizes)
+            return make()
         try:
-            return self.make_graph_runner(sizes)
+            return make()
         except RuntimeError as e:
-            log.warning("CUDA graphs for a model with state layers did not capture (%s: %s): decode runs eagerly",
-                        type(e).__name__, str(e)[:300])
+            log.warning("CUDA graphs for a model with state layers did not capture (%s: %s): %s runs eagerly",
+                        type(e).__name__, str(e)[:300], what)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
+
+    def _decode_graphs(self, sizes: list[int]) -> CudaGraphRunner | None:
+        """The decode graphs (a state model's may fall back to eager decode: :meth:`_capture`)."""
+        return self._capture(lambda: self.make_graph_runner(sizes), "decode")
 
     def _state_extend_graphs_ok(self) -> bool:
         """Extend graphs for this model: any without state layers; with them only on fla-core's kernels (the
@@ -190,18 +197,8 @@ class ModelRunner:
         return self.state_pool is None or backend_for(torch.empty(0, device=self.device)) == "fla"
 
     def _extend_graphs(self, buckets: list[tuple[int, int]], rows: list[tuple[int, int]]) -> ExtendGraphRunner | None:
-        """The extend graphs. A model with state layers whose extend graphs fail to capture runs its extends
-        eagerly, with a warning (as its decode graphs do)."""
-        if self.state_pool is None:
-            return self.make_extend_graph_runner(buckets, row_buckets=rows)
-        try:
-            return self.make_extend_graph_runner(buckets, row_buckets=rows)
-        except RuntimeError as e:
-            log.warning("extend CUDA graphs for a model with state layers did not capture (%s: %s): extends run "
-                        "eagerly", type(e).__name__, str(e)[:300])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return None
+        """The extend graphs (a state model's may fall back to eager extends: :meth:`_capture`)."""
+        return self._capture(lambda: self.make_extend_graph_runner(buckets, row_buckets=rows), "extend")
 
     def _window_layers(self, sched: SchedulerConfig) -> tuple[int, ...]:
         """The KV layers that go to a window pool (hicache/tiers/window_pages.py): the sliding ones with
