@@ -57,19 +57,6 @@ def _triton_fused():  # noqa: ANN202 - the module or None
     return _FUSED if _FUSED.ENABLED else None
 
 
-def _project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; with the fused kernels (CUDA), a few tokens through the GEMV kernel where it is enabled
-    and fits (serving/kernels/triton_gemv.py): a plain ``nn.Linear`` or a one-rank ``RowParallelLinear``
-    (quantized projections are other modules)."""
-    plain = type(layer) is nn.Linear or (type(layer) is RowParallelLinear and not layer.tp.is_parallel)
-    if plain and _fused_for(x) is not None:
-        from serving.kernels import triton_gemv  # triton: a GPU-side import
-
-        if triton_gemv.fits(x, layer.weight):
-            return triton_gemv.gemv(x, layer.weight, layer.bias)
-    return layer(x)
-
-
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
 
@@ -135,7 +122,7 @@ class Attention(nn.Module):
         window: int | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = _project(self.qkv_proj, x)
+        qkv = self.qkv_proj(x)
         fused = _fused_for(x) if cos.dim() == 2 else None
         qk_norm = self.q_norm is not None and self.k_norm is not None
         if qk_norm and fused is not None and self.q_norm.weight.dtype == self.k_norm.weight.dtype == qkv.dtype:
@@ -163,7 +150,7 @@ class Attention(nn.Module):
         attn.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         sinks = None if self.sinks is None else self.sinks.float()
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, window=window, sinks=sinks)  # [T, H, D]
-        return _project(self.o_proj, o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):

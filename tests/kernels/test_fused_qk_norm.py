@@ -1,9 +1,9 @@
-"""The attention's small-batch kernels on CUDA, wired in serving/models/llama.py's Attention: Qwen3's prologue
-(each head's RMSNorm of q and k and the rotary embedding in one launch, serving/kernels/triton_fused.py
-``rope_qk(..., norms=...)``) and the projections of a few tokens (serving/kernels/triton_gemv.py, enabled
-here). The kernels against torch, and a tiny Qwen3's logits with them against the torch path; all in the
-Triton interpreter (a child process: ``TRITON_INTERPRET=1`` must be set before Triton is imported), with
-serving.models.llama's ``_fused_for`` answering for CPU tensors as it does for CUDA ones."""
+"""Qwen3's attention prologue on CUDA: each head's RMSNorm of q and k and the rotary embedding in one launch
+(serving/kernels/triton_fused.py ``rope_qk(..., norms=...)``, wired in serving/models/llama.py's Attention).
+The kernel against the torch path's arithmetic, and a tiny Qwen3's logits with the fused kernels against
+the torch path; both in the Triton interpreter (a child process: ``TRITON_INTERPRET=1`` must be set before
+Triton is imported), with serving.models.llama's ``_fused_for`` answering for CPU tensors as it does for CUDA
+ones."""
 
 from __future__ import annotations
 
@@ -36,18 +36,6 @@ for dtype in (torch.float32, torch.bfloat16):
     torch.testing.assert_close(k, k_ref, **tol)
     plain, _ = tf.rope_qk(qkv, pos, cos, sin, h, kh, d)  # without norms: the rotation alone
     torch.testing.assert_close(plain, apply_rope(qkv[:, :h * d].view(t, h, d), c, s), **tol)
-from serving.kernels.triton_gemv import gemv
-for rows, n, k, bias in ((1, 40, 300, False), (3, 17, 64, True), (4, 8, 1000, True), (2, 129, 16, False)):
-    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
-    torch.testing.assert_close(gemv(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(gemv(x, w, b, tiles=(4, 32, 2)), torch.nn.functional.linear(x, w, b),
-                               atol=1e-4, rtol=1e-4)
-try:
-    gemv(torch.randn(5, 8), torch.randn(4, 8))
-    raise AssertionError("five rows taken")
-except ValueError:
-    pass
 print("OK")
 """
 
@@ -64,13 +52,10 @@ from serving.models.loader import load_model
 from serving.structs.forward_batch import ForwardBatch
 
 assert cpu_fused.available(torch.float32)  # whole cos/sin tables on CPU, as on CUDA
-from serving.kernels import triton_gemv as tg
 L._fused_for = lambda x: tf if tf.ENABLED else None  # as for a CUDA tensor
-tg.ENABLED = True
-calls, gemvs = [], []
-real, real_gemv = tf.rope_qk, tg.gemv
+calls = []
+real = tf.rope_qk
 tf.rope_qk = lambda *a, **kw: calls.append(kw.get("norms") is not None) or real(*a, **kw)
-tg.gemv = lambda x, w, b=None: gemvs.append(tuple(x.shape)) or real_gemv(x, w, b)
 tmp = Path(tempfile.mkdtemp())
 cfg = dict(architectures=["Qwen3ForCausalLM"], hidden_size=48, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64,
@@ -90,8 +75,6 @@ for enabled in (False, True):
     outs[enabled] = [model(ForwardBatch.build(s, ps, torch.device("cpu")), pool, backend) for s in steps]
 assert calls and all(calls), calls  # the fused prologue ran, with the norms, in every layer of every step
 assert len(calls) == len(steps) * cfg["num_hidden_layers"], calls
-# the second step's batch has three tokens: qkv and o of each layer through the GEMV kernel (the first's nine: not)
-assert gemvs == [(3, 48), (3, 64)] * cfg["num_hidden_layers"], gemvs
 for a, b in zip(outs[False], outs[True]):
     assert a.abs().max() > 0.1
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
@@ -104,7 +87,7 @@ def test_qk_norm_rope_kernel_matches_torch() -> None:
     run_interpreted(KERNEL_CODE)
 
 
-def test_qwen3_with_the_fused_kernels_matches_the_torch_path() -> None:
+def test_qwen3_with_the_fused_prologue_matches_the_torch_path() -> None:
     import torch
 
     from serving.kernels import cpu_fused

@@ -153,17 +153,3 @@ def test_fp8_gemv_matches_scaled_mm(n, k):
         assert rel_err(ours, ref) < 1e-3, config
         exact = (xq.double() @ w.double().t()) * xs.double() * scale.double()  # same codes, float64 sums
         assert rel_err(ours, exact) < 1e-5, config
-
-
-@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (151936, 2048), (40, 300)])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_matches_linear(n, k, rows):
-    """serving/kernels/triton_gemv.py at Qwen3-30B-A3B's attention and LM-head shapes, bf16."""
-    from serving.kernels.triton_gemv import gemv
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    assert rel_err(gemv(x, w, b).float(), ref) < 1e-2
