@@ -37,8 +37,9 @@ class ModelConfig:
     cuda_graph_max_bs: int = 64  # largest decode batch captured (larger batches run eagerly)
     # CUDA: extend (prefill) batches of up to this many new tokens replay captured graphs too
     # (serving/runner/cuda_graph_extend.py; at most cuda_graph_max_bs sequences); disable_cuda_graph turns
-    # them off as well
-    cuda_graph_max_extend_tokens: int = 256
+    # them off as well. Default: 256, or 1024 for a model with sliding-window or state layers
+    # (extend_token_budget)
+    cuda_graph_max_extend_tokens: int | None = None
     disable_extend_cuda_graph: bool = False  # CUDA: extend batches run eagerly (decode graphs stay)
     tp_size: int = 1  # tensor parallelism (--tp-size / --tensor-parallel-size): one process per rank
     dist_timeout: float = 300.0  # seconds a collective or a rank's reply may take before the engine stops
@@ -54,7 +55,7 @@ class ModelConfig:
             raise ValueError("context_length must be positive")
         if self.cuda_graph_max_bs <= 0:
             raise ValueError("cuda_graph_max_bs must be positive")
-        if self.cuda_graph_max_extend_tokens <= 0:
+        if self.cuda_graph_max_extend_tokens is not None and self.cuda_graph_max_extend_tokens <= 0:
             raise ValueError("cuda_graph_max_extend_tokens must be positive (disable_extend_cuda_graph turns them off)")
         if self.tp_size < 1:
             raise ValueError("tp_size must be at least 1")

@@ -3,10 +3,11 @@ prefill chunk mixed with decodes.
 
 An extend of a few dozen tokens is bound by kernel launches like a decode step (a 16-token
 prompt of the 8B shape took 3.7 decode steps eagerly), so extend batches of up to
-``cuda_graph_max_extend_tokens`` new tokens replay graphs captured per bucket (tokens,
-sequences): tokens 16, 32, 64, ... (powers of two) up to the budget and the budget itself;
-per token size, sequences 1, 16 and ``min(tokens, cuda_graph_max_bs)`` (14 graphs with the
-defaults 256 / 64). A batch takes the smallest bucket that holds it.
+``cuda_graph_max_extend_tokens`` new tokens (default 256; 1024 for a model with sliding-window or state
+layers: :func:`extend_token_budget`) replay graphs captured per bucket (tokens, sequences): tokens 16, 32,
+64, ... (powers of two) up to the budget and the budget itself; per token size, sequences 1, 16 and
+``min(tokens, cuda_graph_max_bs)`` (14 graphs with the defaults 256 / 64, 20 with 1024). A batch
+takes the smallest bucket that holds it.
 
 Graph-safety, as for decode (``serving.runner.cuda_graph``): every input lives in a static buffer
 overwritten in place by ``run``; intermediates come from the graphs' private pool; the
@@ -46,6 +47,7 @@ from collections.abc import Callable
 
 import torch
 
+from serving.models.layer_spec import LayerStack
 from serving.models.state_graph import ExtendStatePlan
 from serving.runner.cuda_graph import WindowBuffers
 from serving.structs.forward_batch import ForwardBatch, GraphLayerWaits
@@ -54,6 +56,25 @@ log = logging.getLogger(__name__)
 
 MIN_TOKENS = 16  # the smallest token bucket
 SEQ_SIZES = (1, 16)  # sequence buckets below the cap min(tokens, max sequences)
+MAX_TOKENS = 256  # the default budget of new tokens a captured extend takes
+# ... for a hybrid model (sliding-window or state layers): its eager extends are launch-bound far longer
+# (state layers: fla's chunked kernels cost ~0.8 ms of host time a call, two calls a layer at a snapshot
+# cut; Gemma-3: six norms a layer and the window views), and a turn of returning requests (a few hundred new
+# tokens each, beside the decodes of those already answering) replays graphs instead. Measured on the H200
+# (Qwen3.5, 16 conversations, concurrent returning turns): 0.81 s a turn against 2.04 s with 256
+# (bench/results/mt-probe-qwen3_5-ext1024-l3-h200-2026-12-05.json); Gemma-3 12B's probe of the same load ran
+# ~49 eager forwards a turn with 256 (mt-probe-gemma3-swa0.2-l3-h200-2026-12-05.json).
+HYBRID_MAX_TOKENS = 1024
+
+
+def extend_token_budget(configured: int | None, stack: LayerStack) -> int:
+    """The new-token budget of the captured extend buckets: the configured one, else the default for
+    the model's layers (:data:`MAX_TOKENS`; :data:`HYBRID_MAX_TOKENS` for one with sliding-window or state
+    layers)."""
+    if configured is not None:
+        return configured
+    hybrid = bool(stack.state_layers) or any(w is not None for w in stack.windows)
+    return HYBRID_MAX_TOKENS if hybrid else MAX_TOKENS
 
 
 def extend_buckets(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:

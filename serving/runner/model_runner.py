@@ -23,7 +23,7 @@ from serving.models.state_kernels import backend_for
 from serving.models.state_scan import StatePlan
 from serving.parallel.group import TPGroup
 from serving.runner.cuda_graph import CudaGraphRunner, capture_sizes
-from serving.runner.cuda_graph_extend import ExtendGraphRunner, extend_buckets
+from serving.runner.cuda_graph_extend import ExtendGraphRunner, extend_buckets, extend_token_budget
 from serving.startup_log import timed
 from serving.structs.forward_batch import ForwardBatch
 
@@ -168,7 +168,8 @@ class ModelRunner:
                 self.graphs = self._decode_graphs(capture_sizes(model.cuda_graph_max_bs, sched.max_running_requests))
                 if not model.disable_extend_cuda_graph and self._state_extend_graphs_ok():
                     max_seqs = min(model.cuda_graph_max_bs, sched.max_running_requests)
-                    buckets = extend_buckets(model.cuda_graph_max_extend_tokens, max_seqs)
+                    budget = extend_token_budget(model.cuda_graph_max_extend_tokens, self.layer_stack)
+                    buckets = extend_buckets(budget, max_seqs)
                     # speculative verification asks for every position's logits: small buckets get graphs for that too
                     rows = [(t, s) for t, s in buckets if t <= 128 and s <= 16] if sched.speculative_algorithm else []
                     self.extend_graphs = self._extend_graphs(buckets, rows)

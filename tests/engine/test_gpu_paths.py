@@ -267,6 +267,23 @@ def test_extend_buckets_round_like_the_token_counts():
         ModelConfig(cuda_graph_max_extend_tokens=0)
 
 
+def test_a_hybrid_model_captures_longer_extends_by_default():
+    """Unset, the extend graphs' budget is 256 new tokens, 1024 for a model with sliding-window or state
+    layers (its eager extends are launch-bound); a budget given is kept for any."""
+    from serving.config import ModelConfig
+    from serving.models.layer_spec import LayerStack
+    from serving.runner.cuda_graph_extend import extend_buckets, extend_token_budget
+
+    unset = ModelConfig().cuda_graph_max_extend_tokens
+    assert unset is None
+    full = LayerStack.all_full(4)
+    sliding = LayerStack.from_kinds(["sliding_attention"] * 5 + ["full_attention"], window=512)
+    state = LayerStack.from_kinds(["linear_attention"] * 3 + ["full_attention"])
+    assert [extend_token_budget(unset, s) for s in (full, sliding, state)] == [256, 1024, 1024]
+    assert extend_token_budget(512, state) == 512 and extend_token_budget(64, full) == 64
+    assert max(t for t, _ in extend_buckets(extend_token_budget(unset, sliding), 64)) == 1024
+
+
 FUSED_CODE = """
 import torch
 from serving.kernels import triton_fused as tf
