@@ -162,6 +162,13 @@ class StorageBackend(ABC):
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
 
+    def get_array(self, key: str) -> np.ndarray | None:
+        """The value of ``key`` as a uint8 array (one copy out of the store), or None. A backend that can
+        copies it with the GIL released: a large value read beside the scheduler's loop (a state snapshot)
+        must not hold the GIL for the copy as ``bytes`` does."""
+        val = self.get(key)
+        return None if val is None else np.frombuffer(val, dtype=np.uint8)
+
     def batch_set(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         same_len(keys, values)
         return [self.set(k, v) for k, v in zip(keys, values, strict=True)]

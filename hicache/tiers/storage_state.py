@@ -31,6 +31,8 @@ import struct
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 from hicache.keys import state_key
 from hicache.ratelimited_log import RateLimitedLog
 from hicache.tiers.base import StorageBackend
@@ -75,24 +77,36 @@ class StateCodec:
         self.value_nbytes = self.payload_nbytes + TRAILER_SIZE
         self._fields = (MAGIC, FORMAT_VERSION, 0, layout_digest(layout), self.payload_nbytes)
 
-    def encode(self, key: str, payload: bytes) -> bytes:
-        """The value of ``payload`` (``payload_nbytes``) under ``key``: payload + trailer."""
-        if len(payload) != self.payload_nbytes:
-            raise ValueError(f"a state payload of {len(payload)} bytes, expected {self.payload_nbytes}")
-        trailer = bytearray(TRAILER_SIZE)
-        _TRAILER.pack_into(trailer, 0, *self._fields, xxh3_64(payload), key_digest(key))
-        return bytes(payload) + bytes(trailer)
+    def encode(self, key: str, payload) -> np.ndarray:  # noqa: ANN001 - any bytes-like object
+        """The value of ``payload`` (``payload_nbytes``) under ``key``: payload + trailer, one new array."""
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if src.size != self.payload_nbytes:
+            raise ValueError(f"a state payload of {src.size} bytes, expected {self.payload_nbytes}")
+        value = np.empty(self.value_nbytes, dtype=np.uint8)
+        np.copyto(value[: self.payload_nbytes], src)
+        self.seal(key, value)
+        return value
 
-    def decode(self, key: str, value) -> bytes | None:
-        """The payload of ``value`` read under ``key``, or None unless it is a good snapshot value."""
-        if value is None or len(value) != self.value_nbytes:
+    def seal(self, key: str, value: np.ndarray) -> None:
+        """Write the trailer of ``value`` (``value_nbytes``: its payload filled in, then room for the trailer)
+        under ``key`` in place. The payload's hash runs with the GIL released; nothing is copied."""
+        payload = value[: self.payload_nbytes]
+        _TRAILER.pack_into(value, self.payload_nbytes, *self._fields, xxh3_64(payload), key_digest(key))
+        value[self.payload_nbytes + _TRAILER.size :] = 0
+
+    def decode(self, key: str, value) -> np.ndarray | None:  # noqa: ANN001 - bytes-like or None
+        """The payload of ``value`` read under ``key`` (a view of it, no copy), or None unless it is a good
+        snapshot value."""
+        if value is None:
             return None
-        mv = memoryview(value).cast("B")
-        payload, trailer = mv[: self.payload_nbytes], mv[self.payload_nbytes :]
-        fields = _TRAILER.unpack_from(trailer, 0)
+        arr = np.frombuffer(value, dtype=np.uint8)
+        if arr.size != self.value_nbytes:
+            return None
+        payload = arr[: self.payload_nbytes]
+        fields = _TRAILER.unpack_from(arr, self.payload_nbytes)
         if fields[:5] != self._fields or fields[6] != key_digest(key) or xxh3_64(payload) != fields[5]:
             return None
-        return bytes(payload)
+        return payload
 
 
 class StateStore:
@@ -115,41 +129,71 @@ class StateStore:
         self._stats = dict.fromkeys(("state_hits", "state_misses", "state_corrupt", "state_stored",
                                      "state_store_failed"), 0)
 
-    def put(self, page_key: str, payload: bytes) -> bool:
+    def put(self, page_key: str, payload) -> bool:  # noqa: ANN001 - any bytes-like object
         """Store the snapshot after the page whose key is ``page_key``; True when L3 holds it (now or
         already: equal keys mean equal values). This store's part."""
         key = part_key(page_key, self.part, self.parts)
+        return self.backend.exists(key) or self._set(key, self.codec.encode(key, payload))
+
+    def put_slot(self, page_key: str, pool, slot: int) -> bool:  # noqa: ANN001 (a HostStatePool)
+        """:meth:`put` of L2 state slot ``slot`` of ``pool``: its bytes copied once, into the value itself
+        (the trailer sealed in place), all with the GIL released -- writer threads run beside the
+        scheduler's loop."""
+        key = part_key(page_key, self.part, self.parts)
         if self.backend.exists(key):
             return True
-        ok = self.backend.set(key, self.codec.encode(key, payload))
+        value = pool.slot_bytes(slot, tail=TRAILER_SIZE)
+        self.codec.seal(key, value)
+        return self._set(key, value)
+
+    def _set(self, key: str, value: np.ndarray) -> bool:
+        ok = self.backend.set(key, value)
         self._count("state_stored" if ok else "state_store_failed")
         return ok
 
-    def put_slot(self, page_key: str, pool, slot: int) -> bool:  # noqa: ANN001 (a HostStatePool)
-        """:meth:`put` of L2 state slot ``slot`` of ``pool`` (its bytes)."""
-        return self.put(page_key, pool.slot_bytes(slot))
-
-    def find_deepest(self, page_keys: Sequence[str]) -> tuple[int, bytes | StateParts] | None:
+    def find_deepest(self, page_keys: Sequence[str]) -> tuple[int, np.ndarray | StateParts] | None:
         """The deepest good snapshot after one of ``page_keys`` (consecutive pages): ``(i + 1,
         payload)`` for the one after ``page_keys[i]``, or None; the payload is a :class:`StateParts` of
         every part's when ``parts`` > 1. Deepest first; a snapshot with a corrupt part is a miss (the
         corrupt parts deleted) and the search goes on above it; one with a part missing is absent."""
-        for i in range(len(page_keys) - 1, -1, -1):
-            keys = [part_key(page_keys[i], r, self.parts) for r in range(self.parts)]
-            if not all(self.backend.exists(k) for k in keys):
-                continue
-            payloads = [self.codec.decode(k, self.backend.get(k)) for k in keys]
-            if all(p is not None for p in payloads):
-                self._count("state_hits")
-                return i + 1, payloads[0] if self.parts == 1 else StateParts(payloads)
-            self._count("state_corrupt")
-            for k, p in zip(keys, payloads, strict=True):
-                if p is None:
-                    self._warn.warning("state_corrupt", "L3: the state snapshot %s failed its check (corrupt or "
-                                       "short); deleted, and its prefix is recomputed", k)
-                    self.backend.delete(k)
+        end = len(page_keys)
+        while (depth := self.deepest_stored(page_keys[:end], count_miss=False)) is not None:
+            payload = self.read(page_keys[depth - 1])
+            if payload is not None:
+                return depth, payload
+            end = depth - 1
         if page_keys:
             self._count("state_misses")
+        return None
+
+    def deepest_stored(self, page_keys: Sequence[str], count_miss: bool = True) -> int | None:
+        """``i + 1`` for the deepest of ``page_keys`` whose snapshot has every part stored (existence only:
+        nothing read or verified; :meth:`read` does that), or None (a ``state_misses`` when ``count_miss``)."""
+        for i in range(len(page_keys) - 1, -1, -1):
+            if all(self.backend.exists(part_key(page_keys[i], r, self.parts)) for r in range(self.parts)):
+                return i + 1
+        if page_keys and count_miss:
+            self._count("state_misses")
+        return None
+
+    def read(self, page_key: str) -> np.ndarray | StateParts | None:
+        """The verified payload of the snapshot after the page whose key is ``page_key`` (every part's, a
+        :class:`StateParts`, when ``parts`` > 1), or None: a part missing (gone since it was seen), or corrupt
+        (counted, deleted)."""
+        keys = [part_key(page_key, r, self.parts) for r in range(self.parts)]
+        values = [self.backend.get_array(k) for k in keys]
+        if any(v is None for v in values):
+            return None
+        payloads = [self.codec.decode(k, v) for k, v in zip(keys, values, strict=True)]
+        if all(p is not None for p in payloads):
+            self._count("state_hits")
+            return payloads[0] if self.parts == 1 else StateParts(payloads)
+        self._count("state_corrupt")
+        for k, p in zip(keys, payloads, strict=True):
+            if p is None:
+                self._warn.warning("state_corrupt", "L3: the state snapshot %s failed its check (corrupt or "
+                                   "short); deleted, and its prefix is recomputed", k)
+                self.backend.delete(k)
         return None
 
     def _count(self, name: str) -> None:

@@ -12,7 +12,9 @@ A prefetch runs in two background phases, so the scheduler never waits on the st
    prefix, it looks up the rest, if any, from there.
 
 A model with state layers (``states``): pages are fetched only up to the deepest page boundary whose
-state snapshot L3 holds and verifies; the snapshot joins the tree with them (serving/cache/l3_state.py).
+state snapshot L3 holds; the snapshot is read and verified on a lookup thread while those pages are
+fetched (one that fails its check: the deepest good one above it), and joins the tree once both are in
+(serving/cache/l3_state.py).
 
 The concurrency contract is :class:`Prefetcher`'.
 """
@@ -31,7 +33,7 @@ from hicache.tiers.storage import StorageTier
 from hicache.tiers.storage_state import StateStore
 from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
 from serving.cache.l3_fetch import Fetches, FetchOp
-from serving.cache.l3_state import attach_fetched, resume_point
+from serving.cache.l3_state import attach_when_in, resume_point, start_read
 from serving.cache.prefetch_op import PrefetchOp
 from serving.cache.prefetch_policy import PREFETCH_POLICIES, LoadBudget
 from serving.cache.transfers import TransferRunner
@@ -70,6 +72,12 @@ class Prefetcher:
       prefix on L1 (its forward pass waiting per layer for the last copy, on the GPU).
       :meth:`finish` never blocks: it commits what has landed; a fetch no request holds any more
       stops, and its pages still in flight are freed by :meth:`poll` once its readers are done.
+    - A fetch's lock pins the L1 pages on its path (its early loads' among them), so the fetches of
+      requests that still wait could hold all of L1: when a reservation finds no room and nothing
+      running can free any, the scheduler has the waiting requests give them back
+      (``ReqCache.give_back_fetches``, through :meth:`finish`) and they look their prefixes up again.
+    - A state model's snapshot is read on a lookup thread while its pages are fetched (``op.state``'s
+      future, serving/cache/l3_state.py); only the scheduler thread looks at the result and the tree.
     """
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool, tier: StorageTier, namespace: str,
@@ -175,13 +183,8 @@ class Prefetcher:
         req.kv.prefetch = op
 
     def _attach_state(self, op: PrefetchOp) -> None:
-        """Once the request's pages up to its snapshot from L3 are committed, the tree takes it."""
-        got, f = op.state, op.fetch
-        if got is None or f is None or op.need < got[0] or f.committed < op.offset + got[0]:
-            return
-        op.state = None
-        tokens = op.tokens[: (op.start_page + got[0]) * self.page_size]
-        self.snapshots_fetched += attach_fetched(self.tree, self.states[0], tokens, got[1])
+        if op.state is not None:  # (a state model's)
+            self.snapshots_fetched += attach_when_in(self.tree, self.states[0], op, self.page_size)
 
     def _pin(self, tokens: list[int]) -> list[int]:
         """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget),
@@ -243,9 +246,11 @@ class Prefetcher:
             tree.unlock(node)
             self._watch(req, op)
             return
-        if self.window_room is not None and not self.window_room(op.start_page, n):
+        if self.window_room is not None and not self.window_room(op.start_page, n) and time.monotonic() < op.deadline:
             tree.unlock(node)
             return  # the host window pool is held (fetches, locked nodes): retry once some is given back
+        # (past its deadline it starts without that room: waiting requests could hold, pinned, the host window
+        # pages each other's fetch waits for; what lands without its window is cut and recomputed)
         pages = host.alloc(n)  # cannot fail: n <= num_free
         try:
             op.fetch = self.fetches.start(op.start_page, op.tokens, op.keys[:n], node, pages)
@@ -299,9 +304,11 @@ class Prefetcher:
         return False
 
     def _recheck(self, req: Req, op: PrefetchOp) -> PrefetchOp | None:
-        """A watching request whose cached prefix lost pages (not pinned, or on L1 only) looks
-        them up in L3; returns its prefetch now."""
-        if self.tree.peek_prefix_len(op.tokens) < op.start_page * self.page_size:
+        """A watching request whose cached prefix lost pages (not pinned, or on L1 only), or, with a hybrid
+        SWA cache, the window KV of its last window (``window_cut``), looks them up in L3; returns its
+        prefetch now."""
+        cached = self.tree.peek_prefix_len if self.window_cut is None else self.window_cut
+        if cached(op.tokens) < op.start_page * self.page_size:
             self._unpin(op)
             req.kv.prefetch = None
             self._start_lookup(req)
@@ -387,5 +394,5 @@ class Prefetcher:
         n = 0 if op.cancel.is_set() else self.tier.batch_exists(keys)
         if self.states is None or n == 0 or op.cancel.is_set():
             return n
-        op.state = self.states[1].find_deepest(keys[:n])  # pages past the last snapshot are of no use
+        op.state = start_read(self.states[1], keys[:n], self._lookups.submit)  # pages past it are of no use
         return 0 if op.state is None else op.state[0]

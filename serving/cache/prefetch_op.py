@@ -28,7 +28,9 @@ class PrefetchOp:
     offset: int = 0  # index of keys[0] in the fetch's keys (0 unless it follows another request's)
     need: int = 0  # leading keys of this request the fetch reads
     room_wait_since: float = 0.0  # when it first found L2 full (0: never)
-    state: tuple[int, bytes] | None = None  # a state model's snapshot from L3: (its page from start_page, payload)
+    # a state model's snapshot from L3: (the deepest stored, its page from start_page; the read of the deepest
+    # good one: StateStore.find_deepest's answer)
+    state: tuple[int, Future] | None = None
     budget: LoadBudget | None = None  # when its fetch stops paying off (None: the load policy cannot tell)
     cut: bool = False  # its fetch fell behind recompute: the request went with what had landed
 
@@ -52,5 +54,6 @@ class PrefetchOp:
 
     @property
     def fetched(self) -> bool:
-        """Its part of the fetch is in (or the fetch has ended)."""
-        return self.fetch is not None and (self.fetch.done or self.loaded >= self.need)
+        """Its part of the fetch is in (or the fetch has ended), and its snapshot's read (a state model)."""
+        return self.fetch is not None and (self.fetch.done or self.loaded >= self.need) and \
+            (self.state is None or self.state[1].done())

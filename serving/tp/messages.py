@@ -64,7 +64,7 @@ class StateLoad:
     """L2 state slot ``slot`` := ``payload`` (this rank's part of a snapshot rank 0 read from L3)."""
 
     slot: int
-    payload: bytes
+    payload: bytes  # bytes-like: a numpy uint8 array from L3 (pickled as its bytes)
 
 
 @dataclass(frozen=True)

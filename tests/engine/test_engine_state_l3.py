@@ -12,6 +12,8 @@ wrong state."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,45 @@ def test_second_turns_come_from_l3_after_a_restart(tiny, tmp_path) -> None:
         assert hits(outs, "storage") == [_resume_at(p) for p in first], [o["meta_info"] for o in outs]
         st = eng.core.storage.stats()
         assert st["state_snapshots_fetched"] == len(first) and st["state_corrupt"] == 0, st
+    finally:
+        eng.shutdown()
+
+
+def test_the_pages_are_fetched_while_the_snapshot_is_read(tiny, tmp_path) -> None:
+    """A returning turn's L3 lookup answers from the snapshots' existence: its pages are read while the
+    snapshot itself (tens of MB at real shapes) is still being read and verified, and the request runs
+    once both are in. The store's snapshot reads are held at a gate (the real LMDB store's method, wrapped):
+    pages land meanwhile, then the gate opens and the answer is exact, from L3."""
+    path, first, ref1, second, ref2 = tiny
+    db = tmp_path / "l3"
+    _first_turns(path, db, first[:1], ref1[:1])
+    eng = _l3(path, db)
+    gate, reading = threading.Event(), threading.Event()
+    try:
+        backend = eng.core.storage.prefetcher.states[1].backend
+        read = backend.get_array
+
+        def held(key):  # noqa: ANN001, ANN202
+            reading.set()
+            assert gate.wait(30)
+            return read(key)
+
+        backend.get_array = held
+        out: list = []
+        worker = threading.Thread(target=lambda: out.append(generate(eng, path, second[:1], ref2[:1])))
+        worker.start()
+        try:
+            assert reading.wait(30), "the snapshot was never read"
+            deadline = time.monotonic() + 10
+            while eng.core.storage.tier.stats()["hits"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            landed = eng.core.storage.tier.stats()["hits"]
+        finally:
+            gate.set()
+            worker.join(60)
+        assert landed > 0, "no page was fetched before the snapshot's read returned"
+        assert out and hits(out[0], "storage") == [_resume_at(first[0])], out
+        eng.check_integrity()
     finally:
         eng.shutdown()
 

@@ -153,6 +153,20 @@ class LMDBStore(StorageBackend):
     def get(self, key: str) -> bytes | None:
         return self.batch_get([key])[0]
 
+    def get_array(self, key: str) -> np.ndarray | None:
+        def run(get):
+            val = get(0)  # a view into the map, valid in txn
+            if val is None:
+                return None
+            out = np.empty(len(val), dtype=np.uint8)
+            np.copyto(out, np.frombuffer(val, dtype=np.uint8))  # the GIL released for the copy
+            return out
+
+        out = self._read([key], run, buffers=True)
+        if out is not None:
+            self._touch([key])
+        return out
+
     def batch_exists(self, keys: Sequence[str]) -> int:
         def run(get):
             n = 0
