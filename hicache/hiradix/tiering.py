@@ -159,13 +159,13 @@ class Tiering:
             freed += self._drop_backups(num_pages - freed)
         return freed
 
-    def drop_host_tail(self, tokens: list[int], from_page: int) -> int:
+    def drop_tail_for_l3(self, tokens: list[int], from_page: int) -> int:
         """Remove from the tree the cached pages of ``tokens``' path from page ``from_page`` on (the node
-        starting there and the chain below it) when every node of it is on L2 only, on L3, unlocked,
-        unpinned and not loading, and branches nowhere: a lookup then finds those pages on L3 alone, so
-        the next fetch reads them again. (A windowed L2 whose copies lost their sliding part: L3 may still
-        hold it; serving/cache/l3_windows.py.) Returns the pages dropped (0: nothing changed, except
-        a split at ``from_page``)."""
+        starting there and the chain below it, their L1 and L2 copies) when every node of it is on L3,
+        unlocked, unpinned and not loading, and branches nowhere: a lookup then finds those pages on L3
+        alone, so the next fetch reads them again. (A windowed cache whose copies above L3 lost their
+        sliding part: L3 may still hold it; serving/cache/l3_windows.py.) Returns the pages dropped (0:
+        nothing changed, except a split at ``from_page``)."""
         ps = self.shape.page_size
         if from_page <= 0:
             return 0
@@ -175,14 +175,16 @@ class Tiering:
         nd = start = path[-1].children.get(tuple(tokens[pos:pos + ps]))
         chain: list[TreeNode] = []
         while nd is not None:
-            if (nd.device_pages is not None or nd.host_pages is None or nd.lock_ref or nd.load is not None
-                    or len(nd.children) > 1 or self.pins.any_pinned(nd.host_pages) or not self.on_l3(nd)):
+            if (nd.lock_ref or nd.load is not None or len(nd.children) > 1 or not self.on_l3(nd)
+                    or (nd.host_pages is not None and self.pins.any_pinned(nd.host_pages))):
                 return 0
             chain.append(nd)
             nd = next(iter(nd.children.values()), None)
         if start is None:
             return 0
-        for nd in chain:
+        for nd in reversed(chain):  # leaves first: each an unlocked L1 leaf when its copy goes
+            if nd.device_pages is not None:
+                self.residency.drop_device(nd)
             self.exclusive.dropping(nd)
         self.residency.remove(start)
         return sum(len(nd.key) // ps for nd in chain)

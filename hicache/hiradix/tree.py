@@ -291,9 +291,9 @@ class HiRadixTree:
         """Free ``num_pages`` L2 pages if possible (see :meth:`Tiering.evict_host`)."""
         return self.tiering.evict_host(num_pages, drop_backups)
 
-    def drop_host_tail(self, tokens: Sequence[int], from_page: int) -> int:
-        """Drop the L2-only tail of ``tokens``' path that L3 holds (see :meth:`Tiering.drop_host_tail`)."""
-        return self.tiering.drop_host_tail(list(tokens), from_page)
+    def drop_tail_for_l3(self, tokens: Sequence[int], from_page: int) -> int:
+        """Drop the tail of ``tokens``' path that L3 holds (see :meth:`Tiering.drop_tail_for_l3`)."""
+        return self.tiering.drop_tail_for_l3(list(tokens), from_page)
 
     def load_back(self, match: MatchResult) -> MatchResult:
         """Bring the L2-only part of ``match`` back to L1, and its state snapshot (see

@@ -31,7 +31,7 @@ from hicache.tiers.base import TOO_LARGE, StorageBackend
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.native_copy import copy_and_hash
-from hicache.tiers.page_codec import SLIDING_INVALID, SLIDING_OMITTED, TRAILER_SIZE, PageCodec
+from hicache.tiers.page_codec import SLIDING_INVALID, SLIDING_OMITTED, TRAILER_SIZE, PageCodec, host_page_bytes
 
 
 def windowed(pool: HostKVPool, codec: PageCodec) -> bool:
@@ -55,19 +55,35 @@ def is_short_page(codec: PageCodec, size: int) -> bool:
 def frame(codec: PageCodec, keys: list[str], pages: list[int], pool: HostKVPool, rows: np.ndarray,
           raw: torch.Tensor) -> list[int]:
     """Lay out ``pages`` as values in ``rows`` (``[n, slot]`` bytes; ``raw`` the same memory as a tensor);
-    returns each value's size."""
+    returns each value's size. Each page is read where it lies, never through a whole-model staging copy:
+    a short value is its page's full rows (in a ``page_first`` L2 exactly the page's bytes, so the group's
+    short values are copied and hashed in one GIL-free call), a whole value its full rows and its host
+    window page's rows laid out in device order."""
     short = short_codec(codec.layout, codec.page_size, len(pool.full_layers))
-    kv = pool.read_pages(torch.tensor(pages, dtype=torch.long))  # [2L, n, X]
-    sizes = []
-    for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-        whole = pool.windows.has(page)
-        c = codec if whole else short
-        part = kv[:, i] if whole else kv[pool.full_rows, i]
-        nb = c.page_nbytes
-        raw[i, :nb].view(kv.dtype).view(part.shape).copy_(part)
-        c.pack_trailer_into(rows[i], nb, key, rows[i, :nb], 0 if whole else SLIDING_INVALID | SLIDING_OMITTED)
-        sizes.append(c.value_nbytes)
-    return sizes
+    windows = pool.windows
+    assert windows is not None
+    wins = [windows.map[p] for p in pages]
+    pool.wait_pending_writes()
+    nbs = short.page_nbytes
+    shorts = [i for i, w in enumerate(wins) if w < 0]
+    omitted = SLIDING_INVALID | SLIDING_OMITTED
+    if shorts and pool.layout_name == "page_first":
+        view = host_page_bytes(pool)
+        hashes = copy_and_hash([view[pages[i]] for i in shorts], [rows[i, :nbs] for i in shorts])
+        for i, h in zip(shorts, hashes, strict=True):
+            short.pack_trailer_hashed(rows[i], nbs, keys[i], h, omitted)
+    else:
+        for i in shorts:
+            raw[i, :nbs].view(pool.buffer.dtype).view(-1, pool.row_elems).copy_(pool.page_rows(pages[i]))
+            short.pack_trailer_into(rows[i], nbs, keys[i], rows[i, :nbs], omitted)
+    nb = codec.page_nbytes
+    for i, w in enumerate(wins):
+        if w >= 0:
+            dst = raw[i, :nb].view(pool.buffer.dtype).view(-1, pool.row_elems)  # [2L, X], device order
+            dst.index_copy_(0, pool.full_rows, pool.page_rows(pages[i]))
+            dst.index_copy_(0, pool.window_rows, windows.page_rows(w))
+            codec.pack_trailer_into(rows[i], nb, keys[i], rows[i, :nb], 0)
+    return [codec.value_nbytes if w >= 0 else short.value_nbytes for w in wins]
 
 
 def _gather(data: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ import torch
 from harness.lmdb_pages import PS, keys_for, open_store
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import make_host_pool
+from hicache.tiers.page_codec import TRAILER_SIZE
 from hicache.tiers.storage import StorageTier
 from hicache.tiers.storage_windows import reads_direct
 
@@ -52,3 +53,32 @@ def test_short_and_whole_values_land_and_a_corrupt_one_ends_the_read(tmp_path, l
     assert st["corrupt"] == 1 and st["hits"] == bad
     assert tier.batch_exists(keys[bad:]) == 0  # the corrupt value was deleted
     tier.close()
+
+
+def test_both_l2_layouts_store_the_same_values(tmp_path):
+    """A page with a host window page is stored whole (every layer in device order), one without it short
+    (its full layers only, flagged): the same bytes from a ``page_first`` and a ``layer_first`` L2, each
+    page read where it lies (hicache.tiers.storage_windows.frame)."""
+    n, whole = 12, [2, 7, 8]
+    g = torch.Generator().manual_seed(11)
+    row = PS * LAYOUT.num_kv_heads * LAYOUT.head_dim  # elements of one layer's K (or V) of a page
+    kv = torch.randn((6, n, row), generator=g).to(LAYOUT.dtype)
+    values = {}
+    for layout in ("page_first", "layer_first"):
+        src = make_host_pool(layout, LAYOUT, n, PS, **WINDOWS)
+        pages = src.allocator.alloc(n)
+        src.windows.take([pages[i] for i in whole])
+        src.write_pages(torch.tensor(pages), kv)
+        store = open_store(tmp_path / layout, capacity_gb=0.05, initial_map_mb=1)
+        tier = StorageTier(store, LAYOUT, PS)
+        keys = keys_for(n, salt=4)
+        assert tier.batch_set(keys, src, pages) == n
+        values[layout] = [store.get(k) for k in keys]
+        tier.close()
+    assert values["page_first"] == values["layer_first"]
+    for i, v in enumerate(values["page_first"]):
+        payload = torch.frombuffer(bytearray(v[:len(v) - TRAILER_SIZE]), dtype=LAYOUT.dtype).view(-1, row)
+        if i in whole:  # K of layers 0, 1, 2, then V of each
+            assert torch.equal(payload, kv[:, i])
+        else:  # K then V of layer 2 alone
+            assert payload.shape[0] == 2 and torch.equal(payload, kv[[2, 5], i])

@@ -178,7 +178,7 @@ def test_insert_host_from_start_page_below_a_cached_prefix():
         t.insert_host([1, 2], [], start_page=2)
 
 
-# ---- drop_host_tail: an L2-only tail L3 holds leaves the tree (a windowed L2 refetches it whole) ----------
+# ---- drop_tail_for_l3: a tail L3 holds leaves the tree, L1 and L2 copies (a windowed cache refetches it whole) ----
 
 
 def _l2_chain(t: HiRadixTree, tokens: list[int]) -> list[int]:
@@ -189,19 +189,19 @@ def _l2_chain(t: HiRadixTree, tokens: list[int]) -> list[int]:
     return [p for nd in reversed(t.node_at(tokens).path_to_root()) if nd.host_pages for p in nd.host_pages]
 
 
-def test_drop_host_tail_removes_the_tail_from_a_page_on():
+def test_drop_tail_for_l3_removes_the_tail_from_a_page_on():
     t = make()
     toks = list(range(1, 13))  # 6 pages
     hp = _l2_chain(t, toks[:8])
     _l2_chain(t, toks)  # a child of 2 more pages below it
-    assert t.drop_host_tail(toks, 3) == 3  # pages 3..5: the split node's tail and its child
+    assert t.drop_tail_for_l3(toks, 3) == 3  # pages 3..5: the split node's tail and its child
     t.check_integrity()
     assert t.peek_prefix_len(toks) == 3 * PS and t.cached_pages("host") == 3
     assert all(t.host.is_allocated(p) for p in hp[:3]) and not any(t.host.is_allocated(p) for p in hp[3:])
 
 
-@pytest.mark.parametrize("why", ["locked", "pinned", "on_l1", "not_on_l3", "branches", "no_tail", "page_0"])
-def test_drop_host_tail_changes_nothing_it_cannot_drop(why: str):
+@pytest.mark.parametrize("why", ["locked", "pinned", "not_on_l3", "branches", "no_tail", "page_0"])
+def test_drop_tail_for_l3_changes_nothing_it_cannot_drop(why: str):
     t = make()
     toks = list(range(1, 9))  # 4 pages
     hp = _l2_chain(t, toks)
@@ -211,10 +211,6 @@ def test_drop_host_tail_changes_nothing_it_cannot_drop(why: str):
         t.lock(node)
     elif why == "pinned":
         t.pin_host(hp[3:])
-    elif why == "on_l1":
-        t.reset()
-        put_device(t, toks)
-        t.host.free(t.insert_host(toks, t.host.alloc(4)))  # an L2 copy from L3 beside the L1 one
     elif why == "not_on_l3":
         node.storage_pages = 0
     elif why == "branches":
@@ -224,10 +220,26 @@ def test_drop_host_tail_changes_nothing_it_cannot_drop(why: str):
     else:
         frm = 0
     before = t.cached_pages("host")
-    assert t.drop_host_tail(toks, frm) == 0
+    assert t.drop_tail_for_l3(toks, frm) == 0
     assert t.cached_pages("host") == before and t.peek_prefix_len(toks) == len(toks)
     if why == "locked":
         t.unlock(node)
     if why == "pinned":
         t.unpin_host(hp[3:])
     t.check_integrity(host_in_use=0)
+
+
+def test_drop_tail_for_l3_drops_l1_copies_too():
+    """A tail on L1 (with or without an L2 copy) whose window KV is gone above L3 is dropped as an L2-only one
+    is: its L1 and L2 pages freed, the prefix before it kept (the fetch reads the tail again, whole)."""
+    t = make()
+    toks = list(range(1, 9))  # 4 pages
+    put_device(t, toks)
+    t.host.free(t.insert_host(toks, t.host.alloc(4)))  # an L2 copy from L3 beside the L1 one
+    node = t.node_at(toks)
+    node.storage_pages = len(node.key) // PS
+    dev_before, host_before = t.cached_pages("device"), t.cached_pages("host")
+    assert t.drop_tail_for_l3(toks, 2) == 2
+    t.check_integrity()
+    assert t.peek_prefix_len(toks) == 2 * PS
+    assert t.cached_pages("device") == dev_before - 2 and t.cached_pages("host") == host_before - 2
