@@ -122,6 +122,18 @@ class ReqCache:
         if self.prefetcher is not None and req.kv.prefetch is not None:
             req.kv.storage_hit_tokens += self.prefetcher.finish(req) * self.page_size
 
+    def give_back_fetches(self, waiting: list[Req]) -> bool:
+        """The ``waiting`` requests give back the L3 fetches they hold: each one's lock pins the L1 pages
+        on its path (its early loads' among them), so fetches of requests that still wait can hold every
+        L1 page. The scheduler calls this when a reservation finds no room and nothing running can free
+        any. What landed stays on L2, unlocked; each request looks its prefix up again next step. True
+        when any was held."""
+        held = [r for r in waiting if r.kv.prefetch is not None and r.kv.prefetch.fetch is not None]
+        for r in held:
+            self._finish_prefetch(r)
+            r.kv.prefetch_checked = False
+        return bool(held)
+
     # -- admission ---------------------------------------------------------------------
     def try_admit(self, req: Req, budget: int) -> Admission:
         """Admit the waiting ``req`` with a first chunk of at most ``budget`` prompt tokens: stop its L3
@@ -208,6 +220,7 @@ class ReqCache:
         if restoring is None:  # no window pages for them now: nothing locked
             self.tree.unlock(m.last_device_node)
             kv.lock_node = None
+            kv.wait_loads = tuple(m.pending_loads)  # a load it started: release waits for it to land
             return False
         kv.wait_loads = (*m.pending_loads, *restoring)
         if self.storage is not None:

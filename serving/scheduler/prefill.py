@@ -84,7 +84,9 @@ class PrefillPlanner:
             # only those still prefilling: this step's decode rows are reserved already (they finish and free)
             younger = [v for v in s.running[s.running.index(r) + 1:] if v.prefilling]
             if not younger:
-                return False
+                # alone, only the waiting requests' fetches can free L1 (else it waits for decodes to end)
+                return len(s.running) == 1 and s.cache.give_back_fetches(s.waiting) and \
+                    s.cache.reserve(r, r.kv.kv_len + n)
             s.retract(younger[-1])
         return True
 
@@ -123,6 +125,8 @@ class PrefillPlanner:
             if a.answer is Answer.WAIT:
                 continue
             if a.answer is Answer.NO_ROOM:
+                if not s.running:  # nothing can free L1 but the waiting requests' fetches: next step
+                    s.cache.give_back_fetches(s.waiting)
                 break
             s.waiting.remove(r)
             s.running.append(r)

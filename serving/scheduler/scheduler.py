@@ -348,6 +348,8 @@ class Scheduler:
             if r not in self.running:  # retracted below to make room for an earlier one
                 continue
             while not self.cache.reserve(r, r.kv.kv_len + 1):
+                if len(self.running) == 1 and self.cache.give_back_fetches(self.waiting):
+                    continue  # the waiting requests' fetches held L1 pages
                 if len(self.running) == 1:  # alone and still no room: the pool is too small
                     self.running.remove(r)
                     self._finish(r, {"type": "length", "length": len(r.output_ids)})
