@@ -9,8 +9,9 @@ a match resumes only where its last window is whole (``RequestWindows.usable_pre
   prefetcher's ``window_room``; it retries each step otherwise, as for L2 room) and takes them before its read
   (``for_fetch``, the fetch's ``on_start``). The readers never reclaim: without this, with the host window pool
   full, every value landed without its sliding part.
-- An L2-only tail whose window KV was reclaimed hides L3's whole copy: before a lookup it leaves the tree when
-  L3 holds it and nothing holds it (``cut_stale_tail``, the prefetcher's ``window_cut``), and is read again.
+- A tail whose window KV is nowhere above L3 (L1 window pages dropped, host window pages reclaimed) hides L3's
+  whole copy: before a lookup, and again while its request waits, it leaves the tree when L3 holds it and
+  nothing holds it (``cut_stale_tail``, the prefetcher's ``window_cut``), and is read again.
 - A fetch's early L2 -> L1 load runs only while its last window's window pages can be had beside one
   request's need (``early_load_ok``), and gives them to that window only (``on_early_load``).
 
@@ -47,8 +48,12 @@ class L3Windows:
         """Whether an L3 fetch of ``n`` pages from ``start_page`` may start now: host window pages for those in
         the last window before its end are free, or made free (``make_host_room``). Without them every whole
         value of that window would land without its sliding part and the match be cut before it: the fetch
-        waits instead (the prefetcher retries each step), as for L2 room. A window larger than the host window
-        pool never waits."""
+        waits instead (the prefetcher retries each step, until the prefetch's deadline), as for L2 room. A
+        window larger than the host window pool never waits. A fetch leaves one window's pages free beside
+        its own (where the pool holds both): the backup of a sequence end just computed (its window on L1
+        only) takes them, and without that reserve the windows of fetched requests waiting for L1 held the
+        pool, those backups found none and the ends went to L3 without their windows (their next turns
+        recomputed)."""
         hw = self._rw.host.windows if self._rw.host is not None else None
         if hw is None or n <= 0:
             return True
@@ -56,10 +61,13 @@ class L3Windows:
         need = end - max(start_page, self._rw.first_needed(end * self._rw.page_size))
         if need > hw.num_pages:
             return True
-        short = need - hw.num_free
+        reserve = pages_per_window(self._rw.window, self._rw.page_size)
+        if need + reserve > hw.num_pages:
+            reserve = 0
+        short = need + reserve - hw.num_free
         if short > 0:
             hw.reclaimed += self._rw.make_host_room(short)
-        return hw.num_free >= need
+        return hw.num_free >= need + reserve
 
     def for_fetch(self, start_page: int, host_pages: list[int]) -> None:
         """An L3 fetch of pages ``start_page ..`` into ``host_pages`` (serving/cache/l3_fetch.py), before its read
@@ -77,18 +85,20 @@ class L3Windows:
 
     def cut_stale_tail(self, tokens: Sequence[int]) -> int:
         """Where an L3 lookup for ``tokens`` should start (tokens cached on L1 / L2), before it is made: when
-        the cached path's last window has pages whose window KV is nowhere above L3 (L2-only pages whose
-        host window pages were reclaimed), those pages and the path's tail after them leave the tree if
-        L3 holds them (``HiRadixTree.drop_host_tail``), so the fetch reads them again, their sliding parts
-        with them (``for_fetch`` gives them host window pages). A windowed L2 keeps about one window per
-        ``swa_full_tokens_ratio`` of its pages' worth of sequence ends; L3 keeps every one that was
-        written with its window, and without this their L2 copies hid them: a match was cut to where a
-        window was whole, mostly 0 (the H200's Gemma-3 12B multi-turn: 0.26 of its prompts cached)."""
+        the cached path's last window has pages whose window KV is nowhere above L3 (L1 pages whose window
+        pages were dropped, L2 copies whose host window pages were reclaimed), those pages and the path's
+        tail after them leave the tree if L3 holds them (``HiRadixTree.drop_tail_for_l3``), so the fetch
+        reads them again, their sliding parts with them (``for_fetch`` gives them host window pages). A
+        windowed L2 keeps about one window per ``swa_full_tokens_ratio`` of its pages' worth of sequence
+        ends, and the L1 window pool fewer; L3 keeps every one that was written with its window, and
+        without this the copies above it hid them: a match was cut to where a window was whole, mostly 0
+        (the H200's Gemma-3 12B multi-turn: 0.26 of its prompts cached; with L2 tails dropped, whole
+        conversations still recomputed when a waiting request's L1 windows were dropped)."""
         valid = self._rw.valid_pages(tokens)
         n = len(valid)
         lo = self._rw.first_needed(n * self._rw.page_size)
         stale = next((i for i in range(lo, n) if not valid[i]), None)
-        if stale is not None and self._rw.tree.drop_host_tail(tokens, stale):
+        if stale is not None and self._rw.tree.drop_tail_for_l3(tokens, stale):
             self.tails_dropped += 1
             return stale * self._rw.page_size
         return n * self._rw.page_size

@@ -20,15 +20,17 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
   started them).
 - At release, a request page that duplicated a tree page hands its window page to the tree page when
   that has none (``adopt``): the same positions' window KV.
-- Under window-pool pressure (``make_room``) unlocked tree nodes lose their window pages alone, least
-  recently used first (their full KV stays, matches on L1 then stop higher); only then are whole pages
-  evicted. Demote before drop: a victim without an L2 copy is backed up first (full and window KV, the
+- Under window-pool pressure (``make_room``) unlocked tree nodes lose their window pages alone (their full KV
+  stays, matches on L1 then stop higher): first those whose L2 copy keeps the window KV, then those without an
+  L2 copy, then those whose L2 copy lost it, least recently used first within each; only then are whole
+  pages evicted. Demote before drop: a victim without an L2 copy is backed up first (full and window KV, the
   tree making L2 room as for any backup), so a match from L2 still resumes at its end.
 - An L2 with a host window pool (hicache/tiers/host_windows.py) is reclaimed the same way
   (``make_host_room``, installed as its ``reclaim``: a backup short of host window pages calls it):
-  unlocked, unpinned, not loading tree nodes lose their host window pages alone, least recently used
-  first, never those on the path the last match looked at (it may be loading them next); L2 pages are
-  never evicted for host window room (a backup that still finds none keeps no sliding part).
+  unlocked, unpinned, not loading tree nodes lose their host window pages alone, those on L3 first (L3 holds
+  their window KV), least recently used first within each; never those on the path the last match looked at
+  (it may be loading them next). L2 pages are never evicted for host window room (a backup that still finds
+  none keeps no sliding part).
 
 Concurrency contract: the scheduler thread only (as ReqCache, its owner). A window-only load runs on the
 cache controller's loader thread or CUDA stream; its ``PendingLoad`` is polled here (``settle``), never waited
@@ -62,7 +64,10 @@ class RequestWindows:
         self.page_size = page_size
         self.window = window  # the largest window of the model's sliding layers
         self.host = host
-        self._matched: set[int] = set()  # ids of the nodes on the path the last usable_prefix walked
+        # the end of the path the last usable_prefix walked: make_host_room spares that path as it is when it
+        # runs (a match splits a node of it: the new upper part is on it too), so a match keeps the sliding
+        # parts it was found usable for while room is made for its load
+        self._matched: TreeNode | None = None
         if host is not None and host.windows is not None:
             host.windows.reclaim = self.make_host_room
 
@@ -141,7 +146,7 @@ class RequestWindows:
         valid: list[bool] = []
         m, flags = self.windows.map, self.host.sliding_valid if self.host is not None else None
         path = node.path_to_root()
-        self._matched = {id(nd) for nd in path}
+        self._matched = node
         for nd in reversed(path):
             if nd.parent is None:
                 continue  # the root
@@ -269,14 +274,16 @@ class RequestWindows:
         return self.windows.num_free >= need
 
     def _drop_windows(self, n: int, keep: set[int], protect: TreeNode | None = None) -> int:
-        """Unlocked tree nodes lose their window pages (all but the pages in ``keep``), LRU, until ``n``
-        are freed. Demoted first: those without an L2 copy get one (their window KV with it; the tree may
-        evict L2-only leaves for the room, never on ``protect``'s path), copied before the drop."""
+        """Unlocked tree nodes lose their window pages (all but the pages in ``keep``) until ``n`` are freed:
+        first those whose L2 copy keeps their sliding part, then those without an L2 copy, then those whose
+        L2 copy lost it (their window KV is then on L3 at most), each LRU. Demoted first: those without an
+        L2 copy get one (their window KV with it; the tree may evict L2-only leaves for the room, never on
+        ``protect``'s path), copied before the drop."""
         m = self.windows.map
         cands = [nd for nd in self.tree.nodes()
                  if nd.device_pages is not None and not nd.lock_ref and not nd.loading
                  and any(m[p] >= 0 and p not in keep for p in nd.device_pages)]
-        cands.sort(key=lambda nd: nd.last_access)
+        cands.sort(key=lambda nd: (self._window_loss(nd), nd.last_access))
         victims, count = [], 0
         for nd in cands:
             if count >= n:
@@ -289,6 +296,16 @@ class RequestWindows:
         return sum(self.windows.drop([p for p in nd.device_pages if p not in keep])
                    for nd in victims if nd.device_pages is not None)
 
+    def _window_loss(self, nd: TreeNode) -> int:
+        """What dropping ``nd``'s L1 window pages risks: 0 its L2 copy keeps their sliding part, 1 it has no
+        L2 copy (a demotion backs them up, if host window pages can be had), 2 its L2 copy lost it."""
+        if nd.host_pages is None:
+            return 1
+        flags, m = (self.host.sliding_valid if self.host is not None else None), self.windows.map
+        if flags is None:
+            return 2
+        return 0 if all(flags[h] for d, h in zip(nd.device_pages, nd.host_pages, strict=True) if m[d] >= 0) else 2
+
     def make_room(self, n: int) -> int:
         """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, demoted to L2 before, their full
         KV stays on L1), then whole L1 pages (tree eviction); returns how many were freed."""
@@ -300,16 +317,20 @@ class RequestWindows:
         return freed
 
     def make_host_room(self, n: int) -> int:
-        """Free at least ``n`` host window pages if possible: unlocked tree nodes' (LRU), their L2 full layers
-        stay (see the module docstring); returns how many were freed."""
+        """Free at least ``n`` host window pages if possible: unlocked tree nodes' (their L2 full layers stay;
+        see the module docstring), those on L3 first, each LRU, but never those on the path the last
+        ``usable_prefix`` walked (a match being admitted). Returns how many were freed."""
         hw = self.host.windows if self.host is not None else None
         if hw is None:
             return 0
         m, pins = hw.map, self.tree.pins
+        spared = set() if self._matched is None else {id(nd) for nd in self._matched.path_to_root()}
         cands = [nd for nd in self.tree.nodes()
-                 if nd.host_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in self._matched
+                 if nd.host_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in spared
                  and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)]
-        cands.sort(key=lambda nd: nd.last_access)
+        # their window KV safe elsewhere first: on L3 (a host window page on a page L3 holds was there when it
+        # was written, or came with it from L3); LRU within each
+        cands.sort(key=lambda nd: (not self.tree.on_l3(nd), nd.last_access))
         freed = 0
         for nd in cands:
             if freed >= n:

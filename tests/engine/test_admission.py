@@ -160,3 +160,38 @@ def test_wait_keeps_it_queued_for_its_l3_prefetch(tiny, tmp_path, slow_lmdb):  #
     cache.release(r)
     core.check_integrity()
     eng.shutdown()
+
+
+def test_no_room_for_its_windows_waits_for_the_load_it_started(tmp_path, monkeypatch):
+    """A hybrid SWA L1 whose window-only restores find no window pages after the prefix's L2 -> L1 load has
+    started: NO_ROOM, and giving the prefix back waits for that copy (the tree takes its pages only once
+    they have landed), instead of ending the load while the loader still writes them."""
+    from serving.cache.request_windows import RequestWindows
+
+    path = tiny_model(tmp_path, "gemma3")
+    eng = engine(path, max_total_tokens=256, hicache_ratio=4.0, hicache_write_policy="write_through",
+                 write_through_threshold=1, enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.5)
+    core, cache, tree = eng.core, eng.core.req_cache, eng.core.tree
+    p = ids(40, 8)
+    eng.generate(input_ids=p, sampling_params=G)
+    eng.generate(input_ids=p, sampling_params=G)  # a hit: backed up to L2
+    tree.evict_device(tree.cached_pages("device"))  # everything down to L2
+    cache.flush_transfers()
+    assert tree.cached_pages("device") == 0
+    gate, landed, copy = threading.Event(), threading.Event(), PageMover.host_to_device
+
+    def held_copy(self, *args, **kwargs):
+        assert gate.wait(60), "the gate was never opened"
+        out = copy(self, *args, **kwargs)
+        landed.set()
+        return out
+
+    monkeypatch.setattr(PageMover, "host_to_device", held_copy)
+    monkeypatch.setattr(RequestWindows, "restore", lambda self, match: None)  # no window pages now
+    r = core.make_request(input_ids=p + ids(8, 9), sampling_params=G)
+    threading.Timer(0.3, gate.set).start()
+    assert cache.try_admit(r, 1 << 20).answer is Answer.NO_ROOM
+    assert landed.is_set(), "the prefix was given back before its load landed"
+    assert holds_nothing(r) and not r.kv.load_node
+    core.check_integrity()
+    eng.shutdown()
