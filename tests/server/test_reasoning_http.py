@@ -83,7 +83,10 @@ def test_openai_reasoning_content_plain_and_streamed(client: openai.OpenAI) -> N
                 content += d["content"]
                 kinds.append("c")
     assert (reasoning, content) == (REASONING, CONTENT)
-    assert kinds == sorted(kinds, reverse=True) and len(kinds) >= 3, kinds  # reasoning first, in pieces
+    # reasoning first, then the answer; how many pieces each comes in depends on how fast the client reads
+    # (deltas the engine wrote meanwhile arrive as one chunk: a tiny model on a busy CPU can finish its
+    # thinking between two reads, and a ">= 3 chunks" check failed 1 run in 3 here)
+    assert kinds == sorted(kinds, reverse=True) and {"r", "c"} <= set(kinds), kinds
     # separate_reasoning false: one content, the marker in it
     r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=32, temperature=0,
                                        extra_body={"separate_reasoning": False})
