@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--l2-gb", type=float, default=None, help="L2 of the ttft engines, GiB (8b: 16, small: 1)")
-    p.add_argument("--l3-gb", type=float, default=48.0)
+    p.add_argument("--l3-gb", type=float, default=None, help="L3 (LMDB) capacity, GiB (8b: 48, small: 2)")
     p.add_argument("--read-threads", type=int, default=default_read_threads(),
                    help="the tier's reader threads, and the N of the raw LMDB read it is compared with")
     p.add_argument("--ceiling-gb", type=float, default=2.0)
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.shape_cfg = shape
     args.l2_gb = args.l2_gb if args.l2_gb is not None else (16.0 if args.shape == "8b" else 1.0)
+    args.l3_gb = args.l3_gb if args.l3_gb is not None else (48.0 if args.shape == "8b" else 2.0)
     args.mt_modes = set(filter(None, args.mt_modes.split(",")))
     args.l3_backends = set(filter(None, args.l3_backends.split(",")))
     if "lmdb" not in args.l3_backends or args.l3_backends - {"lmdb", "mooncake"}:
