@@ -65,6 +65,16 @@ def swa_pages(num_pages: int, layers: int, window_layers: int, sched: SchedulerC
     return logical, max(1, math.ceil(logical * r - 1e-9))
 
 
+def swa_bytes_per_token(per_token: int, layers: int, window_layers: int, sched: SchedulerConfig) -> int:
+    """Bytes of L1 a logical token takes in a hybrid SWA pool: every full layer's KV, and
+    --swa-full-tokens-ratio of a window layer's (the window pool's share), out of ``per_token`` (every
+    layer's). What --max-total-tokens (the full layers' tokens, as SGLang counts them) asks of the GPU."""
+    if not window_layers:
+        return per_token
+    share = ((layers - window_layers) + sched.swa_full_tokens_ratio * window_layers) / layers
+    return max(1, math.ceil(per_token * share))
+
+
 def check_window_pool(win_pages: int, window: int, page_size: int, sched: SchedulerConfig) -> None:
     """A window pool smaller than one request needs would leave every request waiting for window pages
     for ever: refused, with the sizes and the flags that change them."""
@@ -148,8 +158,8 @@ class ModelRunner:
             log.info("L1 state pool: %d slots x %d state layers (%.2f MiB a slot, %.2f GiB)", slots,
                      len(self.layer_stack.state_layers), self.state_pool.bytes_per_slot / 2**20,
                      self.state_pool.nbytes() / 2**30)
-        num_pages = self._min_over_ranks(self._num_pages(layout, sched, page_size))
         win_layers = self._window_layers(sched)
+        num_pages = self._min_over_ranks(self._num_pages(layout, sched, page_size, len(win_layers)))
         win_pages = 0
         if win_layers:
             num_pages, win_pages = swa_pages(num_pages, layout.num_layers, len(win_layers), sched, page_size)
@@ -278,11 +288,13 @@ class ModelRunner:
                 "and a cached snapshot 1: raise --mem-fraction-static or --mamba-full-memory-ratio")
         return min(slots, fit)
 
-    def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int) -> int:
+    def _num_pages(self, layout: KVLayout, sched: SchedulerConfig, page_size: int, window_layers: int) -> int:
         """L1's pages (hicache.sizing decides): --max-total-tokens / --kv-cache-gb when given (a
-        TierSizeError when the device has less), else the GPU's budget (CPU: CPU_DEFAULT_KV_TOKENS,
-        clamped, with a warning, to what the host has)."""
+        TierSizeError when the device has less; with a window pool, --max-total-tokens costs each token
+        its full layers' KV and the pool's share of its window layers': :func:`swa_bytes_per_token`),
+        else the GPU's budget (CPU: CPU_DEFAULT_KV_TOKENS, clamped, with a warning, to what the host has)."""
         per_token = layout.bytes_per_token()
+        asked_per_token = swa_bytes_per_token(per_token, layout.num_layers, window_layers, sched)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - sched.mem_fraction_static))
@@ -293,7 +305,7 @@ class ModelRunner:
             budget, text = mem.budget(share=self.tp.size), mem.explain(share=self.tp.size)
             default = CPU_DEFAULT_KV_TOKENS * per_token
             what = f"the CPU default of {CPU_DEFAULT_KV_TOKENS} tokens ({sizing.gib(default)})"
-        req = sizing.l1_request(sched.max_total_tokens, sched.kv_cache_gb, per_token, default, what)
+        req = sizing.l1_request(sched.max_total_tokens, sched.kv_cache_gb, asked_per_token, default, what)
         nbytes, warning = sizing.fit("L1", req, budget, text, minimum=sizing.L1_MIN_TOKENS * per_token)
         if warning is not None:
             log.warning("%s", warning)

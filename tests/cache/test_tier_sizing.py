@@ -107,3 +107,27 @@ def test_derived_sizes_are_clamped_and_the_server_serves(tmp_path):
     assert "L2: hicache_ratio 2 x L1 = 1.4 GiB does not fit: the host has 1.0 GiB for it" in log, log
     assert "clamped to 1.0 GiB (set --hicache-size to choose the size)" in log, log
     assert "L3: capacity_gb 64 GiB (the default) does not fit" in log and "clamped to 1.8 GiB" in log, log
+
+
+def test_max_total_tokens_with_the_window_pool_counts_the_pools_bytes(tmp_path, monkeypatch):
+    """With the hybrid SWA L1, --max-total-tokens counts the full layers' tokens (as SGLang does): each costs
+    its full layers' KV and the window pool's share of its window layers'. A tiny Gemma-3 (2 full, 4 window
+    layers; 1,536 bytes a token with every layer full, 717 with the pool at 0.2) and 0.1 GiB of host: 100,000
+    tokens (146 MiB every layer full, 68 MiB in the pool) start and serve; 200,000 (137 MiB) are refused,
+    naming the pool's bytes. The check counted every layer full, and refused the first."""
+    from serving.engine import Engine
+
+    model = tiny_model(tmp_path / "m", "gemma3")
+    monkeypatch.setenv(sizing.MEM_TOTAL_ENV, "8")
+    monkeypatch.setenv(sizing.MEM_AVAILABLE_ENV, "2.1")  # less 2 GiB of headroom: 0.1 GiB
+    kw = dict(model_path=str(model), page_size=4, enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.2)
+    eng = Engine(max_total_tokens=100_000, **kw)
+    try:
+        pool = eng.core.runner.pool
+        assert pool.num_pages == 25_000 and pool.windows.num_pages == 5_000
+        out = eng.generate(input_ids=list(range(1, 40)), sampling_params={"max_new_tokens": 3, "temperature": 0})
+        assert len(out["output_ids"]) == 3
+    finally:
+        eng.shutdown()
+    with pytest.raises(TierSizeError, match=r"--max-total-tokens 200000 \(137 MiB of KV\) does not fit"):
+        Engine(max_total_tokens=200_000, **kw)
