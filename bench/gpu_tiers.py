@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "l3_backends": sorted(args.l3_backends), "long_contexts": args.long_contexts,
                  "engine_init_s": args.engine_init_s}
     args.l2_pin_wait_s = res["l2_pin_wait_s"] = []  # per engine: waited for L2's background pinning
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="hicache-tiers-", dir=args.workdir)
     model_dir = os.path.join(work, "model")
     os.makedirs(model_dir)
