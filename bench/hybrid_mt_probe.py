@@ -1,0 +1,118 @@
+"""Where a hybrid model's multi-turn run loses its hits: bench/hybrid.py's multi-turn section (L1+L2+L3,
+concurrent turns) with each request's prompt length and cached tokens per tier, and the host window pool's
+counters after each turn (backups that found no host window page: ``not_kept``).
+
+    python3 bench/hybrid_mt_probe.py [--model gemma3] [--small --device cpu] [--slow-write S] [--json PATH]
+
+``--slow-write S``: every LMDB batch write sleeps S seconds first (a disk slower than the prefill, as on
+the GPU, on a CPU where the prefill is the slow side). The defaults are the H200 run's (16 conversations of
+4k tokens, 3 turns, L1 16k tokens, L2 4 GB, the window pool at 0.2); ``--small`` uses the small shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from argparse import Namespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import parser, print_table, write_json  # noqa: E402
+from bench.gpu_model import rand_prompts  # noqa: E402
+from bench.gpu_tiers_sections import ONE, close, make_engine, timed  # noqa: E402
+from bench.hybrid import MODELS, swa_kw  # noqa: E402
+from bench.hybrid_shapes import write_model_dir  # noqa: E402
+from hicache.tiers.storage import default_read_threads  # noqa: E402
+
+
+def slow_writes(seconds: float) -> None:
+    """Every LMDB batch write sleeps ``seconds`` first."""
+    from hicache.tiers.lmdb.store import LMDBStore
+
+    for name in ("batch_set", "batch_set_parts"):
+        real = getattr(LMDBStore, name)
+
+        def slow(self, *a, _real=real, **kw):
+            time.sleep(seconds)
+            return _real(self, *a, **kw)
+
+        setattr(LMDBStore, name, slow)
+
+
+def run(a) -> dict:
+    cfg = MODELS[a.model](a.small)
+    args = Namespace(device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32", eager=False,
+                     l3_gb=1.0 if a.small else 40.0, read_threads=default_read_threads(), engine_init_s=[],
+                     swa_full_tokens_ratio=a.swa, vocab=cfg["vocab_size"])
+    work = tempfile.mkdtemp(prefix="mt-probe-")
+    try:
+        model_dir = write_model_dir(os.path.join(work, "model"), cfg)
+        eng = make_engine(args, model_dir, os.path.join(work, "l3"), max_total_tokens=a.mt_l1_tokens,
+                          hicache_size=a.mt_l2_gb, **swa_kw(args), **json.loads(a.extra))
+        hist = rand_prompts(a.conversations, a.context, cfg["vocab_size"], seed=31)
+        more = rand_prompts(a.conversations * a.turns, a.mt_user + a.mt_answer, cfg["vocab_size"], seed=32)
+        for q in rand_prompts(4, 128 if a.small else 1024, cfg["vocab_size"], 33):
+            eng.generate(input_ids=q, sampling_params=ONE)
+        stats, hw = eng.core.scheduler.stats, eng.core.host_pool.windows
+        turns = []
+        for t in range(a.turns):
+            f0 = stats.forward_passes
+            dt, outs = timed(eng, hist)
+            rows = [(len(hist[c]), o["meta_info"]["cached_tokens_details"]) for c, o in enumerate(outs)]
+            whole = sum(1 for n, d in rows if not sum(d.values()))
+            turns.append({"wall_s": round(dt, 3), "forwards": stats.forward_passes - f0, "recomputed_whole": whole,
+                          "missed": [n - sum(d.values()) for n, d in rows], "cached": [d for _, d in rows],
+                          "host_window_not_kept": hw.not_kept if hw is not None else None,
+                          "host_window_reclaimed": hw.reclaimed if hw is not None else None})
+            for c, o in enumerate(outs):
+                hist[c] = hist[c] + o["output_ids"] + more[c * a.turns + t]
+            eng.core.storage.poll(wait=True)  # the users think; write-backs drain
+            eng.core.tree.check_integrity()
+        st = eng.core.storage_stats()
+        close(eng)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"model": a.model, "small": a.small, "device": a.device, "slow_write_s": a.slow_write, "turns": turns,
+            "storage": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--model", default="gemma3", choices=sorted(MODELS))
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--context", type=int, default=None, help="first turn's tokens (4096; --small 512)")
+    p.add_argument("--mt-user", type=int, default=None, help="user tokens a turn adds (256; --small 32)")
+    p.add_argument("--mt-answer", type=int, default=None, help="answer tokens a turn adds (32; --small 4)")
+    p.add_argument("--mt-l1-tokens", type=int, default=None, help="L1 tokens (16384; --small 2048)")
+    p.add_argument("--mt-l2-gb", type=float, default=None, help="L2 GiB (4; --small 0.008: the same share)")
+    p.add_argument("--swa", type=float, default=0.2, help="--swa-full-tokens-ratio")
+    p.add_argument("--slow-write", type=float, default=0.0)
+    p.add_argument("--extra", default="{}", help="more engine arguments, a JSON object")
+    a = p.parse_args()
+    small = dict(context=512, mt_user=32, mt_answer=4, mt_l1_tokens=2048, mt_l2_gb=0.008)
+    big = dict(context=4096, mt_user=256, mt_answer=32, mt_l1_tokens=16384, mt_l2_gb=4.0)
+    for k, v in (small if a.small else big).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.small and a.extra == "{}":
+        a.extra = json.dumps({"chunked_prefill_size": 1024})  # two prompts a chunk, as 8192 holds two 4k ones
+    if a.slow_write:
+        slow_writes(a.slow_write)
+    res = run(a)
+    print_table(["turn", "wall s", "forwards", "recomputed whole", "backups without a window (total)"],
+                [[i, t["wall_s"], t["forwards"], t["recomputed_whole"], t["host_window_not_kept"]]
+                 for i, t in enumerate(res["turns"])])
+    write_json(a.json, res)
+
+
+if __name__ == "__main__":
+    main()
