@@ -124,7 +124,11 @@ def ttft_section(res: dict, args, model_dir: str, work: str) -> None:
         ref.append(out["output_ids"])
     for p in prompts:  # the first hit backs the prompt up to L2 (write_through); time the second
         timed(eng, p)
-    l1 = [timed(eng, p)[0] for p in prompts]
+    l1_busy = [timed(eng, p)[0] for p in prompts]  # while those backups' L3 writes run on their threads
+    l1 = []
+    for p in prompts:  # as a user who comes back after the writes (bench/hybrid.py times its hits so)
+        eng.core.storage.poll(wait=True)
+        l1.append(timed(eng, p)[0])
     steps, dec = 32, []  # a batch-1 decode step: 1 + 32 new tokens minus 1 new token, both L1 hits
     for p, t1 in zip(prompts, l1, strict=True):
         sync()
@@ -146,6 +150,7 @@ def ttft_section(res: dict, args, model_dir: str, work: str) -> None:
         eng.generate(input_ids=p, sampling_params=ONE)
     res["ttft_recompute_s"] = statistics.median(rec)
     res["ttft_l1_s"] = statistics.median(l1)
+    res["ttft_l1_writes_running_s"] = statistics.median(l1_busy)
     res["decode_step_s"] = statistics.median(dec)
     res["ttft_l2_s"] = statistics.median(l2)
     res["l2_same_tokens"] = l2_same
