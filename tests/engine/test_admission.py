@@ -44,6 +44,13 @@ def holds_nothing(r) -> bool:
     return not r.kv.pages and r.kv.lock_node is None and not r.kv.wait_loads
 
 
+def on_l2_only(eng, prompt: list[int]) -> None:
+    """``prompt`` answered twice (the hit backs it up to L2), then every L1 page demoted: it is cached on L2 only."""
+    eng.generate(input_ids=prompt, sampling_params=G)
+    eng.generate(input_ids=prompt, sampling_params=G)
+    eng.core.tree.evict_device(eng.core.tree.cached_pages("device"))
+    eng.core.req_cache.flush_transfers()
+
 def test_ready_locks_the_prefix_and_reserves_the_first_chunk(tiny):
     eng = engine(tiny, max_total_tokens=1024)
     core, cache = eng.core, eng.core.req_cache
@@ -88,10 +95,7 @@ def test_loading_admits_it_while_its_l2_prefix_is_copied_back(tiny, monkeypatch)
                  write_through_threshold=1)
     core, cache, tree = eng.core, eng.core.req_cache, eng.core.tree
     p = ids(40, 5)
-    eng.generate(input_ids=p, sampling_params=G)
-    eng.generate(input_ids=p, sampling_params=G)  # a hit: backed up to L2
-    tree.evict_device(tree.cached_pages("device"))  # everything down to L2
-    cache.flush_transfers()
+    on_l2_only(eng, p)
     assert tree.cached_pages("host") >= 10 and tree.cached_pages("device") == 0
     gate, copy = threading.Event(), PageMover.host_to_device
 
@@ -173,10 +177,7 @@ def test_no_room_for_its_windows_waits_for_the_load_it_started(tmp_path, monkeyp
                  write_through_threshold=1, enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.5)
     core, cache, tree = eng.core, eng.core.req_cache, eng.core.tree
     p = ids(40, 8)
-    eng.generate(input_ids=p, sampling_params=G)
-    eng.generate(input_ids=p, sampling_params=G)  # a hit: backed up to L2
-    tree.evict_device(tree.cached_pages("device"))  # everything down to L2
-    cache.flush_transfers()
+    on_l2_only(eng, p)
     assert tree.cached_pages("device") == 0
     gate, landed, copy = threading.Event(), threading.Event(), PageMover.host_to_device
 
