@@ -284,7 +284,8 @@ class TPLeader:
         if self._stopping:
             return
         r, p = sentinels[ready[0]]
-        p.join(1)
+        p.join(10)  # its exit code: a rank's interpreter can take over a second to end after its sentinel is
+        # ready on a loaded machine (CI saw "exited with code None" with 1 s)
         try:
             self._die(death_reason(r, p, error_path(self._dir, r)))
         except RankDied:
