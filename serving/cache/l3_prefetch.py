@@ -58,10 +58,10 @@ class Prefetcher:
       (thread-safe) and write the host pages of a fetch, which belong to nobody else.
     - Before a fetch starts, the node where the cached prefix ends is locked and L2 room is
       made (eviction cannot touch the locked path; L2 backups of pages on L1 may go, those L3
-      holds first). When others hold the L2 it needs (fetches, pins of waiting requests or of
-      L3 writes in flight), the request waits (retried each step) while waiting and loading
-      would still beat recomputing, instead of fetching part of its prefix; otherwise the page
-      count is capped at what is free, so the allocation cannot fail.
+      holds first). When others hold the L2 it needs (fetches, pins of waiting requests or of L3
+      writes in flight), or L2 is still being pinned after a start, the request waits (retried each
+      step) while waiting and loading would still beat recomputing, instead of fetching part of its
+      prefix; otherwise the page count is capped at what is free, so the allocation cannot fail.
     - A waiting request watches its cached prefix (each step and when it is scheduled): if
       the prefix left L2 meanwhile (it is not pinned when L3 holds it), it is looked up again.
     - Landed, verified pages are committed into the tree as they arrive (:meth:`advance`, so
@@ -237,7 +237,7 @@ class Prefetcher:
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
             tree.evict_host(n - host.num_free, drop_backups=True)
-        if host.num_free < n and self._worth_waiting(op, d):
+        if host.num_free < n and self._worth_waiting(op, d, n):
             tree.unlock(node)
             return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
         n = min(n, host.num_free)  # all of it, or as much as L2 can ever give it now
@@ -270,13 +270,15 @@ class Prefetcher:
         of being recomputed."""
         op.lookup = None
 
-    def _worth_waiting(self, op: PrefetchOp, d: Decision) -> bool:
-        """Wait for L2 room while others hold it -- fetches, pins of waiting requests and of L3
-        writes in flight (they give it back once committed / run / written) -- as long as waiting
-        and then loading would still beat recomputing (the cost model's estimates; without them,
-        until the op's deadline). A fetch of part of the prefix would recompute the rest."""
+    def _worth_waiting(self, op: PrefetchOp, d: Decision, n: int) -> bool:
+        """Wait for L2 room for ``n`` pages (see the class docstring: ``HostKVPool.growing`` for a start) as
+        long as waiting and then loading would still beat recomputing (the cost model's estimates;
+        without them, until the op's deadline). A fetch of part of the prefix would recompute the rest
+        (after a start: 1.85x recompute for 32k tokens on an H100, gpu-tiers-h100-2026-12-05-s21.json)."""
         now = time.monotonic()
-        if not (self.fetches.active or self.tree.host_pinned > len(op.pinned)) or now >= op.deadline:
+        alloc = self.host_pool.allocator
+        growing = self.host_pool.growing and alloc.num_free + alloc.num_pages - alloc.available >= n
+        if not (self.fetches.active or self.tree.host_pinned > len(op.pinned) or growing) or now >= op.deadline:
             return False
         if not op.room_wait_since:
             op.room_wait_since = now
