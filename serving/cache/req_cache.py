@@ -146,7 +146,7 @@ class ReqCache:
         kv, first = req.kv, not req.kv.admitted
         locked = self._lock_prefix(req, self._match(req))
         n = self.chunk(req, min(req.seq_len - kv.kv_len, budget)) if locked else 0
-        if not locked or not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n):
+        if not locked or not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n, admission=True):
             self.release(req)
             if first:
                 kv.admitted = False
@@ -302,9 +302,10 @@ class ReqCache:
         loads = [p.layer_events() for r in reqs for p in r.kv.wait_loads if not p.done()]
         return LayerWaits(loads) if loads else None
 
-    def reserve(self, req: Req, upto_len: int, windows_from: int = 0) -> bool:
+    def reserve(self, req: Req, upto_len: int, windows_from: int = 0, admission: bool = False) -> bool:
         """Make ``req.kv.pages`` cover positions ``< upto_len``; False (nothing taken) if no room. A hybrid
-        SWA L1: the new pages from page index ``windows_from`` on get window pages."""
+        SWA L1: the new pages from page index ``windows_from`` on get window pages (``admission``: a waiting
+        request's first pages, which may wait for L2 room rather than drop windows: RequestWindows.ensure)."""
         if req.rid in self._refuse:
             return False  # it waits for L1 room (_lock_prefix): try_admit releases it, admission stops
         need = -(-upto_len // self.page_size) - len(req.kv.pages)
@@ -315,7 +316,7 @@ class ReqCache:
             return False
         if self.windows is not None:  # the sliding layers' KV of these pages: window pages
             want = pages[max(0, windows_from - len(req.kv.pages)):]
-            ok = self.windows.ensure(want)
+            ok = self.windows.ensure(want, wait_for_l2=admission)
             if not ok and self._holders == {req.rid} and self.windows.free_behind(req):
                 ok = self.windows.ensure(want)  # alone: its own prefix behind its window held them
             self.flush_transfers()

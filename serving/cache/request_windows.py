@@ -24,11 +24,13 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
   stays, matches on L1 then stop higher): first those whose L2 copy keeps the window KV, then those without an
   L2 copy, then those whose L2 copy lost it, least recently used first within each; only then are whole
   pages evicted. Demote before drop: a victim without an L2 copy is backed up first (full and window KV, the
-  tree making L2 room as for any backup), so a match from L2 still resumes at its end.
+  tree making L2 room as for any backup), so a match from L2 still resumes at its end; one that finds no L2
+  room goes last, and an admission waits for L2 instead while L3 writes in flight pin it (``wait_for_l2``).
 - An L2 with a host window pool (hicache/tiers/host_windows.py) is reclaimed the same way
   (``make_host_room``, installed as its ``reclaim``: a backup short of host window pages calls it):
-  unlocked, unpinned, not loading tree nodes lose their host window pages alone, those on L3 first (L3 holds
-  their window KV), least recently used first within each; never those on the path the last match looked at
+  unpinned, not loading tree nodes lose their host window pages alone (locked ones only where L1 and L3 hold
+  the same window KV), those on L3 first (L3 holds their window KV), least recently used first within each;
+  never those on the path the last match looked at
   (it may be loading them next). L2 pages are never evicted for host window room (a backup that still finds
   none keeps no sliding part).
 
@@ -39,7 +41,7 @@ on except by a release (ReqCache.poll_load).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicache.hiradix import HiRadixTree, MatchResult, PendingLoad, Transfer, TreeNode
 from hicache.tiers.host import HostKVPool
@@ -68,6 +70,9 @@ class RequestWindows:
         # runs (a match splits a node of it: the new upper part is on it too), so a match keeps the sliding
         # parts it was found usable for while room is made for its load
         self._matched: TreeNode | None = None
+        # whether L2 room will come back by itself soon (serving/engine/core.py: L3 writes in flight, whose
+        # pinned L2 pages become evictable when they land); an admission then waits rather than drop windows
+        self.l2_room_coming: Callable[[], bool] = lambda: False
         if host is not None and host.windows is not None:
             host.windows.reclaim = self.make_host_room
 
@@ -76,11 +81,12 @@ class RequestWindows:
         """The first page a token resuming at position ``end`` reads (sliding layers)."""
         return max(0, end - self.window + 1) // self.page_size
 
-    def ensure(self, pages: Sequence[int]) -> bool:
-        """Window pages for ``pages`` (a request computes into them), evicting for room; False: none."""
+    def ensure(self, pages: Sequence[int], wait_for_l2: bool = False) -> bool:
+        """Window pages for ``pages`` (a request computes into them), evicting for room (``wait_for_l2``: an
+        admission, see :meth:`_drop_windows`); False: none."""
         short = len(self.windows.missing(pages)) - self.windows.num_free
         if short > 0:
-            self.make_room(short)
+            self.make_room(short, wait_for_l2)
         return self.windows.assign(pages)
 
     def chunk_limit(self, req: Req) -> int:
@@ -270,29 +276,47 @@ class RequestWindows:
         short = need - self.windows.num_free
         if short > 0:
             first = self.first_needed((len(device_pages) + loaded_pages) * self.page_size)
-            self._drop_windows(short, set(device_pages[first:]), protect)
+            self._drop_windows(short, set(device_pages[first:]), protect, wait_for_l2=True)
         return self.windows.num_free >= need
 
-    def _drop_windows(self, n: int, keep: set[int], protect: TreeNode | None = None) -> int:
+    def _drop_windows(self, n: int, keep: set[int], protect: TreeNode | None = None, wait_for_l2: bool = False) -> int:
         """Unlocked tree nodes lose their window pages (all but the pages in ``keep``) until ``n`` are freed:
         first those whose L2 copy keeps their sliding part, then those without an L2 copy, then those whose
         L2 copy lost it (their window KV is then on L3 at most), each LRU. Demoted first: those without an
         L2 copy get one (their window KV with it; the tree may evict L2-only leaves for the room, never on
-        ``protect``'s path), copied before the drop."""
+        ``protect``'s path), copied before the drop. One that finds no L2 room keeps its window pages while
+        others can be had; after them it loses them (a running request must get its pages), unless
+        ``wait_for_l2`` (an admission, which may wait) and L2 room is coming (``l2_room_coming``: L3 writes in
+        flight, whose pinned L2 pages are evictable once they land). Those windows were a whole conversation's
+        end, on L1 only: dropped anyway, its next turn recomputed everything (a burst whose L3 writes pinned
+        L2)."""
         m = self.windows.map
         cands = [nd for nd in self.tree.nodes()
                  if nd.device_pages is not None and not nd.lock_ref and not nd.loading
                  and any(m[p] >= 0 and p not in keep for p in nd.device_pages)]
         cands.sort(key=lambda nd: (self._window_loss(nd), nd.last_access))
-        victims, count = [], 0
+        demote = self._runner is not None and self.host is not None
+        victims, bare, count = [], [], 0
+
+        def held(nd: TreeNode) -> int:
+            return sum(1 for p in nd.device_pages if m[p] >= 0 and p not in keep)
+
         for nd in cands:
             if count >= n:
                 break
+            if demote and nd.host_pages is None and self.tree.demote([nd], protect):
+                self._runner.flush()  # the backup reads the window pages: copied before they are freed
+            if demote and nd.host_pages is None:
+                bare.append(nd)  # no L2 room for it: its window KV would be lost
+                continue
             victims.append(nd)
-            count += sum(1 for p in nd.device_pages if m[p] >= 0 and p not in keep)
-        if self._runner is not None and self.host is not None and \
-                self.tree.demote([nd for nd in victims if nd.host_pages is None], protect):
-            self._runner.flush()  # the backups read the window pages: copied before they are freed
+            count += held(nd)
+        if count < n and not (wait_for_l2 and self.l2_room_coming()):
+            for nd in bare:
+                if count >= n:
+                    break
+                victims.append(nd)
+                count += held(nd)
         return sum(self.windows.drop([p for p in nd.device_pages if p not in keep])
                    for nd in victims if nd.device_pages is not None)
 
@@ -306,19 +330,32 @@ class RequestWindows:
             return 2
         return 0 if all(flags[h] for d, h in zip(nd.device_pages, nd.host_pages, strict=True) if m[d] >= 0) else 2
 
-    def make_room(self, n: int) -> int:
+    def make_room(self, n: int, wait_for_l2: bool = False) -> int:
         """Free at least ``n`` window pages: unlocked tree nodes' first (LRU, demoted to L2 before, their full
-        KV stays on L1), then whole L1 pages (tree eviction); returns how many were freed."""
-        freed = self._drop_windows(n, set())
-        if freed < n:
+        KV stays on L1; ``wait_for_l2``: see :meth:`_drop_windows`), then whole L1 pages (tree eviction);
+        returns how many were freed."""
+        freed = self._drop_windows(n, set(), wait_for_l2=wait_for_l2)
+        if freed < n and not (wait_for_l2 and self.l2_room_coming()):  # (evicting would drop what it kept)
             before = self.windows.num_free
             self.tree.evict_device(n - freed)
             freed += self.windows.num_free - before
         return freed
 
+    def _host_windows_spare(self, nd: TreeNode) -> bool:
+        """Whether a locked node's host window pages are spare copies: it is on L3 (whole, as a page with a host
+        window page was written or read with it) and each of those pages has its window page on L1 too (the
+        request holding it reads L1's). Without these, the windows of the requests running and of those fetched
+        held the host window pool and the backups of the ends just computed found none (an H100's Gemma-3 12B
+        multi-turn: 86 of one turn's window pages not kept, four conversations recomputed whole the next)."""
+        if nd.device_pages is None or not self.tree.on_l3(nd):
+            return False
+        hm, m = self.host.windows.map, self.windows.map
+        return all(m[d] >= 0 for d, h in zip(nd.device_pages, nd.host_pages, strict=True) if hm[h] >= 0)
+
     def make_host_room(self, n: int) -> int:
-        """Free at least ``n`` host window pages if possible: unlocked tree nodes' (their L2 full layers stay;
-        see the module docstring), those on L3 first, each LRU, but never those on the path the last
+        """Free at least ``n`` host window pages if possible: unlocked tree nodes' and the spare copies of locked
+        ones (:meth:`_host_windows_spare`; their L2 full layers stay; see the module docstring), those on L3
+        first, each LRU, but never those on the path the last
         ``usable_prefix`` walked (a match being admitted). Returns how many were freed."""
         hw = self.host.windows if self.host is not None else None
         if hw is None:
@@ -326,8 +363,9 @@ class RequestWindows:
         m, pins = hw.map, self.tree.pins
         spared = set() if self._matched is None else {id(nd) for nd in self._matched.path_to_root()}
         cands = [nd for nd in self.tree.nodes()
-                 if nd.host_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in spared
-                 and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)]
+                 if nd.host_pages is not None and not nd.loading and id(nd) not in spared
+                 and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)
+                 and (not nd.lock_ref or self._host_windows_spare(nd))]
         # their window KV safe elsewhere first: on L3 (a host window page on a page L3 holds was there when it
         # was written, or came with it from L3); LRU within each
         cands.sort(key=lambda nd: (not self.tree.on_l3(nd), nd.last_access))

@@ -183,3 +183,39 @@ def test_an_early_load_leaves_one_requests_window_pages_free(tiny) -> None:
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_a_locked_node_gives_up_host_window_pages_that_l1_and_l3_also_hold(tiny, tmp_path) -> None:
+    """``make_host_room`` takes the host window pages of a node a running request holds (locked) when they are
+    spare copies: the node is on L3 (written whole) and its L1 pages keep their window pages; never those of a
+    locked node whose L1 pages lack them (its request may read them from L2). Without this the windows of the
+    running and fetched requests held the host window pool and the backups of the ends just computed found
+    none (an H100's Gemma-3 12B multi-turn: four conversations recomputed whole in one turn)."""
+    _, path, ps, _, ref, _ = tiny
+    eng = _engine(path, tmp_path)
+    try:
+        assert ids_of(generate_checked(eng, ps[:1], GREEDY)) == ref[:1]
+        _backup_all(eng)
+        eng.core.storage.persist_all()  # on L3, each page with its sliding part
+        tree, rw, hw = eng.core.tree, eng.core.req_cache.windows, eng.core.host_pool.windows
+        node, _ = tree.lookup(ps[0])
+        path_nodes = [nd for nd in node.path_to_root() if nd.parent is not None]
+        assert all(tree.on_l3(nd) for nd in path_nodes)
+        tree.lock(node)  # as its request running again would
+        rw._matched = None  # no match being admitted
+        m1 = rw.windows.map
+        spare = sum(1 for nd in path_nodes for d, h in zip(nd.device_pages, nd.host_pages, strict=True)
+                    if hw.has(h) and m1[d] >= 0)
+        lacking = [nd for nd in path_nodes if any(hw.has(h) and m1[d] < 0
+                                                  for d, h in zip(nd.device_pages, nd.host_pages, strict=True))]
+        assert spare > 0
+        keep = {h for nd in lacking for h in nd.host_pages if hw.has(h)}
+        freed = rw.make_host_room(hw.num_pages)
+        assert freed >= spare - len(keep) > 0, (freed, spare, len(keep))
+        assert all(hw.has(h) for h in keep)  # read from L2 by whoever resumes there: kept
+        rw.windows.drop([d for nd in path_nodes for d in nd.device_pages])  # now L1 lacks every window page
+        assert ids_of(generate_checked(eng, ps[:1], GREEDY)) == ref[:1]
+        tree.unlock(node)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
