@@ -45,6 +45,34 @@ def slow_writes(seconds: float) -> None:
         setattr(LMDBStore, name, slow)
 
 
+def watch_losses(eng) -> list[dict]:
+    """Record, at each backup that finds no host window page, who holds the host window pool: pages of nodes
+    ``locked`` (running or fetched requests), ``loading``, ``pinned`` (L3 writes waiting or in flight), and
+    the ``rest`` (the path a match is being admitted on, which reclaim spares)."""
+    hw, tree = eng.core.host_pool.windows, eng.core.tree
+    seen: list[dict] = []
+    if hw is None:
+        return seen
+    take = hw.take
+
+    def watched(pages):
+        before = hw.not_kept
+        got = take(pages)
+        if hw.not_kept > before:
+            held = {"lost": hw.not_kept - before, "locked": 0, "loading": 0, "pinned": 0, "rest": 0}
+            for nd in tree.nodes():
+                k = 0 if nd.host_pages is None else sum(1 for p in nd.host_pages if hw.map[p] >= 0)
+                if k:
+                    kind = "locked" if nd.lock_ref else "loading" if nd.loading else \
+                        "pinned" if tree.pins.any_pinned(nd.host_pages) else "rest"
+                    held[kind] += k
+            seen.append(held)
+        return got
+
+    hw.take = watched
+    return seen
+
+
 def run(a) -> dict:
     cfg = MODELS[a.model](a.small)
     args = Namespace(device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32", eager=False,
@@ -60,6 +88,7 @@ def run(a) -> dict:
         for q in rand_prompts(4, 128 if a.small else 1024, cfg["vocab_size"], 33):
             eng.generate(input_ids=q, sampling_params=ONE)
         stats, hw = eng.core.scheduler.stats, eng.core.host_pool.windows
+        losses = watch_losses(eng)
         turns = []
         for t in range(a.turns):
             f0 = stats.forward_passes
@@ -69,7 +98,9 @@ def run(a) -> dict:
             turns.append({"wall_s": round(dt, 3), "forwards": stats.forward_passes - f0, "recomputed_whole": whole,
                           "missed": [n - sum(d.values()) for n, d in rows], "cached": [d for _, d in rows],
                           "host_window_not_kept": hw.not_kept if hw is not None else None,
-                          "host_window_reclaimed": hw.reclaimed if hw is not None else None})
+                          "host_window_reclaimed": hw.reclaimed if hw is not None else None,
+                          "losses": list(losses)})
+            losses.clear()
             for c, o in enumerate(outs):
                 hist[c] = hist[c] + o["output_ids"] + more[c * a.turns + t]
             eng.core.storage.poll(wait=True)  # the users think; write-backs drain
@@ -108,8 +139,11 @@ def main() -> None:
     if a.slow_write:
         slow_writes(a.slow_write)
     res = run(a)
-    print_table(["turn", "wall s", "forwards", "recomputed whole", "backups without a window (total)"],
-                [[i, t["wall_s"], t["forwards"], t["recomputed_whole"], t["host_window_not_kept"]]
+    held = ("locked", "loading", "pinned", "rest")
+    print_table(["turn", "wall s", "forwards", "recomputed whole", "backups without a window (total)",
+                 "host window pages held at those losses: " + " / ".join(held)],
+                [[i, t["wall_s"], t["forwards"], t["recomputed_whole"], t["host_window_not_kept"],
+                  " / ".join(str(sum(x[k] for x in t["losses"])) for k in held)]
                  for i, t in enumerate(res["turns"])])
     write_json(a.json, res)
 
