@@ -28,9 +28,8 @@ A sliding layer of window ``w`` reads, for a token at position ``p``, positions 
   room goes last, and an admission waits for L2 instead while L3 writes in flight pin it (``wait_for_l2``).
 - An L2 with a host window pool (hicache/tiers/host_windows.py) is reclaimed the same way
   (``make_host_room``, installed as its ``reclaim``: a backup short of host window pages calls it):
-  unpinned, not loading tree nodes lose their host window pages alone (locked ones only where L1 and L3 hold
-  the same window KV), those on L3 first (L3 holds their window KV), least recently used first within each;
-  never those on the path the last match looked at
+  unlocked, unpinned, not loading tree nodes lose their host window pages alone, those on L3 first (L3 holds
+  their window KV), least recently used first within each; never those on the path the last match looked at
   (it may be loading them next). L2 pages are never evicted for host window room (a backup that still finds
   none keeps no sliding part).
 
@@ -341,21 +340,9 @@ class RequestWindows:
             freed += self.windows.num_free - before
         return freed
 
-    def _host_windows_spare(self, nd: TreeNode) -> bool:
-        """Whether a locked node's host window pages are spare copies: it is on L3 (whole, as a page with a host
-        window page was written or read with it) and each of those pages has its window page on L1 too (the
-        request holding it reads L1's). Without these, the windows of the requests running and of those fetched
-        held the host window pool and the backups of the ends just computed found none (an H100's Gemma-3 12B
-        multi-turn: 86 of one turn's window pages not kept, four conversations recomputed whole the next)."""
-        if nd.device_pages is None or not self.tree.on_l3(nd):
-            return False
-        hm, m = self.host.windows.map, self.windows.map
-        return all(m[d] >= 0 for d, h in zip(nd.device_pages, nd.host_pages, strict=True) if hm[h] >= 0)
-
     def make_host_room(self, n: int) -> int:
-        """Free at least ``n`` host window pages if possible: unlocked tree nodes' and the spare copies of locked
-        ones (:meth:`_host_windows_spare`; their L2 full layers stay; see the module docstring), those on L3
-        first, each LRU, but never those on the path the last
+        """Free at least ``n`` host window pages if possible: unlocked tree nodes' (their L2 full layers stay;
+        see the module docstring), those on L3 first, each LRU, but never those on the path the last
         ``usable_prefix`` walked (a match being admitted). Returns how many were freed."""
         hw = self.host.windows if self.host is not None else None
         if hw is None:
@@ -363,9 +350,8 @@ class RequestWindows:
         m, pins = hw.map, self.tree.pins
         spared = set() if self._matched is None else {id(nd) for nd in self._matched.path_to_root()}
         cands = [nd for nd in self.tree.nodes()
-                 if nd.host_pages is not None and not nd.loading and id(nd) not in spared
-                 and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)
-                 and (not nd.lock_ref or self._host_windows_spare(nd))]
+                 if nd.host_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in spared
+                 and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)]
         # their window KV safe elsewhere first: on L3 (a host window page on a page L3 holds was there when it
         # was written, or came with it from L3); LRU within each
         cands.sort(key=lambda nd: (not self.tree.on_l3(nd), nd.last_access))
