@@ -216,7 +216,7 @@ class WriteBack:
             self.guard.begin_write([k for ks in wkeys for k in ks])
             for w, ks in zip(writes, wkeys, strict=True):
                 w.keys = ks
-        runs = [(ks, self.tier.batch_exists(ks)) for ks in wkeys]  # another server may have stored some
+        runs = [(ks, self._present(ks, w.host_pages)) for ks, w in zip(wkeys, writes, strict=True)]
         keys = [k for ks, present in runs for k in ks[present:]]
         pages = [p for w, (_, present) in zip(writes, runs, strict=True) for p in w.host_pages[present:]]
         t0 = time.monotonic()
@@ -234,6 +234,19 @@ class WriteBack:
                 state = store.put_slot(last, pool, w.state_slot)
             out.append((present + wrote, wrote, state))
         return out
+
+    def _present(self, keys: list[str], host_pages: list[int]) -> int:
+        """How many leading pages of a write L3 holds already (another server's, or this one's before a
+        recompute): those are not written again, except, with a host window pool, from the first that keeps
+        its sliding part on L2: L3 may hold it short (stored when its sliding part was not kept), and a
+        short value there stayed for good (that page's window was lost each time L2 let go of it, the
+        conversation recomputed whole turn after turn). Writer thread: the pages are pinned, so their host
+        window pages stay as they are."""
+        present = self.tier.batch_exists(keys)
+        hw = self.host_pool.windows
+        if hw is not None and present:
+            present = next((i for i in range(present) if hw.has(host_pages[i])), present)
+        return present
 
     def poll(self, wait: bool = False) -> None:
         """Finish the writes that are done (all of them, the backlog included, with ``wait``):

@@ -185,37 +185,44 @@ def test_an_early_load_leaves_one_requests_window_pages_free(tiny) -> None:
         eng.shutdown()
 
 
-def test_a_locked_node_gives_up_host_window_pages_that_l1_and_l3_also_hold(tiny, tmp_path) -> None:
-    """``make_host_room`` takes the host window pages of a node a running request holds (locked) when they are
-    spare copies: the node is on L3 (written whole) and its L1 pages keep their window pages; never those of a
-    locked node whose L1 pages lack them (its request may read them from L2). Without this the windows of the
-    running and fetched requests held the host window pool and the backups of the ends just computed found
-    none (an H100's Gemma-3 12B multi-turn: four conversations recomputed whole in one turn)."""
+def test_an_end_stored_without_its_window_is_stored_whole_once_computed_again(tiny, tmp_path) -> None:
+    """A prompt backed up while the host window pool had nothing to give goes to L3 short (no sliding part).
+    Computed again by a server that does not read L3 (no prefetch), its last window's pages, backed up with
+    their sliding parts now, are written over the short values (``WriteBack._present``), so after a restart
+    it comes back from L3 whole. Before, the write skipped every page L3 held already: the short values
+    stayed for good (a conversation that lost its window once recomputed whole at every later turn)."""
     _, path, ps, _, ref, _ = tiny
     eng = _engine(path, tmp_path)
     try:
-        assert ids_of(generate_checked(eng, ps[:1], GREEDY)) == ref[:1]
+        hw = eng.core.host_pool.windows
+        hw.reclaim, reclaim = None, hw.reclaim
+        held = hw.allocator.alloc(hw.num_free)  # the host window pool has none to give
+        assert ids_of(eng.generate(input_ids=ps[:1], sampling_params=GREEDY)) == ref[:1]
+        eng.core.tree.backup_all()  # (check_integrity would count the held host window pages as lost)
+        eng.core.req_cache.flush_transfers()
+        eng.core.storage.persist_all()
+        hw.allocator.free(held)
+        hw.reclaim = reclaim
+        eng.check_integrity()
+        assert hw.not_kept > 0
+    finally:
+        eng.shutdown()
+    eng = _engine(path, tmp_path, hicache_storage_prefetch_threshold=10**6)  # L3 not read: recomputed
+    try:
+        outs = generate_checked(eng, ps[:1], GREEDY)
+        assert ids_of(outs) == ref[:1]
+        assert outs[0]["meta_info"]["cached_tokens"] < len(ps[0]) - 2 * PS, outs[0]["meta_info"]
         _backup_all(eng)
-        eng.core.storage.persist_all()  # on L3, each page with its sliding part
-        tree, rw, hw = eng.core.tree, eng.core.req_cache.windows, eng.core.host_pool.windows
-        node, _ = tree.lookup(ps[0])
-        path_nodes = [nd for nd in node.path_to_root() if nd.parent is not None]
-        assert all(tree.on_l3(nd) for nd in path_nodes)
-        tree.lock(node)  # as its request running again would
-        rw._matched = None  # no match being admitted
-        m1 = rw.windows.map
-        spare = sum(1 for nd in path_nodes for d, h in zip(nd.device_pages, nd.host_pages, strict=True)
-                    if hw.has(h) and m1[d] >= 0)
-        lacking = [nd for nd in path_nodes if any(hw.has(h) and m1[d] < 0
-                                                  for d, h in zip(nd.device_pages, nd.host_pages, strict=True))]
-        assert spare > 0
-        keep = {h for nd in lacking for h in nd.host_pages if hw.has(h)}
-        freed = rw.make_host_room(hw.num_pages)
-        assert freed >= spare - len(keep) > 0, (freed, spare, len(keep))
-        assert all(hw.has(h) for h in keep)  # read from L2 by whoever resumes there: kept
-        rw.windows.drop([d for nd in path_nodes for d in nd.device_pages])  # now L1 lacks every window page
-        assert ids_of(generate_checked(eng, ps[:1], GREEDY)) == ref[:1]
-        tree.unlock(node)
+        eng.core.storage.persist_all()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    eng = _engine(path, tmp_path)
+    try:
+        outs = generate_checked(eng, ps[:1], GREEDY)
+        assert ids_of(outs) == ref[:1]
+        assert outs[0]["meta_info"]["cached_tokens_details"]["storage"] == (len(ps[0]) - 1) // PS * PS, \
+            outs[0]["meta_info"]
         eng.check_integrity()
     finally:
         eng.shutdown()
