@@ -134,6 +134,13 @@ class WriteBack:
         return len(self._backlog)
 
     @property
+    def landing(self) -> bool:
+        """Writes waiting or in flight and none of them failed: the L2 pages they pin come free soon (a store
+        that fails them holds those pages for up to ``MAX_ATTEMPTS`` backoffs: not soon)."""
+        writes = self._all_writes()
+        return bool(writes) and not any(w.attempts for w in writes)
+
+    @property
     def waiting_pages(self) -> int:
         return self._waiting_pages
 

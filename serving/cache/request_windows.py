@@ -69,8 +69,9 @@ class RequestWindows:
         # runs (a match splits a node of it: the new upper part is on it too), so a match keeps the sliding
         # parts it was found usable for while room is made for its load
         self._matched: TreeNode | None = None
-        # whether L2 room will come back by itself soon (serving/engine/core.py: L3 writes in flight, whose
-        # pinned L2 pages become evictable when they land); an admission then waits rather than drop windows
+        # whether L2 room will come back by itself soon (serving/engine/core.py: L3 writes in flight that have
+        # not failed, whose pinned L2 pages become evictable when they land); an admission then waits rather
+        # than drop windows
         self.l2_room_coming: Callable[[], bool] = lambda: False
         if host is not None and host.windows is not None:
             host.windows.reclaim = self.make_host_room

@@ -155,7 +155,7 @@ class EngineCore:
             if self.storage is not None:  # L3 fetches bring the windows where their matches resume
                 L3Windows(windows).attach(self.storage.prefetcher)
                 wb = self.storage.writeback
-                windows.l2_room_coming = lambda: bool(wb.waiting or wb.in_flight)
+                windows.l2_room_coming = lambda: wb.landing
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
                                   self.runner.state_pool, windows)
         self.req_cache.reuse_prefixes = not cache.disable_radix_cache

@@ -120,3 +120,45 @@ def test_a_store_that_keeps_failing_gets_its_pages_back(model, tmp_path, failing
         assert eng.core.tree.host_pinned == 0 and not wb.waiting and not wb.in_flight  # L2 is not held forever
     finally:
         eng.shutdown()
+
+
+def test_writes_that_failed_are_not_landing(model, tmp_path, failing_lmdb, monkeypatch):
+    """``WriteBack.landing`` (an admission of a hybrid SWA model waits for L2 room while it is true: the L2 pages
+    the writes pin come free soon) is true while writes go through and false once the store failed one: its
+    backoffs would hold the admission for seconds."""
+    import threading
+
+    monkeypatch.setattr(l3_writeback, "RETRY_S", 30.0, raising=False)  # a failed write stays backing off
+    eng = engine(model, tmp_path / "l3", failing_lmdb, fail_calls=10**9)
+    try:
+        wb = eng.core.storage.writeback
+        assert not wb.landing
+        eng.generate(input_ids=[[5, 6, 7, 8, 9, 10, 11, 12, 13]], sampling_params=GREEDY)
+        eng.core.tree.backup_all()
+        eng.core.req_cache.flush_transfers()  # on to L3: the store fails it
+        for _ in range(200):
+            eng.core.storage.poll()
+            if wb.waiting and not wb.in_flight:
+                break
+            threading.Event().wait(0.01)
+        assert wb.waiting and wb.write_retries > 0 and not wb.landing
+    finally:
+        monkeypatch.setattr(l3_writeback, "RETRY_S", 0.002, raising=False)
+        for w in eng.core.storage.writeback._backlog:
+            w.retry_at = 0.0  # the shutdown's drain retries at once
+        eng.shutdown()
+    eng = engine(model, tmp_path / "l3b", failing_lmdb, fail_calls=0)
+    gate = threading.Event()
+    try:
+        wb = eng.core.storage.writeback
+        wb.before_write = lambda: gate.wait(30)
+        eng.generate(input_ids=[[5, 6, 7, 8, 9, 10, 11, 12, 13]], sampling_params=GREEDY)
+        eng.core.tree.backup_all()
+        eng.core.req_cache.flush_transfers()  # on to L3: held by the gate
+        assert (wb.waiting or wb.in_flight) and wb.landing
+        gate.set()
+        eng.core.storage.poll(wait=True)
+        assert not wb.landing
+    finally:
+        gate.set()
+        eng.shutdown()
