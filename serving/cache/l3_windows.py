@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from hicache.hiradix import MatchResult
 from hicache.tiers.window_pages import min_window_pages, pages_per_window
 from serving.cache.l3_prefetch import Prefetcher
+from serving.cache.l3_writeback import WriteBack
 from serving.cache.request_windows import RequestWindows
 
 
@@ -36,8 +37,10 @@ class L3Windows:
         self._rw = rw
         self.tails_dropped = 0  # stale L2 tails dropped for an L3 fetch to read again (cut_stale_tail)
 
-    def attach(self, prefetcher: Prefetcher) -> None:
-        """Install the hooks on ``prefetcher`` and its fetches."""
+    def attach(self, prefetcher: Prefetcher, writeback: WriteBack) -> None:
+        """Install the hooks on ``prefetcher`` and its fetches, and tell the window policy when L2 room comes
+        back by itself (``writeback``'s writes landing: RequestWindows.l2_room_coming)."""
+        self._rw.l2_room_coming = lambda: writeback.landing
         prefetcher.window_cut = self.cut_stale_tail
         prefetcher.window_room = self.fetch_room
         prefetcher.fetches.on_start = self.for_fetch

@@ -69,7 +69,7 @@ class RequestWindows:
         # runs (a match splits a node of it: the new upper part is on it too), so a match keeps the sliding
         # parts it was found usable for while room is made for its load
         self._matched: TreeNode | None = None
-        # whether L2 room will come back by itself soon (serving/engine/core.py: L3 writes in flight that have
+        # whether L2 room will come back by itself soon (L3Windows.attach: L3 writes in flight that have
         # not failed, whose pinned L2 pages become evictable when they land); an admission then waits rather
         # than drop windows
         self.l2_room_coming: Callable[[], bool] = lambda: False

@@ -153,9 +153,7 @@ class EngineCore:
             window = max(w for w in self.runner.layer_stack.windows if w is not None)
             windows = RequestWindows(pool.windows, self.tree, cache.page_size, window, self.host_pool, transfers)
             if self.storage is not None:  # L3 fetches bring the windows where their matches resume
-                L3Windows(windows).attach(self.storage.prefetcher)
-                wb = self.storage.writeback
-                windows.l2_room_coming = lambda: wb.landing
+                L3Windows(windows).attach(self.storage.prefetcher, self.storage.writeback)
         self.req_cache = ReqCache(self.tree, pool.allocator, cache.page_size, transfers, self.storage,
                                   self.runner.state_pool, windows)
         self.req_cache.reuse_prefixes = not cache.disable_radix_cache
