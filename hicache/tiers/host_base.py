@@ -113,6 +113,11 @@ class HostKVPool(ABC):
         return isinstance(self.allocator, GrowingPageAllocator) and self.allocator.available < self.num_pages \
             and self.pinner is not None and self.pinner.error is None
 
+    def free_once_pinned(self) -> int:
+        """Pages free now plus those still to be pinned (all of them join the allocator once pinned)."""
+        a = self.allocator
+        return a.num_free + a.num_pages - a.available if isinstance(a, GrowingPageAllocator) else a.num_free
+
     def take_pinned(self) -> int:
         """Hand the pages pinned since the last call to the allocator; returns how many joined.
         The allocator's owner (the scheduler thread) calls it."""

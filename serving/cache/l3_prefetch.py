@@ -276,8 +276,7 @@ class Prefetcher:
         without them, until the op's deadline). A fetch of part of the prefix would recompute the rest
         (after a start: 1.85x recompute for 32k tokens on an H100, gpu-tiers-h100-2026-12-05-s21.json)."""
         now = time.monotonic()
-        alloc = self.host_pool.allocator
-        growing = self.host_pool.growing and alloc.num_free + alloc.num_pages - alloc.available >= n
+        growing = self.host_pool.growing and self.host_pool.free_once_pinned() >= n
         if not (self.fetches.active or self.tree.host_pinned > len(op.pinned) or growing) or now >= op.deadline:
             return False
         if not op.room_wait_since:
