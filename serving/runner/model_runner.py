@@ -52,6 +52,12 @@ def state_slots_for(max_running_requests: int, slot_bytes: int = 0, kv_bytes: in
     return min(slots, max(fit, 4))
 
 
+def swa_layers(layers: int, window_layers: int, sched: SchedulerConfig) -> float:
+    """How many layers' KV a logical token takes in a hybrid SWA pool: its full layers, and
+    --swa-full-tokens-ratio of each window layer (the window pool's share)."""
+    return (layers - window_layers) + sched.swa_full_tokens_ratio * window_layers
+
+
 def swa_pages(num_pages: int, layers: int, window_layers: int, sched: SchedulerConfig,
               page_size: int) -> tuple[int, int]:
     """(logical pages, window pages) of a hybrid SWA pool with ``num_pages`` pages' worth of every layer:
@@ -61,7 +67,7 @@ def swa_pages(num_pages: int, layers: int, window_layers: int, sched: SchedulerC
     if sched.max_total_tokens is not None:
         logical = num_pages
     else:
-        logical = max(1, int(num_pages * layers / ((layers - window_layers) + r * window_layers)))
+        logical = max(1, int(num_pages * layers / swa_layers(layers, window_layers, sched)))
     return logical, max(1, math.ceil(logical * r - 1e-9))
 
 
@@ -71,8 +77,7 @@ def swa_bytes_per_token(per_token: int, layers: int, window_layers: int, sched: 
     layer's). What --max-total-tokens (the full layers' tokens, as SGLang counts them) asks of the GPU."""
     if not window_layers:
         return per_token
-    share = ((layers - window_layers) + sched.swa_full_tokens_ratio * window_layers) / layers
-    return max(1, math.ceil(per_token * share))
+    return max(1, math.ceil(per_token * (swa_layers(layers, window_layers, sched) / layers)))
 
 
 def check_window_pool(win_pages: int, window: int, page_size: int, sched: SchedulerConfig) -> None:
