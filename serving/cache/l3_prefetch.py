@@ -32,17 +32,13 @@ from hicache.tiers.host_state import HostStatePool
 from hicache.tiers.storage import StorageTier
 from hicache.tiers.storage_state import StateStore
 from serving.cache.cost_model import EXPLORE, AlwaysLoad, Decision, LoadPolicy
+from serving.cache.fetch_room import FetchRoom
 from serving.cache.l3_fetch import Fetches, FetchOp
 from serving.cache.l3_state import attach_when_in, resume_point, start_read
 from serving.cache.prefetch_op import PrefetchOp
 from serving.cache.prefetch_policy import PREFETCH_POLICIES, LoadBudget
 from serving.cache.transfers import TransferRunner
 from serving.structs.request import Req
-
-# Share of L2 that waiting requests may pin for their cached prefixes: the rest takes L3 fetches
-# and demotions from L1. Without pins, a turn of many returning requests thrashes: each one run
-# demotes its pages into L2 and evicts (LRU) the prefixes of requests still waiting for L1.
-PIN_SHARE = 0.5
 
 
 def _no_backlog(req: Req) -> int:
@@ -53,14 +49,14 @@ class Prefetcher:
     """Prefetches for waiting requests (see the module docstring for the two phases).
 
     Concurrency contract:
-    - Scheduler thread only: :meth:`Prefetcher.advance`, :meth:`ready`, :meth:`finish`,
-      :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
+    - Scheduler thread only: :meth:`advance_all` (each step) and :meth:`advance`, :meth:`ready`,
+      :meth:`finish`, :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
       (thread-safe) and write the host pages of a fetch, which belong to nobody else.
     - Before a fetch starts, the node where the cached prefix ends is locked and L2 room is
-      made (eviction cannot touch the locked path; L2 backups of pages on L1 may go, those L3
-      holds first). When others hold the L2 it needs (fetches, pins of waiting requests or of L3
-      writes in flight), or L2 is still being pinned after a start, the request waits (retried each
-      step) while waiting and loading would still beat recomputing, instead of fetching part of its
+      made (eviction cannot touch the locked path, nor the prefixes the other waiting requests found
+      cached; L2 backups of pages on L1 may go, those L3 holds first: serving/cache/fetch_room.py). When
+      others hold the L2 it needs, or L2 is still being pinned after a start, the request waits (retried
+      each step) while waiting and loading would still beat recomputing, instead of fetching part of its
       prefix; otherwise the page count is capped at what is free, so the allocation cannot fail.
     - A waiting request watches its cached prefix (each step and when it is scheduled): if
       the prefix left L2 meanwhile (it is not pinned when L3 holds it), it is looked up again.
@@ -114,8 +110,8 @@ class Prefetcher:
         self.fetches_cut = 0  # fetches that fell behind recompute (LoadBudget): their requests recomputed the rest
         self.pages_cut = 0  # the pages those fetches had not read when they were cut
         self._fetching = 0  # requests holding a fetch (their own or one they follow)
-        self.pin_budget = int(PIN_SHARE * host_pool.num_pages)
-        self._pinned = 0  # L2 pages pinned by waiting requests (a page pinned twice counts twice)
+        self.room = FetchRoom(tree, host_pool)  # L2 pins of waiting requests, room for fetches
+        self._waiting: list[Req] = []  # during advance_all
 
     @property
     def pages_loaded_early(self) -> int:
@@ -126,6 +122,15 @@ class Prefetcher:
         return self.fetches.draining
 
     # -- scheduler side -----------------------------------------------------------------
+    def advance_all(self, waiting: list[Req]) -> None:
+        """:meth:`advance` for each of the ``waiting`` requests (their fetches spare each other's prefixes)."""
+        self._waiting = waiting
+        try:
+            for r in waiting:
+                self.advance(r)
+        finally:
+            self._waiting = []
+
     def advance(self, req: Req) -> None:
         """Called for every waiting request each step: start its lookup once, start (or
         follow) the fetch once the lookup is in, commit what has landed. Never waits."""
@@ -150,7 +155,7 @@ class Prefetcher:
             # it followed a fetch that has all it had in common, and the store holds more of its
             # prompt: those pages come with a lookup from the new end of its cached prefix
             req.kv.storage_hit_tokens += self._drop(op) * self.page_size
-            self._unpin(op)
+            self.room.unpin(op)
             req.kv.prefetch = None
             self._start_lookup(req)
 
@@ -177,7 +182,7 @@ class Prefetcher:
         if not lookup and cached * ps < self.threshold_tokens:
             return
         op = PrefetchOp(cached, prompt[: full * ps], time.monotonic() + self.timeout_base_s)
-        op.pinned = self._pin(prompt[: cached * ps])
+        op.pinned = self.room.pin(prompt[: cached * ps])
         if lookup:
             op.lookup = self._lookups.submit(self._lookup, op)
         req.kv.prefetch = op
@@ -185,29 +190,6 @@ class Prefetcher:
     def _attach_state(self, op: PrefetchOp) -> None:
         if op.state is not None:  # (a state model's)
             self.snapshots_fetched += attach_when_in(self.tree, self.states[0], op, self.page_size)
-
-    def _pin(self, tokens: list[int]) -> list[int]:
-        """Pin the L2 pages of the path that ``tokens`` match (all or none, within the budget),
-        except those L3 holds: a prefix L3 holds comes back from there if it leaves L2
-        (:meth:`_recheck`), and pinning it would keep from L2 the L1 demotions that L3 lacks
-        (an L1 eviction without L2 room loses those)."""
-        if not tokens:
-            return []
-        node, _ = self.tree.lookup(tokens)
-        on_l3 = self.tree.on_l3
-        pages = [p for nd in node.path_to_root() if nd.host_pages is not None and not on_l3(nd)
-                 for p in nd.host_pages]
-        if not pages or self._pinned + len(pages) > self.pin_budget:
-            return []
-        self.tree.pin_host(pages)
-        self._pinned += len(pages)
-        return pages
-
-    def _unpin(self, op: PrefetchOp) -> None:
-        if op.pinned:
-            self.tree.unpin_host(op.pinned)
-            self._pinned -= len(op.pinned)
-            op.pinned = []
 
     def _start_fetch(self, req: Req, op: PrefetchOp) -> None:
         ps, tree = self.page_size, self.tree
@@ -236,8 +218,8 @@ class Prefetcher:
         tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
-            tree.evict_host(n - host.num_free, drop_backups=True)
-        if host.num_free < n and self._worth_waiting(op, d, n):
+            self.room.make(req, n - host.num_free, self._waiting)
+        if host.num_free < n and self.room.worth_waiting(op, d, n, bool(self.fetches.active)):
             tree.unlock(node)
             return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
         n = min(n, host.num_free)  # all of it, or as much as L2 can ever give it now
@@ -270,21 +252,6 @@ class Prefetcher:
         of being recomputed."""
         op.lookup = None
 
-    def _worth_waiting(self, op: PrefetchOp, d: Decision, n: int) -> bool:
-        """Wait for L2 room for ``n`` pages (see the class docstring: ``HostKVPool.growing`` for a start) as
-        long as waiting and then loading would still beat recomputing (the cost model's estimates;
-        without them, until the op's deadline). A fetch of part of the prefix would recompute the rest
-        (after a start: 1.85x recompute for 32k tokens on an H100, gpu-tiers-h100-2026-12-05-s21.json)."""
-        now = time.monotonic()
-        growing = self.host_pool.growing and self.host_pool.free_once_pinned() >= n
-        if not (self.fetches.active or self.tree.host_pinned > len(op.pinned) or growing) or now >= op.deadline:
-            return False
-        if not op.room_wait_since:
-            op.room_wait_since = now
-        if d.load_s is None or d.recompute_s is None:
-            return True
-        return now - op.room_wait_since < d.recompute_s - d.load_s
-
     def _decision(self, pages: int, d, looked_up: bool) -> dict:
         return {"pages": pages, "tokens": pages * self.page_size, "looked_up": looked_up, "load": d.load,
                 "reason": d.reason, "est_load_s": d.load_s, "est_recompute_s": d.recompute_s}
@@ -310,7 +277,7 @@ class Prefetcher:
         prefetch now."""
         cached = self.tree.peek_prefix_len if self.window_cut is None else self.window_cut
         if cached(op.tokens) < op.start_page * self.page_size:
-            self._unpin(op)
+            self.room.unpin(op)
             req.kv.prefetch = None
             self._start_lookup(req)
         return req.kv.prefetch
@@ -324,7 +291,7 @@ class Prefetcher:
             return 0
         req.kv.prefetch = None
         op.cancel.set()
-        self._unpin(op)  # the request matches right after: its prefix is locked from then on
+        self.room.unpin(op)  # the request matches right after: its prefix is locked from then on
         if op.fetch is None:  # watching, looking up or waiting for L2 room: nothing allocated
             return 0
         unread = op.need - op.loaded
@@ -367,7 +334,7 @@ class Prefetcher:
         started = [r.kv.prefetch for r in reqs if r.kv.prefetch is not None and r.kv.prefetch.fetch is not None]
         assert self._fetching == len(started), f"prefetch: {self._fetching} fetches counted, {len(started)} held"
         pinned = [p for r in reqs if r.kv.prefetch is not None for p in r.kv.prefetch.pinned]
-        assert self._pinned == len(pinned), f"prefetch: {self._pinned} L2 pins counted, {len(pinned)} held"
+        assert self.room.pinned == len(pinned), f"prefetch: {self.room.pinned} L2 pins counted, {len(pinned)} held"
         assert all(self.tree.host.is_allocated(p) for p in pinned), "prefetch: a pinned L2 page is free"
         holds: dict[int, int] = {}
         for op in started:

@@ -111,8 +111,7 @@ class ReqCache:
         """Each waiting request's L3 prefetch: start its lookup, then its fetch, commit what has landed
         (serving.cache.l3_prefetch; never waits). No-op without L3."""
         if self.prefetcher is not None:
-            for r in waiting:
-                self.prefetcher.advance(r)
+            self.prefetcher.advance_all(waiting)
 
     def prefetch_ready(self, req: Req) -> bool:
         """Whether ``req``'s L3 prefetch lets it be admitted now (its prefetch policy); no L3: True."""
@@ -126,9 +125,13 @@ class ReqCache:
         """The ``waiting`` requests give back the L3 fetches they hold: each one's lock pins the L1 pages
         on its path (its early loads' among them), so fetches of requests that still wait can hold every
         L1 page. The scheduler calls this when a reservation finds no room and nothing running can free
-        any. What landed stays on L2, unlocked; each request looks its prefix up again next step. True
-        when any was held."""
-        held = [r for r in waiting if r.kv.prefetch is not None and r.kv.prefetch.fetch is not None]
+        any. What landed stays on L2, unlocked; each request looks its prefix up again next step. Only the
+        fetches whose locked path holds L1 pages give theirs back: giving back one that holds none frees
+        no L1 and leaves what it landed unlocked on L2, where the fetches of the requests behind it evict
+        it before its request runs (read from L3 again: the Gemma-3 probe's turns read each page up to
+        five times). True when any was given back."""
+        held = [r for r in waiting if r.kv.prefetch is not None and r.kv.prefetch.fetch is not None
+                and any(nd.device_pages is not None for nd in r.kv.prefetch.fetch.node.path_to_root())]
         for r in held:
             self._finish_prefetch(r)
             r.kv.prefetch_checked = False

@@ -176,7 +176,7 @@ def test_a_turn_of_returning_conversations_loads_instead_of_recomputing(tmp_path
     L1, L2 or L3. Before, a waiting request's L2 prefix was evicted by the prefetches and
     demotions of the others before it ran, and one whose L2 hit found L1 full (the others
     running) recomputed it: 5 to 8 of the 16 found their history. Waiting requests now pin
-    their L2 prefixes (PIN_SHARE of L2), wait for L1 room instead of recomputing, L1 hits go
+    their L2 prefixes (fetch_room.PIN_SHARE of L2), wait for L1 room instead of recomputing, L1 hits go
     first, and a prefix that lost pages while waiting is looked up in L3 again. (Two of the
     16 may still miss: the pages of the last turn's last requests were never written
     anywhere and can be evicted from L1 before they run; on a loaded machine a request whose
