@@ -205,17 +205,19 @@ class StorageBackend(ABC):
     direct_reads = False
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
-                        copy: PageCopy | None = None) -> list[int]:
+                        copy: PageCopy | None = None, other: PageCopy | None = None) -> list[int]:
         """Copy each key's value into two places: its first ``len(dsts[i])`` bytes into the
         writable uint8 array ``dsts[i]``, the rest into row ``i`` of the uint8 array
         ``trailers`` (``[n, t]``). The payloads are copied by one call ``copy(srcs, idx)``
         (``srcs[k]``, a uint8 view of a payload, into ``dsts[idx[k]]``), made once per call
         while the views are valid; by default numpy copies them one by one. Returns per key
         the value's size, or :data:`MISSING` / :data:`ERROR`; a value whose size is not
-        ``len(dsts[i]) + t`` is left uncopied and reported by its size (the caller rejects it)."""
+        ``len(dsts[i]) + t`` is left uncopied and reported by its size, after one call
+        ``other(vals, idx)`` (``vals[k]``: a uint8 view of key ``idx[k]``'s whole value, valid
+        during the call) where given: the caller may take it otherwise."""
         same_len(keys, dsts)
         out: list[int] = []
-        srcs, idx = [], []
+        srcs, idx, vals, odd = [], [], [], []
         t = trailers.shape[1]
         for i, val in enumerate(self.batch_get(keys)):
             if val is None:
@@ -227,11 +229,16 @@ class StorageBackend(ABC):
                 trailers[i][:] = src[n:]
                 srcs.append(src[:n])
                 idx.append(i)
+            else:
+                vals.append(src)
+                odd.append(i)
             out.append(len(src))
         if copy is not None:
             copy(srcs, idx)
         else:
             copy_each(srcs, [dsts[i] for i in idx])
+        if other is not None and vals:
+            other(vals, odd)
         return out
 
     def batch_set_from(

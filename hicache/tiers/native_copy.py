@@ -1,4 +1,5 @@
-"""Copy pages and hash them in one GIL-free call: :func:`copy_and_hash`.
+"""Copy pages and hash them in one GIL-free call: :func:`copy_and_hash` (and :func:`copy_and_hash_segments`,
+each source copied into several parts).
 
 A reader thread of the storage tier copies each page from the store into its L2 page and
 hashes the copy (the trailer check). Done as two calls per page (numpy's copy, then the
@@ -95,31 +96,52 @@ def _bind() -> tuple | None:
     except (ImportError, OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
         error = str(e) or type(e).__name__
         return None
-    fn = lib.hicache_copy_hash
-    fn.restype = ctypes.c_int
+    fn, seg = lib.hicache_copy_hash, lib.hicache_copy_hash_segments
+    fn.restype = seg.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                    ctypes.c_void_p, ctypes.c_void_p]
-    bound = (fn, fns)
+    seg.argtypes = [ctypes.c_size_t] + [ctypes.c_void_p] * 5 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p]
+    bound = (fn, fns, seg)
     rng = np.random.default_rng(26)
     for n in (0, 1, 240, 4097, CHUNK, CHUNK + 3, 3 * CHUNK + 17):
         src = [rng.integers(0, 256, n + 1, dtype=np.uint8)[1:] for _ in range(3)]  # unaligned too
         dst = [np.zeros(n, np.uint8) for _ in range(3)]
         got = _native(bound, src, dst)
-        if got is None or any(h != xxhash.xxh3_64_intdigest(s) or not np.array_equal(s, d)
-                              for h, s, d in zip(got, src, dst, strict=True)):
+        cut = sorted({0, n // 3, min(n, n // 3 + 1), n})  # up to three segments, one of them a byte
+        parts = [[np.zeros(b - a, np.uint8) for a, b in zip(cut, cut[1:], strict=False)] for _ in range(3)]
+        got_seg = _native_segments(bound, src, parts)
+        joined = [np.concatenate([np.zeros(0, np.uint8), *p]) for p in parts]
+        if got is None or got_seg != got or any(
+                h != xxhash.xxh3_64_intdigest(s) or not np.array_equal(s, d) or not np.array_equal(s, j)
+                for h, s, d, j in zip(got, src, dst, joined, strict=True)):
             error = f"self-test failed at {n} bytes"
             return None
     return bound
 
 
 def _native(bound: tuple, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray]) -> list[int] | None:
-    fn, fns = bound
+    fn, fns, _ = bound
     n = len(srcs)
     src = (ctypes.c_void_p * n)(*[s.ctypes.data for s in srcs])
     dst = (ctypes.c_void_p * n)(*[d.ctypes.data for d in dsts])
     size = (ctypes.c_size_t * n)(*[d.nbytes for d in dsts])
     out = (ctypes.c_uint64 * n)()
     if fn(n, src, dst, size, CHUNK, out, fns) != 0:
+        return None
+    return list(out)
+
+
+def _native_segments(bound: tuple, srcs: Sequence[np.ndarray],
+                     parts: Sequence[Sequence[np.ndarray]]) -> list[int] | None:
+    _, fns, fn = bound
+    n, flat = len(srcs), [d for p in parts for d in p]
+    src = (ctypes.c_void_p * n)(*[s.ctypes.data for s in srcs])
+    size = (ctypes.c_size_t * n)(*[s.nbytes for s in srcs])
+    nseg = (ctypes.c_size_t * n)(*[len(p) for p in parts])
+    dst = (ctypes.c_void_p * max(1, len(flat)))(*[d.ctypes.data for d in flat])
+    seg = (ctypes.c_size_t * max(1, len(flat)))(*[d.nbytes for d in flat])
+    out = (ctypes.c_uint64 * n)()
+    if fn(n, src, size, nseg, dst, seg, CHUNK, out, fns) != 0:
         return None
     return list(out)
 
@@ -155,6 +177,31 @@ def copy_and_hash(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray]) -> lis
     for s, d in zip(srcs, dsts, strict=True):
         np.copyto(d, s)
         out.append(xxh3_64(d))
+    return out
+
+
+def copy_and_hash_segments(srcs: Sequence[np.ndarray], parts: Sequence[Sequence[np.ndarray]]) -> list[int]:
+    """Copy each contiguous uint8 array ``srcs[i]``, in order, into the arrays ``parts[i]`` (contiguous,
+    writable, their sizes summing to ``srcs[i]``'s) and return the XXH3-64 (seed 0) of every source, in one
+    GIL-free call when the native library is there (a value whose parts go to different pages)."""
+    if len(srcs) != len(parts):
+        raise ValueError(f"{len(srcs)} sources but {len(parts)} lists of parts")
+    for s, p in zip(srcs, parts, strict=True):
+        if sum(d.nbytes for d in p) != s.nbytes or not s.flags.c_contiguous or \
+                not all(d.flags.c_contiguous and d.flags.writeable for d in p):
+            raise ValueError("copy_and_hash_segments needs contiguous arrays, writable parts that sum to the source")
+    bound = _get()
+    if bound is not None and srcs:
+        got = _native_segments(bound, srcs, parts)
+        if got is not None:
+            return got
+    out = []
+    for s, p in zip(srcs, parts, strict=True):
+        off = 0
+        for d in p:
+            np.copyto(d, s[off: off + d.nbytes])
+            off += d.nbytes
+        out.append(xxh3_64(s))
     return out
 
 

@@ -146,9 +146,9 @@ class StorageTier:
                 host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
                 if direct:
                     return self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
-                if short_direct:  # a whole value through the staged read
-                    return read_direct(self.backend, self.codec, keys[lo:hi], pages[lo:hi], host_pool, view, lambda i: (
-                        self._get_staged([keys[lo + i]], host_pool, [pages[lo + i]]) == 1), self._corrupt)
+                if short_direct:  # short and whole values of a hybrid SWA model (storage_windows)
+                    return read_direct(self.backend, self.codec, keys[lo:hi], pages[lo:hi], host_pool, view,
+                                       self._corrupt)
                 return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
             finally:
                 self._read_clock.leave()

@@ -12,9 +12,12 @@ corrupt: it is another server's good page), which :func:`is_short_page` recognis
 
 Over a backend with direct reads (LMDB) and a ``page_first`` L2 (:func:`reads_direct`), a group's short values
 (most pages: only each sequence end's last window keeps its sliding part) are copied and hashed straight into
-their L2 pages in one GIL-free call (:func:`read_direct`), as the tier's direct path reads whole pages; a
-reader that needs the GIL once per page waits behind a busy scheduler thread for up to the interpreter's
-switch interval each time (the H200's Gemma-3 12B L3 hit: 0.26 s for 508 pages on 8 readers).
+their L2 pages in one GIL-free call (:func:`read_direct`), as the tier's direct path reads whole pages, and its
+whole values in another, each value's rows split between its L2 page and its host window page
+(``copy_and_hash_segments``); a reader that needs the GIL once per page waits behind a busy scheduler thread
+for up to the interpreter's switch interval each time (the H200's Gemma-3 12B L3 hit: 0.26 s for 508 pages on
+8 readers), and a whole value read through a staging buffer is copied three times (``bench/l3_read.py --shape
+gemma3 --windowed 1`` on a 2-vCPU Xeon: 0.36 of LMDB's raw read that way, 0.57 now).
 
 These helpers run on the tier's reader / framing threads; the pages they name are the caller's (pinned).
 """
@@ -30,7 +33,7 @@ import torch
 from hicache.tiers.base import TOO_LARGE, StorageBackend
 from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
-from hicache.tiers.native_copy import copy_and_hash
+from hicache.tiers.native_copy import copy_and_hash, copy_and_hash_segments
 from hicache.tiers.page_codec import SLIDING_INVALID, SLIDING_OMITTED, TRAILER_SIZE, PageCodec, host_page_bytes
 
 
@@ -130,35 +133,81 @@ def reads_direct(pool: HostKVPool, codec: PageCodec, backend: StorageBackend) ->
         getattr(backend, "direct_reads", False)
 
 
+@lru_cache(maxsize=8)
+def _runs(full_rows: tuple[int, ...], window_rows: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """A whole value's rows (every layer's K then V, device order) as runs ``(0 full / 1 window, first row
+    there, rows)``, each landing contiguously in the L2 page's full rows or in the host window page's rows."""
+    where = {r: (0, k) for k, r in enumerate(full_rows)}
+    where.update({r: (1, k) for k, r in enumerate(window_rows)})
+    runs: list[tuple[int, int, int]] = []
+    for r in range(len(where)):
+        to, k = where[r]
+        if runs and runs[-1][0] == to and runs[-1][1] + runs[-1][2] == k:
+            runs[-1] = (to, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((to, k, 1))
+    return tuple(runs)
+
+
+def _whole_parts(pool: HostKVPool, page: np.ndarray, win: np.ndarray) -> list[np.ndarray]:
+    """A whole value's payload as parts, in order (:func:`_runs`): slices of the L2 page's bytes ``page`` and
+    of ``win`` (the host window page's bytes, or a scratch buffer where its sliding part is not kept)."""
+    rb = page.nbytes // max(1, len(pool.full_rows))
+    bufs = (page, win)
+    return [bufs[to][k * rb: (k + n) * rb] for to, k, n in _runs(tuple(pool.full_rows.tolist()),
+                                                                    tuple(pool.window_rows.tolist()))]
+
+
 def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], pages: list[int], pool: HostKVPool,
-                view: np.ndarray, whole: Callable[[int], bool], corrupt: Callable[[str], None]) -> int:
-    """Read ``keys`` into L2 pages ``pages`` (``view``: the pool's ``[pages, bytes]`` view): short values
-    copied and hashed into their pages in one call and checked against their trailers, each whole value
-    through ``whole(i)`` (the staged read and :func:`land`; False: it was not landed and the tier has dealt
-    with it); ``corrupt(key)`` for a bad value, where the read ends. Returns how many leading pages landed."""
+                view: np.ndarray, corrupt: Callable[[str], None]) -> int:
+    """Read ``keys`` into L2 pages ``pages`` (``view``: the pool's ``[pages, bytes]`` view) in one GIL-free call
+    for the short values (copied and hashed into their pages) and one for the whole ones (their full rows into
+    the page, their sliding rows into a host window page taken with ``HostWindows.take_free``, or a scratch
+    buffer where none is free or the value's flags say its sliding part is stale), each checked against its
+    trailer; ``corrupt(key)`` for a bad value, where the read ends. Returns how many leading pages landed."""
     short = short_codec(codec.layout, codec.page_size, len(pool.full_layers))
     trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
     dsts = [view[p] for p in pages]
+    windows = pool.windows
+    assert windows is not None
     hashes: dict[int, int] = {}
+    wins: dict[int, int] = {}
+    nb = codec.page_nbytes
 
     def copy(srcs: list[np.ndarray], idx: list[int]) -> None:
         hashes.update(zip(idx, copy_and_hash(srcs, [dsts[i] for i in idx]), strict=True))
 
+    def whole(vals: list[np.ndarray], idx: list[int]) -> None:
+        srcs, parts, at = [], [], []
+        wbytes = windows.page_rows(0).numel() * windows.buffer.element_size()
+        for v, i in zip(vals, idx, strict=True):
+            if len(v) != codec.value_nbytes:
+                continue
+            trailers[i] = v[nb:]
+            keep = not codec.flags_of(trailers[i]) & SLIDING_INVALID
+            w = windows.take_free(pages[i]) if keep else -1
+            wins[i] = w
+            wv = windows.page_rows(w).view(torch.uint8).numpy().reshape(-1) if w >= 0 else np.empty(wbytes, np.uint8)
+            srcs.append(v[:nb])
+            parts.append(_whole_parts(pool, dsts[i], wv))
+            at.append(i)
+        if srcs:
+            hashes.update(zip(at, copy_and_hash_segments(srcs, parts), strict=True))
+
     pool.wait_pending_writes()
-    sizes = backend.batch_get_pages(keys, dsts, trailers, copy=copy)
-    windows = pool.windows
-    assert windows is not None
+    sizes = backend.batch_get_pages(keys, dsts, trailers, copy=copy, other=whole)
     ok = 0
     for i, size in enumerate(sizes):
         if size < 0 and size != TOO_LARGE:
             break  # missing, or the store failed
         if size == short.value_nbytes and i in hashes and short.verify_hashed(trailers[i], keys[i], hashes[i]):
             windows.drop([pages[i]])
-        elif size == codec.value_nbytes:
-            if not whole(i):
-                break
+        elif size == codec.value_nbytes and i in hashes and codec.verify_hashed(trailers[i], keys[i], hashes[i]):
+            if wins[i] < 0:
+                windows.drop([pages[i]])
         else:  # a bad checksum, or no page of this model's size
             corrupt(keys[i])
             break
         ok += 1
+    windows.drop([pages[i] for i in wins if i >= ok])  # read, but not landed
     return ok

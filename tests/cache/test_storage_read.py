@@ -133,6 +133,23 @@ def test_copy_and_hash_copies_every_byte_and_gives_xxh3_of_each(n):
         native_copy.copy_and_hash([srcs[0]], [np.zeros(n + 1, np.uint8)])
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("n", [0, 1000, 3 * native_copy.CHUNK + 5])
+def test_copy_and_hash_segments_copies_each_source_into_its_parts_in_order(n, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(native_copy, "_get", lambda: None)  # numpy's copies and xxh3: the same result
+    rng = np.random.default_rng(n)
+    srcs = [rng.integers(0, 256, n + 1, dtype=np.uint8)[1:] for _ in range(3)]  # unaligned sources
+    cuts = [sorted({0, n, *rng.integers(0, n + 1, k).tolist()}) for k in (0, 1, 5)]  # 1, 2 and up to 6 parts
+    parts = [[np.zeros(b - a, np.uint8) for a, b in zip(c, c[1:], strict=False)] for c in cuts]
+    got = native_copy.copy_and_hash_segments(srcs, parts)
+    assert got == [xxhash.xxh3_64_intdigest(s) for s in srcs]
+    for s, c, p in zip(srcs, cuts, parts, strict=True):
+        assert all(np.array_equal(s[a:b], d) for a, b, d in zip(c, c[1:], p, strict=False))
+    with pytest.raises(ValueError, match="sum to the source"):
+        native_copy.copy_and_hash_segments([srcs[0]], [[np.zeros(n + 1, np.uint8)]])
+
+
 def test_copy_and_hash_is_native_where_a_compiler_is():
     import shutil
 

@@ -1,6 +1,7 @@
 """L3 reads into an L2 with a host window pool (hicache/tiers/storage_windows.py) over LMDB: short values (no
 sliding part) copied and hashed straight into their L2 pages in one call per group, whole values (a kept
-sliding part) through the staged read, both checked against their trailers; a corrupt value in the middle
+sliding part) in another (full rows into the L2 page, sliding rows into a host window page), both checked
+against their trailers; a corrupt value in the middle
 ends the read there and is deleted. Every L2 layout and thread count gives the stored bytes back."""
 
 from __future__ import annotations
@@ -82,3 +83,44 @@ def test_both_l2_layouts_store_the_same_values(tmp_path):
             assert torch.equal(payload, kv[:, i])
         else:  # K then V of layer 2 alone
             assert payload.shape[0] == 2 and torch.equal(payload, kv[[2, 5], i])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_corrupt_whole_value_ends_the_read_and_holds_no_window_page(tmp_path, threads):
+    """Whole values are copied (full rows into the L2 page, sliding rows into a host window page) before their
+    hashes are checked: the corrupt one, and every whole value read after it, give their window pages back."""
+    n, whole = 24, [3, 4, 5, 9, 10, 17, 18]
+    src, pages = _source(n, whole)
+    store = open_store(tmp_path / "db", capacity_gb=0.05, initial_map_mb=1)
+    tier = StorageTier(store, LAYOUT, PS, read_threads=threads)
+    keys = keys_for(n, salt=12)
+    assert tier.batch_set(keys, src, pages) == n
+    bad = 9  # a whole value, with whole ones after it in the same read
+    raw = bytearray(store.get(keys[bad]))
+    raw[len(raw) // 3] ^= 0x01
+    assert store.set(keys[bad], bytes(raw))
+    dst = make_host_pool("page_first", LAYOUT, n + 8, PS, **WINDOWS)
+    into = dst.allocator.alloc(n)
+    assert tier.start_read(keys, dst, into).result() == bad
+    assert torch.equal(dst.read_pages(torch.tensor(into[:bad])), src.read_pages(torch.tensor(pages[:bad])))
+    assert [i for i in range(n) if dst.windows.has(into[i])] == [3, 4, 5]
+    assert dst.windows.num_free == WINDOWS["window_pages"] - 3
+    tier.close()
+
+
+def test_whole_values_beyond_the_free_window_pages_land_without_their_sliding_part(tmp_path):
+    n, whole = 12, [1, 2, 3, 4, 5, 6]
+    src, pages = _source(n, whole)
+    store = open_store(tmp_path / "db", capacity_gb=0.05, initial_map_mb=1)
+    tier = StorageTier(store, LAYOUT, PS, read_threads=1)
+    keys = keys_for(n, salt=13)
+    assert tier.batch_set(keys, src, pages) == n
+    dst = make_host_pool("page_first", LAYOUT, n + 8, PS, window_layers=(0, 1), window_pages=4)
+    into = dst.allocator.alloc(n)
+    assert tier.start_read(keys, dst, into).result() == n
+    kept = [i for i in range(n) if dst.windows.has(into[i])]
+    assert len(kept) == 4 and set(kept) <= set(whole)
+    got, want = dst.read_pages(torch.tensor(into)), src.read_pages(torch.tensor(pages))
+    assert torch.equal(got[[2, 5]], want[[2, 5]])  # layer 2's K and V (full) everywhere
+    assert torch.equal(got[:, kept], want[:, kept])  # and every layer where the window was kept
+    tier.close()

@@ -211,12 +211,12 @@ class LMDBStore(StorageBackend):
         return out
 
     def batch_get_pages(self, keys: Sequence[str], dsts: Sequence[Any], trailers: Any,
-                        copy: PageCopy | None = None) -> list[int]:
+                        copy: PageCopy | None = None, other: PageCopy | None = None) -> list[int]:
         same_len(keys, dsts)
         t = trailers.shape[1]
 
         def run(get):
-            res, srcs, idx = [], [], []
+            res, srcs, idx, vals, odd = [], [], [], [], []
             for i in range(len(keys)):
                 val = get(i)  # a view into the map, valid in txn
                 if val is None:
@@ -228,11 +228,16 @@ class LMDBStore(StorageBackend):
                     trailers[i] = src[n:]
                     srcs.append(src[:n])
                     idx.append(i)
+                elif other is not None:
+                    vals.append(np.frombuffer(val, dtype=np.uint8))
+                    odd.append(i)
                 res.append(len(val))
             if copy is not None:  # one copy, map -> L2 page, for all of them at once (GIL released)
                 copy(srcs, idx)
             else:
                 copy_each(srcs, [dsts[i] for i in idx])
+            if vals:  # (other) while the views are valid
+                other(vals, odd)
             return res
 
         out = self._read(keys, run, buffers=True)
