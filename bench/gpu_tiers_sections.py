@@ -214,17 +214,22 @@ def ceilings(res: dict, args, work: str) -> None:
 
 
 # -- 3. multi-turn ----------------------------------------------------------------------------
-def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent: bool) -> dict:
+def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent: bool, observer=None) -> dict:
     """One setup, one mode. Serial: conversations take turns one request at a time (a user
     waits for the answer) and every returning request's TTFT is timed. Concurrent: each turn
     sends all conversations at once (one batch) and its wall time is timed. Throughput =
-    prompt tokens of returning turns over the time they took (sum of TTFTs / of turn walls)."""
+    prompt tokens of returning turns over the time they took (sum of TTFTs / of turn walls).
+    ``observer`` (bench/hybrid_mt_probe.py): ``start(eng)`` after the warm-up, ``turn(t, dt, outs,
+    forwards, eng)`` after each turn (concurrent) once its write-backs drained, ``end(eng)`` before the
+    engine closes. ``args.warm_tokens``: the warm-up prompts' length (1024)."""
     vocab, convs, turns = args.vocab, args.conversations, args.turns
     eng = make_engine(args, model_dir, l3, max_total_tokens=args.mt_l1_tokens, **extra)
     hist = rand_prompts(convs, args.context, vocab, seed=31)
     more = rand_prompts(convs * turns, args.mt_user + args.mt_answer, vocab, seed=32)
-    for p in rand_prompts(4, 1024, vocab, 33):
+    for p in rand_prompts(4, getattr(args, "warm_tokens", 1024), vocab, 33):
         eng.generate(input_ids=p, sampling_params=ONE)
+    if observer is not None:
+        observer.start(eng)
     times, tokens, hits, forwards = [], 0, {"device": 0, "host": 0, "storage": 0}, 0
     stats = eng.core.scheduler.stats
     for t in range(turns):
@@ -238,8 +243,9 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
             per = [timed(eng, hist[c]) for c in range(convs)]
             if t > 0:
                 times.extend(dt for dt, _ in per)
+        fwd = stats.forward_passes - before
         if t > 0:
-            forwards += stats.forward_passes - before
+            forwards += fwd
         for c, (_, o) in enumerate(per):
             if t > 0:
                 tokens += len(hist[c])
@@ -248,6 +254,8 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
             hist[c] = hist[c] + o["output_ids"] + more[c * turns + t]
         if eng.core.storage is not None:  # the users think; write-backs drain (not timed)
             eng.core.storage.poll(wait=True)
+        if observer is not None:
+            observer.turn(t, per[0][0], [o for _, o in per], fwd, eng)
     out = {"prompt_tok_s": tokens / sum(times), "hit_tokens": hits, "prompt_tokens": tokens,
            "hit_share": sum(hits.values()) / tokens if tokens else 0.0,
            "forwards_per_turn": forwards / max(1, turns - 1)}  # forward passes of a returning turn (all requests)
@@ -263,6 +271,8 @@ def _multiturn_run(args, model_dir: str, l3: str | None, extra: dict, concurrent
             "l2_backups_skipped_pages")}
         out["storage"]["write_pages_waiting_max"] = st.get("write_pages_waiting_max", 0)
     eng.check_integrity()
+    if observer is not None:
+        observer.end(eng)
     close(eng)
     return out
 

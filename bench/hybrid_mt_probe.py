@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import parser, print_table, write_json  # noqa: E402
-from bench.gpu_model import rand_prompts  # noqa: E402
-from bench.gpu_tiers_sections import ONE, close, make_engine, timed  # noqa: E402
+from bench.gpu_tiers_sections import _multiturn_run  # noqa: E402
 from bench.hybrid import MODELS, swa_kw  # noqa: E402
 from bench.hybrid_shapes import write_model_dir  # noqa: E402
 from hicache.tiers.storage import default_read_threads  # noqa: E402
@@ -73,44 +72,51 @@ def watch_losses(eng) -> list[dict]:
     return seen
 
 
+class TurnRows:
+    """The per-turn rows (an observer of ``_multiturn_run``): wall, forward passes, conversations recomputed
+    whole, tokens missed and cached per tier, the host window pool's counters and losses."""
+
+    def __init__(self) -> None:
+        self.turns: list[dict] = []
+        self.storage: dict = {}
+        self._losses: list[dict] = []
+
+    def start(self, eng) -> None:  # noqa: ANN001 (an Engine)
+        self._losses = watch_losses(eng)
+
+    def turn(self, t: int, dt: float, outs: list[dict], forwards: int, eng) -> None:  # noqa: ANN001
+        hw = eng.core.host_pool.windows
+        rows = [(o["meta_info"]["prompt_tokens"], o["meta_info"]["cached_tokens_details"]) for o in outs]
+        self.turns.append({"wall_s": round(dt, 3), "forwards": forwards,
+                           "recomputed_whole": sum(1 for _, d in rows if not sum(d.values())),
+                           "missed": [n - sum(d.values()) for n, d in rows], "cached": [d for _, d in rows],
+                           "host_window_not_kept": hw.not_kept if hw is not None else None,
+                           "host_window_reclaimed": hw.reclaimed if hw is not None else None,
+                           "losses": list(self._losses)})
+        self._losses.clear()
+        eng.core.tree.check_integrity()
+
+    def end(self, eng) -> None:  # noqa: ANN001
+        self.storage = {k: v for k, v in eng.core.storage_stats().items() if isinstance(v, (int, float))}
+
+
 def run(a) -> dict:
     cfg = MODELS[a.model](a.small)
     args = Namespace(device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32", eager=False,
                      l3_gb=1.0 if a.small else 40.0, read_threads=default_read_threads(), engine_init_s=[],
-                     swa_full_tokens_ratio=a.swa, vocab=cfg["vocab_size"])
+                     swa_full_tokens_ratio=a.swa, vocab=cfg["vocab_size"], conversations=a.conversations,
+                     turns=a.turns, context=a.context, mt_user=a.mt_user, mt_answer=a.mt_answer,
+                     mt_l1_tokens=a.mt_l1_tokens, warm_tokens=128 if a.small else 1024)
     work = tempfile.mkdtemp(prefix="mt-probe-")
+    rows = TurnRows()
     try:
         model_dir = write_model_dir(os.path.join(work, "model"), cfg)
-        eng = make_engine(args, model_dir, os.path.join(work, "l3"), max_total_tokens=a.mt_l1_tokens,
-                          hicache_size=a.mt_l2_gb, **swa_kw(args), **json.loads(a.extra))
-        hist = rand_prompts(a.conversations, a.context, cfg["vocab_size"], seed=31)
-        more = rand_prompts(a.conversations * a.turns, a.mt_user + a.mt_answer, cfg["vocab_size"], seed=32)
-        for q in rand_prompts(4, 128 if a.small else 1024, cfg["vocab_size"], 33):
-            eng.generate(input_ids=q, sampling_params=ONE)
-        stats, hw = eng.core.scheduler.stats, eng.core.host_pool.windows
-        losses = watch_losses(eng)
-        turns = []
-        for t in range(a.turns):
-            f0 = stats.forward_passes
-            dt, outs = timed(eng, hist)
-            rows = [(len(hist[c]), o["meta_info"]["cached_tokens_details"]) for c, o in enumerate(outs)]
-            whole = sum(1 for n, d in rows if not sum(d.values()))
-            turns.append({"wall_s": round(dt, 3), "forwards": stats.forward_passes - f0, "recomputed_whole": whole,
-                          "missed": [n - sum(d.values()) for n, d in rows], "cached": [d for _, d in rows],
-                          "host_window_not_kept": hw.not_kept if hw is not None else None,
-                          "host_window_reclaimed": hw.reclaimed if hw is not None else None,
-                          "losses": list(losses)})
-            losses.clear()
-            for c, o in enumerate(outs):
-                hist[c] = hist[c] + o["output_ids"] + more[c * a.turns + t]
-            eng.core.storage.poll(wait=True)  # the users think; write-backs drain
-            eng.core.tree.check_integrity()
-        st = eng.core.storage_stats()
-        close(eng)
+        _multiturn_run(args, model_dir, os.path.join(work, "l3"),
+                       {"hicache_size": a.mt_l2_gb, **swa_kw(args), **json.loads(a.extra)}, True, rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"model": a.model, "small": a.small, "device": a.device, "slow_write_s": a.slow_write, "turns": turns,
-            "storage": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
+    return {"model": a.model, "small": a.small, "device": a.device, "slow_write_s": a.slow_write,
+            "turns": rows.turns, "storage": rows.storage}
 
 
 def main() -> None:
