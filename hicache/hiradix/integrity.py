@@ -6,7 +6,7 @@ Checks, raising AssertionError with a message naming the culprit:
 - every node: key length a positive multiple of page_size, equal to pages * page_size on
   each tier it is on; at least one copy; L1 prefix-closed (parent on L1 or the root);
   children keyed by their first page and pointing back to the parent; not removed;
-- refs: lock_ref and session_ref >= 0 and a parent's >= the sum of its children's;
+- refs: lock_ref, session_ref and wait_ref >= 0 and a parent's >= the sum of its children's;
   session refs equal what the open sessions imply; loading nodes are locked and on both tiers;
 - then each part checks its own state against the nodes: the counters and lazy eviction-candidate
   sets (:meth:`Residency.check_integrity`), the loads in flight (:meth:`Tiering.check_integrity`),
@@ -60,7 +60,7 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
     stack = [root]
     while stack:
         parent = stack.pop()
-        child_locks = child_sess = 0
+        child_locks = child_sess = child_waits = 0
         for first, nd in parent.children.items():
             stack.append(nd)
             num_nodes += 1
@@ -85,6 +85,7 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
             assert 0 <= nd.storage_pages <= klen // ps, f"storage_pages {nd.storage_pages} out of range: {where}"
             assert nd.lock_ref >= 0, f"negative lock_ref: {where}"
             assert nd.session_ref >= 0, f"negative session_ref: {where}"
+            assert nd.wait_ref >= 0, f"negative wait_ref: {where}"
             assert nd.hit_count >= 0, f"negative hit_count: {where}"
             assert nd.session_ref == expected_sess.get(nd.id, 0), (
                 f"session_ref {nd.session_ref} != {expected_sess.get(nd.id, 0)} implied by sessions: {where}"
@@ -96,6 +97,7 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
                 )
             child_locks += nd.lock_ref
             child_sess += nd.session_ref
+            child_waits += nd.wait_ref
         if parent is not root:
             assert parent.lock_ref >= child_locks, (
                 f"lock_ref {parent.lock_ref} < children's {child_locks}: {parent!r}"
@@ -103,6 +105,7 @@ def check_tree(tree: HiRadixTree, device_in_use: int = 0, host_in_use: int = 0) 
             assert parent.session_ref >= child_sess, (
                 f"session_ref {parent.session_ref} < children's {child_sess}: {parent!r}"
             )
+            assert parent.wait_ref >= child_waits, f"wait_ref {parent.wait_ref} < children's {child_waits}: {parent!r}"
 
     assert num_nodes == tree.num_nodes, f"node counter {tree.num_nodes} != {num_nodes} nodes"
     tree.residency.check_integrity()

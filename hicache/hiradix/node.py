@@ -12,6 +12,8 @@ Contract:
 - ``lock_ref`` counts requests reading the node; a lock covers the whole path
   root→node, so a parent's ``lock_ref`` is at least the sum of its children's.
 - ``session_ref`` counts soft references from sessions (same path rule).
+- ``wait_ref`` counts waiting requests holding the node as their cached prefix (same path rule):
+  L2 eviction for an L3 fetch, or for an L1 demotion of pages L3 holds, passes it over.
 - ``last_access`` is a tick of the tree's monotonic counter (not wall time).
 - ``load`` is the :class:`~hicache.hiradix.match.PendingLoad` of an L2→L1 load-back of
   this node still in flight (``None`` otherwise; ``loading`` says whether there is one).
@@ -64,6 +66,7 @@ class TreeNode:
         "parent",
         "lock_ref",
         "session_ref",
+        "wait_ref",
         "hit_count",
         "last_access",
         "load",
@@ -88,6 +91,7 @@ class TreeNode:
         self.parent = parent
         self.lock_ref = 0
         self.session_ref = 0
+        self.wait_ref = 0
         self.hit_count = 0
         self.last_access = 0
         self.load = None  # PendingLoad | None

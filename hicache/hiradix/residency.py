@@ -76,6 +76,16 @@ class Residency:
                 self._device_locked -= len(node.device_pages)
             node = node.parent
 
+    @staticmethod
+    def hold(node: TreeNode, delta: int) -> None:
+        """``wait_ref += delta`` on the path root→node (a removed node keeps its ``parent``: its hold is still
+        released on the ancestors in the tree)."""
+        if delta > 0 and node.removed:
+            raise ValueError(f"cannot hold a removed node: {node!r}")
+        while node.parent is not None:
+            node.wait_ref += delta
+            node = node.parent
+
     # ------------------------------------------------------------------ L1 copies
     def set_device(self, node: TreeNode, pages: list[int]) -> None:
         """``node`` (without an L1 copy) now holds ``pages`` on L1."""

@@ -115,7 +115,7 @@ class TreeShape:
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:k], node.host_pages[k:]
         upper.storage_pages, node.storage_pages = min(node.storage_pages, k), max(0, node.storage_pages - k)
-        upper.lock_ref, upper.session_ref = node.lock_ref, node.session_ref
+        upper.lock_ref, upper.session_ref, upper.wait_ref = node.lock_ref, node.session_ref, node.wait_ref
         upper.hit_count, upper.last_access, upper.load = node.hit_count, node.last_access, node.load
         node.parent.children[tuple(node.key[:ps])] = upper
         node.key = node.key[at:]

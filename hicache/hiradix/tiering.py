@@ -128,10 +128,11 @@ class Tiering:
                 heapq.heappush(heap, (key(parent), parent.id, parent))
         return freed
 
-    def evict_host(self, num_pages: int, drop_backups: bool = False) -> int:
+    def evict_host(self, num_pages: int, drop_backups: bool = False, spare_held: bool = False) -> int:
         """Drop L2 copies of unlocked L2-only leaves (policy order) until ``num_pages`` are freed;
         with ``drop_backups`` then also L2 backups of nodes that are on L1 too (an L3 prefetch
-        makes room so). Pages an L3 write-back is reading (pinned) are skipped."""
+        makes room so). Pages an L3 write-back is reading (pinned) are skipped, and with ``spare_held``
+        the prefixes waiting requests hold (``wait_ref``)."""
         if self.host is None or num_pages <= 0:
             return 0
         key = self._evict_key("host")
@@ -142,7 +143,7 @@ class Tiering:
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
             if (nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None
-                    or pins.any_pinned(nd.host_pages)):
+                    or pins.any_pinned(nd.host_pages) or (spare_held and nd.wait_ref)):
                 continue
             freed += len(nd.host_pages)
             parent = nd.parent
@@ -156,7 +157,7 @@ class Tiering:
             ):
                 heapq.heappush(heap, (key(parent), parent.id, parent))
         if freed < num_pages and drop_backups:
-            freed += self._drop_backups(num_pages - freed)
+            freed += self._drop_backups(num_pages - freed, spare_held)
         return freed
 
     def drop_tail_for_l3(self, tokens: list[int], from_page: int) -> int:
@@ -189,7 +190,7 @@ class Tiering:
         self.residency.remove(start)
         return sum(len(nd.key) // ps for nd in chain)
 
-    def _drop_backups(self, num_pages: int) -> int:
+    def _drop_backups(self, num_pages: int, spare_held: bool) -> int:
         """Free the L2 copies of nodes that are on L1 too until ``num_pages`` are freed: the L1
         copy stays, and an eviction from L1 backs the node up again. Nodes on L3 go first (an L1
         eviction without L2 room then loses nothing), each group in policy order. Loading and
@@ -198,7 +199,7 @@ class Tiering:
         pins = self.pins
         cands = [nd for nd in self.shape.nodes() if nd.host_pages is not None and nd.device_pages is not None
                  and (nd.lock_ref == 0 or self.on_l3(nd)) and nd.load is None
-                 and not pins.any_pinned(nd.host_pages)]
+                 and not pins.any_pinned(nd.host_pages) and not (spare_held and nd.wait_ref)]
         key = self._evict_key("host")
         cands.sort(key=lambda nd: (not self.on_l3(nd), key(nd)))
         freed = 0
@@ -281,10 +282,10 @@ class Tiering:
         self.residency.unlock(node)
         self.exclusive.drop_duplicates(chain)  # the exclusive mode: the L2 source goes unless hot
 
-    def _alloc_host(self, n: int) -> list[int] | None:
+    def _alloc_host(self, n: int, spare_held: bool = False) -> list[int] | None:
         host = self.host
         if host.num_free < n:
-            self.evict_host(n - host.num_free)
+            self.evict_host(n - host.num_free, spare_held=spare_held)
         return host.alloc(n) if host.num_free >= n else None
 
     def backup_all(self) -> int:
@@ -348,7 +349,8 @@ class Tiering:
         """Demote ``node`` off L1 (or drop it); False, leaving it as it is, when that would lose its KV
         (no L2 copy, no L2 room, not on L3) and ``allow_drop`` is False."""
         if self.host is not None and node.host_pages is None and self.write_policy.backup_on_evict:
-            hp = self._alloc_host(len(node.device_pages))
+            # (pages L3 holds never take L2 from a waiting request's prefix: they come back from L3 too)
+            hp = self._alloc_host(len(node.device_pages), spare_held=self.on_l3(node))
             if hp is not None:
                 self.residency.set_host(node, hp)
                 self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))

@@ -9,7 +9,8 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
 - L1 residency is prefix-closed: a node on L1 has its parent on L1 (or is a child of the root). So a
   match is: an L1 run from the root, then an L2-only run.
 - Locks cover the path root→node; locked nodes are never evicted from L1 nor dropped from L2. A loading
-  node is locked (by the load itself).
+  node is locked (by the load itself). Holds (:meth:`hold`: a waiting request's cached prefix) cover the
+  path too; L2 eviction for an L3 fetch, or for an L1 demotion of pages L3 holds, passes held nodes over.
 - L2 pages pinned by a reader outside the tree (an L3 write-back, :meth:`pin_host`) are never handed out
   again while pinned: the node keeps them, or, if the tree drops the node meanwhile, the pages wait in a
   deferred set until :meth:`unpin_host` frees them. Pins do not lock: a pinned node may still lose its L1
@@ -134,17 +135,10 @@ class HiRadixTree:
         cls, config: CacheConfig, device: PageAllocator | None, host: PageAllocator | None = None,
         state_device: SlotAllocator | None = None, state_host: SlotAllocator | None = None,
     ) -> HiRadixTree:
-        return cls(
-            config.page_size,
-            device,
-            host,
-            write_policy=config.hicache_write_policy,
-            write_through_threshold=config.write_through_threshold,
-            load_back_threshold=config.load_back_threshold,
-            eviction_policy=config.eviction_policy,
-            state_device=state_device,
-            state_host=state_host,
-        )
+        return cls(config.page_size, device, host, write_policy=config.hicache_write_policy,
+                   write_through_threshold=config.write_through_threshold,
+                   load_back_threshold=config.load_back_threshold, eviction_policy=config.eviction_policy,
+                   state_device=state_device, state_host=state_host)
 
     @property
     def root(self) -> TreeNode:
@@ -258,6 +252,11 @@ class HiRadixTree:
         """``lock_ref -= 1`` on the path root→node; raises if the node is not locked."""
         self.residency.unlock(node)
 
+    def hold(self, node: TreeNode, delta: int = 1) -> None:
+        """A waiting request holds (``delta`` 1) or releases (-1) ``node`` as its cached prefix: ``wait_ref``
+        on the path root→node (see :class:`TreeNode`)."""
+        self.residency.hold(node, delta)
+
     def pin_host(self, pages: Sequence[int]) -> None:
         """A reader outside the tree (an L3 write-back) reads L2 ``pages`` until :meth:`unpin_host`:
         never dropped by L2 eviction nor reused meanwhile (a node removed while pinned leaves them
@@ -287,9 +286,9 @@ class HiRadixTree:
         """Whether all of ``node``'s pages are known to be on L3 (see :meth:`Tiering.on_l3`)."""
         return self.tiering.on_l3(node)
 
-    def evict_host(self, num_pages: int, drop_backups: bool = False) -> int:
+    def evict_host(self, num_pages: int, drop_backups: bool = False, spare_held: bool = False) -> int:
         """Free ``num_pages`` L2 pages if possible (see :meth:`Tiering.evict_host`)."""
-        return self.tiering.evict_host(num_pages, drop_backups)
+        return self.tiering.evict_host(num_pages, drop_backups, spare_held)
 
     def drop_tail_for_l3(self, tokens: Sequence[int], from_page: int) -> int:
         """Drop the tail of ``tokens``' path that L3 holds (see :meth:`Tiering.drop_tail_for_l3`)."""

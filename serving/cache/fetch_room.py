@@ -1,17 +1,19 @@
 """L2 room between the waiting requests and their L3 fetches (serving/cache/l3_prefetch.py).
 
-- **Pins**: a waiting request pins the L2 pages of its cached prefix (all or none, within ``PIN_SHARE`` of L2),
-  except those L3 holds: a prefix L3 holds comes back from there if it leaves L2 (the prefetcher's recheck),
-  and pinning it would keep from L2 the L1 demotions that L3 lacks (an L1 eviction without L2 room loses
-  those). Without pins, a turn of many returning requests thrashes: each one run demotes its pages into L2
-  and evicts (LRU) the prefixes of requests still waiting for L1.
-- **Room for a fetch** (:meth:`FetchRoom.make`): L2 pages are evicted for it, L2 backups of pages on L1 among
-  them, but never the prefixes the other waiting requests found cached (fetched for them, mostly). Those were
-  LRU first, so the fetches of the requests behind evicted what had landed for the requests about to run, and
-  it was read from L3 again (the Gemma-3 probe: each page read about twice).
+- **Holds and pins** (:meth:`FetchRoom.pin`): a waiting request holds its cached prefix (``tree.hold``): L2
+  eviction for a fetch, or for an L1 demotion of pages L3 holds, passes it over (the fetches of the
+  requests behind it, and the demotions of the requests run before it, evicted LRU, and that was what had
+  landed for the requests about to run: read from L3 again, the Gemma-3 probe's pages about twice). It
+  also pins that prefix's L2 pages (all or none, within ``PIN_SHARE`` of L2), except those L3 holds: a
+  prefix L3 holds comes back from there if it leaves L2 (the prefetcher's recheck), and pinning it would
+  keep from L2 the L1 demotions that L3 lacks (an L1 eviction without L2 room loses those), which a hold
+  does not. Without pins, a turn of many returning requests thrashes: each one run demotes its pages into
+  L2 and evicts (LRU) the prefixes of requests still waiting for L1.
+- **Room for a fetch** (:meth:`FetchRoom.make`): L2 pages are evicted for it, L2 backups of pages on L1
+  among them, but never the held prefixes.
 - **The wait** (:meth:`FetchRoom.worth_waiting`): while others hold the L2 a fetch needs (fetches, pins,
-  writes to L3 in flight, the spared prefixes) or L2 is still being pinned after a start, the fetch waits
-  as long as waiting and then loading would still beat recomputing, instead of fetching part of its prefix.
+  holds, writes to L3 in flight) or L2 is still being pinned after a start, the fetch waits as long as
+  waiting and then loading would still beat recomputing, instead of fetching part of its prefix.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ from hicache.hiradix import HiRadixTree
 from hicache.tiers.host import HostKVPool
 from serving.cache.cost_model import Decision
 from serving.cache.prefetch_op import PrefetchOp
-from serving.structs.request import Req
 
 PIN_SHARE = 0.5  # share of L2 that waiting requests may pin for their cached prefixes
 
 
 class FetchRoom:
     """See the module docstring. Concurrency contract: the scheduler thread only (the prefetcher's caller);
-    every tree call is made there."""
+    every tree call is made there. Every hold and pin is ``op``'s until :meth:`unpin`."""
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool) -> None:
         self.tree = tree
@@ -37,44 +38,42 @@ class FetchRoom:
         self.page_size = tree.page_size
         self.pin_budget = int(PIN_SHARE * host_pool.num_pages)
         self.pinned = 0  # L2 pages pinned by waiting requests (a page pinned twice counts twice)
-        self._spared = False  # the last make() kept other waiting requests' prefixes
+        self.holds = 0  # prefixes held by waiting requests
 
-    def pin(self, tokens: list[int]) -> list[int]:
-        """Pin the L2 pages L3 lacks of the path that ``tokens`` match, all or none (within the budget)."""
+    def pin(self, op: PrefetchOp, tokens: list[int]) -> None:
+        """``op`` holds the path that ``tokens`` match and pins its L2 pages L3 lacks, all or none (within
+        the budget)."""
         if not tokens:
-            return []
+            return
         node, _ = self.tree.lookup(tokens)
+        if node is self.tree.root:
+            return
+        self.tree.hold(node)
+        op.held = node
+        self.holds += 1
         on_l3 = self.tree.on_l3
         pages = [p for nd in node.path_to_root() if nd.host_pages is not None and not on_l3(nd)
                  for p in nd.host_pages]
         if not pages or self.pinned + len(pages) > self.pin_budget:
-            return []
+            return
         self.tree.pin_host(pages)
         self.pinned += len(pages)
-        return pages
+        op.pinned = pages
 
     def unpin(self, op: PrefetchOp) -> None:
+        """End ``op``'s hold and pins."""
         if op.pinned:
             self.tree.unpin_host(op.pinned)
             self.pinned -= len(op.pinned)
             op.pinned = []
+        if op.held is not None:
+            self.tree.hold(op.held, -1)
+            self.holds -= 1
+            op.held = None
 
-    def make(self, req: Req, n: int, waiting: list[Req]) -> None:
-        """Evict ``n`` L2 pages for ``req``'s fetch if possible, sparing the cached prefixes of the other
-        ``waiting`` requests whose prefetch is not fetching (each locked while the eviction runs)."""
-        spared, ps, tree = [], self.page_size, self.tree
-        for r in waiting:
-            op = r.kv.prefetch
-            if r is not req and op is not None and op.fetch is None and op.start_page:
-                nd, _ = tree.lookup(op.tokens[: op.start_page * ps])
-                tree.lock(nd)
-                spared.append(nd)
-        try:
-            tree.evict_host(n, drop_backups=True)
-        finally:
-            for nd in spared:
-                tree.unlock(nd)
-        self._spared = bool(spared)
+    def make(self, n: int) -> None:
+        """Evict ``n`` L2 pages for a fetch if possible, sparing the prefixes waiting requests hold."""
+        self.tree.evict_host(n, drop_backups=True, spare_held=True)
 
     def worth_waiting(self, op: PrefetchOp, d: Decision, n: int, fetching: bool) -> bool:
         """Whether a fetch that found too little L2 room after :meth:`make` waits for ``n`` pages (retried
@@ -85,7 +84,7 @@ class FetchRoom:
         now = time.monotonic()
         host = self.host_pool
         growing = host.growing and host.free_once_pinned() >= n
-        held = fetching or self.tree.host_pinned > len(op.pinned) or self._spared
+        held = fetching or self.tree.host_pinned > len(op.pinned) or self.holds > (op.held is not None)
         if not (held or growing) or now >= op.deadline:
             return False
         if not op.room_wait_since:

@@ -53,13 +53,14 @@ class Prefetcher:
       :meth:`finish`, :meth:`poll` and every tree call. The threads only compute keys, call the storage tier
       (thread-safe) and write the host pages of a fetch, which belong to nobody else.
     - Before a fetch starts, the node where the cached prefix ends is locked and L2 room is
-      made (eviction cannot touch the locked path, nor the prefixes the other waiting requests found
-      cached; L2 backups of pages on L1 may go, those L3 holds first: serving/cache/fetch_room.py). When
+      made (eviction cannot touch the locked path, nor the cached prefixes the waiting requests hold;
+      L2 backups of pages on L1 may go, those L3 holds first: serving/cache/fetch_room.py). When
       others hold the L2 it needs, or L2 is still being pinned after a start, the request waits (retried
       each step) while waiting and loading would still beat recomputing, instead of fetching part of its
       prefix; otherwise the page count is capped at what is free, so the allocation cannot fail.
     - A waiting request watches its cached prefix (each step and when it is scheduled): if
-      the prefix left L2 meanwhile (it is not pinned when L3 holds it), it is looked up again.
+      the prefix left L2 meanwhile (held, not pinned, when L3 holds it: an L1 demotion of pages L3 lacks
+      may take its room), it is looked up again.
     - Landed, verified pages are committed into the tree as they arrive (:meth:`advance`, so
       the read is *pipelined*): each commit moves the fetch's lock down to the new end, and --
       when L1 has that many free pages -- loads the committed chain on to L1 at once (an
@@ -111,7 +112,6 @@ class Prefetcher:
         self.pages_cut = 0  # the pages those fetches had not read when they were cut
         self._fetching = 0  # requests holding a fetch (their own or one they follow)
         self.room = FetchRoom(tree, host_pool)  # L2 pins of waiting requests, room for fetches
-        self._waiting: list[Req] = []  # during advance_all
 
     @property
     def pages_loaded_early(self) -> int:
@@ -123,13 +123,14 @@ class Prefetcher:
 
     # -- scheduler side -----------------------------------------------------------------
     def advance_all(self, waiting: list[Req]) -> None:
-        """:meth:`advance` for each of the ``waiting`` requests (their fetches spare each other's prefixes)."""
-        self._waiting = waiting
-        try:
-            for r in waiting:
+        """:meth:`advance` for each of the ``waiting`` requests, their new lookups first: a request whose
+        prefetch ended (admitted short of room, a fetch given back) holds its cached prefix again before
+        any fetch makes room (serving/cache/fetch_room.py)."""
+        for r in waiting:
+            if r.kv.prefetch is None and not r.kv.prefetch_checked:
                 self.advance(r)
-        finally:
-            self._waiting = []
+        for r in waiting:
+            self.advance(r)
 
     def advance(self, req: Req) -> None:
         """Called for every waiting request each step: start its lookup once, start (or
@@ -182,7 +183,7 @@ class Prefetcher:
         if not lookup and cached * ps < self.threshold_tokens:
             return
         op = PrefetchOp(cached, prompt[: full * ps], time.monotonic() + self.timeout_base_s)
-        op.pinned = self.room.pin(prompt[: cached * ps])
+        self.room.pin(op, prompt[: cached * ps])
         if lookup:
             op.lookup = self._lookups.submit(self._lookup, op)
         req.kv.prefetch = op
@@ -218,7 +219,7 @@ class Prefetcher:
         tree.lock(node)  # the prefix stays while the fetch runs; L2 eviction cannot touch it
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
-            self.room.make(req, n - host.num_free, self._waiting)
+            self.room.make(n - host.num_free)
         if host.num_free < n and self.room.worth_waiting(op, d, n, bool(self.fetches.active)):
             tree.unlock(node)
             return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
@@ -336,6 +337,9 @@ class Prefetcher:
         pinned = [p for r in reqs if r.kv.prefetch is not None for p in r.kv.prefetch.pinned]
         assert self.room.pinned == len(pinned), f"prefetch: {self.room.pinned} L2 pins counted, {len(pinned)} held"
         assert all(self.tree.host.is_allocated(p) for p in pinned), "prefetch: a pinned L2 page is free"
+        held = [r.kv.prefetch.held for r in reqs if r.kv.prefetch is not None and r.kv.prefetch.held is not None]
+        assert self.room.holds == len(held), f"prefetch: {self.room.holds} holds counted, {len(held)} held"
+        assert all(nd.wait_ref > 0 for nd in held), "prefetch: a held prefix has no wait_ref"
         holds: dict[int, int] = {}
         for op in started:
             holds[id(op.fetch)] = holds.get(id(op.fetch), 0) + 1

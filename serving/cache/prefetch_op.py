@@ -7,13 +7,14 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from hicache.hiradix.node import TreeNode
 from serving.cache.l3_fetch import FetchOp
 from serving.cache.prefetch_policy import LoadBudget
 
 
 @dataclass
 class PrefetchOp:
-    """A request's prefetch while it waits: the L2 pages of its cached prefix it pins, its
+    """A request's prefetch while it waits: its cached prefix it holds and the L2 pages of it it pins, its
     lookup, then the fetch it holds (its own or one it follows). Without a lookup it only
     keeps its cached prefix in L2 (``watching``)."""
 
@@ -22,6 +23,7 @@ class PrefetchOp:
     deadline: float
     lookup: Future | None = None  # -> pages present in L3 from start_page on (None: watching)
     pinned: list[int] = field(default_factory=list)  # L2 pages of the cached prefix pinned until finish
+    held: TreeNode | None = None  # where the cached prefix ends, held (tree.hold) until finish
     keys: list[str] = field(default_factory=list)  # set by the lookup thread
     cancel: threading.Event = field(default_factory=threading.Event)
     fetch: FetchOp | None = None  # held from the fetch's start until finish

@@ -90,6 +90,7 @@ class TreeMachine(RuleBasedStateMachine):
             eviction_policy=eviction,
         )
         self.w = TreeShadow(tree, ps)  # the pools' shadow and the copies in flight (harness/tree_shadow.py)
+        self.holds = []  # nodes waiting requests hold (tree.hold), removed ones included
 
     # ------------------------------------------------------------------ rules: requests and readers
     @rule(tokens=tokens_st)
@@ -211,14 +212,28 @@ class TreeMachine(RuleBasedStateMachine):
         self.w.fetches.append(Prefetch(tokens[: (start + n) * ps], start, node, pages))
 
     # ------------------------------------------------------------------ rules: eviction, sessions, flush
-    @rule(tier=st.sampled_from(["device", "host"]), n=st.integers(1, 24))
-    def evict(self, tier, n):
+    @rule(tokens=tokens_st, release=st.booleans())
+    def wait_hold(self, tokens, release):
+        """A waiting request holds its cached prefix (``tree.hold``), or one releases its hold (on a node
+        removed meanwhile too)."""
+        tree = self.w.tree
+        if release and self.holds:
+            tree.hold(self.holds.pop(0), -1)
+            return
+        node, _ = tree.lookup(tokens)
+        if node is not tree.root and len(self.holds) < MAX_HELD:
+            tree.hold(node)
+            self.holds.append(node)
+
+    @rule(tier=st.sampled_from(["device", "host"]), n=st.integers(1, 24), spare=st.booleans())
+    def evict(self, tier, n, spare):
         """Evict ``n`` pages of a tier. When it frees less, everything left is needed: on L1 every
         node is on the path of something the test holds (a write-back never blocks L1 eviction);
-        on L2 every L2-only node is held or has a page pinned by a write-back below it."""
+        on L2 every L2-only node is held, or with ``spare`` held by a waiting request, or has a page
+        pinned by a write-back below it."""
         tree = self.w.tree
         before = tree.cached_pages(tier)
-        freed = tree.evict_device(n) if tier == "device" else tree.evict_host(n)
+        freed = tree.evict_device(n) if tier == "device" else tree.evict_host(n, spare_held=spare)
         self.w.drain()
         assert freed == before - tree.cached_pages(tier)
         if freed >= n or (tier == "host" and tree.host is None):
@@ -229,7 +244,7 @@ class TreeMachine(RuleBasedStateMachine):
                 assert nd.device_pages is None or nd in held, (
                     f"evict_device left {nd!r} on L1 though no reader holds it (a write-back blocks it?)"
                 )
-            elif nd.device_pages is None and nd not in held:
+            elif nd.device_pages is None and nd not in held and not (spare and nd.wait_ref):
                 sub, stack = [], [nd]
                 while stack:
                     x = stack.pop()
@@ -317,6 +332,9 @@ class TreeMachine(RuleBasedStateMachine):
         for ld in self.w.loads.values():
             assert ld.end is not None and not ld.end.removed and ld.end.load is ld.pending
         assert tree.host_pinned == len(self.w.pinned)
+        for nd in tree.nodes():  # each hold counts on its node's path as it is now (splits, removals)
+            want = sum(nd in h.path_to_root() for h in self.holds)
+            assert nd.wait_ref == want, f"{nd!r}: wait_ref {nd.wait_ref}, {want} holds on its path"
 
 
 TreeMachine.TestCase.settings = settings(

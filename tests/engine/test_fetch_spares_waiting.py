@@ -36,15 +36,15 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 511) for _ in range(n)]
 
 
-def engine(path, db) -> Engine:
+def engine(path, db, l2_ratio: float = 1.7) -> Engine:
     return Engine(model_path=str(path), page_size=PS, device="cpu", max_total_tokens=(PAGES + 6) * PS,
-                  hicache_size=0, hicache_ratio=1.7, write_through_threshold=1, max_running_requests=4,
+                  hicache_size=0, hicache_ratio=l2_ratio, write_through_threshold=1, max_running_requests=4,
                   **lmdb_l3(db))
 
 
 def test_a_fetch_spares_what_landed_for_a_waiting_request(tiny, tmp_path):
     prompts = [ids(PAGES * PS + 1, s) for s in range(4)]
-    eng = engine(tiny, tmp_path / "l3")
+    eng = engine(tiny, tmp_path / "l3", l2_ratio=4)  # L2 holds every prompt: none is lost while L3 writes lag
     want = [eng.generate(input_ids=p, sampling_params=G)["output_ids"] for p in prompts]
     eng.core.storage.poll(wait=True)
     eng.shutdown()  # every page on L3
