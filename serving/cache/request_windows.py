@@ -343,8 +343,9 @@ class RequestWindows:
 
     def make_host_room(self, n: int) -> int:
         """Free at least ``n`` host window pages if possible: unlocked tree nodes' (their L2 full layers stay;
-        see the module docstring), those on L3 first, each LRU, but never those on the path the last
-        ``usable_prefix`` walked (a match being admitted). Returns how many were freed."""
+        see the module docstring), those waiting requests hold last, those on L3 first, each LRU, but never
+        those on the path the last ``usable_prefix`` walked (a match being admitted). Returns how many were
+        freed."""
         hw = self.host.windows if self.host is not None else None
         if hw is None:
             return 0
@@ -353,9 +354,10 @@ class RequestWindows:
         cands = [nd for nd in self.tree.nodes()
                  if nd.host_pages is not None and not nd.lock_ref and not nd.loading and id(nd) not in spared
                  and any(m[p] >= 0 for p in nd.host_pages) and not pins.any_pinned(nd.host_pages)]
-        # their window KV safe elsewhere first: on L3 (a host window page on a page L3 holds was there when it
-        # was written, or came with it from L3); LRU within each
-        cands.sort(key=lambda nd: (not self.tree.on_l3(nd), nd.last_access))
+        # the prefixes waiting requests hold (tree.hold: mostly what their fetches landed) last; their window KV
+        # safe elsewhere first: on L3 (a host window page on a page L3 holds was there when it was written, or
+        # came with it from L3); LRU within each
+        cands.sort(key=lambda nd: (nd.wait_ref > 0, not self.tree.on_l3(nd), nd.last_access))
         freed = 0
         for nd in cands:
             if freed >= n:
