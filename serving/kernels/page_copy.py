@@ -200,7 +200,8 @@ class PageMover:
                  full: bool = True) -> tuple[torch.Tensor, ...]:
         """``move``'s ids on the GPU, copied on the current stream from one of a few reused pinned
         buffers (a fresh pinned tensor per call can cost a ``cudaHostAlloc``, i.e. hundreds of
-        microseconds during which the GPU waits). ``full=False``: no logical pages (a window-only load)."""
+        microseconds during which the GPU waits; one is taken only while a slot's copy is queued).
+        ``full=False``: no logical pages (a window-only load)."""
         src, dst = self.id_lists(device_pages, host_pages)
         k = len(device_pages)
         if not full:
@@ -208,10 +209,11 @@ class PageMover:
         n = len(src)
         slot = self._ids_next = (getattr(self, "_ids_next", -1) + 1) % len(self._ids_ring)
         buf, event = self._ids_ring[slot]
-        if buf is None or buf.shape[1] < n:
+        if buf is None or buf.shape[1] < n or (event is not None and not event.query()):
+            # a slot still copying (a backup's copy waits on its stream for the forward pass in flight): a fresh
+            # buffer rather than a wait for that pass; the caching host allocator reuses the old one only once
+            # its copy is done
             buf = torch.empty((2, max(n, 1024)), dtype=torch.int64, pin_memory=True)
-        elif event is not None:
-            event.synchronize()  # its last copy to the GPU (long done in practice)
         host = buf.numpy()
         host[0, :n] = src
         host[1, :n] = dst
