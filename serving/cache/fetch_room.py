@@ -1,6 +1,6 @@
 """L2 room between the waiting requests and their L3 fetches (serving/cache/l3_prefetch.py).
 
-- **Holds and pins** (:meth:`FetchRoom.pin`): a waiting request holds its cached prefix (``tree.hold``): L2
+- **Holds and pins** (:meth:`FetchRoom.keep`): a waiting request holds its cached prefix (``tree.hold``): L2
   eviction for a fetch, or for an L1 demotion of pages L3 holds, passes it over (the fetches of the
   requests behind it, and the demotions of the requests run before it, evicted LRU, and that was what had
   landed for the requests about to run: read from L3 again, the Gemma-3 probe's pages about twice). It
@@ -30,7 +30,7 @@ PIN_SHARE = 0.5  # share of L2 that waiting requests may pin for their cached pr
 
 class FetchRoom:
     """See the module docstring. Concurrency contract: the scheduler thread only (the prefetcher's caller);
-    every tree call is made there. Every hold and pin is ``op``'s until :meth:`unpin`."""
+    every tree call is made there. Every hold and pin is ``op``'s until :meth:`release`."""
 
     def __init__(self, tree: HiRadixTree, host_pool: HostKVPool) -> None:
         self.tree = tree
@@ -40,7 +40,7 @@ class FetchRoom:
         self.pinned = 0  # L2 pages pinned by waiting requests (a page pinned twice counts twice)
         self.holds = 0  # prefixes held by waiting requests
 
-    def pin(self, op: PrefetchOp, tokens: list[int]) -> None:
+    def keep(self, op: PrefetchOp, tokens: list[int]) -> None:
         """``op`` holds the path that ``tokens`` match and pins its L2 pages L3 lacks, all or none (within
         the budget)."""
         if not tokens:
@@ -60,7 +60,7 @@ class FetchRoom:
         self.pinned += len(pages)
         op.pinned = pages
 
-    def unpin(self, op: PrefetchOp) -> None:
+    def release(self, op: PrefetchOp) -> None:
         """End ``op``'s hold and pins."""
         if op.pinned:
             self.tree.unpin_host(op.pinned)

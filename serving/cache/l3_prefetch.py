@@ -156,7 +156,7 @@ class Prefetcher:
             # it followed a fetch that has all it had in common, and the store holds more of its
             # prompt: those pages come with a lookup from the new end of its cached prefix
             req.kv.storage_hit_tokens += self._drop(op) * self.page_size
-            self.room.unpin(op)
+            self.room.release(op)
             req.kv.prefetch = None
             self._start_lookup(req)
 
@@ -183,7 +183,7 @@ class Prefetcher:
         if not lookup and cached * ps < self.threshold_tokens:
             return
         op = PrefetchOp(cached, prompt[: full * ps], time.monotonic() + self.timeout_base_s)
-        self.room.pin(op, prompt[: cached * ps])
+        self.room.keep(op, prompt[: cached * ps])
         if lookup:
             op.lookup = self._lookups.submit(self._lookup, op)
         req.kv.prefetch = op
@@ -278,7 +278,7 @@ class Prefetcher:
         prefetch now."""
         cached = self.tree.peek_prefix_len if self.window_cut is None else self.window_cut
         if cached(op.tokens) < op.start_page * self.page_size:
-            self.room.unpin(op)
+            self.room.release(op)
             req.kv.prefetch = None
             self._start_lookup(req)
         return req.kv.prefetch
@@ -292,7 +292,7 @@ class Prefetcher:
             return 0
         req.kv.prefetch = None
         op.cancel.set()
-        self.room.unpin(op)  # the request matches right after: its prefix is locked from then on
+        self.room.release(op)  # the request matches right after: its prefix is locked from then on
         if op.fetch is None:  # watching, looking up or waiting for L2 room: nothing allocated
             return 0
         unread = op.need - op.loaded
