@@ -142,14 +142,19 @@ class StorageTier:
 
         def run_group(lo: int, hi: int) -> int:
             self._read_clock.enter()
+            sizes: list[int] = []  # the landed values' sizes (a hybrid SWA model's short ones are smaller)
             try:
                 host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
                 if direct:
-                    return self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
-                if short_direct:  # short and whole values of a hybrid SWA model (storage_windows)
-                    return read_direct(self.backend, self.codec, keys[lo:hi], pages[lo:hi], host_pool, view,
-                                       self._corrupt)
-                return self._get_staged(keys[lo:hi], host_pool, pages[lo:hi])
+                    got = self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
+                    sizes = [self.codec.value_nbytes] * got
+                elif short_direct:  # short and whole values of a hybrid SWA model (storage_windows)
+                    got = read_direct(self.backend, self.codec, keys[lo:hi], pages[lo:hi], host_pool, view,
+                                      self._corrupt, sizes)
+                else:
+                    got = self._get_staged(keys[lo:hi], host_pool, pages[lo:hi], sizes)
+                job.add_bytes(sum(sizes))
+                return got
             finally:
                 self._read_clock.leave()
 
@@ -157,7 +162,7 @@ class StorageTier:
             with self._lock:
                 self._stats["hits"] += job.loaded
                 self._stats["misses"] += 0 if job.cancelled else job.n - job.loaded
-                self._stats["bytes_read"] += job.loaded * self.codec.value_nbytes
+                self._stats["bytes_read"] += job.nbytes
             if on_done is not None:
                 on_done(job)
 
@@ -305,7 +310,9 @@ class StorageTier:
         return ok
 
     # ------------------------------------------------------------------ staged path
-    def _get_staged(self, keys: list[str], pool: HostKVPool, pages: list[int]) -> int:
+    def _get_staged(self, keys: list[str], pool: HostKVPool, pages: list[int], landed: list[int]) -> int:
+        """Read ``keys`` into L2 pages ``pages`` through the staging buffer; returns how many leading pages
+        landed, their values' sizes appended to ``landed``."""
         codec, slot, done = self.codec, self.slot, 0
         nb = codec.page_nbytes
         for lo in range(0, len(keys), self.batch_pages):
@@ -322,6 +329,7 @@ class StorageTier:
                     if not land(codec, ck[i], rows[i], size, pool, pages[lo + i]):
                         self._corrupt(ck[i])
                         break
+                    landed.append(size)
                     ok += 1
                 done += ok
                 if ok < n:
@@ -335,6 +343,7 @@ class StorageTier:
                     self._corrupt(ck[i])
                     break
                 _set_valid(pool, pages[lo + i], codec.flags_of(rows[i, nb: nb + TRAILER_SIZE]))
+                landed.append(size)
                 ok += 1
             if ok:  # decoded (raw: a view of the staged bytes), then the pool encodes in its own encoding
                 kv = self.encoding.decode_pages(buf.tensor[: ok * slot].view(ok, slot)[:, :nb], self.layout,

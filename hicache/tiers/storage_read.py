@@ -33,6 +33,8 @@ class ReadJob:
       ``on_done(job)`` runs just before, on the last reader thread.
     - ``read_s``: seconds from the first group's start to the last one's end (the job's
       own read time, not the queueing behind earlier jobs).
+    - ``nbytes``: bytes of the values that landed (trailers included), as the groups report them
+      (:meth:`add_bytes`, on the reader threads); final once ``future`` has resolved.
     """
 
     def __init__(self, n: int, group: int, run_group: Callable[[int, int], int],
@@ -42,6 +44,7 @@ class ReadJob:
         self.loaded = 0
         self.reading = 0
         self.read_s = 0.0
+        self.nbytes = 0
         self.cancelled = False
         self.future: Future = Future()
         self._run_group = run_group
@@ -76,6 +79,11 @@ class ReadJob:
         self.cancelled = True
         with self._lock:
             self._end = min(self._end, self.loaded)
+
+    def add_bytes(self, n: int) -> None:
+        """A group landed values of ``n`` bytes (any reader thread)."""
+        with self._lock:
+            self.nbytes += n
 
     def done(self) -> bool:
         return self.future.done()

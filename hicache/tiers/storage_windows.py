@@ -159,12 +159,13 @@ def _whole_parts(runs: tuple[tuple[int, int, int], ...], page: np.ndarray, win: 
 
 
 def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], pages: list[int], pool: HostKVPool,
-                view: np.ndarray, corrupt: Callable[[str], None]) -> int:
+                view: np.ndarray, corrupt: Callable[[str], None], landed: list[int] | None = None) -> int:
     """Read ``keys`` into L2 pages ``pages`` (``view``: the pool's ``[pages, bytes]`` view) in one GIL-free call
     for the short values (copied and hashed into their pages) and one for the whole ones (their full rows into
     the page, their sliding rows into a host window page taken with ``HostWindows.take_free``, or a scratch
     buffer where none is free or the value's flags say its sliding part is stale), each checked against its
-    trailer; ``corrupt(key)`` for a bad value, where the read ends. Returns how many leading pages landed."""
+    trailer; ``corrupt(key)`` for a bad value, where the read ends. Returns how many leading pages landed (their
+    values' sizes appended to ``landed``)."""
     short = short_codec(codec.layout, codec.page_size, len(pool.full_layers))
     trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
     dsts = [view[p] for p in pages]
@@ -209,6 +210,8 @@ def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], page
         else:  # a bad checksum, or no page of this model's size
             corrupt(keys[i])
             break
+        if landed is not None:
+            landed.append(size)
         ok += 1
     windows.drop([pages[i] for i in wins if i >= ok])  # read, but not landed
     return ok

@@ -39,6 +39,8 @@ def test_short_and_whole_values_land_and_a_corrupt_one_ends_the_read(tmp_path, l
     keys = keys_for(n, salt=9)
     assert tier.batch_set(keys, src, pages) == n
     bad = 20  # a short value after the second run of whole ones
+    sizes = [len(store.get(k)) for k in keys[:bad]]
+    assert len(set(sizes)) == 2  # whole and short values
     raw = bytearray(store.get(keys[bad]))
     raw[len(raw) // 2] ^= 0x01
     assert store.set(keys[bad], bytes(raw))
@@ -52,6 +54,7 @@ def test_short_and_whole_values_land_and_a_corrupt_one_ends_the_read(tmp_path, l
     assert [i for i in range(bad) if dst.windows.has(into[i])] == [i for i in whole if i < bad]
     st = tier.stats()
     assert st["corrupt"] == 1 and st["hits"] == bad
+    assert st["bytes_read"] == sum(sizes)  # what was read: a short value is smaller than a whole one
     assert tier.batch_exists(keys[bad:]) == 0  # the corrupt value was deleted
     tier.close()
 
