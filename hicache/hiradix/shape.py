@@ -62,7 +62,8 @@ class TreeShape:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 return
-            m = self.common(child.key, tokens, pos, n)
+            end = pos + len(child.key)  # a whole key that matches: one list compare, not one a page
+            m = len(child.key) if end <= n and tokens[pos:end] == child.key else self.common(child.key, tokens, pos, n)
             yield child, pos, m
             if m < len(child.key):
                 return
