@@ -87,6 +87,7 @@ class PageMover:
         self.hwin = host.windows  # an L2 with a host window pool: its rows of a buffer are the device's
         # host row -> (buffer 0: full / 1: window, its row there)
         self.row_of = [None] * (2 * nl)
+        self._run_cache: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (lo, hi) -> _runs
         for b, layers in enumerate((full, sliding)):
             for kv in (0, 1):
                 for row, i in enumerate(layers):
@@ -153,14 +154,25 @@ class PageMover:
 
     # -- kernel path ------------------------------------------------------------------
     def _runs(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """Host rows ``lo .. hi - 1`` as ``(buffer, host row, buffer row, n)`` runs of consecutive rows."""
-        runs: list[tuple[int, int, int, int]] = []
-        for h in range(lo, hi):
-            b, d = self.row_of[h]
-            if runs and runs[-1][0] == b and runs[-1][1] + runs[-1][3] == h and runs[-1][2] + runs[-1][3] == d:
-                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+        """Host rows ``lo .. hi - 1`` as ``(buffer, host row, buffer row, n)`` runs of consecutive rows (one
+        launch each), computed once per range. With a host window pool a buffer's rows lie in the host in that
+        buffer's own order, so only the buffer rows need be consecutive: Gemma-3's 5:1 layers move in 2 runs,
+        not 32."""
+        runs = self._run_cache.get((lo, hi))
+        if runs is not None:
+            return runs
+        runs = []
+        rows = [(*self.row_of[h], h) for h in range(lo, hi)]
+        if self.hwin is not None:
+            rows.sort()
+        for b, d, h in rows:
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == b and last[2] + last[3] == d and \
+                    (self.hwin is not None or last[1] + last[3] == h):
+                runs[-1] = (*last[:3], last[3] + 1)
             else:
                 runs.append((b, h, d, 1))
+        self._run_cache[(lo, hi)] = runs
         return runs
 
     def id_lists(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> tuple[list[int], list[int]]:

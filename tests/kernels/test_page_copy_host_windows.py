@@ -99,6 +99,8 @@ for case, layers in sorted(CASES.items()):
         d, h = mover.id_lists(src, dst)
         ids = torch.tensor([d, h])
         n = len(src)
+        runs = mover._runs(0, 2 * LAYERS)  # one launch per buffer: its rows lie in the host in its own order
+        assert len(runs) == {"gemma3": 2, "mistral": 1}[case], runs
         mover.move(True, (ids[0, :n], ids[1, :n], ids[0, n:], ids[1, n:]), [(0, 2 * LAYERS)])  # the kernels
         assert staged.windows.map == kernel.windows.map
         assert torch.equal(staged.buffer, kernel.buffer) and torch.equal(staged.windows.buffer, kernel.windows.buffer)
@@ -126,6 +128,7 @@ print("OK")
 
 def test_kernel_path_in_interpreter() -> None:
     """The kernel path's launches (backup, load, layered load) equal the torch path's with a host window pool,
-    both host layouts, sliding and full layers interleaved and sliding layers only."""
+    both host layouts, sliding and full layers interleaved and sliding layers only; a whole move is one launch
+    per L1 buffer."""
     pytest.importorskip("triton")
     run_interpreted(KERNEL_CODE)
