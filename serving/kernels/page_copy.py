@@ -27,7 +27,8 @@ sliding layers alone, into the window pages of pages whose full layers are on L1
   *layered* load launches once per layer and records an event after each, so a forward
   pass can start layer ``i`` as soon as layer ``i``'s KV has landed. With a window buffer a
   move is one launch per run of host rows that sit in one buffer in the same order (full and
-  sliding layers interleave in the host's order; ``_runs``).
+  sliding layers interleave in the host's order; ``_runs``); with a host window pool as well, one
+  launch per buffer's run of rows (each host buffer keeps its L1 buffer's row order).
 - CPU, or an unpinned host pool: torch indexing through reused staging buffers (on CUDA
   the gather runs on the device, one bulk copy crosses PCIe, the scatter runs on the host).
 """
