@@ -41,9 +41,8 @@ from hicache.tiers.device import KVLayout
 from hicache.tiers.host import HostKVPool
 from hicache.tiers.lmdb.store import LMDBStore
 from hicache.tiers.mooncake.store import MooncakeStore
-from hicache.tiers.native_copy import copy_and_hash
-from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec, host_page_bytes
-from hicache.tiers.storage_read import ReadJob
+from hicache.tiers.page_codec import TRAILER_SIZE, PageCodec, host_page_bytes
+from hicache.tiers.storage_read import ReadJob, read_direct_pages, set_valid
 from hicache.tiers.storage_windows import is_short_page, land, read_direct, reads_direct, short_codec, windowed
 from hicache.tiers.storage_write import frame_values, value_parts
 
@@ -146,7 +145,8 @@ class StorageTier:
             try:
                 host_pool.wait_pending_writes()  # a GPU backup may still be writing a recycled page
                 if direct:
-                    got = self._read_chunk(keys[lo:hi], view, pages[lo:hi], host_pool)
+                    got = read_direct_pages(self.backend, self.codec, keys[lo:hi], view, pages[lo:hi], host_pool,
+                                            self._corrupt)
                     sizes = [self.codec.value_nbytes] * got
                 elif short_direct:  # short and whole values of a hybrid SWA model (storage_windows)
                     got = read_direct(self.backend, self.codec, keys[lo:hi], pages[lo:hi], host_pool, view,
@@ -284,31 +284,6 @@ class StorageTier:
             view = self._views[id(pool)] = host_page_bytes(pool)
         return view
 
-    def _read_chunk(self, keys: list[str], view: np.ndarray, pages: list[int], pool: HostKVPool) -> int:
-        """Read ``keys`` into pool rows ``pages``; leading verified count (on a reader thread).
-        The group's payloads are copied and hashed in one GIL-free call (:func:`copy_and_hash`,
-        each chunk hashed right after its copy), then every page is checked against its trailer."""
-        trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
-        dsts = [view[p] for p in pages]
-        hashes: dict[int, int] = {}
-
-        def copy(srcs: list[np.ndarray], idx: list[int]) -> None:
-            hashes.update(zip(idx, copy_and_hash(srcs, [dsts[i] for i in idx]), strict=True))
-
-        codec = self.codec
-        sizes = self.backend.batch_get_pages(keys, dsts, trailers, copy=copy)
-        ok = 0
-        for i, size in enumerate(sizes):
-            if size < 0 and size != TOO_LARGE or is_short_page(codec, size):  # missing / error / another
-                break  # server's page stored without its sliding part (storage_windows): a plain miss
-            if size != codec.value_nbytes or i not in hashes or \
-                    not codec.verify_hashed(trailers[i], keys[i], hashes[i]):  # wrong size, or corrupt
-                self._corrupt(keys[i])
-                break
-            _set_valid(pool, pages[i], codec.flags_of(trailers[i]))
-            ok += 1
-        return ok
-
     # ------------------------------------------------------------------ staged path
     def _get_staged(self, keys: list[str], pool: HostKVPool, pages: list[int], landed: list[int]) -> int:
         """Read ``keys`` into L2 pages ``pages`` through the staging buffer; returns how many leading pages
@@ -342,7 +317,7 @@ class StorageTier:
                                                                         rows[i, :nb]):
                     self._corrupt(ck[i])
                     break
-                _set_valid(pool, pages[lo + i], codec.flags_of(rows[i, nb: nb + TRAILER_SIZE]))
+                set_valid(pool, pages[lo + i], codec.flags_of(rows[i, nb: nb + TRAILER_SIZE]))
                 landed.append(size)
                 ok += 1
             if ok:  # decoded (raw: a view of the staged bytes), then the pool encodes in its own encoding
@@ -398,8 +373,3 @@ def make_storage(name: str, config: Mapping[str, Any] | None = None) -> StorageB
     except KeyError:
         raise ValueError(f"unknown storage backend {name!r}; choose from {sorted(STORAGE_BACKENDS)}") from None
     return factory(dict(config or {}))
-
-
-def _set_valid(pool: HostKVPool, page: int, flags: int) -> None:
-    """A page read from L3: its sliding layers are good unless its trailer says otherwise."""
-    pool.sliding_valid[page] = 0 if flags & SLIDING_INVALID else 1

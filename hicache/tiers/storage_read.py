@@ -1,11 +1,12 @@
-"""A direct L3 read in flight: :class:`ReadJob`, started by ``StorageTier.start_read``.
+"""A direct L3 read in flight: :class:`ReadJob`, started by ``StorageTier.start_read``, and how one of its
+groups lands in an L2 of whole pages (:func:`read_direct_pages`).
 
 The job's pages are cut into groups of a few pages, each one task for the tier's reader
 threads (one read transaction, each value copied straight into its L2 page and verified
-right after, see ``StorageTier._read_chunk``). Every group of a job is queued at once, behind
-the groups of jobs started earlier (first come, first served: an earlier request's prefix
-lands first), so N readers stream a job with no barrier between batches, and several jobs
-are in flight at once without a thread of their own.
+right after: :func:`read_direct_pages`; a hybrid SWA model's L2: ``storage_windows.read_direct``).
+Every group of a job is queued at once, behind the groups of jobs started earlier (first come,
+first served: an earlier request's prefix lands first), so N readers stream a job with no
+barrier between batches, and several jobs are in flight at once without a thread of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+
+import numpy as np
+
+from hicache.tiers.base import TOO_LARGE, StorageBackend
+from hicache.tiers.host import HostKVPool
+from hicache.tiers.native_copy import copy_and_hash
+from hicache.tiers.page_codec import SLIDING_INVALID, TRAILER_SIZE, PageCodec
+from hicache.tiers.storage_windows import is_short_page
 
 
 class ReadJob:
@@ -135,3 +144,35 @@ class ReadJob:
                 self._on_done(self)
         finally:
             self.future.set_result(self.loaded)
+
+
+def read_direct_pages(backend: StorageBackend, codec: PageCodec, keys: list[str], view: np.ndarray, pages: list[int],
+                      pool: HostKVPool, corrupt: Callable[[str], None]) -> int:
+    """Read ``keys`` into L2 rows ``pages`` of ``view`` (the pool's ``[pages, bytes]`` view); returns the leading
+    verified count (on a reader thread). The group's payloads are copied and hashed in one GIL-free call
+    (:func:`~hicache.tiers.native_copy.copy_and_hash`, each chunk hashed right after its copy), then every page
+    is checked against its trailer; ``corrupt(key)`` for a bad value, where the read ends."""
+    trailers = np.empty((len(keys), TRAILER_SIZE), dtype=np.uint8)
+    dsts = [view[p] for p in pages]
+    hashes: dict[int, int] = {}
+
+    def copy(srcs: list[np.ndarray], idx: list[int]) -> None:
+        hashes.update(zip(idx, copy_and_hash(srcs, [dsts[i] for i in idx]), strict=True))
+
+    sizes = backend.batch_get_pages(keys, dsts, trailers, copy=copy)
+    ok = 0
+    for i, size in enumerate(sizes):
+        if size < 0 and size != TOO_LARGE or is_short_page(codec, size):  # missing / error / another
+            break  # server's page stored without its sliding part (storage_windows): a plain miss
+        if size != codec.value_nbytes or i not in hashes or \
+                not codec.verify_hashed(trailers[i], keys[i], hashes[i]):  # wrong size, or corrupt
+            corrupt(keys[i])
+            break
+        set_valid(pool, pages[i], codec.flags_of(trailers[i]))
+        ok += 1
+    return ok
+
+
+def set_valid(pool: HostKVPool, page: int, flags: int) -> None:
+    """A page read from L3: its sliding layers are good unless its trailer says otherwise."""
+    pool.sliding_valid[page] = 0 if flags & SLIDING_INVALID else 1
