@@ -62,8 +62,7 @@ class TreeShape:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 return
-            end = pos + len(child.key)  # a whole key that matches: one list compare, not one a page
-            m = len(child.key) if end <= n and tokens[pos:end] == child.key else self.common(child.key, tokens, pos, n)
+            m = self.common(child.key, tokens, pos, n)
             yield child, pos, m
             if m < len(child.key):
                 return
@@ -79,27 +78,27 @@ class TreeShape:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            end = pos + len(child.key)
-            if end <= n and tokens[pos:end] == child.key:
+            m = self.common(child.key, tokens, pos, n)
+            if m == len(child.key):
                 path.append(child)
-                node, pos = child, end
+                node, pos = child, pos + m
                 continue
-            path.append(self.split(child, self.common(child.key, tokens, pos, n)))
-            pos += len(path[-1].key)
+            path.append(self.split(child, m))
+            pos += m
             break
         return path, pos
 
     def descend(self, child: TreeNode, tokens: list[int], pos: int, n: int) -> tuple[TreeNode, int]:
         """Step into ``child`` while inserting ``tokens[:n]`` from ``pos``: split it where the
         tokens diverge from (or end inside) its key; returns the node taken and its end."""
-        end = pos + len(child.key)
-        if end <= n and tokens[pos:end] == child.key:
-            return child, end
         m = self.common(child.key, tokens, pos, n)
-        return self.split(child, m), pos + m
+        return (child, pos + m) if m == len(child.key) else (self.split(child, m), pos + m)
 
     def common(self, key: list[int], tokens: list[int], pos: int, n: int) -> int:
         """Matched length (page-aligned, >= one page) of ``key`` against ``tokens[pos:n]``."""
+        end = pos + len(key)
+        if end <= n and tokens[pos:end] == key:  # the whole key: one list compare, not one a page
+            return len(key)
         ps = self.page_size
         m, lim = ps, min(len(key), n - pos)
         while m < lim and key[m : m + ps] == tokens[pos + m : pos + m + ps]:
