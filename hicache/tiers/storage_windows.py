@@ -149,11 +149,11 @@ def _runs(full_rows: tuple[int, ...], window_rows: tuple[int, ...]) -> tuple[tup
     return tuple(runs)
 
 
-def _whole_parts(runs: tuple[tuple[int, int, int], ...], page: np.ndarray, win: np.ndarray) -> list[np.ndarray]:
-    """A whole value's payload as parts, in order (``runs``: :func:`_runs` of its pool): slices of the L2 page's
-    bytes ``page`` and of ``win`` (the host window page's bytes, or a scratch buffer where its sliding part is
-    not kept)."""
-    rb = page.nbytes // max(1, sum(n for to, _, n in runs if to == 0))
+def _whole_parts(runs: tuple[tuple[int, int, int], ...], rb: int, page: np.ndarray, win: np.ndarray
+                 ) -> list[np.ndarray]:
+    """A whole value's payload as parts, in order (``runs``: :func:`_runs` of its pool, rows of ``rb`` bytes):
+    slices of the L2 page's bytes ``page`` and of ``win`` (the host window page's bytes, or a scratch buffer
+    where its sliding part is not kept)."""
     bufs = (page, win)
     return [bufs[to][k * rb: (k + n) * rb] for to, k, n in runs]
 
@@ -182,6 +182,7 @@ def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], page
         srcs, parts, at = [], [], []
         wbytes = windows.page_rows(0).numel() * windows.buffer.element_size()
         runs = _runs(tuple(pool.full_rows.tolist()), tuple(pool.window_rows.tolist()))
+        rb = view.shape[1] // max(1, len(pool.full_rows))  # bytes of one row of a page
         for v, i in zip(vals, idx, strict=True):
             if len(v) != codec.value_nbytes:
                 continue
@@ -191,7 +192,7 @@ def read_direct(backend: StorageBackend, codec: PageCodec, keys: list[str], page
             wins[i] = w
             wv = windows.page_rows(w).view(torch.uint8).numpy().reshape(-1) if w >= 0 else np.empty(wbytes, np.uint8)
             srcs.append(v[:nb])
-            parts.append(_whole_parts(runs, dsts[i], wv))
+            parts.append(_whole_parts(runs, rb, dsts[i], wv))
             at.append(i)
         if srcs:
             hashes.update(zip(at, copy_and_hash_segments(srcs, parts), strict=True))
