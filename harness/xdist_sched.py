@@ -4,7 +4,7 @@ a worker crash.
 When a worker dies (a segfault, an ``os._exit`` in native code, the OOM killer), xdist replaces it and
 puts the dead worker's files back on the queue. Its ``LoadScopeScheduling`` (which ``loadfile`` is) then
 deadlocks the whole run instead of finishing it with one failure (pytest-xdist issues #784, #1327, #1378;
-CI hit it: a run that never ended instead of naming the test). Two faults, both fixed here:
+CI hit it: a run that never ended instead of naming the test). The faults fixed here:
 
 - ``remove_node`` re-queues every file the dead worker ever ran, finished ones included, and the test it
   died on: a finished file becomes an empty unit that is never marked complete, so no worker is ever
@@ -12,6 +12,9 @@ CI hit it: a run that never ended instead of naming the test). Two faults, both 
   (xdist has already reported that one as failed).
 - a worker that has just died (its node-down event not handled yet) cannot be sent work: the unit stays
   assigned to it and goes back to the queue with its other units when that event comes.
+- a replacement worker still collecting (two workers died close together, and the other
+  replacement's collection triggers ``schedule()``) is passed over, not sent tests it cannot index yet
+  (xdist raised ``KeyError`` and ended the run); it gets work when its own collection is in.
 - a worker runs a test only once the next one has arrived (or it is told to shut down), but a
   replacement may be handed a single one-test file and then nothing: it waits forever. Here a worker
   below two pending tests gets units until it has two, or is told to shut down when none are left.
@@ -57,8 +60,8 @@ class CrashSafeLoadFileScheduling(LoadFileScheduling):
             self._reschedule(node)
 
     def _reschedule(self, node) -> None:  # noqa: ANN001
-        if node.shutting_down:
-            return
+        if node.shutting_down or node not in self.registered_collections:
+            return  # a replacement still collecting: ``schedule()`` reaches it when its collection is in
         if not self.workqueue:
             node.shutdown()
             return

@@ -49,3 +49,49 @@ def test_a_test_that_crashes_once_runs_again_and_passes(tmp_path: Path, workers:
     assert out.returncode == 0 and "9 passed, 1 rerun" in out.stdout, out.stdout + out.stderr
     assert "1 test(s) crashed their worker and ran again" in out.stdout, out.stdout
     assert "crashed while running 'test_1_crash.py::test_crash'; it runs once more" in out.stdout, out.stdout
+
+
+class _Node:
+    """The part of xdist's ``WorkerController`` the scheduler touches."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.shutting_down, self.sent = name, False, []
+        self.gateway = type("Gateway", (), {"id": name})()
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent.extend(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+class _Config:
+    class option:  # noqa: N801 (xdist reads config.option.loadscopereorder)
+        loadscopereorder = False
+
+    def getvalue(self, name: str):  # noqa: ANN201
+        return {"tx": ["2*popen"], "dist": "loadfile"}[name]
+
+
+def test_a_replacement_that_has_not_collected_yet_gets_no_work() -> None:
+    """Both workers die close together (CI's run): a replacement is added but its collection is not in
+    when the other replacement's collection triggers ``schedule()``; it is skipped, not sent work it
+    cannot index (xdist's ``KeyError`` ended the run), and gets its share once it has collected."""
+    from harness.xdist_sched import CrashSafeLoadFileScheduling
+
+    tests = [f"test_{f}.py::test_{t}" for f in range(4) for t in range(2)]
+    sched = CrashSafeLoadFileScheduling(_Config())
+    gw0, gw1, gw2, gw3 = (_Node(f"gw{i}") for i in range(4))
+    for node in (gw0, gw1):
+        sched.add_node(node)
+        sched.add_node_collection(node, tests)
+    sched.schedule()
+    assert sched.remove_node(gw0) is not None and sched.remove_node(gw1) is not None
+    sched.add_node(gw2)
+    sched.add_node(gw3)
+    sched.add_node_collection(gw2, tests)
+    sched.schedule()  # gw3 has not collected: must be passed over
+    assert gw2.sent and not gw3.sent and not gw3.shutting_down
+    sched.add_node_collection(gw3, tests)
+    sched.schedule()
+    assert gw3.sent or not sched.workqueue
