@@ -48,6 +48,9 @@ class Tiering:
         self.eviction_policy = eviction_policy
         self.load_back_threshold = load_back_threshold
         self._outbox: list[Transfer] = []
+        # nodes whose backup is in the outbox, not drained yet: their L2 copy is not yet written, and the operation
+        # that queued it must not drop it (evict_host, _drop_backups skip them)
+        self._writing: set[TreeNode] = set()
         self._loads: dict[TreeNode, TreeNode] = {}  # end of a loading chain -> node above the chain
         # L1 pages that got no L2 copy because L2 had no room (every evictable page was locked or
         # pinned, e.g. waiting for its L3 write-back): skipped backups and demotions that dropped
@@ -55,16 +58,38 @@ class Tiering:
         self.exclusive = ExclusiveTiers(shape, residency, pins, host, write_policy, lambda: self._evict_key("host"))
 
     def take(self) -> list[Transfer]:
-        """Drain the outbox (see the ordering contract in tree.py)."""
+        """Drain the outbox (see the ordering contract in tree.py). A backup's pages whose L2 copy left the
+        tree in the same operation (its node removed with an L1 parent dropped for want of L2 room) are not
+        copied: those L2 pages are free again."""
         out, self._outbox = self._outbox, []
-        return out
+        self._writing.clear()
+        if self.host is None or not any(t.kind == "backup" for t in out):
+            return out
+        return [t for t in map(self._still_held, out) if t is not None]
+
+    def _still_held(self, t: Transfer) -> Transfer | None:
+        """``t``, less a backup's pairs whose L2 page is free now (None: nothing left)."""
+        if t.kind != "backup":
+            return t
+        keep = [i for i, p in enumerate(t.dst_pages) if self.host.is_allocated(p)]
+        if len(keep) == len(t.dst_pages):
+            return t
+        if not keep:
+            return None
+        nodes = tuple(nd for nd in t.nodes if not nd.removed and nd.host_pages is not None)
+        return Transfer("backup", [t.src_pages[i] for i in keep], [t.dst_pages[i] for i in keep], nodes)
 
     def emit(self, transfer: Transfer) -> None:
         """Queue ``transfer`` in the outbox (the state snapshots' moves come in here too)."""
         self._outbox.append(transfer)
 
+    def _emit_backup(self, src: list[int], dst: list[int], nodes: tuple[TreeNode, ...]) -> None:
+        self._outbox.append(Transfer("backup", src, dst, nodes))
+        self._writing.update(nodes)
+
     def discard_transfers(self) -> None:
         self._outbox.clear()
+        self._writing.clear()
 
     @property
     def loading(self) -> bool:
@@ -131,8 +156,9 @@ class Tiering:
     def evict_host(self, num_pages: int, drop_backups: bool = False, spare_held: bool = False) -> int:
         """Drop L2 copies of unlocked L2-only leaves (policy order) until ``num_pages`` are freed;
         with ``drop_backups`` then also L2 backups of nodes that are on L1 too (an L3 prefetch
-        makes room so). Pages an L3 write-back is reading (pinned) are skipped, and with ``spare_held``
-        the prefixes waiting requests hold (``wait_ref``)."""
+        makes room so). Pages an L3 write-back is reading (pinned) are skipped, so are nodes whose backup this
+        operation queued (not drained yet: dropping the copy would leave it writing freed pages), and with
+        ``spare_held`` the prefixes waiting requests hold (``wait_ref``)."""
         if self.host is None or num_pages <= 0:
             return 0
         key = self._evict_key("host")
@@ -142,7 +168,7 @@ class Tiering:
         freed = 0
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
-            if (nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None
+            if (nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None or nd in self._writing
                     or pins.any_pinned(nd.host_pages) or (spare_held and nd.wait_ref)):
                 continue
             freed += len(nd.host_pages)
@@ -195,10 +221,10 @@ class Tiering:
         copy stays, and an eviction from L1 backs the node up again. Nodes on L3 go first (an L1
         eviction without L2 room then loses nothing), each group in policy order. Loading and
         pinned nodes keep theirs, and so do locked nodes L3 lacks (a locked node on L3 keeps its
-        L1 copy while locked, and L3 has the rest)."""
+        L1 copy while locked, and L3 has the rest), and so do those whose backup is still queued."""
         pins = self.pins
         cands = [nd for nd in self.shape.nodes() if nd.host_pages is not None and nd.device_pages is not None
-                 and (nd.lock_ref == 0 or self.on_l3(nd)) and nd.load is None
+                 and (nd.lock_ref == 0 or self.on_l3(nd)) and nd.load is None and nd not in self._writing
                  and not pins.any_pinned(nd.host_pages) and not (spare_held and nd.wait_ref)]
         key = self._evict_key("host")
         cands.sort(key=lambda nd: (not self.on_l3(nd), key(nd)))
@@ -337,7 +363,7 @@ class Tiering:
                 self.exclusive.kept.add(nd)
         self.residency.unlock(protect)
         if src:
-            self._outbox.append(Transfer("backup", src, dst, tuple(done)))
+            self._emit_backup(src, dst, tuple(done))
         return len(src)
 
     def on_l3(self, node: TreeNode) -> bool:
@@ -353,7 +379,7 @@ class Tiering:
             hp = self._alloc_host(len(node.device_pages), spare_held=self.on_l3(node))
             if hp is not None:
                 self.residency.set_host(node, hp)
-                self._outbox.append(Transfer("backup", list(node.device_pages), hp, (node,)))
+                self._emit_backup(list(node.device_pages), hp, (node,))
             elif not self.on_l3(node):
                 if not allow_drop:
                     return False

@@ -241,3 +241,53 @@ def test_eviction_drops_what_nothing_else_can_give():
     assert t.backups_skipped_pages == 1 and t.match_prefix([3, 3]).device_hit_tokens == 0
     t.unlock(x)
     t.check_integrity()
+
+
+def _backups_land_in_live_copies(t) -> list[Transfer]:
+    """The drained transfers, each backup's L2 pages still the L2 copy of the nodes it names."""
+    out = t.take_transfers()
+    for tr in out:
+        if tr.kind == "backup":
+            held = [p for nd in tr.nodes if not nd.removed and nd.host_pages is not None for p in nd.host_pages]
+            assert held == tr.dst_pages, f"a backup into L2 pages its nodes no longer hold: {tr.dst_pages}"
+    return out
+
+
+def test_an_eviction_never_drops_the_l2_copy_its_own_demotion_is_about_to_write():
+    """L1 eviction of two leaves with room in L2 for one: the first is demoted (its backup queued, not yet
+    run); the second's L2 room must not come from dropping that copy (the oldest L2 leaf), which would leave
+    the queued backup writing into freed L2 pages (a host window pool then leaked the window pages it took
+    for them) and the first leaf lost."""
+    t = make(dev=4, host=1, policy="write_back")
+    put(t, [1, 1])
+    put(t, [2, 2])
+    assert t.evict_device(2) == 2
+    (tr,) = _backups_land_in_live_copies(t)
+    t.check_integrity()
+    assert t.match_prefix([1, 1]).host_hit_tokens == 2 and tr.nodes[0].host_pages == tr.dst_pages
+
+
+def test_a_prefetchs_room_never_drops_a_backup_still_queued():
+    """``evict_host(drop_backups=True)`` (an L3 prefetch's room) inside the operation that queued a backup of an
+    L1 node: that node keeps the L2 copy the backup writes."""
+    t = make(dev=8, host=2, policy="write_through")
+    put(t, [1, 1, 2, 2])
+    t.take_transfers()
+    t.match_prefix([1, 1, 2, 2])  # write-through: the hit queues its backup
+    assert t.evict_host(2, drop_backups=True) == 0
+    assert [x.kind for x in _backups_land_in_live_copies(t)] == ["backup"]
+    t.check_integrity()
+
+
+def test_a_backup_whose_copy_left_with_its_parent_is_not_run():
+    """L1 eviction demotes a leaf (its backup queued), then drops its parent for want of L2 room: the leaf's
+    L2 copy leaves the tree with it, and the drained transfers hold no backup into those freed L2 pages."""
+    t = make(dev=6, host=1, policy="write_back")
+    put(t, [1, 1, 2, 2])
+    put(t, [1, 1, 3, 3])  # [1,1] with two leaves
+    t.take_transfers()
+    assert t.evict_device(3) == 3
+    out = _backups_land_in_live_copies(t)
+    assert all(t.host.is_allocated(p) for tr in out if tr.kind == "backup" for p in tr.dst_pages)
+    t.check_integrity()
+    assert t.match_prefix([1, 1, 2, 2]).cached_tokens == 0
