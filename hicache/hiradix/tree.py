@@ -30,7 +30,10 @@ Transfer ordering contract: the caller drains :meth:`take_transfers` right after
 executes the transfers in the order given, and it must execute (or at least order on its copy stream) the
 drained backups before it writes to any L1 page freed meanwhile: eviction frees L1 pages into the
 allocator immediately, right after emitting the backup that still reads them. ``load_back`` may reuse
-such a page as a load destination in the same operation; the order of the outbox covers it. Nodes being
+such a page as a load destination in the same operation; the order of the outbox covers it. L2 pages are
+the other way round: an operation never drops the L2 copy a backup it queued will write (L2 eviction skips
+those nodes), and a copy that leaves the tree with its node anyway (removed under a dropped parent) is left
+out of the drained backups, its L2 pages being free again. Nodes being
 loaded report as L1 hits to later matches, with the load's :class:`~hicache.hiradix.match.PendingLoad`
 in ``MatchResult.pending_loads``: every reader, like the request that started the load, waits until it is
 done before computing on them.
