@@ -20,7 +20,9 @@ pass by pass, with no clock (a pass is a step; the L3 model is instant):
 A request whose prompt is complete has its first output token from that pass and ends once it has
 ``len(output)`` tokens; ending, its computed pages go into the tree (``PolicyReplay.release``) and
 its client sends the next request of the slice, queued after the next pass is planned (a busy server
-has started it by then; with ``overlap_schedule`` the ended requests are released one pass late too).
+has started it by then; with ``overlap_schedule`` the ended requests are answered one pass late too, but
+their pages go back as their last pass is launched: ``OverlapScheduler.release_ended``, every replayed
+request ending by length).
 A request whose prompt and output need more pages than L1 has is rejected as it arrives, counted.
 With ``concurrency`` 1 the passes serve one request at a time, in trace order.
 """
@@ -51,7 +53,7 @@ class PassLoop:
         self.overlap = cfg.overlap_schedule
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []
-        self.unreleased: list[SimReq] = []  # overlap: ended in the last pass, resolved after this one's planning
+        self.unanswered: list[SimReq] = []  # overlap: ended (released) in the last pass, answered after this one
         self.passes = 0
 
     def run(self, reqs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[SimReq]:
@@ -73,22 +75,23 @@ class PassLoop:
         for _ in range(min(self.rep.cfg.concurrency, len(todo))):
             arrive(todo.popleft())
         arriving: list[SimReq] = []  # sent by clients whose request was answered after the last pass
-        while self.waiting or self.running or arriving or self.unreleased:
+        while self.waiting or self.running or arriving or self.unanswered:
             idle = not self.running
             if idle:  # an idle server resolves what it has and takes new requests before its next pass
                 for r in arriving:
                     arrive(r)
                 arriving = []
             ended = self._pass() if self.waiting or self.running else []
+            for r in ended:  # their pages go back as the pass is launched (overlap: before the answer)
+                self.rep.release(r)
             if self.overlap and not idle:
-                answered, self.unreleased = self.unreleased, ended
+                answered, self.unanswered = self.unanswered, ended
             else:
-                answered, self.unreleased = self.unreleased + ended, []
+                answered, self.unanswered = self.unanswered + ended, []
             for r in arriving:
                 arrive(r)
             arriving = []
             for r in answered:
-                self.rep.release(r)
                 done.append(r)
                 if todo:
                     arriving.append(todo.popleft())
@@ -138,7 +141,7 @@ class PassLoop:
 
     def check_integrity(self) -> None:
         """The tree and its pools, the pages requests hold outside the tree counted as in use."""
-        held = sum(len(r.pages) - r.prefix_pages for r in self.running + self.unreleased)
+        held = sum(len(r.pages) - r.prefix_pages for r in self.running)
         self.rep.tree.check_integrity(device_in_use=held)
 
     def _beside(self, order: list[SimReq]) -> tuple[list[SimReq], int]:
@@ -188,8 +191,8 @@ class PassLoop:
         self.waiting.insert(0, r)
 
     def _stuck(self) -> list[SimReq]:
-        """A pass that ran nothing: fine while requests that ended wait to be released (overlap);
+        """A pass that ran nothing: fine while requests that ended wait to be answered (overlap);
         else the loop is broken (a request that fits L1 alone always progresses)."""
-        if self.unreleased:
+        if self.unanswered:
             return []
         raise RuntimeError(f"a pass ran nothing: {len(self.running)} running, {len(self.waiting)} waiting")

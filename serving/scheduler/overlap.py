@@ -16,6 +16,15 @@ it, a step:
    batch N+1; that token is dropped. The KV it wrote is the KV of its last real token,
    so the pages it releases hold correct data.
 
+A request whose pending token ends it by length whatever it is (a one-token request after its prefill,
+any request's last decode) gives its KV back as soon as its last pass is launched (:meth:`release_ended`):
+it leaves the running list, the tree caches its pages, and the next step admits into them while that pass
+still runs. No later pass reads its KV, and every use of the pages by another request comes after that
+pass: its forward passes run on the same stream, and loads and backups wait for the stream's work queued
+before them. Otherwise each such pass left the GPU idle while the step after it waited for its token and
+only the one after admitted the next requests (a turn of one-token returning requests ran as admit, wait,
+admit, wait). Its token is handed to it later as to a retracted one (``Scheduler.resolve_overlapped``).
+
 Only greedy requests without penalties or grammar are sampled on the GPU this way. When any
 request in the queues needs the host sampler (temperature, penalties, a grammar mask), the
 step first resolves the pending tokens (a sync) and runs the plain step. ``disable_overlap_schedule`` turns it
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.scheduler.stop import StopChecker
 from serving.structs.forward_batch import ForwardBatch
 from serving.structs.request import Req
 
@@ -46,12 +56,17 @@ def _simple(r: Req) -> bool:
 
 
 class OverlapScheduler:
-    """The scheduler's helper for overlapped steps (see the module doc)."""
+    """The scheduler's helper for overlapped steps (see the module doc).
+
+    Concurrency contract: the scheduler thread only, as its scheduler. ``prev``'s requests may have left the
+    scheduler's queues (:meth:`release_ended`): until their token is resolved only ``prev`` holds them.
+    """
 
     def __init__(self, sched) -> None:  # noqa: ANN001 - serving.scheduler.scheduler.Scheduler (import cycle)
         self.s = sched
         self.prev: _Launched | None = None
         self.overlapped_steps = 0
+        self.released_early = 0  # requests whose KV went back at their last pass's launch (release_ended)
 
     # -- hooks called by Scheduler.step ------------------------------------------------
     def begin_step(self) -> tuple[bool, list[Req]]:
@@ -111,6 +126,25 @@ class OverlapScheduler:
             self.prev = launched
             self.overlapped_steps += 1
         return updated
+
+    def release_ended(self) -> None:
+        """The launched requests whose pending token ends them by length leave the running list and give
+        their KV back now (see the module doc). Not on a PD prefill server: it keeps a finished request's
+        pages until they are sent."""
+        s = self.s
+        if self.prev is None or s.pd is not None:
+            return
+        for r in self.prev.reqs:
+            if r.pending >= 0 and not r.finished and r in s.running and StopChecker.ends_by_length(r, s.context_len):
+                s.running.remove(r)
+                s.cache.release(r)
+                self.released_early += 1
+
+    def pending(self, rid: str) -> Req | None:
+        """The request ``rid`` whose token is still pending, if any (it may have left the queues)."""
+        if self.prev is None:
+            return None
+        return next((r for r in self.prev.reqs if r.rid == rid and r.pending >= 0), None)
 
     def resolve(self) -> list[Req]:
         """Wait for the previous step's tokens and hand them to their requests."""

@@ -130,11 +130,16 @@ class Scheduler:
                     queue.remove(req)
                     self._finish(req, {"type": "abort", "message": "aborted"})
                     return req
+        req = self._overlap.pending(rid) if self._overlap is not None else None
+        if req is not None and not req.finished:  # its KV given back already, its last token pending
+            self._finish(req, {"type": "abort", "message": "aborted"})
+            return req
         return self.pd.abort(rid) if self.pd is not None else None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running) or (self.pd is not None and self.pd.busy)
+        return bool(self.waiting or self.running) or (self.pd is not None and self.pd.busy) or \
+            (self._overlap is not None and self._overlap.prev is not None)  # a token still to hand out
 
     def in_use_pages(self) -> int:
         return sum(r.own_pages for r in self.running) + (self.pd.held_pages() if self.pd is not None else 0)
@@ -264,7 +269,9 @@ class Scheduler:
             if r.kv.kv_len == r.seq_len:
                 done_rows.append(i)
         if overlap:  # sample on the GPU; this step's tokens are read in the next step
-            return updated + self._overlap.finish(fwd.logits, done_rows, [plan.batch[i][0] for i in done_rows])
+            updated += self._overlap.finish(fwd.logits, done_rows, [plan.batch[i][0] for i in done_rows])
+            self._overlap.release_ended()  # their pages are the next step's to admit into
+            return updated
         if done_rows:
             reqs = [plan.batch[i][0] for i in done_rows]
             rows = fwd.logits[done_rows]

@@ -104,15 +104,17 @@ def test_policy_replay_against_the_lru_bound(trace):
         assert distinct_tokens(rep) <= l1 + l2 + l3
 
 
-def test_pass_loop_keeps_the_tree_whole_within_the_budget(trace):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_pass_loop_keeps_the_tree_whole_within_the_budget(trace, overlap):
     """Eight clients, a 256-token budget, L1+L2+L3 (bench/trace_sched.py): after every pass the
     tree is whole and the pass computed at most the budget; every request is admitted once and
     ends but those longer than L1 (rejected, counted), the passes compute every prompt token no tier
-    served, and no L1 page is lost."""
+    served, and no L1 page is lost. With overlap scheduling the ended requests are answered a pass
+    late, their pages back at once."""
     reqs = select(trace, 0, 60, busiest=8)
     blocks, budget = BlockTokens(32), 256
     rep = PolicyReplay(PolicyConfig(2048, 2048, 8192, concurrency=8, chunked_prefill_size=budget,
-                                    prefetch_threshold=64))
+                                    prefetch_threshold=64, overlap_schedule=overlap))
     computed: list[int] = []
 
     def check(loop: PassLoop, n: int) -> None:

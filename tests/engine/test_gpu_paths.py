@@ -47,6 +47,34 @@ def test_overlap_greedy_matches_hf(tiny, kw):
         assert o["meta_info"]["finish_reason"] == {"type": "length", "length": GREEDY["max_new_tokens"]}
     eng.check_integrity()
     assert not any(r.pending >= 0 for r in eng.core.scheduler.running)
+    assert ov.released_early == 2 * len(ps)  # each one's KV went back as its last decode was launched
+    eng.shutdown()
+
+
+def test_a_last_pass_gives_its_pages_back_at_launch(tiny):
+    """Overlap scheduling: one-token requests that do not fit in L1 together. Each one's pages go back as its
+    pass is launched (its token ends it whatever it is), so the next one is admitted in the very next step,
+    while that pass would still run on a GPU; no step in between plans an empty batch and only waits for the
+    token (a returning turn ran admit, wait, admit, wait). Outputs as HF's."""
+    path, ps, ref = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=64, dtype="float32")
+    ov = overlapped(eng)
+    core = eng.core
+    reqs = [core.make_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 1}) for p in ps]
+    for r in reqs:
+        core.add(r)
+    steps = passes = 0
+    while core.scheduler.has_work:
+        before = core.scheduler.stats.forward_passes
+        core.step()
+        core.check_integrity()
+        steps += 1
+        passes += core.scheduler.stats.forward_passes - before
+        assert core.scheduler.in_use_pages() <= 16
+    assert passes >= 4  # they did not fit together (64 tokens: 16 pages of 4)
+    assert steps <= passes + 1, (steps, passes)  # one more: the last token's
+    assert [r.output_ids for r in reqs] == [out[:1] for out in ref]
+    assert ov.released_early == len(ps)
     eng.shutdown()
 
 
