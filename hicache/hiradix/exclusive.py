@@ -3,10 +3,11 @@
 - L1 -> L2: a node gets an L2 copy when it is evicted from L1 (a demotion, as ``write_back``), never
   on a hit. A load-back to L1 (an L2 hit, or pages an L3 prefetch brought into L2) frees the L2 copy
   once the copy has landed, unless the node is hot (``hit_count >= write_through_threshold``), its L2
-  pages are pinned (an L3 write, a waiting request), or it was backed up on purpose (``backup_prefix``
-  / ``backup_all``: a PD publish, a shutdown's persist). A request that recomputes pages the tree
-  holds on L2 only (its load-back was refused) frees their L2 copy the same way when it inserts them;
-  pages an L3 fetch brings for a node that is on L1 are not adopted.
+  pages are pinned (an L3 write, a waiting request: the copy goes when the last pin does), or it was
+  backed up on purpose (``backup_prefix`` / ``backup_all``: a PD publish, a shutdown's persist; a hybrid
+  SWA L1's demotion before its window pages go, whose L2 copy keeps the window KV the L1 one loses). A
+  request that recomputes pages the tree holds on L2 only (its load-back was refused) frees their L2 copy
+  the same way when it inserts them; pages an L3 fetch brings for a node that is on L1 are not adopted.
 - L2 -> L3 (with a storage controller that cleans, :meth:`ExclusiveTiers.enable_demotion`): nothing
   is written to L3 when it reaches L2. The coldest L2 pages are written as they near L2's eviction
   end (:meth:`ExclusiveTiers.dirty_tail`: the L2 eviction order is walked until the free pages plus
@@ -61,7 +62,10 @@ class ExclusiveTiers:
         self.on = policy.exclusive and host is not None
         self._evict_key = evict_key
         self.demote_to_l3 = False  # a storage controller writes dirty_tail's nodes to L3
-        self.kept: set[TreeNode] = set()  # nodes backed up on purpose (backup_prefix / backup_all)
+        self.kept: set[TreeNode] = set()  # nodes backed up on purpose (backup_prefix / backup_all, demotions)
+        # cold nodes on L1 and L2 whose L2 copy drop_duplicates spared only because a reader pinned it: dropped
+        # once the last pin goes (unpinned)
+        self._pinned_duplicates: set[TreeNode] = set()
         self.demotions_dropped_pages = 0
         self.promote_from_l3 = False  # an L3 hit deletes the L3 copy (a private L3: enable_promotion)
         self._promoted: list[tuple[int, int]] = []  # path page ranges whose L3 copy goes (take_promoted)
@@ -111,9 +115,21 @@ class ExclusiveTiers:
         if not self.on:
             return
         for nd in nodes:
-            if not nd.removed and nd.device_pages is not None and nd.host_pages is not None \
-                    and not self.duplicate_ok(nd):
+            if nd.removed or nd.device_pages is None or nd.host_pages is None:
+                continue
+            if not self.duplicate_ok(nd):
                 self.residency.drop_host(nd)
+            elif not (self.policy.hot(nd) or nd.load is not None or nd in self.kept):
+                self._pinned_duplicates.add(nd)  # only its pins keep it
+
+    def unpinned(self) -> None:
+        """L2 pages were unpinned: the duplicates only their pins kept go now (:meth:`drop_duplicates`)."""
+        if not self._pinned_duplicates:
+            return
+        free = [nd for nd in self._pinned_duplicates if nd.removed or nd.host_pages is None
+                or not self.pins.any_pinned(nd.host_pages)]
+        self._pinned_duplicates.difference_update(free)
+        self.drop_duplicates(free)
 
     def adopts(self, node: TreeNode) -> bool:
         """Whether an L1 node takes L2 pages an L3 fetch brought (never in the exclusive mode)."""

@@ -267,8 +267,10 @@ class HiRadixTree:
         self.pins.pin(pages)
 
     def unpin_host(self, pages: Sequence[int]) -> None:
-        """End one pin of each page; frees pages the tree dropped meanwhile."""
+        """End one pin of each page; frees pages the tree dropped meanwhile, and (exclusive tiers) the L2
+        copies of cold L1 nodes that only these pins kept."""
         self.pins.unpin(pages)
+        self.tiering.exclusive.unpinned()
 
     @property
     def host_pinned(self) -> int:

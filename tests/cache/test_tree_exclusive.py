@@ -132,3 +132,41 @@ def test_an_l3_hit_keeps_its_l3_copy_when_hot_or_shared(why):
     assert node.storage_pages == 2 and t.exclusive.take_promoted() == [] and t.exclusive.l3_promoted_pages == 0
     assert t.exclusive.l3_kept_pages == (2 if why == "hot" else 0)
     t.check_integrity()
+
+
+def test_a_duplicate_only_pins_kept_goes_with_the_last_pin():
+    """A load-back lands while the L2 source is pinned (an L3 write, a window-only load): the cold copy stays
+    only while pinned, and goes when the last pin does (before: it stayed, a cold node on L1 and L2)."""
+    t = make()
+    a = seq(3000, 4)
+    put(t, a)
+    t.evict_device(4)
+    t.take_transfers()
+    m = t.match_prefix(a)
+    pages = list(m.last_host_node.host_pages)
+    t.pin_host(pages)
+    t.pin_host(pages)  # two readers
+    m2 = t.load_back(m)
+    t.take_transfers()
+    t.finish_load(m2.last_device_node)
+    assert t.cached_pages("host") == 4  # pinned: kept beside the L1 copy
+    t.check_integrity()
+    t.unpin_host(pages)
+    assert t.cached_pages("host") == 4  # one reader left
+    t.check_integrity()
+    t.unpin_host(pages)
+    assert t.cached_pages("host") == 0 and t.cached_pages("device") == 4
+    t.check_integrity()
+
+
+def test_a_demotion_before_window_pages_go_keeps_both_copies():
+    """``demote`` (a hybrid SWA L1 drops a node's window pages, its L2 copy keeps that window KV): the copy is
+    made on purpose, kept beside the L1 one (before: a cold node on L1 and L2 failed the check)."""
+    t = make()
+    a = seq(4000, 2)
+    put(t, a)
+    node = t.match_prefix(a).last_device_node
+    assert t.demote([node]) == 2
+    assert [x.kind for x in t.take_transfers()] == ["backup"]
+    assert t.cached_pages("host") == 2 and t.cached_pages("device") == 2
+    t.check_integrity()
