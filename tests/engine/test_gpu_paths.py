@@ -340,3 +340,25 @@ def test_fused_kernels_in_interpreter():
     """RMSNorm, RoPE and SiLU-mul kernels (the model's CUDA path) against the torch path."""
     pytest.importorskip("triton")
     run_interpreted(FUSED_CODE)
+
+
+def test_abort_after_the_early_release_finishes_it_once(tiny):
+    """Overlap scheduling: a one-token request whose pages went back at its pass's launch is aborted before
+    its token is handed out: it finishes as aborted (its late token joins its output, as for any request
+    aborted after its launch), nothing is released twice, and the server goes idle."""
+    path, ps, _ = tiny
+    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=4096, dtype="float32")
+    ov = overlapped(eng)
+    core = eng.core
+    r = core.make_request(input_ids=ps[0], sampling_params={**GREEDY, "max_new_tokens": 1})
+    core.add(r)
+    core.step()
+    assert ov.released_early == 1 and r not in core.scheduler.running and r.pending >= 0
+    assert core.scheduler.has_work  # its token is still to come
+    assert core.scheduler.abort(r.rid) is r and r.finish_reason["type"] == "abort"
+    core.check_integrity()
+    while core.scheduler.has_work:
+        core.step()
+    assert r.pending < 0 and core.scheduler.in_use_pages() == 0 and not core.scheduler.running
+    core.check_integrity()
+    eng.shutdown()
