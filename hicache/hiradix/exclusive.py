@@ -3,9 +3,10 @@
 - L1 -> L2: a node gets an L2 copy when it is evicted from L1 (a demotion, as ``write_back``), never
   on a hit. A load-back to L1 (an L2 hit, or pages an L3 prefetch brought into L2) frees the L2 copy
   once the copy has landed, unless the node is hot (``hit_count >= write_through_threshold``), its L2
-  pages are pinned (an L3 write, a waiting request: the copy goes when the last pin does), or it was
-  backed up on purpose (``backup_prefix`` / ``backup_all``: a PD publish, a shutdown's persist; a hybrid
-  SWA L1's demotion before its window pages go, whose L2 copy keeps the window KV the L1 one loses). A
+  pages are pinned (an L3 write, a waiting request: the copy goes when the last pin does), it was
+  backed up on purpose (``backup_prefix`` / ``backup_all``: a PD publish, a shutdown's persist), or its L1
+  copy lost window pages whose KV the L2 copy keeps (a hybrid SWA L1: ``TreeNode.window_copy``, while the L1
+  copy lives). A
   request that recomputes pages the tree holds on L2 only (its load-back was refused) frees their L2 copy
   the same way when it inserts them; pages an L3 fetch brings for a node that is on L1 are not adopted.
 - L2 -> L3 (with a storage controller that cleans, :meth:`ExclusiveTiers.enable_demotion`): nothing
@@ -62,7 +63,7 @@ class ExclusiveTiers:
         self.on = policy.exclusive and host is not None
         self._evict_key = evict_key
         self.demote_to_l3 = False  # a storage controller writes dirty_tail's nodes to L3
-        self.kept: set[TreeNode] = set()  # nodes backed up on purpose (backup_prefix / backup_all, demotions)
+        self.kept: set[TreeNode] = set()  # nodes backed up on purpose (backup_prefix / backup_all)
         # cold nodes on L1 and L2 whose L2 copy drop_duplicates spared only because a reader pinned it: dropped
         # once the last pin goes (unpinned)
         self._pinned_duplicates: set[TreeNode] = set()
@@ -107,8 +108,14 @@ class ExclusiveTiers:
 
     def duplicate_ok(self, node: TreeNode) -> bool:
         """Whether ``node`` may keep an L2 copy beside its L1 one."""
-        return (self.policy.hot(node) or node.load is not None or node in self.kept
+        return (self.policy.hot(node) or node.load is not None or node in self.kept or node.window_copy
                 or self.pins.any_pinned(node.host_pages))
+
+    def keep_window_copy(self, node: TreeNode) -> None:
+        """``node``'s L1 copy loses its window pages while its L2 copy keeps their KV (a hybrid SWA L1's
+        demotion, or its window pages dropped beside an L2 copy): both copies stay while the L1 one lives."""
+        if node.device_pages is not None and node.host_pages is not None:
+            node.window_copy = True
 
     def drop_duplicates(self, nodes: Iterable[TreeNode]) -> None:
         """Free the L2 copies of ``nodes`` that are on L1 too, unless :meth:`duplicate_ok`."""
@@ -129,7 +136,14 @@ class ExclusiveTiers:
         free = [nd for nd in self._pinned_duplicates if nd.removed or nd.host_pages is None
                 or not self.pins.any_pinned(nd.host_pages)]
         self._pinned_duplicates.difference_update(free)
-        self.drop_duplicates(free)
+        root, up = self.shape.root, []
+        for nd in free:  # the upper parts of a node split since it was spared are its ancestors
+            p = nd.parent
+            while p is not root and p is not None and not p.removed and p.device_pages is not None \
+                    and p.host_pages is not None and not self.duplicate_ok(p):
+                up.append(p)
+                p = p.parent
+        self.drop_duplicates(free + up)
 
     def adopts(self, node: TreeNode) -> bool:
         """Whether an L1 node takes L2 pages an L3 fetch brought (never in the exclusive mode)."""

@@ -20,6 +20,9 @@ Contract:
   A loading node is always locked; its L1 pages hold no KV until the load is done.
 - ``removed`` is set when the node leaves the tree; a removed node keeps its
   ``parent`` pointer so that sessions still attached to it can release their refs.
+- ``window_copy``: its L1 copy lost window pages (a hybrid SWA L1) whose KV its L2 copy keeps: the exclusive
+  tiers keep both copies while the L1 one lives (:class:`~hicache.hiradix.exclusive.ExclusiveTiers`). A split
+  keeps it on both parts.
 - ``snap``: the :class:`Snapshot` of the recurrent state after the node's last token (a tree
   of a model with state layers; ``None`` when it has none). Its tiers follow the node's KV:
   an L1 slot only while the node is on L1, an L2 slot only while it is on L2
@@ -71,6 +74,7 @@ class TreeNode:
         "last_access",
         "load",
         "removed",
+        "window_copy",
         "snap",
     )
 
@@ -96,6 +100,7 @@ class TreeNode:
         self.last_access = 0
         self.load = None  # PendingLoad | None
         self.removed = False
+        self.window_copy = False
         self.snap: Snapshot | None = None
 
     @property

@@ -99,6 +99,7 @@ class Residency:
     def drop_device(self, node: TreeNode) -> None:
         """Free ``node``'s L1 copy (an unlocked L1 leaf) into the device pool."""
         pages, node.device_pages = node.device_pages, None
+        node.window_copy = False  # a reload brings the window KV along: its L2 copy is an ordinary one again
         self._device_cached -= len(pages)
         self.device.free(pages)
         if self.state is not None:

@@ -117,6 +117,7 @@ class TreeShape:
         upper.storage_pages, node.storage_pages = min(node.storage_pages, k), max(0, node.storage_pages - k)
         upper.lock_ref, upper.session_ref, upper.wait_ref = node.lock_ref, node.session_ref, node.wait_ref
         upper.hit_count, upper.last_access, upper.load = node.hit_count, node.last_access, node.load
+        upper.window_copy = node.window_copy
         node.parent.children[tuple(node.key[:ps])] = upper
         node.key = node.key[at:]
         upper.children[tuple(node.key[:ps])] = node

@@ -335,12 +335,15 @@ class Tiering:
     def demote(self, nodes: list[TreeNode], protect: TreeNode | None = None) -> int:
         """Give unlocked L1 nodes without an L2 copy one before a part of their L1 KV is dropped (a hybrid SWA
         L1's window pages), L2 room made as for any backup but never on ``protect``'s path; emits backup
-        transfers; returns pages backed up. The exclusive mode keeps these copies beside the L1 ones (``kept``):
-        they hold the window KV the L1 copies lose."""
+        transfers; returns pages backed up. The exclusive mode keeps these copies beside the L1 ones while those
+        live (``TreeNode.window_copy``): they hold the window KV the L1 copies lose."""
         nodes = [n for n in nodes if n.device_pages is not None and n.host_pages is None and not n.removed]
         if self.host is None or not nodes:
             return 0
-        return self.backup(nodes, protect=protect if protect is not None else self.shape.root, keep=True)
+        done = self.backup(nodes, protect=protect if protect is not None else self.shape.root)
+        for nd in nodes:
+            self.exclusive.keep_window_copy(nd)
+        return done
 
     def backup(self, nodes: list[TreeNode], protect: TreeNode, keep: bool = False) -> int:
         """Give L1 nodes an L2 copy (one backup Transfer); nodes that find no room are skipped; returns

@@ -159,14 +159,44 @@ def test_a_duplicate_only_pins_kept_goes_with_the_last_pin():
     t.check_integrity()
 
 
-def test_a_demotion_before_window_pages_go_keeps_both_copies():
-    """``demote`` (a hybrid SWA L1 drops a node's window pages, its L2 copy keeps that window KV): the copy is
-    made on purpose, kept beside the L1 one (before: a cold node on L1 and L2 failed the check)."""
-    t = make()
-    a = seq(4000, 2)
+def test_a_demotion_before_window_pages_go_keeps_both_copies_while_l1_lives():
+    """``demote`` (a hybrid SWA L1 drops a node's window pages, its L2 copy keeps that window KV): both copies
+    stay, a split's parts too (before: a cold node on L1 and L2 failed the check); once the L1 copy goes, a
+    reload brings the window KV along and frees the L2 copy as any load does."""
+    t = make(threshold=10)  # no node hot
+    a = seq(4000, 4)
     put(t, a)
     node = t.match_prefix(a).last_device_node
-    assert t.demote([node]) == 2
+    assert t.demote([node]) == 4
     assert [x.kind for x in t.take_transfers()] == ["backup"]
-    assert t.cached_pages("host") == 2 and t.cached_pages("device") == 2
+    assert t.cached_pages("host") == 4 and t.cached_pages("device") == 4
+    t.check_integrity()
+    t.match_prefix(a[: 2 * PS] + seq(9000, 1))  # splits it after two pages
+    t.check_integrity()
+    assert t.evict_device(4) == 4  # L2 copies only now
+    t.take_transfers()
+    m = t.load_back(t.match_prefix(a))
+    t.take_transfers()
+    t.finish_load(m.last_device_node)
+    assert t.cached_pages("host") == 0 and t.cached_pages("device") == 4
+    t.check_integrity()
+
+
+def test_a_pinned_duplicate_split_meanwhile_goes_whole():
+    """A duplicate kept by pins is split before the last pin goes: both parts' L2 copies go with it."""
+    t = make(threshold=10)  # no node hot
+    a = seq(5000, 4)
+    put(t, a)
+    t.evict_device(4)
+    t.take_transfers()
+    m = t.match_prefix(a)
+    pages = list(m.last_host_node.host_pages)
+    t.pin_host(pages)
+    m2 = t.load_back(m)
+    t.take_transfers()
+    t.finish_load(m2.last_device_node)
+    t.match_prefix(a[: 2 * PS] + seq(9100, 1))  # splits it after two pages
+    t.check_integrity()
+    t.unpin_host(pages)
+    assert t.cached_pages("host") == 0 and t.cached_pages("device") == 4
     t.check_integrity()
