@@ -107,7 +107,12 @@ class CacheController:
             if self._load_mover.use_kernel:  # CUDA + pinned L2: queue the kernel, no thread
                 last = self._load_on_stream(t)
             else:
-                last = self._loader.submit(self._load, t)
+                if self._stream is not None:  # the copy waits for the work queued so far on this thread's
+                    after = torch.cuda.Event()  # stream: a pass still writing a page this load reuses
+                    after.record()
+                    last = self._loader.submit(self._load_after, t, after)
+                else:
+                    last = self._loader.submit(self._load, t)
             if t.pending is not None:
                 t.pending.bind(last)
         return last
@@ -139,6 +144,10 @@ class CacheController:
         with self._lock:
             self.pages_loaded += len(t.src_pages) if t.kind == "load" else 0  # (a window load: a page's part)
         return _GpuLoad(events)
+
+    def _load_after(self, t: Transfer, after: torch.cuda.Event) -> None:
+        self._stream.wait_event(after)
+        self._load(t)
 
     def _load(self, t: Transfer) -> None:
         if self._stream is not None:

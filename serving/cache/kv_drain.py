@@ -52,7 +52,7 @@ def drain_report(control: KVControl) -> dict[str, Any]:
     """Persist to L3 (see the module docstring); the open sessions and the live pin leases."""
     core = control.core
     sched = core.scheduler
-    busy = len(sched.running) + len(sched.waiting)
+    busy = len(sched.running) + len(sched.waiting) or int(sched.has_work)  # (a last token still pending)
     if busy:  # the HTTP side waits for them first; a request let in since is not cut off here
         raise ControlError(409, f"{busy} requests are still running or waiting: the drain persists once they "
                                 "finished")

@@ -294,13 +294,13 @@ class WriteBack:
             if stored:
                 self.tree.mark_stored(w.tokens, w.first, w.first + stored)
             self._release_keys(w)  # after the mark: a delete of these keys may start now
-            self.tree.unpin_host(w.host_pages)
             if w.state_slot is not None:
                 if state:  # the node ending there (split since, maybe) holds the snapshot
                     node, end = self.tree.lookup(w.tokens, needs_state=True)
                     if end == len(w.tokens) and self.tree.state.mark_stored(node):
                         self.snapshots_written += 1
                 self.tree.state.pins.unpin([w.state_slot])
+            self.tree.unpin_host(w.host_pages)  # last: an exclusive tree may drop the L2 copy it kept for us
         if retry:
             self.write_retries += len(retry)
             self._backlog.extendleft(reversed(retry))

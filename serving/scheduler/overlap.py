@@ -129,8 +129,8 @@ class OverlapScheduler:
 
     def release_ended(self) -> None:
         """The launched requests whose pending token ends them by length leave the running list and give
-        their KV back now (see the module doc). Not on a PD prefill server: it keeps a finished request's
-        pages until they are sent."""
+        their KV back now (see the module doc). Not under a PD role: a prefill server keeps a finished
+        request's pages until they are sent, a decode server backs its sequence up as it finishes."""
         s = self.s
         if self.prev is None or s.pd is not None:
             return

@@ -306,7 +306,8 @@ class Scheduler:
         """Hand ``r`` its token ``tok`` from an overlapped batch launched before this step (see
         serving.scheduler.overlap): appended as a step's own token while ``r`` runs; when ``r`` was retracted
         after that launch (waiting again) the token still joins its output, and if it finishes ``r``
-        the request leaves the queue."""
+        the request leaves the queue; when ``r`` gave its pages back at that launch (``release_ended``: it
+        left the queues) the token finishes it."""
         if r in self.running:
             self._append_token(r, tok)
             return
