@@ -175,6 +175,7 @@ def test_tree_listener_hook_and_event_log() -> None:
     assert view.held(page_keys(b, ps, ns)) == (3, 3)
     seq = view.seq
     tree.evict_device(4)  # write_back: demoted to L2
+    tree.take_transfers()  # (the tree's contract: drained after each operation, its backups run)
     assert "device_evict" in kinds and "host_add" in kinds
     CacheView.apply(view, log.read(seq, log.epoch))
     assert view.held(page_keys(a, ps, ns)) == (3, 0)  # all on L2 now
