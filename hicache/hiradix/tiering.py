@@ -1,7 +1,7 @@
 """Tiering: moving pages between tiers: L1 eviction (demote or drop), L2 eviction, backup, load-back.
 
-Owns the transfer outbox (the ordered :class:`~hicache.hiradix.match.Transfer` orders a
-controller executes; see tree.py for the ordering contract), the loads in flight, the write
+Owns the transfer outbox (hicache/hiradix/outbox.py: the ordered :class:`~hicache.hiradix.match.Transfer`
+orders a controller executes; see tree.py for the ordering contract), the loads in flight, the write
 and eviction policies and the load-back threshold. It decides and allocates; every change of
 a node's copies goes through :class:`~hicache.hiradix.residency.Residency`. See tree.py for
 the invariants.
@@ -16,6 +16,7 @@ from hicache.hiradix.events import TreeEvents
 from hicache.hiradix.exclusive import ExclusiveTiers
 from hicache.hiradix.match import MatchResult, PendingLoad, Transfer
 from hicache.hiradix.node import TreeNode
+from hicache.hiradix.outbox import Outbox
 from hicache.hiradix.pins import HostPins
 from hicache.hiradix.policies import EvictionPolicy, WritePolicy
 from hicache.hiradix.residency import Residency, has_device_child
@@ -47,10 +48,7 @@ class Tiering:
         self.write_policy = write_policy
         self.eviction_policy = eviction_policy
         self.load_back_threshold = load_back_threshold
-        self._outbox: list[Transfer] = []
-        # nodes whose backup is in the outbox, not drained yet: their L2 copy is not yet written, and the operation
-        # that queued it must not drop it (evict_host, _drop_backups skip them)
-        self._writing: set[TreeNode] = set()
+        self.outbox = Outbox(host)
         self._loads: dict[TreeNode, TreeNode] = {}  # end of a loading chain -> node above the chain
         # L1 pages that got no L2 copy because L2 had no room (every evictable page was locked or
         # pinned, e.g. waiting for its L3 write-back): skipped backups and demotions that dropped
@@ -58,38 +56,15 @@ class Tiering:
         self.exclusive = ExclusiveTiers(shape, residency, pins, host, write_policy, lambda: self._evict_key("host"))
 
     def take(self) -> list[Transfer]:
-        """Drain the outbox (see the ordering contract in tree.py). A backup's pages whose L2 copy left the
-        tree in the same operation (its node removed with an L1 parent dropped for want of L2 room) are not
-        copied: those L2 pages are free again."""
-        out, self._outbox = self._outbox, []
-        self._writing.clear()
-        if self.host is None or not any(t.kind == "backup" for t in out):
-            return out
-        return [t for t in map(self._still_held, out) if t is not None]
-
-    def _still_held(self, t: Transfer) -> Transfer | None:
-        """``t``, less a backup's pairs whose L2 page is free now (None: nothing left)."""
-        if t.kind != "backup":
-            return t
-        keep = [i for i, p in enumerate(t.dst_pages) if self.host.is_allocated(p)]
-        if len(keep) == len(t.dst_pages):
-            return t
-        if not keep:
-            return None
-        nodes = tuple(nd for nd in t.nodes if not nd.removed and nd.host_pages is not None)
-        return Transfer("backup", [t.src_pages[i] for i in keep], [t.dst_pages[i] for i in keep], nodes)
+        """Drain the outbox (see the ordering contract in tree.py and hicache/hiradix/outbox.py)."""
+        return self.outbox.take()
 
     def emit(self, transfer: Transfer) -> None:
         """Queue ``transfer`` in the outbox (the state snapshots' moves come in here too)."""
-        self._outbox.append(transfer)
-
-    def _emit_backup(self, src: list[int], dst: list[int], nodes: tuple[TreeNode, ...]) -> None:
-        self._outbox.append(Transfer("backup", src, dst, nodes))
-        self._writing.update(nodes)
+        self.outbox.emit(transfer)
 
     def discard_transfers(self) -> None:
-        self._outbox.clear()
-        self._writing.clear()
+        self.outbox.discard()
 
     @property
     def loading(self) -> bool:
@@ -168,7 +143,7 @@ class Tiering:
         freed = 0
         while freed < num_pages and heap:
             nd = heapq.heappop(heap)[2]
-            if (nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None or nd in self._writing
+            if (nd.removed or nd.lock_ref or nd.children or nd.device_pages is not None or self.outbox.writing(nd)
                     or pins.any_pinned(nd.host_pages) or (spare_held and nd.wait_ref)):
                 continue
             freed += len(nd.host_pages)
@@ -224,7 +199,7 @@ class Tiering:
         L1 copy while locked, and L3 has the rest), and so do those whose backup is still queued."""
         pins = self.pins
         cands = [nd for nd in self.shape.nodes() if nd.host_pages is not None and nd.device_pages is not None
-                 and (nd.lock_ref == 0 or self.on_l3(nd)) and nd.load is None and nd not in self._writing
+                 and (nd.lock_ref == 0 or self.on_l3(nd)) and nd.load is None and not self.outbox.writing(nd)
                  and not pins.any_pinned(nd.host_pages) and not (spare_held and nd.wait_ref)]
         key = self._evict_key("host")
         cands.sort(key=lambda nd: (not self.on_l3(nd), key(nd)))
@@ -287,7 +262,7 @@ class Tiering:
             self.residency.set_device(nd, pages[i : i + k])
             nd.load = pending
             i += k
-        self._outbox.append(Transfer("load", src, list(pages), pending=pending))
+        self.outbox.emit(Transfer("load", src, list(pages), pending=pending))
         self._loads[end] = top
         prefix = [p for n in reversed(top.path_to_root()) for p in n.device_pages]
         return MatchResult(prefix + pages, (len(prefix) + npages) * self.shape.page_size, 0, end, end,
@@ -367,7 +342,7 @@ class Tiering:
                 self.exclusive.kept.add(nd)
         self.residency.unlock(protect)
         if src:
-            self._emit_backup(src, dst, tuple(done))
+            self.outbox.backup(src, dst, tuple(done))
         return len(src)
 
     def on_l3(self, node: TreeNode) -> bool:
@@ -383,7 +358,7 @@ class Tiering:
             hp = self._alloc_host(len(node.device_pages), spare_held=self.on_l3(node))
             if hp is not None:
                 self.residency.set_host(node, hp)
-                self._emit_backup(list(node.device_pages), hp, (node,))
+                self.outbox.backup(list(node.device_pages), hp, (node,))
             elif not self.on_l3(node):
                 if not allow_drop:
                     return False
