@@ -134,21 +134,26 @@ def test_an_l3_hit_keeps_its_l3_copy_when_hot_or_shared(why):
     t.check_integrity()
 
 
+def _reloaded_while_pinned(t: HiRadixTree, a: list[int], pins: int) -> list[int]:
+    """``a`` demoted to L2, then loaded back while ``pins`` readers pin its L2 pages; returns those pages."""
+    put(t, a)
+    t.evict_device(len(a) // PS)
+    t.take_transfers()
+    m = t.match_prefix(a)
+    pages = list(m.last_host_node.host_pages)
+    for _ in range(pins):
+        t.pin_host(pages)
+    m2 = t.load_back(m)
+    t.take_transfers()
+    t.finish_load(m2.last_device_node)
+    return pages
+
+
 def test_a_duplicate_only_pins_kept_goes_with_the_last_pin():
     """A load-back lands while the L2 source is pinned (an L3 write, a window-only load): the cold copy stays
     only while pinned, and goes when the last pin does (before: it stayed, a cold node on L1 and L2)."""
     t = make()
-    a = seq(3000, 4)
-    put(t, a)
-    t.evict_device(4)
-    t.take_transfers()
-    m = t.match_prefix(a)
-    pages = list(m.last_host_node.host_pages)
-    t.pin_host(pages)
-    t.pin_host(pages)  # two readers
-    m2 = t.load_back(m)
-    t.take_transfers()
-    t.finish_load(m2.last_device_node)
+    pages = _reloaded_while_pinned(t, seq(3000, 4), pins=2)
     assert t.cached_pages("host") == 4  # pinned: kept beside the L1 copy
     t.check_integrity()
     t.unpin_host(pages)
@@ -186,15 +191,7 @@ def test_a_pinned_duplicate_split_meanwhile_goes_whole():
     """A duplicate kept by pins is split before the last pin goes: both parts' L2 copies go with it."""
     t = make(threshold=10)  # no node hot
     a = seq(5000, 4)
-    put(t, a)
-    t.evict_device(4)
-    t.take_transfers()
-    m = t.match_prefix(a)
-    pages = list(m.last_host_node.host_pages)
-    t.pin_host(pages)
-    m2 = t.load_back(m)
-    t.take_transfers()
-    t.finish_load(m2.last_device_node)
+    pages = _reloaded_while_pinned(t, a, pins=1)
     t.match_prefix(a[: 2 * PS] + seq(9100, 1))  # splits it after two pages
     t.check_integrity()
     t.unpin_host(pages)
