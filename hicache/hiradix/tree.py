@@ -30,11 +30,8 @@ Transfer ordering contract: the caller drains :meth:`take_transfers` right after
 executes the transfers in the order given, and it must execute (or at least order on its copy stream) the
 drained backups before it writes to any L1 page freed meanwhile: eviction frees L1 pages into the
 allocator immediately, right after emitting the backup that still reads them. ``load_back`` may reuse
-such a page as a load destination in the same operation; the order of the outbox covers it. L2 pages are
-the other way round: an operation never drops the L2 copy a backup it queued will write (L2 eviction skips
-those nodes), and a copy that leaves the tree with its node anyway (removed under a dropped parent) is left
-out of the drained backups where its L2 pages are free again (where a later backup of the same operation took
-them, the order of the outbox has that one overwrite them). Nodes being
+such a page as a load destination in the same operation; the order of the outbox covers it. A queued
+backup's L2 pages: hicache/hiradix/outbox.py. Nodes being
 loaded report as L1 hits to later matches, with the load's :class:`~hicache.hiradix.match.PendingLoad`
 in ``MatchResult.pending_loads``: every reader, like the request that started the load, waits until it is
 done before computing on them.
@@ -316,11 +313,6 @@ class HiRadixTree:
     def backup_prefix(self, tokens: list[int]) -> int:
         """Give the L1 nodes on ``tokens``' path an L2 copy now (see :meth:`Tiering.backup_prefix`)."""
         return self.tiering.backup_prefix(tokens)
-
-    def keep_window_copy(self, node: TreeNode) -> None:
-        """``node``'s L1 window pages go while its L2 copy keeps their KV: the exclusive tiers keep both copies
-        while the L1 one lives (``TreeNode.window_copy``)."""
-        self.tiering.exclusive.keep_window_copy(node)
 
     def demote(self, nodes: list[TreeNode], protect: TreeNode | None = None) -> int:
         """L2 copies for L1 nodes about to lose part of their L1 KV (see :meth:`Tiering.demote`)."""

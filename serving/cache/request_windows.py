@@ -319,7 +319,7 @@ class RequestWindows:
                 count += held(nd)
         for nd in victims:  # an L2 copy keeping the window KV the L1 copy loses stays beside it (exclusive tiers)
             if nd.device_pages is not None and self._window_loss(nd) == 0:
-                self.tree.keep_window_copy(nd)
+                self.tree.exclusive.keep_window_copy(nd)
         return sum(self.windows.drop([p for p in nd.device_pages if p not in keep])
                    for nd in victims if nd.device_pages is not None)
 

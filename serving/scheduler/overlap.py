@@ -135,7 +135,7 @@ class OverlapScheduler:
         if self.prev is None or s.pd is not None:
             return
         for r in self.prev.reqs:
-            if r.pending >= 0 and not r.finished and r in s.running and StopChecker.ends_by_length(r, s.context_len):
+            if StopChecker.ends_by_length(r, s.context_len) and not r.finished and r in s.running:  # (cheap first)
                 s.running.remove(r)
                 s.cache.release(r)
                 self.released_early += 1
