@@ -12,6 +12,9 @@ import pytest
 # (a decode step of SmolLM2 in fp32 is faster on one thread than on two, even alone). Set before
 # torch is imported here; the servers a test starts inherit it (harness/server_utils.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every process a test starts (servers, tensor-parallel ranks, scripts) prints the Python stack of each
+# thread if it dies of a signal (SIGSEGV, SIGBUS, ...): its stderr, which the failing test shows.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 # Modules whose assertions depend on timing on this 2-core machine (a latency bound, a throttled
 # store against the prefill rate, a watchdog's deadline, a stream cut after so many tokens):

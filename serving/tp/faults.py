@@ -3,8 +3,9 @@
 - :class:`RankDied`: the offline engine's calls raise it once a rank is gone (the server's engine
   process exits instead: serving/tp/leader.py). Its message names the rank, its exit code
   (-9: killed, e.g. by the OOM killer) and the end of the traceback the rank wrote before it exited
-  (:func:`write_error`: a file in the engine's own temporary folder), so a failure seen only through
-  rank 0 (a collective's "Connection reset by peer") says why.
+  (:func:`write_error`: a file in the engine's own temporary folder) or, for a crash in native code
+  (-11: SIGSEGV), the stacks ``faulthandler`` wrote there (:func:`open_crash_log`), so a failure seen
+  only through rank 0 (a collective's "Connection reset by peer") says why.
 - One tensor-parallel engine per process: torch's default process group is the process's. A group
   left by an engine whose rank died (and that was never shut down) is destroyed when the next
   engine starts (:func:`claim_group`); a live engine's is not: the next one is refused, naming it.
@@ -30,6 +31,18 @@ def error_path(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.err")
 
 
+def open_crash_log(path: str | None) -> Any:
+    """At a rank's start: ``path`` opened for ``faulthandler`` (kept open for the process's life), so a
+    crash in native code, which runs no ``except`` block, still leaves the stacks of every thread
+    there for :func:`death_reason`; None when it cannot be opened (best effort)."""
+    if path is None:
+        return None
+    try:
+        return open(path, "w")  # noqa: SIM115 - faulthandler writes to its descriptor until the process ends
+    except OSError:
+        return None
+
+
 def write_error(path: str | None) -> None:
     """In a rank's ``except`` block: its traceback, for rank 0's message (best effort)."""
     if path is None:
@@ -46,7 +59,10 @@ def death_reason(rank: int, proc: Any, err: str | None) -> str:
     why = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
     try:
         with open(err) as f:  # type: ignore[arg-type]
-            tail = f.read()[-ERROR_TAIL:].strip()
+            text = f.read()
+        # a traceback's end names the error; faulthandler's report starts with it (its stacks follow,
+        # then a long list of extension modules)
+        tail = (text[:ERROR_TAIL] if text.startswith("Fatal Python error") else text[-ERROR_TAIL:]).strip()
     except (OSError, TypeError):
         tail = ""
     return f"{why}: {tail}" if tail else why

@@ -11,6 +11,7 @@ then stops the engine).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import torch
 from serving.config import EngineConfig
 from serving.parallel.window_map import map_digest
 from serving.tp import messages as msg
-from serving.tp.faults import write_error
+from serving.tp.faults import open_crash_log, write_error
 from serving.tp.rpc import serve_rpc
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ def follower_main(config: EngineConfig, rank: int, size: int, init: str, cmds: C
     # and then stops us; we exit on our own when its pipe closes
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    crash = open_crash_log(err_path)
+    if crash is not None:  # a crash in native code (SIGSEGV, SIGBUS, ...): every thread's stack, for rank 0
+        faulthandler.enable(file=crash, all_threads=True)
     try:
         _run(config, rank, size, init, cmds, rpc)
     except Exception:

@@ -255,3 +255,37 @@ def test_a_failed_rank_is_named_with_its_traceback_and_the_next_engine_starts(ti
     assert "exited with code 1" in raised and "AttributeError" in raised, shown
     assert "\nsecond [" in out.stdout and "\nsecond again [" in out.stdout, shown
     assert "already running in this process" in lines.get("third", ""), shown
+
+
+CRASHED_RANK = """
+import ctypes, sys
+from serving.engine import Engine
+ps = [[1, 2, 3, 4, 5]]
+eng = Engine(model_path=sys.argv[1], page_size=4, max_total_tokens=160, tp_size=2)
+eng.generate(input_ids=ps, sampling_params={"max_new_tokens": 2})
+
+class Crash:  # unpickled by rank 1's command loop: a read of address 8 (SIGSEGV), in native code
+    def __reduce__(self):
+        return (ctypes.string_at, (8, 1))
+
+eng.core.tp._cmds[0].send(Crash())
+try:
+    for _ in range(50):
+        eng.generate(input_ids=ps, sampling_params={"max_new_tokens": 2})
+except Exception as e:
+    print("raised", type(e).__name__, repr(str(e)), flush=True)
+"""
+
+
+def test_a_rank_crashed_in_native_code_is_named_with_its_stack(tiny):
+    """A rank killed by a signal in native code runs no ``except`` block: its faulthandler report (the
+    stack of every thread) is what RankDied names (CI once saw only "exited with code -11")."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CRASHED_RANK, str(tiny[0])], capture_output=True, text=True,
+                         timeout=300)
+    raised = next((ln for ln in out.stdout.splitlines() if ln.startswith("raised")), "")
+    shown = (out.returncode, out.stdout, out.stderr[-3000:])
+    assert raised.startswith("raised RankDied") and "exited with code -11" in raised, shown
+    assert "Segmentation fault" in raised and "follower.py" in raised, shown
