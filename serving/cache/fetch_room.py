@@ -75,16 +75,18 @@ class FetchRoom:
         """Evict ``n`` L2 pages for a fetch if possible, sparing the prefixes waiting requests hold."""
         self.tree.evict_host(n, drop_backups=True, spare_held=True)
 
-    def worth_waiting(self, op: PrefetchOp, d: Decision, n: int, fetching: bool) -> bool:
+    def worth_waiting(self, op: PrefetchOp, d: Decision, n: int, fetching: bool, busy: bool) -> bool:
         """Whether a fetch that found too little L2 room after :meth:`make` waits for ``n`` pages (retried
         each step): while others hold L2 (``fetching``: fetches in flight) or it is still being pinned, as
         long as waiting and then loading would still beat recomputing (the cost model's estimates; without
         them, until the op's deadline). A fetch of part of the prefix would recompute the rest (after a
-        start: 1.85x recompute for 32k tokens on an H100, gpu-tiers-h100-2026-12-05-s21.json)."""
+        start: 1.85x recompute for 32k tokens on an H100, gpu-tiers-h100-2026-12-05-s21.json). Room held by
+        waiting requests that all wait for room (``busy`` False: no fetch, no admitted request, no L3 write
+        landing, no other waiting request that can move) never comes back: no wait then."""
         now = time.monotonic()
         host = self.host_pool
         growing = host.growing and host.free_once_pinned() >= n
-        held = fetching or self.tree.host_pinned > len(op.pinned) or self.holds > (op.held is not None)
+        held = busy and (fetching or self.tree.host_pinned > len(op.pinned) or self.holds > (op.held is not None))
         if not (held or growing) or now >= op.deadline:
             return False
         if not op.room_wait_since:

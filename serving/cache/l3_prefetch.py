@@ -57,7 +57,11 @@ class Prefetcher:
       L2 backups of pages on L1 may go, those L3 holds first: serving/cache/fetch_room.py). When
       others hold the L2 it needs, or L2 is still being pinned after a start, the request waits (retried
       each step) while waiting and loading would still beat recomputing, instead of fetching part of its
-      prefix; otherwise the page count is capped at what is free, so the allocation cannot fail.
+      prefix; otherwise the page count is capped at what is free, so the allocation cannot fail. A wait
+      for room (L2, host window pages) needs something that can give it back: fetches in flight, admitted
+      requests, L3 writes landing (``room_coming``), a waiting request not itself waiting for room; when
+      every waiting request waits for room the others hold, none would come before the deadline, and the
+      fetch starts at once with the room there is.
     - A waiting request watches its cached prefix (each step and when it is scheduled): if
       the prefix left L2 meanwhile (held, not pinned, when L3 holds it: an L1 demotion of pages L3 lacks
       may take its room), it is looked up again.
@@ -105,6 +109,10 @@ class Prefetcher:
         self.window_cut: Callable[[list[int]], int] | None = None
         # ... and whether a fetch (start page, pages) may start now (host window room for its last window)
         self.window_room: Callable[[int, int], bool] | None = None
+        # whether something beside the waiting requests runs and gives room back by itself (admitted requests,
+        # L3 writes landing; the owner, ReqCache, sets it): without it and without fetches, no fetch waits
+        self.room_coming: Callable[[], bool] = lambda: True
+        self._movable: set[str] = set()  # waiting requests not waiting for room (advance_all; see _busy)
         self.snapshots_fetched = 0  # state snapshots from L3 the tree took
         self.pages_prefetched = 0
         self.prefetches_revoked = 0
@@ -129,6 +137,9 @@ class Prefetcher:
         for r in waiting:
             if r.kv.prefetch is None and not r.kv.prefetch_checked:
                 self.advance(r)
+        # the waiting requests that can move without room being given back (admitted once ready, looking up,
+        # fetching, watching): while one can, what it holds may come free; see _busy
+        self._movable = {r.rid for r in waiting if r.kv.prefetch is None or not r.kv.prefetch.waits_for_room}
         for r in waiting:
             self.advance(r)
 
@@ -192,6 +203,13 @@ class Prefetcher:
         if op.state is not None:  # (a state model's)
             self.snapshots_fetched += attach_when_in(self.tree, self.states[0], op, self.page_size)
 
+    def _busy(self, req: Req) -> bool:
+        """Whether room a fetch of ``req`` waits for can come free without it: fetches in flight, admitted
+        requests or L3 writes landing (``room_coming``), or another waiting request that can move (not itself
+        waiting for room). Otherwise every waiting request waits for room the others hold, and nothing would
+        give any back before the prefetch deadline: the fetch starts with the room there is."""
+        return bool(self.fetches.active) or self.room_coming() or bool(self._movable - {req.rid})
+
     def _start_fetch(self, req: Req, op: PrefetchOp) -> None:
         ps, tree = self.page_size, self.tree
         n = op.lookup.result() if op.lookup.exception() is None else 0
@@ -220,8 +238,11 @@ class Prefetcher:
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
             self.room.make(n - host.num_free)
-        if host.num_free < n and self.room.worth_waiting(op, d, n, bool(self.fetches.active)):
+        busy = self._busy(req)
+        op.waits_for_room = False
+        if host.num_free < n and self.room.worth_waiting(op, d, n, bool(self.fetches.active), busy):
             tree.unlock(node)
+            op.waits_for_room = True
             return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
         n = min(n, host.num_free)  # all of it, or as much as L2 can ever give it now
         if n * ps < self.threshold_tokens or (op.state is not None and n < op.state[0]):  # (a state model's
@@ -229,11 +250,14 @@ class Prefetcher:
             tree.unlock(node)
             self._watch(req, op)
             return
-        if self.window_room is not None and not self.window_room(op.start_page, n) and time.monotonic() < op.deadline:
+        if self.window_room is not None and not self.window_room(op.start_page, n) and busy and \
+                time.monotonic() < op.deadline:
             tree.unlock(node)
+            op.waits_for_room = True
             return  # the host window pool is held (fetches, locked nodes): retry once some is given back
-        # (past its deadline it starts without that room: waiting requests could hold, pinned, the host window
-        # pages each other's fetch waits for; what lands without its window is cut and recomputed)
+        # (past its deadline, or with nothing else running, it starts without that room: waiting requests could
+        # hold, pinned, the host window pages each other's fetch waits for; what lands without its window is cut
+        # and recomputed)
         pages = host.alloc(n)  # cannot fail: n <= num_free
         try:
             op.fetch = self.fetches.start(op.start_page, op.tokens, op.keys[:n], node, pages)

@@ -30,6 +30,7 @@ class PrefetchOp:
     offset: int = 0  # index of keys[0] in the fetch's keys (0 unless it follows another request's)
     need: int = 0  # leading keys of this request the fetch reads
     room_wait_since: float = 0.0  # when it first found L2 full (0: never)
+    waits_for_room: bool = False  # its fetch did not start at its last try: L2 or host window room is held
     # a state model's snapshot from L3: (the deepest stored, its page from start_page; the read of the deepest
     # good one: StateStore.find_deepest's answer)
     state: tuple[int, Future] | None = None

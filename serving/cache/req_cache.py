@@ -9,6 +9,7 @@ scheduler, speculative decoding and PD ask it for every change (``tests/layout/t
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
@@ -61,6 +62,8 @@ class ReqCache:
         self.transfers = transfers  # the storage controller's runner when there is L3 (its backups go on to L3)
         self.storage = storage
         self.prefetcher = storage.prefetcher if storage is not None else None  # L3 -> L2 for waiting requests
+        if self.prefetcher is not None:  # a fetch waits for room only while something runs (never on an idle engine)
+            self.prefetcher.room_coming = lambda: bool(self._holders) or storage.writeback.landing
         self._holders: set[str] = set()  # admitted requests not released yet (they hold L1)
         self._l1_waits: dict[str, float] = {}  # rid -> when it first waited for L1 room
         self._refuse: set[str] = set()  # admitted this step only to be put back (see the class docstring)
@@ -147,9 +150,11 @@ class ReqCache:
             return Admission(Answer.WAIT)  # its L3 prefetch is still worth waiting for (prefetch policy)
         self._finish_prefetch(req)
         kv, first = req.kv, not req.kv.admitted
-        locked = self._lock_prefix(req, self._match(req))
-        n = self.chunk(req, min(req.seq_len - kv.kv_len, budget)) if locked else 0
-        if not locked or not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n, admission=True):
+        with self.windows.admitting() if self.windows is not None else nullcontext():
+            locked = self._lock_prefix(req, self._match(req))
+            n = self.chunk(req, min(req.seq_len - kv.kv_len, budget)) if locked else 0
+            room = locked and self._take_state_slots(req) and self.reserve(req, kv.kv_len + n, admission=True)
+        if not room:
             self.release(req)
             if first:
                 kv.admitted = False

@@ -226,3 +226,32 @@ def test_an_end_stored_without_its_window_is_stored_whole_once_computed_again(ti
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_a_lookup_outside_an_admission_spares_no_host_window_pages(tiny) -> None:
+    """``make_host_room`` spares the path a match looks at only while that match is being admitted (it may load
+    those pages next). A lookup made for anything else (the prefetcher's ``cut_stale_tail`` of a waiting
+    request, before its L3 lookup) used to leave that path spared until the next lookup: an L3 fetch of another
+    request then found no host window room though every page was reclaimable, and waited for its deadline with
+    nothing running (the Gemma-3 probe: 22 requests waiting 60 s each, L2 and the host window pool idle)."""
+    _, path, ps, _, ref, _ = tiny
+    eng = _engine(path, max_total_tokens=1024, hicache_ratio=0.6)
+    try:
+        hw = eng.core.host_pool.windows
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
+        _backup_all(eng)
+        rw = eng.core.req_cache.windows
+        assert hw.num_free < hw.num_pages
+        def kept(prompt: list[int]) -> list[int]:  # host pages on the prompt's cached path keeping a sliding part
+            return [p for nd in eng.core.tree.lookup(prompt)[0].path_to_root() if nd.host_pages is not None
+                    for p in nd.host_pages if hw.has(p)]
+
+        prompt = next(p for p in ps if kept(p))
+        rw.valid_pages(prompt)  # what cut_stale_tail reads for a waiting request
+        rw.make_host_room(hw.num_pages)
+        assert hw.num_free == hw.num_pages, kept(prompt)  # nothing locked, pinned or loading
+        eng.check_integrity()
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

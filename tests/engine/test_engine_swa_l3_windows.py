@@ -9,6 +9,8 @@ lose its last window and recompute nearly everything (0.17-0.19 of the prompts c
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from harness.engine_cases import generate_checked, ids_of, lmdb_l3, prompts
@@ -87,5 +89,55 @@ def test_later_turns_are_exact_and_refetch_windows_dropped_above_l3(tmp_path, mo
         assert (shares[2] + shares[3]) / 2 >= 0.67, shares
         assert eng.core.tree.host_pinned == 0
         eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+
+def test_waiting_requests_never_leave_the_engine_idle(tmp_path, monkeypatch) -> None:
+    """24 conversations of 512 tokens come back three times, all at once (a Gemma-3 of 6 layers with a 128-token
+    window, page size 16; L1 of 1536 tokens, its window pool 0.2 of it; L2 of 4 MB, about a window and a half per
+    conversation's end in its host window pool; an LMDB L3 slower than the prefill): no scheduler step finds
+    requests waiting while nothing runs, no fetch or L3 lookup is in flight and no L3 write is landing (the first
+    step of a turn aside, before its lookups start). L3 fetches used to wait for L2 or host window room that only
+    the other waiting requests held (pinned: their cached prefixes), so the engine idled until the prefetch
+    deadline (here 5 s): turns of 30 s and 20 s with a 10 s deadline instead of about 2.5 s."""
+    from harness.model_utils import tiny_model as make
+    from hicache.tiers.lmdb.store import LMDBStore
+    from serving.scheduler import scheduler as sc
+
+    eng = None
+    idle = [0]
+    step = sc.Scheduler.step
+
+    def counted(self):  # noqa: ANN001, ANN202
+        if eng is not None and self.waiting and not self.running:
+            looking = any(r.kv.prefetch is not None and r.kv.prefetch.lookup is not None
+                          and not r.kv.prefetch.lookup.done() for r in self.waiting)
+            if not (eng.core.req_cache.prefetcher.fetches.active or eng.core.storage.writeback.landing or looking):
+                idle[0] += 1
+        return step(self)
+
+    monkeypatch.setattr(sc.Scheduler, "step", counted)
+    for name in ("batch_set", "batch_set_parts"):  # a store slower than the prefill (as the GPU's is)
+        real = getattr(LMDBStore, name)
+        monkeypatch.setattr(LMDBStore, name,
+                            lambda self, *a, _real=real, **kw: time.sleep(0.05) or _real(self, *a, **kw))
+    path = make(tmp_path, "gemma3", sliding_window=128, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64)
+    eng = Engine(model_path=str(path), page_size=16, max_total_tokens=1536, hicache_size=0.004,
+                 enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.2, max_running_requests=16,
+                 chunked_prefill_size=512, **{**lmdb_l3(tmp_path / "l3"), "hicache_storage_prefetch_timeout_base": 5.0})
+    try:
+        cur = prompts(24, 500, seed=31, lo=512, hi=512)
+        more = prompts(72, 500, seed=32, lo=32, hi=32)
+        for turn in range(4):
+            outs = eng.generate(input_ids=cur, sampling_params=GREEDY)
+            eng.core.storage.poll(wait=True)
+            eng.check_integrity()
+            cur = [p + o["output_ids"] + more[3 * i + min(turn, 2)] for i, (p, o) in enumerate(zip(cur, outs,
+                                                                                                  strict=True))]
+        assert idle[0] <= 2 * 4, idle[0]
+        assert eng.core.tree.host_pinned == 0
     finally:
         eng.shutdown()
