@@ -82,7 +82,8 @@ class FetchRoom:
         them, until the op's deadline). A fetch of part of the prefix would recompute the rest (after a
         start: 1.85x recompute for 32k tokens on an H100, gpu-tiers-h100-2026-12-05-s21.json). Room held by
         waiting requests that all wait for room (``busy`` False: no fetch, no admitted request, no L3 write
-        landing, no other waiting request that can move) never comes back: no wait then."""
+        landing, no other waiting request that can move) never comes back: then only L2 still being pinned is
+        waited for."""
         now = time.monotonic()
         host = self.host_pool
         growing = host.growing and host.free_once_pinned() >= n

@@ -59,9 +59,9 @@ class Prefetcher:
       each step) while waiting and loading would still beat recomputing, instead of fetching part of its
       prefix; otherwise the page count is capped at what is free, so the allocation cannot fail. A wait
       for room (L2, host window pages) needs something that can give it back: fetches in flight, admitted
-      requests, L3 writes landing (``room_coming``), a waiting request not itself waiting for room; when
-      every waiting request waits for room the others hold, none would come before the deadline, and the
-      fetch starts at once with the room there is.
+      requests, L3 writes landing (``room_coming``), a waiting request not itself waiting for room (or L2
+      still being pinned after a start); when every waiting request waits for room the others hold, none
+      would come before the deadline, and the fetch starts at once with the room there is.
     - A waiting request watches its cached prefix (each step and when it is scheduled): if
       the prefix left L2 meanwhile (held, not pinned, when L3 holds it: an L1 demotion of pages L3 lacks
       may take its room), it is looked up again.
@@ -138,8 +138,11 @@ class Prefetcher:
             if r.kv.prefetch is None and not r.kv.prefetch_checked:
                 self.advance(r)
         # the waiting requests that can move without room being given back (admitted once ready, looking up,
-        # fetching, watching): while one can, what it holds may come free; see _busy
-        self._movable = {r.rid for r in waiting if r.kv.prefetch is None or not r.kv.prefetch.waits_for_room}
+        # fetching, watching; one its prefetch policy no longer holds back): while one can, what it holds may come
+        # free; see _busy
+        now = time.monotonic()
+        self._movable = {r.rid for r in waiting if r.kv.prefetch is None or not r.kv.prefetch.waits_for_room
+                         or self.policy.ready(r.kv.prefetch, now)}
         for r in waiting:
             self.advance(r)
 
@@ -204,14 +207,16 @@ class Prefetcher:
             self.snapshots_fetched += attach_when_in(self.tree, self.states[0], op, self.page_size)
 
     def _busy(self, req: Req) -> bool:
-        """Whether room a fetch of ``req`` waits for can come free without it: fetches in flight, admitted
-        requests or L3 writes landing (``room_coming``), or another waiting request that can move (not itself
-        waiting for room). Otherwise every waiting request waits for room the others hold, and nothing would
+        """Whether room a fetch of ``req`` waits for can come free without it: fetches in flight or draining,
+        admitted requests or L3 writes landing (``room_coming``), or another waiting request that can move (not
+        itself waiting for room). Otherwise every waiting request waits for room the others hold, and nothing would
         give any back before the prefetch deadline: the fetch starts with the room there is."""
-        return bool(self.fetches.active) or self.room_coming() or bool(self._movable - {req.rid})
+        return bool(self.fetches.active or self.fetches.draining) or len(self._movable) > (req.rid in self._movable) \
+            or self.room_coming()
 
     def _start_fetch(self, req: Req, op: PrefetchOp) -> None:
         ps, tree = self.page_size, self.tree
+        op.waits_for_room = False  # (set again below if it still waits)
         n = op.lookup.result() if op.lookup.exception() is None else 0
         node, matched = tree.lookup(op.tokens[: op.start_page * ps])
         if n * ps < self.threshold_tokens or matched < op.start_page * ps:
@@ -238,9 +243,7 @@ class Prefetcher:
         host = tree.host
         if host.num_free < n:  # pages from L3 are worth more than L2 backups of pages on L1
             self.room.make(n - host.num_free)
-        busy = self._busy(req)
-        op.waits_for_room = False
-        if host.num_free < n and self.room.worth_waiting(op, d, n, bool(self.fetches.active), busy):
+        if host.num_free < n and self.room.worth_waiting(op, d, n, bool(self.fetches.active), self._busy(req)):
             tree.unlock(node)
             op.waits_for_room = True
             return  # others hold L2 (fetches, pins, writes to L3): their pages free up soon, retry
@@ -250,8 +253,8 @@ class Prefetcher:
             tree.unlock(node)
             self._watch(req, op)
             return
-        if self.window_room is not None and not self.window_room(op.start_page, n) and busy and \
-                time.monotonic() < op.deadline:
+        if self.window_room is not None and not self.window_room(op.start_page, n) and \
+                time.monotonic() < op.deadline and self._busy(req):
             tree.unlock(node)
             op.waits_for_room = True
             return  # the host window pool is held (fetches, locked nodes): retry once some is given back

@@ -135,8 +135,8 @@ class RequestWindows:
     @contextmanager
     def admitting(self) -> Iterator[None]:
         """The scope of one admission: the path its match looks at (``valid_pages``) keeps its host window pages
-        in :meth:`make_host_room` until the admission ends; a lookup outside one (a waiting request's
-        ``cut_stale_tail``) spares nothing."""
+        in :meth:`make_host_room` until the admission ends (``ReqCache.try_admit``, ``take_prompt``); a lookup
+        outside one (a waiting request's ``cut_stale_tail``) spares nothing."""
         self._admitting = True
         try:
             yield

@@ -255,3 +255,35 @@ def test_a_lookup_outside_an_admission_spares_no_host_window_pages(tiny) -> None
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_a_prompt_taken_for_its_kv_matches_as_an_admission(tiny, monkeypatch) -> None:
+    """A PD decode server's ``take_prompt`` matches and locks a cached prefix as an admission does, so the path
+    its match looks at keeps its host window pages while its lock and reservation make room (a window page
+    reclaimed meanwhile would leave the match's last window without its KV): every lookup it makes is inside an
+    admission's scope (``RequestWindows.admitting``), as ``try_admit``'s are."""
+    from serving.cache.request_windows import RequestWindows
+
+    _, path, ps, _, ref, _ = tiny
+    eng = _engine(path, max_total_tokens=1024, hicache_ratio=0.6)
+    try:
+        assert ids_of(generate_checked(eng, ps, GREEDY)) == ref
+        _backup_all(eng)
+        scoped: list[bool] = []
+        look = RequestWindows.valid_pages
+
+        def spied(self, tokens):  # noqa: ANN001, ANN202
+            scoped.append(self._admitting)
+            return look(self, tokens)
+
+        monkeypatch.setattr(RequestWindows, "valid_pages", spied)
+        core = eng.core
+        req = core.make_request(input_ids=ps[0] + ref[0][:4], sampling_params=GREEDY)
+        assert core.req_cache.take_prompt(req, reuse_prefix=True)
+        assert scoped and all(scoped), scoped
+        assert core.req_cache.windows._matched is None  # the scope ended
+        core.req_cache.release(req)
+        eng.check_integrity()
+        assert ids_of(eng.generate(input_ids=ps, sampling_params=GREEDY)) == ref
+    finally:
+        eng.shutdown()
