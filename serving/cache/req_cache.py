@@ -9,7 +9,6 @@ scheduler, speculative decoding and PD ask it for every change (``tests/layout/t
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
 
 from hicache.hiradix import HiRadixTree, MatchResult
 from hicache.tiers.allocator import PageAllocator
@@ -62,7 +61,7 @@ class ReqCache:
         self.transfers = transfers  # the storage controller's runner when there is L3 (its backups go on to L3)
         self.storage = storage
         self.prefetcher = storage.prefetcher if storage is not None else None  # L3 -> L2 for waiting requests
-        if self.prefetcher is not None:  # a fetch waits for room only while something runs (never on an idle engine)
+        if self.prefetcher is not None:  # a fetch waits for room only while something can give it back
             self.prefetcher.room_coming = lambda: bool(self._holders) or storage.writeback.landing
         self._holders: set[str] = set()  # admitted requests not released yet (they hold L1)
         self._l1_waits: dict[str, float] = {}  # rid -> when it first waited for L1 room
@@ -150,11 +149,9 @@ class ReqCache:
             return Admission(Answer.WAIT)  # its L3 prefetch is still worth waiting for (prefetch policy)
         self._finish_prefetch(req)
         kv, first = req.kv, not req.kv.admitted
-        with self._admitting():
-            locked = self._lock_prefix(req, self._match(req))
-            n = self.chunk(req, min(req.seq_len - kv.kv_len, budget)) if locked else 0
-            room = locked and self._take_state_slots(req) and self.reserve(req, kv.kv_len + n, admission=True)
-        if not room:
+        locked = self._lock_prefix(req, self._match(req))
+        n = self.chunk(req, min(req.seq_len - kv.kv_len, budget)) if locked else 0
+        if not locked or not self._take_state_slots(req) or not self.reserve(req, kv.kv_len + n, admission=True):
             self.release(req)
             if first:
                 kv.admitted = False
@@ -183,11 +180,6 @@ class ReqCache:
     def win_map(self) -> list[int] | None:
         """A hybrid SWA L1's map of logical to window pages (what a forward batch's sliding layers read)."""
         return None if self.windows is None else self.windows.windows.map
-
-    def _admitting(self) -> AbstractContextManager:
-        """The scope of one admission's match, lock and reservation (``RequestWindows.admitting``: the match's
-        path keeps its host window pages meanwhile); every caller of :meth:`_match` opens it."""
-        return self.windows.admitting() if self.windows is not None else nullcontext()
 
     def _match(self, req: Req) -> MatchResult:
         tokens = self._matchable(req) if self.reuse_prefixes else []
@@ -266,14 +258,12 @@ class ReqCache:
         ``reuse_prefix`` its cached prefix first (matched and locked as any admission, so only the rest
         is sent), then fresh pages for the rest, and a state model's slots (the sender writes its state
         after the prompt into the working one). False: no room now (nothing held; retry later)."""
-        with self._admitting():
-            if reuse_prefix:
-                self._lock_prefix(req, self._match(req))
-            # a hybrid SWA L1: window pages only for the prompt's last window (what the next tokens read and where
-            # the same prompt resumes; the sender fills them), so a prompt longer than the window pool fits
-            first = 0 if self.windows is None else self.windows.first_needed(self.windows.prompt_end(req))
-            room = self._take_state_slots(req) and self.reserve(req, len(req.input_ids), first)
-        if room:
+        if reuse_prefix:
+            self._lock_prefix(req, self._match(req))
+        # a hybrid SWA L1: window pages only for the prompt's last window (what the next tokens read and where
+        # the same prompt resumes; the sender fills them), so a prompt longer than the window pool fits
+        first = 0 if self.windows is None else self.windows.first_needed(self.windows.prompt_end(req))
+        if self._take_state_slots(req) and self.reserve(req, len(req.input_ids), first):
             req.kv.admitted = True
             return True
         self.release(req)  # no room yet: give the prefix back

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from harness.engine_cases import generate_checked, ids_of, lmdb_l3, prompts
 from harness.model_utils import hf_greedy, tiny_model
 from serving.engine import Engine
@@ -45,11 +43,10 @@ def test_returning_turns_get_their_last_windows_from_l3(tmp_path) -> None:
         eng.shutdown()
 
 
-@pytest.mark.parametrize("seed", [21, 23, 24, 25])
-def test_later_turns_are_exact_and_refetch_windows_dropped_above_l3(tmp_path, monkeypatch, seed: int) -> None:
-    """Four turns of the same 16 conversations: every turn's greedy tokens are HF's, no L2 -> L1 load gives a
-    page a window page without copying its sliding part into it, and turns three and four come mostly from
-    the cache.
+def test_later_turns_are_exact_and_refetch_windows_dropped_above_l3(tmp_path, monkeypatch) -> None:
+    """Four turns of the same 16 conversations, for each of four prompt seeds: every turn's greedy tokens are
+    HF's, no L2 -> L1 load gives a page a window page without copying its sliding part into it, and turns
+    three and four come mostly from the cache.
 
     Exactness: making window room for a match's load backs L1 pages up, and their host window pages came
     from the least recently used nodes', those of the match itself when it had split a node (an L3 fetch's
@@ -59,7 +56,11 @@ def test_later_turns_are_exact_and_refetch_windows_dropped_above_l3(tmp_path, mo
     ``drop_tail_for_l3``); window pages go first where their KV is safe elsewhere (L1 windows whose L2 copy
     keeps them, host windows of pages on L3 or on L1 too: ``_drop_windows``, ``make_host_room``), so the
     backups of sequence ends find host window pages. Before, whole conversations were recomputed: 0.44-0.58
-    of those turns' prompts cached (the mean of the two, seed 21, six runs)."""
+    of those turns' prompts cached (the mean of the two, seed 21, six runs). Which windows survive depends on
+    when each fetch lands against the other requests' steps, so one seed's share varies from run to run (0.77
+    to 0.92 on the 2-vCPU Xeon, 0.65 once under the suite's load): the floor is on the mean over the seeds
+    (0.85-0.86 alone, 0.84-0.87 beside three busy processes), each seed's on what no run of the fixed code
+    came near."""
     from serving.kernels.page_copy import PageMover
 
     stale: list[tuple[int, int]] = []
@@ -73,25 +74,27 @@ def test_later_turns_are_exact_and_refetch_windows_dropped_above_l3(tmp_path, mo
 
     monkeypatch.setattr(PageMover, "host_to_device", spied)
     path = tiny_model(tmp_path, "gemma3")
-    cur = prompts(16, 512, seed=seed, lo=44, hi=56)
-    eng = Engine(model_path=str(path), page_size=4, max_total_tokens=256, hicache_ratio=2.0,
-                 hicache_write_policy="write_through", enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.1,
-                 max_running_requests=4, **lmdb_l3(tmp_path / "l3"))
-    try:
-        shares = []
-        for turn in range(4):
-            outs = generate_checked(eng, cur, GREEDY)
-            assert ids_of(outs) == hf_greedy(path, cur, GREEDY["max_new_tokens"]), turn
-            assert not stale, (turn, stale)
-            shares.append(sum(o["meta_info"]["cached_tokens"] for o in outs) / sum(len(p) for p in cur))
-            eng.core.storage.poll(wait=True)
-            cur = [p + o["output_ids"] + [7, 9, 11 + turn] for p, o in zip(cur, outs, strict=True)]
-        assert (shares[2] + shares[3]) / 2 >= 0.67, shares
-        assert eng.core.tree.host_pinned == 0
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
-
+    later: dict[int, float] = {}  # seed -> the mean share of turns three and four
+    for seed in (21, 23, 24, 25):
+        cur = prompts(16, 512, seed=seed, lo=44, hi=56)
+        eng = Engine(model_path=str(path), page_size=4, max_total_tokens=256, hicache_ratio=2.0,
+                     hicache_write_policy="write_through", enable_hybrid_swa_memory=True, swa_full_tokens_ratio=0.1,
+                     max_running_requests=4, **lmdb_l3(tmp_path / f"l3-{seed}"))
+        try:
+            shares = []
+            for turn in range(4):
+                outs = generate_checked(eng, cur, GREEDY)
+                assert ids_of(outs) == hf_greedy(path, cur, GREEDY["max_new_tokens"]), (seed, turn)
+                assert not stale, (seed, turn, stale)
+                shares.append(sum(o["meta_info"]["cached_tokens"] for o in outs) / sum(len(p) for p in cur))
+                eng.core.storage.poll(wait=True)
+                cur = [p + o["output_ids"] + [7, 9, 11 + turn] for p, o in zip(cur, outs, strict=True)]
+            later[seed] = (shares[2] + shares[3]) / 2
+            assert eng.core.tree.host_pinned == 0
+            eng.check_integrity()
+        finally:
+            eng.shutdown()
+    assert sum(later.values()) / len(later) >= 0.67 and min(later.values()) >= 0.5, later
 
 
 def test_waiting_requests_never_leave_the_engine_idle(tmp_path, monkeypatch) -> None:
