@@ -109,8 +109,8 @@ class Prefetcher:
         self.window_cut: Callable[[list[int]], int] | None = None
         # ... and whether a fetch (start page, pages) may start now (host window room for its last window)
         self.window_room: Callable[[int, int], bool] | None = None
-        # whether something beside the waiting requests runs and gives room back by itself (admitted requests,
-        # L3 writes landing; the owner, ReqCache, sets it): without it and without fetches, no fetch waits
+        # whether admitted requests or L3 writes landing give room back by themselves (the owner, ReqCache, sets
+        # it); one of the things a fetch's wait for room needs (see _busy)
         self.room_coming: Callable[[], bool] = lambda: True
         self._movable: set[str] = set()  # waiting requests not waiting for room (advance_all; see _busy)
         self.snapshots_fetched = 0  # state snapshots from L3 the tree took

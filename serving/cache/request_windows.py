@@ -348,9 +348,9 @@ class RequestWindows:
         """Free at least ``n`` host window pages if possible: unlocked tree nodes' (their L2 full layers stay;
         see the module docstring), those waiting requests hold last, those on L3 first, each LRU, but never
         those on the path the last ``usable_prefix`` walked (a match being admitted; or a waiting
-        request's ``cut_stale_tail``, mostly the queue's head, the next admitted: sparing only an admission's
-        match cached 0.80 instead of 0.84-0.87 of test_engine_swa_l3_windows' later turns under load).
-        Returns how many were freed."""
+        request's ``cut_stale_tail``, mostly the queue's head, the next admitted: sparing it keeps that request's
+        windows; sparing an admission's match alone cached less of test_engine_swa_l3_windows' later turns
+        under load). Returns how many were freed."""
         hw = self.host.windows if self.host is not None else None
         if hw is None:
             return 0
